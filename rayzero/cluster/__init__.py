@@ -1,0 +1,1 @@
+"""The driver side: controller, worker group, dispatch, tracking."""

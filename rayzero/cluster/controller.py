@@ -1,0 +1,138 @@
+"""The driver's loop: place the ranks, rendezvous, build, then drive every iteration phase by phase.
+
+The controller is the only process that talks to MLflow and writes the run's outputs; ranks
+return plain dicts. States: PLACE → RENDEZVOUS → BUILD → TRAIN → DONE.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from statistics import mean
+
+import ray
+from tqdm import tqdm
+
+from rayzero.checkpoint.export import save_safetensors
+from rayzero.cluster.dispatch import DISPATCHERS
+from rayzero.cluster.schedule import lr_at
+from rayzero.cluster.worker_group import WorkerGroup
+from rayzero.config import RootConfig
+from rayzero.workers.actor import RankActor
+
+log = logging.getLogger(__name__)
+
+PHASES = ("gather", "forward", "backward", "reduce_scatter", "step")
+WARMUP_STEPS = 1  # the first iteration compiles the graph and faults in memory: not timed
+
+
+@dataclass
+class History:
+    losses: list[float] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)
+    phase_s: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PHASES})
+
+    def timed(self, values: list[float]) -> list[float]:
+        return values[WARMUP_STEPS:] or values
+
+
+class Controller:
+    def __init__(self, cfg: RootConfig, data_path: str, run_dir: str, tracker, progress: bool = True):
+        self.cfg = cfg
+        self.data_path = data_path
+        self.run_dir = run_dir
+        self.tracker = tracker
+        self.progress = progress
+        self.state = "INIT"
+        self.history = History()
+
+    def fit(self) -> dict:
+        cfg = self.cfg
+        group = dispatch = None
+        status = "FAILED"
+        try:
+            self.state = "PLACE"
+            bundle = {"CPU": cfg.cluster.cpus_per_worker}
+            if cfg.cluster.use_gpu:
+                bundle["GPU"] = 1
+            group = WorkerGroup.create(
+                RankActor,
+                cfg.cluster.num_workers,
+                bundle,
+                lambda rank: (cfg, rank, cfg.cluster.num_workers, self.data_path),
+                strategy=cfg.cluster.placement_strategy,
+                placement_timeout_s=cfg.cluster.placement_timeout_s,
+            )
+            self.state = "RENDEZVOUS"
+            infos = group.rendezvous()
+            self.state = "BUILD"
+            dispatch = DISPATCHERS[cfg.cluster.dispatch](
+                group.actors, cfg.grad_accum, timeout_s=cfg.cluster.pg_timeout_s
+            )
+            self.state = "TRAIN"
+            self._train(dispatch)
+            dispatch.close()
+            dispatch = None
+            if cfg.train.save_final:
+                weights = ray.get(group.actors[0].full_state_dict.remote())
+                save_safetensors(weights, cfg.train.save_final, {"strategy": cfg.sharding.strategy})
+            self.state = "DONE"
+            status = "FINISHED"
+            return self.summary(infos[0])
+        finally:
+            if dispatch is not None:
+                dispatch.close()
+            if group is not None:
+                group.shutdown()
+            self.tracker.finish(status)
+
+    def _train(self, dispatch) -> None:
+        cfg, h = self.cfg, self.history
+        tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
+        bar = tqdm(range(cfg.train.steps), desc="train", unit="step", disable=not self.progress,
+                   mininterval=1.0, dynamic_ncols=True)
+        for step in bar:
+            lr = lr_at(step, cfg.train.steps, cfg.optim)
+            t0 = time.perf_counter()
+            results = dispatch.run({"step": step, "lr": lr})
+            dt = time.perf_counter() - t0
+            loss = sum(r["loss_sum"] for r in results) / sum(r["tokens"] for r in results)
+            phase = {p: max(r["phase_s"][p] for r in results) for p in PHASES}
+            h.losses.append(loss)
+            h.step_s.append(dt)
+            for p in PHASES:
+                h.phase_s[p].append(phase[p])
+            metrics = {
+                "loss": loss,
+                "lr": lr,
+                "grad_norm": results[0]["grad_norm"],
+                "tokens_per_s": tokens_per_step / dt,
+                "step_ms": dt * 1e3,
+                "dispatch_overhead_ms": (dt - sum(phase.values())) * 1e3,
+                **{f"phase_{p}_ms": v * 1e3 for p, v in phase.items()},
+            }
+            self.tracker.log_metrics(step, metrics)
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_step / dt:,.0f}", refresh=False)
+
+    def summary(self, rank0_info: dict) -> dict:
+        cfg, h = self.cfg, self.history
+        step_s = mean(h.timed(h.step_s))
+        return {
+            "first_loss": h.losses[0],
+            "final_loss": h.losses[-1],
+            "steps": len(h.losses),
+            "tokens_per_s": cfg.train.global_batch_size * cfg.train.seq_len / step_s,
+            "step_ms": step_s * 1e3,
+            "phase_ms": {p: mean(h.timed(v)) * 1e3 for p, v in h.phase_s.items()},
+            "world_size": cfg.cluster.num_workers,
+            "strategy": cfg.sharding.strategy,
+            "grad_accum": cfg.grad_accum,
+            "num_params": rank0_info["num_params"],
+            "backend": rank0_info["backend"],
+            "dispatch": cfg.cluster.dispatch,
+            "mlflow_run_id": self.tracker.run_id,
+            "mlflow_tracking_uri": self.tracker.uri,
+            "run_dir": self.run_dir,
+            "final_weights": cfg.train.save_final or None,
+        }

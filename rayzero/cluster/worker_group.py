@@ -1,0 +1,84 @@
+"""Ranks in Ray actors: placement group → one actor per bundle → rendezvous, in that order."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import ray
+from ray.exceptions import GetTimeoutError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+log = logging.getLogger(__name__)
+
+
+class PlacementError(RuntimeError):
+    """The cluster cannot hold the requested workers."""
+
+
+class WorkerGroup:
+    def __init__(self, actors: list, pg):
+        self.actors = actors
+        self.pg = pg
+
+    @classmethod
+    def create(
+        cls,
+        actor_cls,
+        num_workers: int,
+        bundle: dict[str, float],
+        actor_args: Callable[[int], tuple[Any, ...]],
+        *,
+        strategy: str = "PACK",
+        placement_timeout_s: float = 60.0,
+    ) -> "WorkerGroup":
+        """Reserve one `bundle` per rank, then start `actor_cls(*actor_args(rank))` in each."""
+        bundles = [dict(bundle) for _ in range(num_workers)]
+        pg = placement_group(bundles, strategy=strategy)
+        try:
+            ray.get(pg.ready(), timeout=placement_timeout_s)
+        except GetTimeoutError:
+            remove_placement_group(pg)
+            available = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
+            raise PlacementError(
+                f"could not place cluster.num_workers={num_workers} workers of {bundle} each "
+                f"(strategy {strategy}) within cluster.placement_timeout_s={placement_timeout_s:g}s; "
+                f"the cluster has {available}. Use fewer workers, a smaller "
+                f"cluster.cpus_per_worker, or a bigger cluster."
+            ) from None
+        actors = []
+        try:
+            for rank in range(num_workers):
+                actors.append(
+                    actor_cls.options(
+                        num_cpus=bundle.get("CPU", 0),
+                        num_gpus=bundle.get("GPU", 0),
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(
+                            pg, placement_group_bundle_index=rank
+                        ),
+                    ).remote(*actor_args(rank))
+                )
+        except BaseException:
+            cls(actors, pg).shutdown()
+            raise
+        return cls(actors, pg)
+
+    def rendezvous(self) -> list[dict]:
+        """Rank 0 picks an address and free port; every rank joins the process group there."""
+        addr, port = ray.get(self.actors[0].address.remote())
+        return ray.get([a.setup.remote(addr, port) for a in self.actors])
+
+    def shutdown(self, graceful_timeout_s: float = 10.0) -> None:
+        """Close the process groups if possible, then kill every actor and free the bundles."""
+        if self.actors:
+            try:
+                ray.get([a.close.remote() for a in self.actors], timeout=graceful_timeout_s)
+            except Exception as e:  # a dead or hung rank: kill regardless
+                log.debug("graceful close failed: %s", e)
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+        self.actors = []
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None

@@ -1,0 +1,159 @@
+"""The root config, composed of each component's own config, loaded from YAML + overrides.
+
+    cfg = load_config("job.yaml", ["train.steps=50", "model.preset=small"])
+
+Every error a user can make here surfaces as a `ConfigError` naming the key and what was
+expected, before any cluster is touched.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from rayzero._frozen import Frozen
+from rayzero.cluster.config import ClusterConfig, TrackingConfig
+from rayzero.data.config import DataConfig
+from rayzero.models.gpt import ModelConfig
+from rayzero.sharding.config import OptimConfig, ShardingConfig
+
+
+class ConfigError(ValueError):
+    """A user's configuration mistake; the message names the key."""
+
+
+class TrainConfig(Frozen):
+    steps: int = Field(default=100, ge=1)
+    global_batch_size: int = Field(default=16, ge=1)  # sequences per optimizer step
+    micro_batch_size: int = Field(default=4, ge=1)  # sequences per forward/backward on a rank
+    seq_len: int = Field(default=128, ge=1)
+    seed: int = Field(default=0, ge=0)
+    save_final: str = ""  # path of a safetensors file with the final consolidated weights
+    output_dir: str = "runs"  # each run gets a directory below it
+
+
+class RootConfig(Frozen):
+    cluster: ClusterConfig = ClusterConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    sharding: ShardingConfig = ShardingConfig()
+    train: TrainConfig = TrainConfig()
+    optim: OptimConfig = OptimConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+    @model_validator(mode="after")
+    def _check(self):
+        t, dp = self.train, self.dp_size
+        if t.global_batch_size % (t.micro_batch_size * dp):
+            raise ValueError(
+                f"train.global_batch_size: {t.global_batch_size} is not divisible by "
+                f"train.micro_batch_size ({t.micro_batch_size}) x data-parallel size ({dp}) "
+                f"= {t.micro_batch_size * dp}"
+            )
+        if self.model.block_size is not None and self.model.block_size < t.seq_len:
+            raise ValueError(
+                f"model.block_size: {self.model.block_size} is shorter than train.seq_len ({t.seq_len})"
+            )
+        if self.optim.min_lr > self.optim.lr:
+            raise ValueError(f"optim.min_lr: {self.optim.min_lr} exceeds optim.lr ({self.optim.lr})")
+        return self
+
+    @property
+    def dp_size(self) -> int:
+        return self.cluster.num_workers
+
+    @property
+    def grad_accum(self) -> int:
+        """Micro-batches per rank per step: global batch / (micro batch x dp size)."""
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.dp_size)
+
+    @property
+    def block_size(self) -> int:
+        return self.model.block_size or self.train.seq_len
+
+    def flat(self) -> dict[str, Any]:
+        """Dotted keys to values, as MLflow parameters."""
+        return _flatten(self.model_dump())
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r}: expected key=value, e.g. train.steps=100")
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    return key.strip().split("."), value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RootConfig:
+    data: dict = {}
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {p}: expected a mapping of sections, got {type(data).__name__}")
+    for item in overrides:
+        keys, value = parse_override(item)
+        node = data
+        for i, k in enumerate(keys[:-1]):
+            nxt = node.setdefault(k, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"{'.'.join(keys[: i + 1])}: is a value, not a section")
+            node = nxt
+        node[keys[-1]] = value
+    return build_config(data)
+
+
+def build_config(data: dict) -> RootConfig:
+    try:
+        return RootConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_explain(e)) from None
+
+
+def _explain(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(x) for x in e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{key}: unknown key{_suggest(e['loc'])}")
+        elif not key:  # a cross-field check: its message starts with the key
+            lines.append(str(e["msg"]).removeprefix("Value error, "))
+        else:
+            got = e.get("input")
+            shown = "" if isinstance(got, dict) else f" (got {got!r})"
+            lines.append(f"{key}: {str(e['msg']).removeprefix('Value error, ')}{shown}")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def _suggest(loc: tuple) -> str:
+    model: Any = RootConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return ""
+        model = field.annotation
+    fields = list(getattr(model, "model_fields", {}))
+    close = difflib.get_close_matches(str(loc[-1]), fields, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    where = ".".join(map(str, loc[:-1])) or "the root"
+    return f"{hint} ({where} accepts: {', '.join(fields)})"

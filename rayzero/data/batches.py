@@ -1,0 +1,82 @@
+"""Which samples make up each step's global batch, and which part of it a rank reads.
+
+The global batch at step k is a function of (seed, k, global batch size) alone: B windows of
+``seq_len + 1`` tokens at offsets drawn from a generator seeded with (seed, k). Rank r of d
+reads rows [r·B/d, (r+1)·B/d). The same step therefore sees the same samples at any world
+size and under any strategy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from rayzero.data.tokens import TokenDataset
+
+
+def global_batch_offsets(seed: int, step: int, global_batch: int, num_tokens: int, seq_len: int) -> np.ndarray:
+    rng = np.random.default_rng([seed, step])
+    return rng.integers(0, num_tokens - seq_len, size=global_batch, dtype=np.int64)
+
+
+class RankBatches:
+    """One data-parallel rank's slice of every step's global batch, split into micro-batches."""
+
+    def __init__(
+        self,
+        dataset: TokenDataset,
+        *,
+        seed: int,
+        global_batch: int,
+        micro_batch: int,
+        seq_len: int,
+        dp_rank: int,
+        dp_size: int,
+    ):
+        if global_batch % (micro_batch * dp_size):
+            raise ValueError(
+                f"global batch {global_batch} is not divisible by micro batch {micro_batch} "
+                f"x data-parallel size {dp_size}"
+            )
+        self.dataset = dataset
+        self.seed, self.global_batch, self.micro_batch = seed, global_batch, micro_batch
+        self.seq_len, self.dp_rank, self.dp_size = seq_len, dp_rank, dp_size
+        self.rows_per_rank = global_batch // dp_size
+        self.next_step = 0
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.rows_per_rank // self.micro_batch
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Target tokens in the whole global batch: the loss is averaged over these."""
+        return self.global_batch * self.seq_len
+
+    def rank_rows(self, step: int) -> torch.Tensor:
+        """This rank's rows of step `step`: int64 tensor (rows_per_rank, seq_len + 1)."""
+        offsets = global_batch_offsets(
+            self.seed, step, self.global_batch, self.dataset.num_tokens, self.seq_len
+        )
+        mine = offsets[self.dp_rank * self.rows_per_rank : (self.dp_rank + 1) * self.rows_per_rank]
+        rows = np.stack([self.dataset.window(int(o), self.seq_len + 1) for o in mine])
+        return torch.from_numpy(rows)
+
+    def microbatches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(inputs, targets) per micro-batch; advances the data position past `step`."""
+        rows = self.rank_rows(step)
+        self.next_step = step + 1
+        return [(mb[:, :-1], mb[:, 1:]) for mb in rows.split(self.micro_batch)]
+
+    def state_dict(self) -> dict:
+        return {
+            "next_step": self.next_step,
+            "seed": self.seed,
+            "global_batch": self.global_batch,
+            "dataset": self.dataset.fingerprint,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["dataset"] != self.dataset.fingerprint:
+            raise ValueError("data state was saved for another dataset")
+        self.next_step = int(state["next_step"])

@@ -1,0 +1,87 @@
+"""The `rayzero` command: `rayzero train …` and `rayzero data prepare SRC OUT`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rayzero.config import ConfigError, load_config
+from rayzero.data.tokens import DataError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rayzero", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="run a training job", description=(
+        "Train a GPT over Ray actors. Overrides are dotted key=value pairs, "
+        "e.g. train.steps=50 sharding.strategy=no_shard cluster.num_workers=4."))
+    t.add_argument("--config", help="YAML config file (defaults apply to what it leaves out)")
+    t.add_argument("--summary-json", help="also write the final summary as JSON here")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("overrides", nargs="*", metavar="key=value")
+    d = sub.add_parser("data", help="dataset tools")
+    dsub = d.add_subparsers(dest="data_command", required=True)
+    prep = dsub.add_parser("prepare", help="tokenize text files into Parquet shards")
+    prep.add_argument("src", help="a text file or a directory of them")
+    prep.add_argument("out", help="output folder (local path or URI)")
+    prep.add_argument("--glob", default="*", help="which files under SRC (default: all)")
+    prep.add_argument("--shard-tokens", type=int, default=1 << 24, help="tokens per shard file")
+    return p
+
+
+def _train(args) -> int:
+    from rayzero.cluster.worker_group import PlacementError
+    from rayzero.jobs.train import run_train
+
+    cfg = load_config(args.config, args.overrides)
+    try:
+        summary = run_train(cfg, progress=not args.no_progress)
+    except PlacementError as e:
+        raise _UserError(str(e)) from None
+    _print_summary(summary)
+    if args.summary_json:
+        Path(args.summary_json).write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+def _print_summary(s: dict) -> None:
+    phases = "  ".join(f"{k} {v:.1f}" for k, v in s["phase_ms"].items())
+    print(
+        f"\ntrained {s['steps']} steps: loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}\n"
+        f"  {s['world_size']} ranks, strategy {s['strategy']}, {s['num_params']:,} parameters, "
+        f"{s['grad_accum']} micro-batches/step\n"
+        f"  {s['tokens_per_s']:,.0f} tokens/s, {s['step_ms']:.1f} ms/step ({phases} ms)\n"
+        f"  run dir {s['run_dir']}\n"
+        f"  mlflow run {s['mlflow_run_id']} at {s['mlflow_tracking_uri']}"
+        + (f"\n  weights {s['final_weights']}" if s["final_weights"] else "")
+    )
+
+
+def _prepare(args) -> int:
+    from rayzero.data.tokens import prepare
+
+    meta = prepare(args.src, args.out, pattern=args.glob, shard_tokens=args.shard_tokens)
+    print(f"wrote {meta['num_tokens']:,} tokens from {meta['num_documents']} files "
+          f"in {len(meta['shards'])} shard(s) to {args.out}")
+    return 0
+
+
+class _UserError(Exception):
+    pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            return _train(args)
+        return _prepare(args)
+    except (ConfigError, DataError, _UserError) as e:
+        print(f"rayzero: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

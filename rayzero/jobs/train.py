@@ -1,0 +1,69 @@
+"""Run one training job: resolve the run's paths, check data, connect Ray, drive the controller."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import ray
+
+from rayzero import __version__
+from rayzero.cluster.controller import Controller
+from rayzero.cluster.tracking import NullTracker, Tracker
+from rayzero.config import RootConfig
+from rayzero.data.corpus import ensure_default_corpus
+from rayzero.data.tokens import DataError, read_meta
+
+
+def resolve_data(cfg: RootConfig) -> str:
+    """The dataset path, prepared on first use if it is the default corpus, checked for size."""
+    path = cfg.data.path or ensure_default_corpus(cfg.data.cache_dir)
+    meta = read_meta(path)
+    need = cfg.train.global_batch_size * (cfg.train.seq_len + 1)
+    if meta["num_tokens"] < need:
+        raise DataError(
+            f"data.path: {path} holds {meta['num_tokens']} tokens, fewer than one global batch "
+            f"needs (train.global_batch_size {cfg.train.global_batch_size} x "
+            f"(train.seq_len {cfg.train.seq_len} + 1) = {need})"
+        )
+    if meta["vocab_size"] > cfg.model.vocab_size:
+        raise DataError(
+            f"model.vocab_size: {cfg.model.vocab_size} is smaller than the dataset's {meta['vocab_size']}"
+        )
+    return path
+
+
+def make_run_dir(cfg: RootConfig) -> Path:
+    name = cfg.tracking.run_name or time.strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(cfg.train.output_dir).expanduser().resolve() / name
+    suffix = 1
+    while run_dir.exists():
+        run_dir = run_dir.with_name(f"{name}-{suffix}")
+        suffix += 1
+    run_dir.mkdir(parents=True)
+    return run_dir
+
+
+def tracking_uri(cfg: RootConfig, run_dir: Path) -> str:
+    return cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{run_dir / 'mlflow.db'}"
+
+
+def run_train(cfg: RootConfig, progress: bool = True) -> dict:
+    data_path = resolve_data(cfg)
+    run_dir = make_run_dir(cfg)
+    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(address=cfg.cluster.address or None, logging_level="WARNING", log_to_driver=True)
+    tracker = NullTracker()
+    if cfg.tracking.enabled:
+        tags = {"strategy": cfg.sharding.strategy, "world_size": cfg.cluster.num_workers,
+                "rayzero_version": __version__, "run_dir": str(run_dir)}
+        tracker = Tracker(tracking_uri(cfg, run_dir), cfg.tracking.experiment,
+                          cfg.tracking.run_name or run_dir.name, cfg.flat(), tags)
+    try:
+        return Controller(cfg, data_path, str(run_dir), tracker, progress=progress).fit()
+    finally:
+        if started_ray:
+            ray.shutdown()

@@ -1,0 +1,3 @@
+from rayzero.models.gpt import GPT, ModelConfig, PRESETS
+
+__all__ = ["GPT", "ModelConfig", "PRESETS"]

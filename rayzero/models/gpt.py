@@ -1,0 +1,154 @@
+"""A GPT decoder in plain torch: token + position embeddings, pre-norm blocks, tied head.
+
+The model knows nothing of parallelism. Its initialization is a function of the torch
+seed alone, so every rank (at any world size, under any strategy) builds the same weights.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from pydantic import model_validator
+
+from rayzero._frozen import Frozen
+
+PRESETS: dict[str, dict[str, int]] = {
+    "tiny": dict(n_layer=2, n_head=4, n_embd=128),  # ~0.5M parameters: tests, laptops
+    "small": dict(n_layer=6, n_head=6, n_embd=384),  # ~10.8M
+    "medium": dict(n_layer=12, n_head=12, n_embd=768),  # ~85M, GPT-2 small's shape
+    "large": dict(n_layer=24, n_head=16, n_embd=1024),  # ~303M, GPT-2 medium's shape
+}
+
+
+class ModelConfig(Frozen):
+    """`preset` fills every dimension that is not given explicitly."""
+
+    preset: Literal["tiny", "small", "medium", "large"] = "tiny"
+    n_layer: int | None = None
+    n_head: int | None = None
+    n_embd: int | None = None
+    vocab_size: int = 320  # 257 byte tokens (256 bytes + end-of-text) padded up to a multiple of 64
+    block_size: int | None = None  # max context; None = train.seq_len
+    dropout: float = 0.0
+    bias: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_from_preset(cls, data):
+        if isinstance(data, dict):
+            preset = data.get("preset", "tiny")
+            if preset in PRESETS:
+                data = {**PRESETS[preset], **{k: v for k, v in data.items() if v is not None}}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self):
+        for name in ("n_layer", "n_head", "n_embd", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        return self
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.dropout = cfg.dropout
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        drop = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)
+        return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig, block_size: int):
+        super().__init__()
+        self.cfg = cfg
+        self.block_size = block_size
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # weight tying, as GPT-2
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight"):  # GPT-2's scaled init of residual projections
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits of shape (batch, time, vocab)."""
+        t = idx.shape[1]
+        if t > self.block_size:
+            raise ValueError(f"sequence of {t} tokens exceeds block_size {self.block_size}")
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+    @staticmethod
+    def decays(name: str, param: torch.Tensor) -> bool:
+        """Matrices decay; biases and norm gains do not (nanoGPT's and Megatron's rule)."""
+        return param.dim() >= 2
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6N plus attention (PaLM appendix B)."""
+        n, c = self.num_params(), self.cfg
+        return 6 * n + 12 * c.n_layer * c.n_embd * seq_len
+
+
+def build_model(cfg: ModelConfig, block_size: int, seed: int) -> GPT:
+    """Build on CPU under a private RNG so the weights depend on `seed` alone."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return GPT(cfg, block_size)

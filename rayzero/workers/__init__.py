@@ -1,0 +1,1 @@
+"""What runs inside each rank's process. `Rank` needs no Ray; `RankActor` wraps it."""

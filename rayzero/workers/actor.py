@@ -1,0 +1,41 @@
+"""The Ray actor hosting one rank: a thin shim that forwards every call to `Rank`."""
+
+from __future__ import annotations
+
+import ray
+
+from rayzero.config import RootConfig
+from rayzero.workers.rank import Rank
+
+
+@ray.remote
+class RankActor:
+    def __init__(self, cfg: RootConfig, rank: int, world_size: int, data_path: str):
+        self.rank = Rank(cfg, rank, world_size, data_path)
+
+    def address(self) -> tuple[str, int]:
+        return self.rank.address(ray.util.get_node_ip_address())
+
+    def setup(self, master_addr: str, master_port: int) -> dict:
+        return self.rank.setup(master_addr, master_port)
+
+    def gather(self, plan: dict) -> dict:
+        return self.rank.gather(plan)
+
+    def forward(self, prev: dict) -> dict:
+        return self.rank.forward(prev)
+
+    def backward(self, prev: dict) -> dict:
+        return self.rank.backward(prev)
+
+    def reduce_scatter(self, prev: dict) -> dict:
+        return self.rank.reduce_scatter(prev)
+
+    def step(self, prev: dict) -> dict:
+        return self.rank.step(prev)
+
+    def full_state_dict(self) -> dict:
+        return self.rank.full_state_dict()
+
+    def close(self) -> None:
+        self.rank.close()

@@ -1,0 +1,151 @@
+"""One training rank as a plain class: process group, model, strategy, data slice, phases.
+
+Runs without Ray (the dist tests drive it from plain processes); `workers/actor.py` is the
+thin Ray shim around it. Every phase returns a small dict that the next phase receives, so
+the controller can chain them into one compiled graph per iteration.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from rayzero.config import RootConfig
+from rayzero.data.batches import RankBatches
+from rayzero.data.tokens import TokenDataset
+from rayzero.models.gpt import GPT, build_model
+from rayzero.sharding import Topology, build_strategy
+
+
+class Rank:
+    def __init__(self, cfg: RootConfig, rank: int, world_size: int, data_path: str):
+        self.cfg = cfg
+        self.topo = Topology(world_size=world_size, rank=rank)
+        self.data_path = data_path
+        self.device = torch.device("cpu")
+        self._times: dict[str, float] = {}
+
+    # -- setup -------------------------------------------------------------------------
+    @staticmethod
+    def address(ip: str = "127.0.0.1") -> tuple[str, int]:
+        """`ip` and a free port on it, for rank 0 to host the rendezvous."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((ip, 0))
+            return ip, s.getsockname()[1]
+
+    def setup(self, master_addr: str, master_port: int) -> dict:
+        cfg = self.cfg
+        backend = cfg.cluster.backend
+        if backend == "auto":
+            backend = "nccl" if cfg.cluster.use_gpu else "gloo"
+        if cfg.cluster.use_gpu:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(self.device)
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=self.topo.rank,
+            world_size=self.topo.world_size,
+            timeout=timedelta(seconds=cfg.cluster.pg_timeout_s),
+        )
+        self.model: GPT = build_model(cfg.model, cfg.block_size, cfg.train.seed).to(self.device)
+        self.strategy = build_strategy(
+            cfg.sharding.strategy, self.model, self.topo, cfg.sharding, cfg.optim, decays=GPT.decays
+        )
+        self.data = RankBatches(
+            TokenDataset(self.data_path),
+            seed=cfg.train.seed,
+            global_batch=cfg.train.global_batch_size,
+            micro_batch=cfg.train.micro_batch_size,
+            seq_len=cfg.train.seq_len,
+            dp_rank=self.topo.dp_rank,
+            dp_size=self.topo.dp_size,
+        )
+        return {
+            "rank": self.topo.rank,
+            "pid": os.getpid(),
+            "backend": backend,
+            "device": str(self.device),
+            "num_params": self.model.num_params(),
+            "buffer_numel": self.strategy.buffer.layout.numel,
+            "shard_numel": sum(p.numel() for p in self.strategy.main_params),
+        }
+
+    # -- phases --------------------------------------------------------------------------
+    def gather(self, plan: dict) -> dict:
+        """Start of an iteration: wait for the parameter all-gather, load this rank's batch."""
+        t0 = time.perf_counter()
+        self.plan = plan
+        self.strategy.begin_step()
+        self._micro = [
+            (x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+            for x, y in self.data.microbatches(plan["step"])
+        ]
+        self._next_micro = 0
+        self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._tokens = 0
+        self._times = {"gather": 0.0, "forward": 0.0, "backward": 0.0}
+        self._times["gather"] = time.perf_counter() - t0
+        return {}
+
+    def forward(self, _prev: dict) -> dict:
+        t0 = time.perf_counter()
+        x, y = self._micro[self._next_micro]
+        logits = self.model(x)
+        loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum")
+        # Sum over this rank's tokens / tokens in the global batch: summed over micro-batches
+        # and ranks, the gradient is that of the mean loss over the whole global batch.
+        self._loss = loss_sum / self.data.tokens_per_step
+        self._loss_sum += loss_sum.detach()
+        self._tokens += y.numel()
+        self._times["forward"] += time.perf_counter() - t0
+        return {}
+
+    def backward(self, _prev: dict) -> dict:
+        t0 = time.perf_counter()
+        last = self._next_micro == len(self._micro) - 1
+        self.strategy.backward(self._loss, last_microbatch=last)
+        self._loss = None
+        self._next_micro += 1
+        self._times["backward"] += time.perf_counter() - t0
+        return {}
+
+    def reduce_scatter(self, _prev: dict) -> dict:
+        t0 = time.perf_counter()
+        if self._next_micro != len(self._micro):
+            raise RuntimeError(f"ran {self._next_micro} of {len(self._micro)} micro-batches")
+        self.strategy.finish_grad_sync()
+        self._times["reduce_scatter"] = time.perf_counter() - t0
+        return {}
+
+    def step(self, _prev: dict) -> dict:
+        t0 = time.perf_counter()
+        grad_norm = self.strategy.step(self.plan["lr"])
+        self._times["step"] = time.perf_counter() - t0
+        return {
+            "rank": self.topo.rank,
+            "step": self.plan["step"],
+            "loss_sum": float(self._loss_sum),
+            "tokens": self._tokens,
+            "grad_norm": grad_norm,
+            "phase_s": dict(self._times),
+        }
+
+    # -- outside the iteration graph -------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model on CPU, by `state_dict()` names (tied weights under each name)."""
+        self.strategy.full_state_dict()
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+            self.model = self.strategy = None  # drop buffers before the group goes away
+            dist.destroy_process_group()
+
