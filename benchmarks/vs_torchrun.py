@@ -1,0 +1,191 @@
+"""rayzero against torchrun + DDP: step time and peak memory per rank, same GPT and global batch.
+
+Runs, one after the other, at 2 ranks on one config:
+  1. `benchmarks/torchrun_ddp.py` under `torchrun --standalone --nproc_per_node 2` (gloo), with
+     OMP_NUM_THREADS=1, which is what Ray gives a 1-CPU actor;
+  2. rayzero, sharding.strategy=no_shard (all-reduce, full optimizer on every rank);
+  3. rayzero, sharding.strategy=optim (ZeRO-1).
+The rayzero runs are driven from the library's own pieces, as the Controller drives them
+(WorkerGroup of RankActor, rendezvous, the configured dispatcher, one plan {"step", "lr"} per
+iteration), so that each rank's actor can be asked its peak RSS before it goes away.
+
+Reported per run: the median (and p90) step time after warmup (rank 0's iteration wall clock
+for DDP, the driver's wall clock per iteration for rayzero), its ratio to DDP, and the peak
+RSS of every rank (ru_maxrss of the rank's process; for rayzero the Ray worker, Ray's own
+runtime included). The losses of the first steps are printed side by side as a sanity check:
+the init and the data are identical, so they should agree closely.
+
+Target (informational; the exit code is 0 either way): rayzero / DDP median step time
+<= 1.05 for each strategy.
+
+    python benchmarks/vs_torchrun.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+import torch
+
+from rayzero.cluster.dispatch import DISPATCHERS
+from rayzero.cluster.schedule import lr_at
+from rayzero.cluster.worker_group import WorkerGroup
+from rayzero.config import RootConfig, load_config
+from rayzero.data.corpus import ensure_default_corpus
+from rayzero.jobs.train import resolve_data
+from rayzero.workers.actor import RankActor
+
+WORLD = 2
+# A config where one step takes a few hundred ms on one CPU core per rank.
+CONFIG = [
+    "model.preset=small",
+    "train.seq_len=64",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    f"cluster.num_workers={WORLD}",
+    "cluster.cpus_per_worker=1",
+    "tracking.enabled=false",
+]
+STRATEGIES = ("no_shard", "optim")
+TARGET_RATIO = 1.05
+LOSS_ATOL = 1e-3
+LOSSES_SHOWN = 5
+
+
+def run_ddp(overrides: list[str], warmup: int) -> dict:
+    script = Path(__file__).with_name("torchrun_ddp.py")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "ddp.json"
+        cmd = [str(torchrun), "--standalone", "--nproc_per_node", str(WORLD), str(script),
+               "--out", str(out), "--warmup", str(warmup), *overrides]
+        subprocess.run(cmd, env=env, check=True)
+        return json.loads(out.read_text())
+
+
+def peak_rss_and_threads(actor) -> tuple[float, int]:
+    """Runs inside a rank's actor: its process's peak RSS in MiB and torch's thread count."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, torch.get_num_threads()
+
+
+def run_rayzero(cfg: RootConfig, data_path: str) -> dict:
+    n = cfg.cluster.num_workers
+    group = WorkerGroup.create(
+        RankActor, n, {"CPU": cfg.cluster.cpus_per_worker}, lambda rank: (cfg, rank, n, data_path),
+        strategy=cfg.cluster.placement_strategy, placement_timeout_s=cfg.cluster.placement_timeout_s,
+    )
+    dispatch = None
+    try:
+        group.rendezvous()
+        dispatch = DISPATCHERS[cfg.cluster.dispatch](group.actors, cfg.grad_accum, timeout_s=cfg.cluster.pg_timeout_s)
+        step_ms, losses = [], []
+        for step in range(cfg.train.steps):
+            plan = {"step": step, "lr": lr_at(step, cfg.train.steps, cfg.optim)}
+            t0 = time.perf_counter()
+            results = dispatch.run(plan)
+            step_ms.append((time.perf_counter() - t0) * 1e3)
+            losses.append(sum(r["loss_sum"] for r in results) / sum(r["tokens"] for r in results))
+        dispatch.close()  # the actors take ordinary calls again once the graph is torn down
+        dispatch = None
+        rss, threads = zip(*ray.get([a.__ray_call__.remote(peak_rss_and_threads) for a in group.actors]))
+    finally:
+        if dispatch is not None:
+            dispatch.close()
+        group.shutdown()
+    return {"step_ms": step_ms, "losses": losses, "peak_rss_mib": list(rss), "torch_threads": threads[0]}
+
+
+def summarize(run: dict, warmup: int) -> None:
+    timed = run["step_ms"][warmup:] or run["step_ms"]
+    run["median_ms"] = statistics.median(timed)
+    run["p90_ms"] = statistics.quantiles(timed, n=10)[-1] if len(timed) > 1 else timed[0]
+
+
+def print_tables(runs: dict[str, dict]) -> None:
+    header = (f"{'run':<18}  {'median ms':>9}  {'p90 ms':>8}  {'vs DDP':>7}  {'threads':>7}  "
+              + "  ".join(f"{f'RSS r{r} MiB':>11}" for r in range(WORLD)))
+    print(header)
+    print("-" * len(header))
+    for name, r in runs.items():
+        rss = "  ".join(f"{m:>11.0f}" for m in r["peak_rss_mib"])
+        print(f"{name:<18}  {r['median_ms']:>9.1f}  {r['p90_ms']:>8.1f}  {r['ratio']:>6.3f}x  "
+              f"{r['torch_threads']:>7}  {rss}")
+    print()
+    names = list(runs)
+    print(f"{'step':>4}  " + "  ".join(f"{n:>18}" for n in names))
+    for step in range(min(LOSSES_SHOWN, len(runs[names[0]]["losses"]))):
+        print(f"{step:>4}  " + "  ".join(f"{runs[n]['losses'][step]:>18.6f}" for n in names))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer steps")
+    ap.add_argument("--json", metavar="PATH", help="also write the results here as JSON")
+    args = ap.parse_args()
+    steps, warmup = (10, 2) if args.quick else (30, 5)
+
+    data_path = ensure_default_corpus("~/.cache/rayzero/datasets")
+    overrides = CONFIG + [f"train.steps={steps}", f"data.path={data_path}"]
+    base = load_config(None, overrides)
+    resolve_data(base)
+    print(f"config: {' '.join(CONFIG)} train.steps={steps}; {warmup} warmup steps untimed\n")
+
+    runs = {"torchrun DDP": run_ddp(overrides, warmup)}
+    ray.init(address=base.cluster.address or None, logging_level="WARNING")
+    try:
+        for strategy in STRATEGIES:
+            cfg = load_config(None, overrides + [f"sharding.strategy={strategy}"])
+            runs[f"rayzero {strategy}"] = run_rayzero(cfg, data_path)
+    finally:
+        ray.shutdown()
+
+    for run in runs.values():
+        summarize(run, warmup)
+    ddp = runs["torchrun DDP"]
+    for run in runs.values():
+        run["ratio"] = run["median_ms"] / ddp["median_ms"]
+    print()
+    print_tables(runs)
+
+    checks = []
+    for strategy in STRATEGIES:
+        r = runs[f"rayzero {strategy}"]
+        loss_diff = max(abs(a - b) for a, b in zip(r["losses"], ddp["losses"]))
+        checks.append({"name": f"rayzero {strategy} / DDP median step time", "value": r["ratio"],
+                       "target": f"<= {TARGET_RATIO:g}", "pass": r["ratio"] <= TARGET_RATIO})
+        checks.append({"name": f"rayzero {strategy} vs DDP max |loss difference| over {steps} steps",
+                       "value": loss_diff, "target": f"<= {LOSS_ATOL:g}", "pass": loss_diff <= LOSS_ATOL})
+    print()
+    for c in checks:
+        print(f"{'PASS' if c['pass'] else 'FAIL'}  {c['name']}: {c['value']:.3g} (target {c['target']})")
+
+    if args.json:
+        result = {
+            "benchmark": "vs_torchrun",
+            "config": CONFIG,
+            "steps": steps,
+            "warmup": warmup,
+            "world_size": WORLD,
+            "torch_version": torch.__version__,
+            "ray_version": ray.__version__,
+            "runs": runs,
+            "checks": checks,
+        }
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

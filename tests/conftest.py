@@ -1,0 +1,26 @@
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from rayzero.data.tokens import prepare
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def small_dataset(tmp_path_factory) -> str:
+    """~400k tokens of the stdlib's `json`, `email` and `asyncio` sources, as a prepared dataset."""
+    src = Path(sys.modules["json"].__file__).parent.parent
+    out = tmp_path_factory.mktemp("data") / "small"
+    texts = tmp_path_factory.mktemp("texts")
+    for pkg in ("json", "email", "asyncio"):
+        for f in sorted((src / pkg).glob("*.py")):
+            (texts / f"{pkg}_{f.name}").write_text(f.read_text())
+    prepare(texts, str(out), pattern="*.py", row_group_tokens=1 << 14)
+    return str(out)

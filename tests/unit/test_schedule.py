@@ -1,0 +1,94 @@
+"""The learning-rate schedule: linear warmup, then cosine decay to min_lr.
+
+The controller runs steps ``0 .. total_steps - 1`` and asks for ``lr_at(step, total_steps, ...)``.
+"""
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rayzero.cluster.schedule import lr_at
+from rayzero.sharding.config import OptimConfig
+
+FAST = settings(max_examples=100, deadline=None)
+
+
+def schedule(total: int, cfg: OptimConfig) -> list[float]:
+    return [lr_at(s, total, cfg) for s in range(total)]
+
+
+@st.composite
+def cases(draw):
+    lr = draw(st.floats(1e-6, 1.0))
+    min_lr = draw(st.floats(0.0, 1.0)) * lr
+    warmup = draw(st.integers(0, 50))
+    total = draw(st.integers(warmup + 2, warmup + 300))
+    return total, OptimConfig(lr=lr, min_lr=min_lr, warmup_steps=warmup)
+
+
+def test_warmup_is_linear_and_reaches_lr_at_its_last_step():
+    cfg = OptimConfig(lr=0.8, min_lr=0.0, warmup_steps=4)
+    lrs = schedule(20, cfg)
+    assert lrs[:4] == pytest.approx([0.2, 0.4, 0.6, 0.8])
+    assert lrs[3] == pytest.approx(cfg.lr)
+
+
+@FAST
+@given(cases())
+def test_warmup_rises_by_equal_steps_to_lr(case):
+    total, cfg = case
+    w = cfg.warmup_steps
+    lrs = schedule(total, cfg)
+    for s in range(w):
+        assert lrs[s] == pytest.approx(cfg.lr * (s + 1) / w)
+    if w:
+        assert lrs[w - 1] == pytest.approx(cfg.lr)
+        assert all(a < b for a, b in zip(lrs[:w], lrs[1:w]))
+
+
+@FAST
+@given(cases())
+def test_lr_never_increases_after_warmup_and_stays_within_bounds(case):
+    total, cfg = case
+    lrs = schedule(total, cfg)
+    after = lrs[max(cfg.warmup_steps - 1, 0):]
+    for a, b in zip(after, after[1:]):
+        assert b <= a + 1e-12
+    for x in lrs:
+        assert x <= cfg.lr * (1 + 1e-12)
+    for x in lrs[cfg.warmup_steps:]:
+        assert x >= cfg.min_lr * (1 - 1e-12)
+
+
+def test_decay_follows_a_cosine():
+    cfg = OptimConfig(lr=1.0, min_lr=0.0, warmup_steps=0)
+    lrs = schedule(101, cfg)
+    assert lrs[0] == pytest.approx(1.0)
+    assert lrs[50] == pytest.approx(0.5 * (1 + math.cos(math.pi * 50 / 100)), abs=0.02)
+
+
+@pytest.mark.parametrize("total, warmup", [(10, 0), (10, 3), (3, 0), (100, 10), (2, 1)])
+def test_cosine_reaches_min_lr_at_the_last_step(total, warmup):
+    cfg = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=warmup)
+    assert schedule(total, cfg)[-1] == pytest.approx(cfg.min_lr)
+
+
+def test_zero_warmup_starts_at_lr():
+    cfg = OptimConfig(lr=0.5, min_lr=0.05, warmup_steps=0)
+    lrs = schedule(10, cfg)
+    assert lrs[0] == pytest.approx(0.5)
+    assert all(math.isfinite(x) for x in lrs)
+    assert all(b <= a for a, b in zip(lrs, lrs[1:]))
+
+
+def test_single_step_run_with_no_warmup_is_finite():
+    cfg = OptimConfig(lr=0.5, min_lr=0.05, warmup_steps=0)
+    assert math.isfinite(lr_at(0, 1, cfg))
+    assert cfg.min_lr <= lr_at(0, 1, cfg) <= cfg.lr
+
+
+def test_min_lr_equal_to_lr_gives_a_constant_after_warmup():
+    cfg = OptimConfig(lr=0.3, min_lr=0.3, warmup_steps=2)
+    assert schedule(12, cfg)[1:] == pytest.approx([0.3] * 11)
