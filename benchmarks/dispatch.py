@@ -120,8 +120,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer iterations")
     ap.add_argument("--json", metavar="PATH", help="also write the results here as JSON")
-    ap.add_argument("--cpus-per-actor", type=float, default=0.1)
-    ap.add_argument("--placement-timeout-s", type=float, default=60.0)
+    ap.add_argument("--cpus-per-actor", type=float, default=0.1, help="CPUs reserved per no-op actor")
+    ap.add_argument("--placement-timeout-s", type=float, default=60.0, help="give up placing a group after this")
     args = ap.parse_args()
     warmup, iters = (10, 100) if args.quick else (50, 1000)
 

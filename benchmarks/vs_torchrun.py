@@ -12,13 +12,16 @@ iteration), so that each rank's actor can be asked its peak RSS before it goes a
 Reported per run: the median (and p90) step time after warmup (rank 0's iteration wall clock
 for DDP, the driver's wall clock per iteration for rayzero), its ratio to DDP, and the peak
 RSS of every rank (ru_maxrss of the rank's process; for rayzero the Ray worker, Ray's own
-runtime included). The losses of the first steps are printed side by side as a sanity check:
-the init and the data are identical, so they should agree closely.
+runtime included). For rayzero also the median time spent inside the phases (per phase, the
+slowest rank) and the driver's CPU use while it waits on the iterations: with as many ranks
+as cores, a driver that busy-waits takes a core from the ranks. The losses of the first
+steps are printed side by side as a sanity check: the init and the data are identical, so
+they should agree closely.
 
 Target (informational; the exit code is 0 either way): rayzero / DDP median step time
 <= 1.05 for each strategy.
 
-    python benchmarks/vs_torchrun.py [--quick] [--json PATH]
+    python benchmarks/vs_torchrun.py [--quick] [--json PATH] [--dispatch compiled|pipelined]
 """
 
 from __future__ import annotations
@@ -74,12 +77,12 @@ def run_ddp(overrides: list[str], warmup: int) -> dict:
         return json.loads(out.read_text())
 
 
-def peak_rss_and_threads(actor) -> tuple[float, int]:
+def peak_rss_and_threads(_actor) -> tuple[float, int]:
     """Runs inside a rank's actor: its process's peak RSS in MiB and torch's thread count."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, torch.get_num_threads()
 
 
-def run_rayzero(cfg: RootConfig, data_path: str) -> dict:
+def run_rayzero(cfg: RootConfig, data_path: str, warmup: int) -> dict:
     n = cfg.cluster.num_workers
     group = WorkerGroup.create(
         RankActor, n, {"CPU": cfg.cluster.cpus_per_worker}, lambda rank: (cfg, rank, n, data_path),
@@ -89,13 +92,18 @@ def run_rayzero(cfg: RootConfig, data_path: str) -> dict:
     try:
         group.rendezvous()
         dispatch = DISPATCHERS[cfg.cluster.dispatch](group.actors, cfg.grad_accum, timeout_s=cfg.cluster.pg_timeout_s)
-        step_ms, losses = [], []
+        step_ms, phase_ms, losses = [], [], []
         for step in range(cfg.train.steps):
+            if step == warmup:
+                wall0, cpu0 = time.perf_counter(), time.process_time()
             plan = {"step": step, "lr": lr_at(step, cfg.train.steps, cfg.optim)}
             t0 = time.perf_counter()
             results = dispatch.run(plan)
             step_ms.append((time.perf_counter() - t0) * 1e3)
+            # Time inside the phases: per phase, the slowest rank (as the Controller logs it).
+            phase_ms.append(sum(max(r["phase_s"][p] for r in results) for p in results[0]["phase_s"]) * 1e3)
             losses.append(sum(r["loss_sum"] for r in results) / sum(r["tokens"] for r in results))
+        driver_cpu = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
         dispatch.close()  # the actors take ordinary calls again once the graph is torn down
         dispatch = None
         rss, threads = zip(*ray.get([a.__ray_call__.remote(peak_rss_and_threads) for a in group.actors]))
@@ -103,24 +111,26 @@ def run_rayzero(cfg: RootConfig, data_path: str) -> dict:
         if dispatch is not None:
             dispatch.close()
         group.shutdown()
-    return {"step_ms": step_ms, "losses": losses, "peak_rss_mib": list(rss), "torch_threads": threads[0]}
+    return {"step_ms": step_ms, "phase_ms": phase_ms, "losses": losses, "driver_cpu": driver_cpu,
+            "peak_rss_mib": list(rss), "torch_threads": threads[0]}
 
 
-def summarize(run: dict, warmup: int) -> None:
-    timed = run["step_ms"][warmup:] or run["step_ms"]
-    run["median_ms"] = statistics.median(timed)
-    run["p90_ms"] = statistics.quantiles(timed, n=10)[-1] if len(timed) > 1 else timed[0]
+def median_p90(values: list[float], warmup: int) -> tuple[float, float]:
+    timed = values[warmup:] or values
+    return statistics.median(timed), (statistics.quantiles(timed, n=10)[-1] if len(timed) > 1 else timed[0])
 
 
 def print_tables(runs: dict[str, dict]) -> None:
-    header = (f"{'run':<18}  {'median ms':>9}  {'p90 ms':>8}  {'vs DDP':>7}  {'threads':>7}  "
-              + "  ".join(f"{f'RSS r{r} MiB':>11}" for r in range(WORLD)))
+    header = (f"{'run':<18}  {'median ms':>9}  {'p90 ms':>8}  {'vs DDP':>7}  {'in phases ms':>12}  "
+              f"{'driver CPU':>10}  {'threads':>7}  " + "  ".join(f"{f'RSS r{r} MiB':>11}" for r in range(WORLD)))
     print(header)
     print("-" * len(header))
     for name, r in runs.items():
+        phases = f"{r['phase_median_ms']:>12.1f}" if "phase_ms" in r else f"{'-':>12}"
+        cpu = f"{r['driver_cpu']:>10.0%}" if "driver_cpu" in r else f"{'-':>10}"
         rss = "  ".join(f"{m:>11.0f}" for m in r["peak_rss_mib"])
-        print(f"{name:<18}  {r['median_ms']:>9.1f}  {r['p90_ms']:>8.1f}  {r['ratio']:>6.3f}x  "
-              f"{r['torch_threads']:>7}  {rss}")
+        print(f"{name:<18}  {r['median_ms']:>9.1f}  {r['p90_ms']:>8.1f}  {r['ratio']:>6.3f}x  {phases}  "
+              f"{cpu}  {r['torch_threads']:>7}  {rss}")
     print()
     names = list(runs)
     print(f"{'step':>4}  " + "  ".join(f"{n:>18}" for n in names))
@@ -132,6 +142,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps")
     ap.add_argument("--json", metavar="PATH", help="also write the results here as JSON")
+    ap.add_argument("--dispatch", choices=("compiled", "pipelined"), default="compiled",
+                    help="how rayzero's controller drives each iteration (cluster.dispatch)")
     args = ap.parse_args()
     steps, warmup = (10, 2) if args.quick else (30, 5)
 
@@ -139,20 +151,23 @@ def main() -> None:
     overrides = CONFIG + [f"train.steps={steps}", f"data.path={data_path}"]
     base = load_config(None, overrides)
     resolve_data(base)
-    print(f"config: {' '.join(CONFIG)} train.steps={steps}; {warmup} warmup steps untimed\n")
+    print(f"config: {' '.join(CONFIG)} train.steps={steps}; rayzero cluster.dispatch={args.dispatch}; "
+          f"{warmup} warmup steps untimed\n")
 
     runs = {"torchrun DDP": run_ddp(overrides, warmup)}
     ray.init(address=base.cluster.address or None, logging_level="WARNING")
     try:
         for strategy in STRATEGIES:
-            cfg = load_config(None, overrides + [f"sharding.strategy={strategy}"])
-            runs[f"rayzero {strategy}"] = run_rayzero(cfg, data_path)
+            cfg = load_config(None, overrides + [f"sharding.strategy={strategy}", f"cluster.dispatch={args.dispatch}"])
+            runs[f"rayzero {strategy}"] = run_rayzero(cfg, data_path, warmup)
     finally:
         ray.shutdown()
 
-    for run in runs.values():
-        summarize(run, warmup)
     ddp = runs["torchrun DDP"]
+    for run in runs.values():
+        run["median_ms"], run["p90_ms"] = median_p90(run["step_ms"], warmup)
+        if "phase_ms" in run:
+            run["phase_median_ms"], _ = median_p90(run["phase_ms"], warmup)
     for run in runs.values():
         run["ratio"] = run["median_ms"] / ddp["median_ms"]
     print()
@@ -174,6 +189,7 @@ def main() -> None:
         result = {
             "benchmark": "vs_torchrun",
             "config": CONFIG,
+            "dispatch": args.dispatch,
             "steps": steps,
             "warmup": warmup,
             "world_size": WORLD,

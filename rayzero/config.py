@@ -58,7 +58,7 @@ class RootConfig(Frozen):
             raise ValueError(
                 f"model.block_size: {self.model.block_size} is shorter than train.seq_len ({t.seq_len})"
             )
-        if self.optim.min_lr > self.optim.lr:
+        if self.optim.min_lr is not None and self.optim.min_lr > self.optim.lr:
             raise ValueError(f"optim.min_lr: {self.optim.min_lr} exceeds optim.lr ({self.optim.lr})")
         return self
 
@@ -92,10 +92,12 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
+    """`a.b=v` -> (["a", "b"], "v"). The value stays text (validation converts it to the
+    field's type, so `tracking.run_name=2024` stays the string "2024"); `null` means None."""
     key, sep, raw = item.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"override {item!r}: expected key=value, e.g. train.steps=100")
-    value = yaml.safe_load(raw) if raw.strip() else ""
+    value = None if raw.strip() in ("null", "None", "~") else raw
     return key.strip().split("."), value
 
 

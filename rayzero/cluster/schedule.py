@@ -6,9 +6,11 @@ from rayzero.sharding.config import OptimConfig
 
 
 def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:
-    """Linear warmup over `warmup_steps`, then cosine decay from `lr` to `min_lr`."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    decay_steps = max(1, total_steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+    """Linear warmup reaching `lr` at step ``warmup_steps - 1``, then cosine decay that reaches
+    the final learning rate (`min_lr`) exactly at the last step, ``total_steps - 1``."""
+    w = cfg.warmup_steps
+    if step < w:
+        return cfg.lr * (step + 1) / w
+    peak = max(w - 1, 0)
+    progress = min(1.0, (step - peak) / max(1, total_steps - 1 - peak))
+    return cfg.final_lr + 0.5 * (cfg.lr - cfg.final_lr) * (1 + math.cos(math.pi * progress))

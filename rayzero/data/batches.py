@@ -77,6 +77,8 @@ class RankBatches:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if state["dataset"] != self.dataset.fingerprint:
-            raise ValueError("data state was saved for another dataset")
+        mine = self.state_dict()
+        for key in ("dataset", "seed", "global_batch"):
+            if state[key] != mine[key]:
+                raise ValueError(f"data state was saved with {key}={state[key]!r}, this job has {mine[key]!r}")
         self.next_step = int(state["next_step"])

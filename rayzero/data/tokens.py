@@ -175,7 +175,7 @@ class TokenDataset:
 
     def window(self, start: int, length: int) -> np.ndarray:
         """Tokens ``[start, start + length)`` of the concatenated corpus."""
-        if start < 0 or start + length > self.num_tokens:
+        if start < 0 or length < 0 or start + length > self.num_tokens:
             raise IndexError(f"window [{start}, {start + length}) outside {self.num_tokens} tokens")
         out = np.empty(length, dtype=np.int64)
         pos = start

@@ -33,12 +33,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def _train(args) -> int:
     from rayzero.cluster.worker_group import PlacementError
-    from rayzero.jobs.train import run_train
+    from rayzero.jobs.train import ClusterUnreachable, run_train
 
     cfg = load_config(args.config, args.overrides)
     try:
         summary = run_train(cfg, progress=not args.no_progress)
-    except PlacementError as e:
+    except (PlacementError, ClusterUnreachable) as e:
         raise _UserError(str(e)) from None
     _print_summary(summary)
     if args.summary_json:

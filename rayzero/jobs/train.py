@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -14,6 +15,10 @@ from rayzero.cluster.tracking import NullTracker, Tracker
 from rayzero.config import RootConfig
 from rayzero.data.corpus import ensure_default_corpus
 from rayzero.data.tokens import DataError, read_meta
+
+
+class ClusterUnreachable(RuntimeError):
+    """cluster.address names no reachable Ray cluster."""
 
 
 def resolve_data(cfg: RootConfig) -> str:
@@ -49,13 +54,32 @@ def tracking_uri(cfg: RootConfig, run_dir: Path) -> str:
     return cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{run_dir / 'mlflow.db'}"
 
 
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Fail fast on a host:port nobody listens on (ray.init would retry for minutes)."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():
+        return  # "", "auto", or a form ray.init resolves itself
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ConnectionError(f"{host}:{port} is not reachable ({e})") from None
+
+
 def run_train(cfg: RootConfig, progress: bool = True) -> dict:
     data_path = resolve_data(cfg)
     run_dir = make_run_dir(cfg)
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
     started_ray = not ray.is_initialized()
     if started_ray:
-        ray.init(address=cfg.cluster.address or None, logging_level="WARNING", log_to_driver=True)
+        try:
+            _check_reachable(cfg.cluster.address)
+            ray.init(address=cfg.cluster.address or None, logging_level="WARNING", log_to_driver=True)
+        except ConnectionError as e:
+            raise ClusterUnreachable(
+                f"cluster.address: cannot connect to a Ray cluster at {cfg.cluster.address!r}: {e}. "
+                "Leave it empty to start a local Ray; for a cluster with token authentication "
+                "set RAY_AUTH_MODE=token."
+            ) from None
     tracker = NullTracker()
     if cfg.tracking.enabled:
         tags = {"strategy": cfg.sharding.strategy, "world_size": cfg.cluster.num_workers,

@@ -76,11 +76,11 @@ def _device(tensors: list[torch.Tensor]) -> torch.device:
 
 
 def merge_runs(runs: list[Range]) -> list[Range]:
-    """Sorted, with touching ranges joined."""
+    """Sorted, with touching or overlapping ranges joined (so no element decays twice)."""
     merged: list[Range] = []
     for r in sorted(runs, key=lambda r: r.start):
-        if merged and merged[-1].end == r.start:
-            merged[-1] = Range(merged[-1].start, r.end)
+        if merged and merged[-1].end >= r.start:
+            merged[-1] = Range(merged[-1].start, max(merged[-1].end, r.end))
         else:
             merged.append(r)
     return merged

@@ -20,10 +20,15 @@ class ShardingConfig(Frozen):
 
 class OptimConfig(Frozen):
     lr: float = Field(default=3e-3, gt=0)
-    min_lr: float = Field(default=3e-4, ge=0)
+    min_lr: float | None = Field(default=None, ge=0)  # None = lr / 10
     warmup_steps: int = Field(default=10, ge=0)
     weight_decay: float = Field(default=0.1, ge=0)
     beta1: float = Field(default=0.9, ge=0, lt=1)
     beta2: float = Field(default=0.95, ge=0, lt=1)
     eps: float = Field(default=1e-8, gt=0)
     grad_clip: float = Field(default=1.0, ge=0)  # 0 disables clipping
+
+    @property
+    def final_lr(self) -> float:
+        """Where the cosine decay ends."""
+        return self.lr / 10 if self.min_lr is None else self.min_lr

@@ -92,3 +92,11 @@ def test_single_step_run_with_no_warmup_is_finite():
 def test_min_lr_equal_to_lr_gives_a_constant_after_warmup():
     cfg = OptimConfig(lr=0.3, min_lr=0.3, warmup_steps=2)
     assert schedule(12, cfg)[1:] == pytest.approx([0.3] * 11)
+
+
+def test_final_lr_defaults_to_a_tenth_of_lr_so_a_low_lr_alone_is_valid():
+    from rayzero.config import load_config
+
+    cfg = load_config(None, ["optim.lr=1e-4", "optim.warmup_steps=0"])
+    assert cfg.optim.final_lr == pytest.approx(1e-5)
+    assert schedule(10, cfg.optim)[-1] == pytest.approx(1e-5)

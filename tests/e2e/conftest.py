@@ -1,0 +1,56 @@
+"""A real Ray head node on loopback with token authentication, as `ray start` makes one."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import free_port
+
+BIN = Path(sys.executable).parent
+
+
+def run_cli(*args: str, cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`rayzero ARGS…` exactly as a user types it."""
+    return subprocess.run(
+        [str(BIN / "rayzero"), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "RAY_AUTH_MODE": "token", **(env or {})},
+    )
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory):
+    """The address of a 2-CPU head node; stopped (with everything on it) at the end."""
+    port = free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    temp = tmp_path_factory.mktemp("ray")
+    subprocess.run(
+        [str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1",
+         "--dashboard-host=127.0.0.1", f"--port={port}", f"--dashboard-port={free_port()}",
+         "--num-cpus=2", "--disable-usage-stats", f"--temp-dir={temp}"],
+        check=True, env=env, capture_output=True, timeout=120,
+    )
+    os.environ["RAY_AUTH_MODE"] = "token"
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+def leftovers(address: str) -> tuple[list, list]:
+    """Live actors and unremoved placement groups on the cluster, read through Ray's state API."""
+    code = (
+        "import ray, json\n"
+        "from ray.util.state import list_actors, list_placement_groups\n"
+        f"ray.init(address={address!r}, logging_level='ERROR')\n"
+        "a = [x.class_name for x in list_actors() if x.state != 'DEAD']\n"
+        "p = [x.placement_group_id for x in list_placement_groups() if x.state != 'REMOVED']\n"
+        "print(json.dumps([a, p]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "RAY_AUTH_MODE": "token"}, check=True)
+    import json
+
+    return tuple(json.loads(out.stdout.strip().splitlines()[-1]))

@@ -1,0 +1,80 @@
+"""The CLI as a user types it, on real Ray clusters, with MLflow read back afterwards."""
+
+import json
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from safetensors.torch import load_file
+
+from rayzero.config import load_config
+from rayzero.models.gpt import build_model
+from tests.e2e.conftest import leftovers, run_cli
+
+pytestmark = pytest.mark.e2e
+FAST = ["model.n_layer=2", "model.n_embd=64", "model.n_head=4", "train.seq_len=64",
+        "train.global_batch_size=8", "train.micro_batch_size=2"]
+
+
+def test_train_on_a_local_ray_with_defaults(tmp_path, small_dataset):
+    """No cluster address: the CLI starts a local Ray, trains, logs to a sqlite MLflow store."""
+    steps = 12
+    summary_path = tmp_path / "summary.json"
+    weights = tmp_path / "final.safetensors"
+    r = run_cli("train", f"train.steps={steps}", f"data.path={small_dataset}", f"train.save_final={weights}",
+                "optim.warmup_steps=2", *FAST, "--summary-json", str(summary_path), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "trained 12 steps" in r.stdout
+    s = json.loads(summary_path.read_text())
+    assert s["steps"] == steps and s["world_size"] == 2 and s["strategy"] == "optim"
+    assert s["final_loss"] < s["first_loss"] - 0.3, "the model must learn"
+    assert s["tokens_per_s"] > 0 and set(s["phase_ms"]) == {"gather", "forward", "backward", "reduce_scatter", "step"}
+    assert s["run_dir"].startswith(str(tmp_path / "runs"))
+    assert s["mlflow_tracking_uri"] == f"sqlite:///{s['run_dir']}/mlflow.db"
+
+    client = MlflowClient(s["mlflow_tracking_uri"])
+    run = client.get_run(s["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["train.steps"] == str(steps)
+    assert run.data.params["sharding.strategy"] == "optim"
+    assert run.data.tags["strategy"] == "optim" and run.data.tags["world_size"] == "2"
+    history = client.get_metric_history(s["mlflow_run_id"], "loss")
+    assert sorted(m.step for m in history) == list(range(steps))
+    assert max(history, key=lambda m: m.step).value == pytest.approx(s["final_loss"])
+    for key in ("lr", "grad_norm", "tokens_per_s", "step_ms", "phase_backward_ms"):
+        assert len(client.get_metric_history(s["mlflow_run_id"], key)) == steps, key
+
+    # The exported weights load into the model by its own state_dict names.
+    cfg = load_config(None, [*FAST])
+    model = build_model(cfg.model, cfg.block_size, seed=0)
+    state = load_file(weights)
+    assert state.keys() == model.state_dict().keys()
+    model.load_state_dict(state)
+    assert not torch.equal(state["wte.weight"], build_model(cfg.model, cfg.block_size, 0).wte.weight)
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim"])
+def test_train_on_a_running_cluster_leaves_nothing_behind(tmp_path, ray_cluster, strategy):
+    data = tmp_path / "data"
+    prep = run_cli("data", "prepare", str(load_config.__code__.co_filename).rsplit("/", 1)[0], str(data),
+                   "--glob", "*.py", cwd=tmp_path)
+    assert prep.returncode == 0, prep.stderr
+    assert "tokens" in prep.stdout and (data / "meta.json").is_file()
+    r = run_cli("train", f"cluster.address={ray_cluster}", f"sharding.strategy={strategy}",
+                f"data.path={data}", "train.steps=4", "tracking.enabled=false", *FAST,
+                "--no-progress", "--summary-json", str(tmp_path / "s.json"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((tmp_path / "s.json").read_text())["strategy"] == strategy
+    actors, groups = leftovers(ray_cluster)
+    assert actors == [] and groups == []
+
+
+def test_too_many_workers_fails_after_the_placement_wait(tmp_path, ray_cluster, small_dataset):
+    r = run_cli("train", f"cluster.address={ray_cluster}", "cluster.num_workers=4",
+                "cluster.placement_timeout_s=3", f"data.path={small_dataset}", "tracking.enabled=false",
+                "train.global_batch_size=16", cwd=tmp_path, timeout=120)
+    assert r.returncode == 2
+    assert "cluster.num_workers=4" in r.stderr and "cluster.placement_timeout_s" in r.stderr
+    assert "Traceback" not in r.stderr
+    actors, groups = leftovers(ray_cluster)
+    assert actors == [] and groups == []
