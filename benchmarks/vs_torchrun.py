@@ -145,7 +145,7 @@ def main() -> None:
     ap.add_argument("--dispatch", choices=("compiled", "pipelined"), default="compiled",
                     help="how rayzero's controller drives each iteration (cluster.dispatch)")
     args = ap.parse_args()
-    steps, warmup = (10, 2) if args.quick else (30, 5)
+    steps, warmup = (10, 2) if args.quick else (40, 10)
 
     data_path = ensure_default_corpus("~/.cache/rayzero/datasets")
     overrides = CONFIG + [f"train.steps={steps}", f"data.path={data_path}"]

@@ -114,7 +114,7 @@ class Strategy(ABC):
         """The L2 norm of the full gradient; each element counted once across the group."""
         sq = torch.zeros((), dtype=torch.float64, device=self.buffer.device)
         for g in self.main_grads:
-            sq += g.double().pow(2).sum()
+            sq += torch.linalg.vector_norm(g).double() ** 2
         if self.topo.dp_size > 1 and self._norm_needs_reduce:
             dist.all_reduce(sq, group=self.group)
         return float(sq.sqrt())
