@@ -81,11 +81,7 @@ class Controller:
             status = "FINISHED"
             return self.summary(infos[0])
         finally:
-            if dispatch is not None:
-                dispatch.close()
-            if group is not None:
-                group.shutdown()
-            self.tracker.finish(status)
+            _teardown(dispatch, group, self.tracker, status)
 
     def _train(self, dispatch) -> None:
         cfg, h = self.cfg, self.history
@@ -136,3 +132,18 @@ class Controller:
             "run_dir": self.run_dir,
             "final_weights": cfg.train.save_final or None,
         }
+
+
+def _teardown(dispatch, group: WorkerGroup | None, tracker, status: str) -> None:
+    """Release everything, each step even if an earlier one fails (a dead rank can make the
+    graph's teardown raise; the actors and placement group must go regardless)."""
+    steps = [
+        dispatch.close if dispatch is not None else None,
+        group.shutdown if group is not None else None,
+        lambda: tracker.finish(status),
+    ]
+    for step in filter(None, steps):
+        try:
+            step()
+        except Exception:
+            log.exception("teardown step failed; continuing")

@@ -34,6 +34,9 @@ class FlatAdamW:
         numel = sum(p.numel() for p in params)
         self.exp_avg = torch.zeros(numel, dtype=torch.float32, device=_device(params))
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
+        # One scratch for the denominator, reused for every view: no step-sized temporaries.
+        self._denom = torch.empty(max((p.numel() for p in params), default=0), dtype=torch.float32,
+                                  device=self.exp_avg.device)
         self.step_count = 0
         self._offsets = []
         acc = 0
@@ -54,7 +57,7 @@ class FlatAdamW:
             g = g.float()
             m.lerp_(g, 1 - h.beta1)
             v.mul_(h.beta2).addcmul_(g, g, value=1 - h.beta2)
-            denom = (v.sqrt() / bc2_sqrt).add_(h.eps)
+            denom = torch.sqrt(v, out=self._denom[: p.numel()]).div_(bc2_sqrt).add_(h.eps)
             p.addcdiv_(m, denom, value=-step_size)
 
     def _decay(self, lr: float) -> None:

@@ -27,6 +27,17 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def _reduce_scatter_in_place(shard: torch.Tensor, full: torch.Tensor, group=None, async_op=False):
+    """Reduce-scatter where `shard` is this rank's chunk of `full`, as an in-place all-reduce.
+
+    gloo has no reduce-scatter: it emulates one with an all-reduce plus copies, which for a
+    16 MiB bucket allocates ~130 MiB and takes ~30% longer than the all-reduce alone. The
+    in-place all-reduce gives the same sums with no allocation (the rest of `full` is
+    scratch, zeroed at the next step).
+    """
+    return dist.all_reduce(full, group=group, async_op=async_op)
+
+
 class Strategy(ABC):
     name: str
 
@@ -154,6 +165,8 @@ class ShardOptim(Strategy):
     def __init__(self, *args, **kwargs):
         self._param_work: list[dist.Work] = []
         super().__init__(*args, **kwargs)
+        gloo = self.topo.dp_size > 1 and dist.get_backend(self.group) == "gloo"
+        self._reduce_scatter = _reduce_scatter_in_place if gloo else _reduce_scatter
 
     def _owned_ranges(self):
         t = self.topo
@@ -164,7 +177,7 @@ class ShardOptim(Strategy):
             return None
         full = self.buffer.bucket_grads(bucket)
         shard = self.buffer.grad_data[bucket.shard(self.topo.dp_rank, self.topo.dp_size).slice()]
-        return _reduce_scatter(shard, full, group=self.group, async_op=True)
+        return self._reduce_scatter(shard, full, group=self.group, async_op=True)
 
     def _start_param_sync(self):
         if self.topo.dp_size == 1:

@@ -53,18 +53,20 @@ def test_train_on_a_local_ray_with_defaults(tmp_path, small_dataset):
     assert not torch.equal(state["wte.weight"], build_model(cfg.model, cfg.block_size, 0).wte.weight)
 
 
-@pytest.mark.parametrize("strategy", ["no_shard", "optim"])
-def test_train_on_a_running_cluster_leaves_nothing_behind(tmp_path, ray_cluster, strategy):
+@pytest.mark.parametrize("strategy, dispatch", [("no_shard", "pipelined"), ("optim", "compiled")])
+def test_train_on_a_running_cluster_leaves_nothing_behind(tmp_path, ray_cluster, strategy, dispatch):
     data = tmp_path / "data"
     prep = run_cli("data", "prepare", str(load_config.__code__.co_filename).rsplit("/", 1)[0], str(data),
                    "--glob", "*.py", cwd=tmp_path)
     assert prep.returncode == 0, prep.stderr
     assert "tokens" in prep.stdout and (data / "meta.json").is_file()
-    r = run_cli("train", f"cluster.address={ray_cluster}", f"sharding.strategy={strategy}",
+    r = run_cli("train", f"cluster.address={ray_cluster}", f"sharding.strategy={strategy}", f"cluster.dispatch={dispatch}",
                 f"data.path={data}", "train.steps=4", "tracking.enabled=false", *FAST,
                 "--no-progress", "--summary-json", str(tmp_path / "s.json"), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert json.loads((tmp_path / "s.json").read_text())["strategy"] == strategy
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["strategy"] == strategy and summary["dispatch"] == dispatch
+    assert summary["final_loss"] < summary["first_loss"]
     actors, groups = leftovers(ray_cluster)
     assert actors == [] and groups == []
 
