@@ -1,6 +1,11 @@
+import os
 import socket
 import sys
 from pathlib import Path
+
+# The e2e clusters use Ray's token authentication (what `ray start` turns on); Ray reads the
+# mode when it is first imported, so it is set before any test module imports ray.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 import pytest
 

@@ -38,8 +38,10 @@ class History:
 
 
 class Controller:
-    def __init__(self, cfg: RootConfig, data_path: str, run_dir: str, tracker, progress: bool = True):
+    def __init__(self, cfg: RootConfig, data_path: str, run_dir: str, tracker, progress: bool = True,
+                 actor_cls=RankActor):
         self.cfg = cfg
+        self.actor_cls = actor_cls
         self.data_path = data_path
         self.run_dir = run_dir
         self.tracker = tracker
@@ -57,7 +59,7 @@ class Controller:
             if cfg.cluster.use_gpu:
                 bundle["GPU"] = 1
             group = WorkerGroup.create(
-                RankActor,
+                self.actor_cls,
                 cfg.cluster.num_workers,
                 bundle,
                 lambda rank: (cfg, rank, cfg.cluster.num_workers, self.data_path),

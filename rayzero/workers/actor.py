@@ -8,8 +8,9 @@ from rayzero.config import RootConfig
 from rayzero.workers.rank import Rank
 
 
-@ray.remote
-class RankActor:
+class RankShim:
+    """Forwards every call to a `Rank`; `RankActor` is this as a Ray actor."""
+
     def __init__(self, cfg: RootConfig, rank: int, world_size: int, data_path: str):
         self.rank = Rank(cfg, rank, world_size, data_path)
 
@@ -39,3 +40,6 @@ class RankActor:
 
     def close(self) -> None:
         self.rank.close()
+
+
+RankActor = ray.remote(RankShim)

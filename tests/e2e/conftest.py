@@ -32,7 +32,6 @@ def ray_cluster(tmp_path_factory):
          "--num-cpus=2", "--disable-usage-stats", f"--temp-dir={temp}"],
         check=True, env=env, capture_output=True, timeout=120,
     )
-    os.environ["RAY_AUTH_MODE"] = "token"
     try:
         yield f"127.0.0.1:{port}"
     finally:
