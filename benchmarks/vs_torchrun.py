@@ -128,12 +128,7 @@ def _plain_rank(rank: int, cfg: RootConfig, data_path: str, port: int, out) -> N
     step_ms, losses = [], []
     for step in range(cfg.train.steps):
         t0 = time.perf_counter()
-        r.gather({"step": step, "lr": lr_at(step, cfg.train.steps, cfg.optim)})
-        for _ in range(cfg.grad_accum):
-            r.forward({})
-            r.backward({})
-        r.reduce_scatter({})
-        res = r.step({})
+        res = r.iteration({"step": step, "lr": lr_at(step, cfg.train.steps, cfg.optim)})
         step_ms.append((time.perf_counter() - t0) * 1e3)
         losses.append(res["loss_sum"])
     out[rank] = {"step_ms": step_ms, "loss_sum": losses, "tokens": res["tokens"],

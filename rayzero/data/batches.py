@@ -8,6 +8,8 @@ size and under any strategy.
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import numpy as np
 import torch
 
@@ -43,6 +45,9 @@ class RankBatches:
         self.seq_len, self.dp_rank, self.dp_size = seq_len, dp_rank, dp_size
         self.rows_per_rank = global_batch // dp_size
         self.next_step = 0
+        # Reading step k+1's rows overlaps step k's compute: the reads release the GIL.
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="rayzero-data")
+        self._ahead: tuple[int, Future] | None = None
 
     @property
     def num_microbatches(self) -> int:
@@ -64,7 +69,11 @@ class RankBatches:
 
     def microbatches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(inputs, targets) per micro-batch; advances the data position past `step`."""
-        rows = self.rank_rows(step)
+        if self._ahead is not None and self._ahead[0] == step:
+            rows = self._ahead[1].result()
+        else:
+            rows = self.rank_rows(step)
+        self._ahead = (step + 1, self._reader.submit(self.rank_rows, step + 1))
         self.next_step = step + 1
         return [(mb[:, :-1], mb[:, 1:]) for mb in rows.split(self.micro_batch)]
 

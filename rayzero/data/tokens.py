@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
+import threading
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -163,6 +164,7 @@ class TokenDataset:
             raise DataError(f"{uri}: shards hold {offset} tokens, meta.json says {self.num_tokens}")
         self._groups = groups
         self._starts = np.array([g.start for g in groups], dtype=np.int64)
+        self._lock = threading.Lock()
         self._read_group = lru_cache(maxsize=cache_row_groups)(self._read_group_uncached)
 
     def _open(self, name: str):
@@ -170,7 +172,8 @@ class TokenDataset:
 
     def _read_group_uncached(self, i: int) -> np.ndarray:
         g = self._groups[i]
-        col = self._files[g.shard].read_row_group(g.index, columns=["tokens"]).column(0)
+        with self._lock:  # a ParquetFile is not safe to read from two threads at once
+            col = self._files[g.shard].read_row_group(g.index, columns=["tokens"]).column(0)
         return col.to_numpy()
 
     def window(self, start: int, length: int) -> np.ndarray:

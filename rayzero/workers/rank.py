@@ -137,6 +137,14 @@ class Rank:
             "phase_s": dict(self._times),
         }
 
+    def iteration(self, plan: dict) -> dict:
+        """Every phase of one iteration, in order, in this process: what the controller's
+        graph runs on each rank, for use without Ray."""
+        out = self.gather(plan)
+        for _ in range(len(self._micro)):
+            out = self.backward(self.forward(out))
+        return self.step(self.reduce_scatter(out))
+
     # -- outside the iteration graph -------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model on CPU, by `state_dict()` names (tied weights under each name)."""

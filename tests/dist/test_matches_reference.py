@@ -81,12 +81,7 @@ def _worker(rank: int, world: int, ports: list[int], data_path: str, out: dict):
         buckets = len(r.strategy.buffer.buckets)
         losses = []
         for step in range(STEPS):
-            r.gather({"step": step, "lr": lr_at(step, STEPS, cfg.optim)})
-            for _ in range(cfg.grad_accum):
-                r.forward({})
-                r.backward({})
-            r.reduce_scatter({})
-            res = r.step({})
+            res = r.iteration({"step": step, "lr": lr_at(step, STEPS, cfg.optim)})
             losses.append((res["loss_sum"], res["tokens"], res["grad_norm"]))
         state = r.full_state_dict()
         if rank == 0:

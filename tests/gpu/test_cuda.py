@@ -23,12 +23,7 @@ def test_one_rank_trains_on_cuda_over_nccl(strategy, small_dataset):
     assert info["backend"] == "nccl" and info["device"].startswith("cuda")
     losses = []
     for step in range(cfg.train.steps):
-        rank.gather({"step": step, "lr": lr_at(step, cfg.train.steps, cfg.optim)})
-        for _ in range(cfg.grad_accum):
-            rank.forward({})
-            rank.backward({})
-        rank.reduce_scatter({})
-        out = rank.step({})
+        out = rank.iteration({"step": step, "lr": lr_at(step, cfg.train.steps, cfg.optim)})
         losses.append(out["loss_sum"] / out["tokens"])
     assert all(p.is_cuda for p in rank.model.parameters())
     assert rank.strategy.buffer.param_data.is_cuda

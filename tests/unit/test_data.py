@@ -434,3 +434,15 @@ def test_default_corpus_race_lost_to_another_preparer_uses_the_winner(tmp_path, 
     assert read_meta(str(target))["num_documents"] == len(STDLIB_KEPT)
     assert preparing_dirs(cache) == []
     assert sorted(p.name for p in cache.iterdir()) == [target.name]
+
+
+def test_prefetched_rows_are_the_rows_of_the_step_asked_for(batch_ds):
+    """The reader prefetches step k+1; asking for any other step still gets that step's rows."""
+    fresh = rank_batches(batch_ds, 1, 2)
+    ahead = rank_batches(batch_ds, 1, 2)
+    for step in (0, 1, 2, 7, 3, 3, 4):
+        got = ahead.microbatches(step)
+        want = fresh.rank_rows(step)
+        assert torch.equal(torch.cat([x for x, _ in got]), want[:, :-1])
+        assert torch.equal(torch.cat([y for _, y in got]), want[:, 1:])
+        assert ahead.next_step == step + 1
