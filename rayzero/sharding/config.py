@@ -16,6 +16,7 @@ class ShardingConfig(Frozen):
     bucket_numel: int = Field(default=2**22, ge=1)  # elements per bucket before padding (4M)
     shard_align: int = Field(default=64, ge=1)  # each rank's shard starts 64-element aligned
     overlap_grad_reduce: bool = True  # start each bucket's reduction as backward completes it
+    overlap_param_gather: bool = True  # optim: forward waits per bucket for the parameter all-gather
 
 
 class OptimConfig(Frozen):

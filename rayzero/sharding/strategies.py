@@ -2,7 +2,8 @@
 
 A strategy is driven through the phases of one iteration:
 
-    begin_step()                 gather: wait for the parameter all-gather, zero gradients
+    begin_step()                 gather: zero gradients; wait for the parameter all-gather
+                                 (or, overlapped, let forward wait bucket by bucket)
     backward(loss, last)         backward: arms the bucket reductions on the last micro-batch
     finish_grad_sync()           reduce_scatter: wait for every bucket's reduction
     step(lr) -> grad_norm        step: clip by the global norm, AdamW, start the all-gather
@@ -89,8 +90,11 @@ class Strategy(ABC):
         """Wait until every rank holds the full updated parameters."""
 
     # -- phases --------------------------------------------------------------------
+    _param_sync_in_forward = False  # a strategy that waits for parameters inside forward
+
     def begin_step(self) -> None:
-        self.finish_param_sync()
+        if not self._param_sync_in_forward:
+            self.finish_param_sync()
         self.buffer.zero_grads()
         self._grad_work = {}
 
@@ -110,6 +114,7 @@ class Strategy(ABC):
 
     def step(self, lr: float) -> float:
         """Clip to the global gradient norm, update the owned shard, start the all-gather."""
+        self.finish_param_sync()  # the update must not race a gather still writing the buffer
         norm = self.grad_norm()
         clip = self.optim_cfg.grad_clip
         if clip > 0:
@@ -163,10 +168,23 @@ class ShardOptim(Strategy):
     name = "optim"
 
     def __init__(self, *args, **kwargs):
-        self._param_work: list[dist.Work] = []
+        self._param_work: dict[int, dist.Work] = {}
         super().__init__(*args, **kwargs)
         gloo = self.topo.dp_size > 1 and dist.get_backend(self.group) == "gloo"
         self._reduce_scatter = _reduce_scatter_in_place if gloo else _reduce_scatter
+        self._param_sync_in_forward = self.cfg.overlap_param_gather
+        if self._param_sync_in_forward:
+            bucket_of = {id(p): span.bucket for p, span in zip(self.buffer.params, self.buffer.layout.params)}
+            for module in self.model.modules():
+                own = sorted({bucket_of[id(p)] for p in module.parameters(recurse=False)})
+                if own:
+                    module.register_forward_pre_hook(self._wait_for(own))
+
+    def _wait_for(self, buckets: list[int]):
+        def hook(_module, _args) -> None:
+            self.finish_param_sync(buckets)
+
+        return hook
 
     def _owned_ranges(self):
         t = self.topo
@@ -182,16 +200,18 @@ class ShardOptim(Strategy):
     def _start_param_sync(self):
         if self.topo.dp_size == 1:
             return
-        for bucket, main in zip(self.buffer.buckets, self.main_params):
+        # Forward order: the buffer holds parameters last layer first, so the last bucket is
+        # the one the next forward needs first.
+        for bucket, main in reversed(list(zip(self.buffer.buckets, self.main_params))):
             full = self.buffer.bucket_params(bucket)
-            self._param_work.append(
-                _all_gather(full, main.clone(), group=self.group, async_op=True)
-            )
+            self._param_work[bucket.index] = _all_gather(full, main.clone(), group=self.group, async_op=True)
 
-    def finish_param_sync(self):
-        for work in self._param_work:
-            work.wait()
-        self._param_work = []
+    def finish_param_sync(self, buckets: list[int] | None = None):
+        """Wait for the all-gather of `buckets` (default: all) to land in the buffer."""
+        for i in list(self._param_work) if buckets is None else buckets:
+            work = self._param_work.pop(i, None)
+            if work is not None:
+                work.wait()
 
 
 STRATEGY_CLASSES: dict[str, type[Strategy]] = {cls.name: cls for cls in (NoShard, ShardOptim)}

@@ -20,7 +20,7 @@ from rayzero.workers.rank import Rank
 from tests.conftest import free_port
 
 STEPS = 10
-RUNS = [("no_shard", True), ("optim", True), ("optim", False)]  # (strategy, overlap)
+RUNS = [("no_shard", True), ("optim", True), ("optim", False)]  # (strategy, overlap comm)
 
 
 def config(world: int, strategy: str = "optim", overlap: bool = True):
@@ -30,6 +30,7 @@ def config(world: int, strategy: str = "optim", overlap: bool = True):
         "train.seq_len=32", "train.global_batch_size=24", "train.micro_batch_size=2",
         f"train.steps={STEPS}", "train.seed=7",
         f"sharding.strategy={strategy}", f"sharding.overlap_grad_reduce={overlap}",
+        f"sharding.overlap_param_gather={overlap}",
         "sharding.bucket_numel=20000", "sharding.shard_align=1",  # several buckets, odd cuts
         "optim.lr=1e-3", "optim.min_lr=1e-4", "optim.warmup_steps=3",
         "optim.weight_decay=0.1", "optim.grad_clip=0.5",
