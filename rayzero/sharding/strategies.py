@@ -41,6 +41,8 @@ def _reduce_scatter_in_place(shard: torch.Tensor, full: torch.Tensor, group=None
 
 class Strategy(ABC):
     name: str
+    _param_sync_in_forward = False  # forward waits for the parameters itself (see begin_step)
+    _norm_needs_reduce = True  # each rank holds only part of the gradient
 
     def __init__(
         self,
@@ -61,19 +63,22 @@ class Strategy(ABC):
         )
         self._grad_work: dict[int, dist.Work | None] = {}
         owned = self._owned_ranges()
+        self.main_params = [self.buffer.param_data[w.slice()] for _, w in owned]
+        self.main_grads = [self.buffer.grad_data[w.slice()] for _, w in owned]
         decaying = {i for i, (n, p) in enumerate(self.buffer.named_params) if decays(n, p)}
-        runs = []
-        local_offset = 0
+        hyper = AdamWHyper(optim.beta1, optim.beta2, optim.eps, optim.weight_decay)
+        self.optimizer = FlatAdamW(self.main_params, hyper, self._decay_runs(owned, decaying))
+
+    def _decay_runs(self, owned: list[tuple[Bucket, Range]], decaying: set[int]) -> list[Range]:
+        """Local ranges of the owned shard that belong to parameters taking weight decay."""
+        runs, local_offset = [], 0
         for bucket, world in owned:
             for i in bucket.params:
                 cut = self.buffer.layout.params[i].world.intersect(world)
                 if cut is not None and i in decaying:
                     runs.append(cut.shift(local_offset - world.start))
             local_offset += world.size
-        self.main_params = [self.buffer.param_data[w.slice()] for _, w in owned]
-        self.main_grads = [self.buffer.grad_data[w.slice()] for _, w in owned]
-        hyper = AdamWHyper(optim.beta1, optim.beta2, optim.eps, optim.weight_decay)
-        self.optimizer = FlatAdamW(self.main_params, hyper, merge_runs(runs))
+        return merge_runs(runs)
 
     @abstractmethod
     def _owned_ranges(self) -> list[tuple[Bucket, Range]]:
@@ -86,12 +91,10 @@ class Strategy(ABC):
     def _start_param_sync(self) -> None:
         """After the step: begin making updated parameters whole on every rank."""
 
-    def finish_param_sync(self) -> None:
-        """Wait until every rank holds the full updated parameters."""
+    def finish_param_sync(self, buckets: list[int] | None = None) -> None:
+        """Wait until every rank holds the updated parameters of `buckets` (default: all)."""
 
     # -- phases --------------------------------------------------------------------
-    _param_sync_in_forward = False  # a strategy that waits for parameters inside forward
-
     def begin_step(self) -> None:
         if not self._param_sync_in_forward:
             self.finish_param_sync()
@@ -134,8 +137,6 @@ class Strategy(ABC):
         if self.topo.dp_size > 1 and self._norm_needs_reduce:
             dist.all_reduce(sq, group=self.group)
         return float(sq.sqrt())
-
-    _norm_needs_reduce = True
 
     def _on_bucket_ready(self, bucket: Bucket) -> None:
         if bucket.index not in self._grad_work:
@@ -207,7 +208,6 @@ class ShardOptim(Strategy):
             self._param_work[bucket.index] = _all_gather(full, main.clone(), group=self.group, async_op=True)
 
     def finish_param_sync(self, buckets: list[int] | None = None):
-        """Wait for the all-gather of `buckets` (default: all) to land in the buffer."""
         for i in list(self._param_work) if buckets is None else buckets:
             work = self._param_work.pop(i, None)
             if work is not None:
