@@ -103,13 +103,19 @@ def run_rayzero(cfg: RootConfig, data_path: str, warmup: int) -> dict:
         group.rendezvous()
         dispatch = DISPATCHERS[cfg.cluster.dispatch](group.actors, cfg.grad_accum, timeout_s=cfg.cluster.pg_timeout_s)
         step_ms, phase_ms, losses = [], [], []
+        # As the Controller drives it: the next iteration is queued before this one is read.
+        def plan(k: int) -> dict:
+            return {"step": k, "lr": lr_at(k, cfg.train.steps, cfg.optim)}
+
+        pending, last = dispatch.submit(plan(0)), time.perf_counter()
         for step in range(cfg.train.steps):
             if step == warmup:
-                wall0, cpu0 = time.perf_counter(), time.process_time()
-            plan = {"step": step, "lr": lr_at(step, cfg.train.steps, cfg.optim)}
-            t0 = time.perf_counter()
-            results = dispatch.run(plan)
-            step_ms.append((time.perf_counter() - t0) * 1e3)
+                wall0, cpu0 = last, time.process_time()
+            queued = dispatch.submit(plan(step + 1)) if step + 1 < cfg.train.steps else None
+            results = dispatch.collect(pending)
+            now = time.perf_counter()
+            step_ms.append((now - last) * 1e3)
+            last, pending = now, queued
             # Time inside the phases: per phase, the slowest rank (as the Controller logs it).
             phase_ms.append(sum(max(r["phase_s"][p] for r in results) for p in results[0]["phase_s"]) * 1e3)
             losses.append(sum(r["loss_sum"] for r in results) / sum(r["tokens"] for r in results))

@@ -1,6 +1,9 @@
 """How the controller runs one iteration's phases on every rank.
 
-All three give the same result; they differ in what one iteration costs the driver:
+Each dispatcher has `submit(plan) -> Pending` and `collect(pending) -> [dict per rank]`, so the
+controller can keep the next iteration queued while it reads this one's results (a rank that
+finishes early then starts the next iteration instead of idling), and `run(plan)` for both
+at once. All three give the same result; they differ in what one iteration costs the driver:
 - `CompiledDispatch`: one Ray Compiled Graph, built once, executed once per iteration;
 - `PipelinedDispatch`: every phase submitted at once with `.remote()`, each fed the previous
   phase's ref, then one `ray.get` (the fallback where compiled graphs are unavailable);
@@ -11,6 +14,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass
+from typing import Any
 
 import ray
 from ray.dag import InputNode, MultiOutputNode
@@ -28,7 +33,34 @@ def phase_names(num_microbatches: int) -> list[str]:
     return ["gather"] + ["forward", "backward"] * num_microbatches + ["reduce_scatter", "step"]
 
 
-class CompiledDispatch:
+@dataclass
+class Pending:
+    """An iteration submitted to the ranks and not yet collected."""
+
+    handle: Any  # the dispatcher's own: refs, or the plan itself
+    submitted: float
+
+
+class _Dispatch:
+    timeout_s: float
+
+    def run(self, plan: dict) -> list[dict]:
+        return self.collect(self.submit(plan))
+
+    def submit(self, plan: dict) -> Pending:
+        return Pending(self._submit(plan), time.perf_counter())
+
+    def collect(self, pending: Pending) -> list[dict]:
+        return ray.get(pending.handle, timeout=self.timeout_s)
+
+    def _submit(self, plan: dict):
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class CompiledDispatch(_Dispatch):
     def __init__(self, actors: list, num_microbatches: int, timeout_s: float = 600.0):
         self.timeout_s = timeout_s
         names = phase_names(num_microbatches)
@@ -42,20 +74,26 @@ class CompiledDispatch:
         self.graph = MultiOutputNode(outputs).experimental_compile()
         self._iterations = 0
         self._recent_s: deque[float] = deque(maxlen=3)  # how long recent iterations' work took
+        self._last_done = 0.0
 
-    def run(self, plan: dict) -> list[dict]:
-        refs = self.graph.execute(plan)
+    def _submit(self, plan: dict):
+        return self.graph.execute(plan)
+
+    def collect(self, pending: Pending) -> list[dict]:
+        # The iteration began when it was submitted or when the one before it finished.
+        start = max(pending.submitted, self._last_done)
         expected = min(self._recent_s, default=0.0)
-        nap = NAP_FRACTION * expected if expected > NAP_MIN_S else 0.0
-        time.sleep(nap)
-        t0 = time.perf_counter()
-        out = ray.get(refs, timeout=self.timeout_s)
-        waited = time.perf_counter() - t0
+        if expected > NAP_MIN_S:
+            time.sleep(max(0.0, start + NAP_FRACTION * expected - time.perf_counter()))
+        woke = time.perf_counter()
+        out = ray.get(pending.handle, timeout=self.timeout_s)
+        done = time.perf_counter()
         self._iterations += 1
         if self._iterations > UNTIMED_ITERATIONS:
-            # Waiting at all means the work took nap + wait. No wait means it finished during
+            # Waiting at all means the work took until `done`. No wait means it finished during
             # the nap, some unknown time earlier: assume well earlier, to adapt fast.
-            self._recent_s.append(nap + waited if nap == 0 or waited > 1e-3 else 0.8 * nap)
+            self._recent_s.append(done - start if done - woke > 1e-3 else 0.8 * (woke - start))
+        self._last_done = done
         return out
 
     def close(self) -> None:
@@ -64,37 +102,34 @@ class CompiledDispatch:
             self.graph = None
 
 
-class PipelinedDispatch:
+class PipelinedDispatch(_Dispatch):
     def __init__(self, actors: list, num_microbatches: int, timeout_s: float = 600.0):
         self.actors, self.names, self.timeout_s = actors, phase_names(num_microbatches), timeout_s
 
-    def run(self, plan: dict) -> list[dict]:
+    def _submit(self, plan: dict):
         refs = []
         for actor in self.actors:
             ref = plan
             for name in self.names:
                 ref = getattr(actor, name).remote(ref)
             refs.append(ref)
-        return ray.get(refs, timeout=self.timeout_s)
-
-    def close(self) -> None:
-        pass
+        return refs
 
 
-class PerPhaseDispatch:
+class PerPhaseDispatch(_Dispatch):
     def __init__(self, actors: list, num_microbatches: int, timeout_s: float = 600.0):
         self.actors, self.names, self.timeout_s = actors, phase_names(num_microbatches), timeout_s
 
-    def run(self, plan: dict) -> list[dict]:
-        outs = [plan] * len(self.actors)
+    def _submit(self, plan: dict):
+        return plan  # nothing runs until collect: one phase at a time
+
+    def collect(self, pending: Pending) -> list[dict]:
+        outs = [pending.handle] * len(self.actors)
         for name in self.names:
             outs = ray.get(
                 [getattr(a, name).remote(o) for a, o in zip(self.actors, outs)], timeout=self.timeout_s
             )
         return outs
-
-    def close(self) -> None:
-        pass
 
 
 DISPATCHERS = {"compiled": CompiledDispatch, "pipelined": PipelinedDispatch, "per_phase": PerPhaseDispatch}

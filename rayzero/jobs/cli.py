@@ -54,7 +54,7 @@ def _print_summary(s: dict) -> None:
         f"{s['grad_accum']} micro-batches/step\n"
         f"  {s['tokens_per_s']:,.0f} tokens/s, {s['step_ms']:.1f} ms/step ({phases} ms)\n"
         f"  run dir {s['run_dir']}\n"
-        f"  mlflow run {s['mlflow_run_id']} at {s['mlflow_tracking_uri']}"
+        + (f"  mlflow run {s['mlflow_run_id']} at {s['mlflow_tracking_uri']}" if s["mlflow_run_id"] else "  mlflow off")
         + (f"\n  weights {s['final_weights']}" if s["final_weights"] else "")
     )
 

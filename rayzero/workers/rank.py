@@ -131,6 +131,7 @@ class Rank:
         return {
             "rank": self.topo.rank,
             "step": self.plan["step"],
+            "lr": self.plan["lr"],
             "loss_sum": float(self._loss_sum),
             "tokens": self._tokens,
             "grad_norm": grad_norm,
