@@ -73,6 +73,7 @@ TARGET_RATIO = 1.05
 LOSS_RTOL = 1e-4
 LOSS_STEPS = 10  # later steps drift apart as fp32 reductions differ in order, as any two runs would
 LOSSES_SHOWN = 5
+SETTLE_S = 3.0  # let the processes of the run before exit before timing the next
 
 
 def run_ddp(overrides: list[str], warmup: int) -> dict:
@@ -184,17 +185,22 @@ def print_tables(runs: dict[str, dict]) -> None:
         print(f"{step:>4}  " + "  ".join(f"{runs[n]['losses'][step]:>18.6f}" for n in names))
 
 
-def one_round(overrides: list[str], data_path: str, warmup: int, dispatch: str) -> dict[str, dict]:
-    """DDP, then rayzero's strategies in Ray actors, then the ranks without Ray."""
+def one_round(overrides: list[str], data_path: str, warmup: int, dispatch: str, index: int) -> dict[str, dict]:
+    """DDP, then rayzero's strategies in Ray actors (their order alternating between rounds),
+    then the ranks without Ray."""
     runs = {"torchrun DDP": run_ddp(overrides, warmup)}
+    time.sleep(SETTLE_S)
     ray.init(logging_level="WARNING")
     try:
-        for strategy in STRATEGIES:
+        for strategy in STRATEGIES[:: 1 if index % 2 == 0 else -1]:
             cfg = load_config(None, overrides + [f"sharding.strategy={strategy}", f"cluster.dispatch={dispatch}"])
             runs[f"rayzero {strategy}"] = run_rayzero(cfg, data_path, warmup)
+            time.sleep(SETTLE_S)
     finally:
         ray.shutdown()
+    time.sleep(SETTLE_S)
     runs["Rank w/o Ray optim"] = run_plain(load_config(None, overrides + ["sharding.strategy=optim"]), data_path)
+    runs = {name: runs[name] for name in ["torchrun DDP", *(f"rayzero {s}" for s in STRATEGIES), "Rank w/o Ray optim"]}
     for run in runs.values():
         run["median_ms"], run["p90_ms"] = median_p90(run["step_ms"], warmup)
         if "phase_ms" in run:
@@ -221,7 +227,7 @@ def main() -> None:
 
     all_rounds = []
     for r in range(rounds):
-        runs = one_round(overrides, data_path, warmup, args.dispatch)
+        runs = one_round(overrides, data_path, warmup, args.dispatch, r)
         print(f"\nround {r + 1}:")
         print_tables(runs)
         all_rounds.append(runs)
