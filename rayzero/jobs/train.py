@@ -12,7 +12,8 @@ import ray
 from rayzero import __version__
 from rayzero.cluster.controller import Controller
 from rayzero.cluster.tracking import NullTracker, Tracker
-from rayzero.config import RootConfig
+from rayzero.checkpoint.export import check_destination
+from rayzero.config import ConfigError, RootConfig
 from rayzero.data.corpus import ensure_default_corpus
 from rayzero.data.tokens import DataError, read_meta
 
@@ -67,6 +68,11 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
 
 def run_train(cfg: RootConfig, progress: bool = True) -> dict:
     data_path = resolve_data(cfg)
+    if cfg.train.save_final:
+        try:
+            check_destination(cfg.train.save_final)
+        except ValueError as e:
+            raise ConfigError(f"train.save_final: {cfg.train.save_final!r} cannot be written: {e}") from None
     run_dir = make_run_dir(cfg)
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
     started_ray = not ray.is_initialized()

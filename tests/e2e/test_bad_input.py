@@ -14,6 +14,8 @@ from tests.e2e.conftest import run_cli
     (["--config", "/nonexistent.yaml"], "config file /nonexistent.yaml does not exist"),
     (["data.path=/nonexistent/data"], "no dataset at /nonexistent/data"),
     (["cluster.address=127.0.0.1:1", "data.path=DATA"], "cluster.address: cannot connect"),
+    (["data.path=DATA", "train.save_final=nosuch://bucket/w.safetensors"], "train.save_final: 'nosuch://bucket/w.safetensors' cannot be written"),
+    (["data.path=DATA", "train.save_final=/proc/version/w.safetensors"], "train.save_final: '/proc/version/w.safetensors' cannot be written"),
 ])
 def test_bad_input_is_one_clear_message(tmp_path, small_dataset, args, expected):
     args = [a.replace("DATA", small_dataset) for a in args]
