@@ -1,5 +1,7 @@
 """Loading the job config: YAML file + key=value overrides, and the errors a user sees."""
 
+from pathlib import Path
+
 import pydantic
 import pytest
 
@@ -362,3 +364,10 @@ def test_config_error_is_a_value_error():
 def test_model_config_alone_fills_from_preset():
     m = ModelConfig(preset="large", n_head=8)
     assert (m.n_layer, m.n_head, m.n_embd) == (24, 8, 1024)
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "examples" / "configs").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_example_configs_load(path):
+    cfg = load_config(path)
+    assert cfg.train.steps >= 1 and cfg.grad_accum >= 1
