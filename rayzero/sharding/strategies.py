@@ -142,11 +142,6 @@ class Strategy(ABC):
         if bucket.index not in self._grad_work:
             self._grad_work[bucket.index] = self._start_bucket_reduce(bucket)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter, whole, by its name in the model's `state_dict()`."""
-        self.finish_param_sync()
-        return self.buffer.state_dict()
-
 
 class NoShard(Strategy):
     """DDP: all-reduce gradients, every rank runs the full optimizer."""

@@ -79,7 +79,8 @@ class Rank:
 
     # -- phases --------------------------------------------------------------------------
     def gather(self, plan: dict) -> dict:
-        """Start of an iteration: wait for the parameter all-gather, load this rank's batch."""
+        """Start of an iteration: zero gradients, load this rank's batch, and wait for the
+        parameter all-gather (unless the strategy waits for it inside forward)."""
         t0 = time.perf_counter()
         self.plan = plan
         self.strategy.begin_step()
@@ -90,8 +91,7 @@ class Rank:
         self._next_micro = 0
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._tokens = 0
-        self._times = {"gather": 0.0, "forward": 0.0, "backward": 0.0}
-        self._times["gather"] = time.perf_counter() - t0
+        self._times = {"gather": time.perf_counter() - t0, "forward": 0.0, "backward": 0.0}
         return {}
 
     def forward(self, _prev: dict) -> dict:
@@ -149,7 +149,7 @@ class Rank:
     # -- outside the iteration graph -------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model on CPU, by `state_dict()` names (tied weights under each name)."""
-        self.strategy.full_state_dict()
+        self.strategy.finish_param_sync()
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
     def close(self) -> None:
