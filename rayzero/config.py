@@ -54,6 +54,11 @@ class RootConfig(Frozen):
                 f"train.micro_batch_size ({t.micro_batch_size}) x data-parallel size ({dp}) "
                 f"= {t.micro_batch_size * dp}"
             )
+        if self.cluster.num_workers % self.sharding.dp_outer:
+            raise ValueError(
+                f"sharding.dp_outer: {self.sharding.dp_outer} does not divide cluster.num_workers "
+                f"({self.cluster.num_workers})"
+            )
         if self.model.block_size is not None and self.model.block_size < t.seq_len:
             raise ValueError(
                 f"model.block_size: {self.model.block_size} is shorter than train.seq_len ({t.seq_len})"

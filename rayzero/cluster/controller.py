@@ -77,7 +77,7 @@ class Controller:
             dispatch.close()
             dispatch = None
             if cfg.train.save_final:
-                weights = ray.get(group.actors[0].full_state_dict.remote())
+                weights = ray.get([a.full_state_dict.remote() for a in group.actors])[0]
                 save_safetensors(weights, cfg.train.save_final, {"strategy": cfg.sharding.strategy})
             self.state = "DONE"
             status = "FINISHED"

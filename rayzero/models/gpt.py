@@ -1,12 +1,14 @@
 """A GPT decoder in plain torch: token + position embeddings, pre-norm blocks, tied head.
 
-The model knows nothing of parallelism. Its initialization is a function of the torch
-seed alone, so every rank (at any world size, under any strategy) builds the same weights.
+The model knows nothing of parallelism. Each parameter's initial value is a function of the
+seed and its name alone (`init_parameter`), so any rank can initialize any piece of the model,
+one unit at a time, and every world size and strategy starts from the same weights.
 """
 
 from __future__ import annotations
 
 import math
+import zlib
 from typing import Literal
 
 import torch
@@ -110,17 +112,26 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying, as GPT-2
-        self.apply(self._init_weights)
-        for name, p in self.named_parameters():
-            if name.endswith("proj.weight"):  # GPT-2's scaled init of residual projections
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+    def init_parameter(self, name: str, out: torch.Tensor, seed: int) -> None:
+        """Write the initial value of parameter `name` (as in `named_parameters()`) into `out`.
+
+        GPT-2's scheme: matrices N(0, 0.02), residual projections N(0, 0.02 / sqrt(2 L)),
+        biases 0, norm gains 1. Each parameter draws from its own generator seeded by
+        (seed, name), so the value does not depend on what else is initialized, or where.
+        """
+        if out.dim() == 1:
+            out.fill_(1.0 if name.endswith("weight") else 0.0)  # norm gains; biases
+            return
+        std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if name.endswith("proj.weight") else 0.02
+        # The CPU generator keeps only 32 bits of its seed: hash seed and name together.
+        g = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{name}".encode()))
+        out.copy_(torch.randn(out.shape, generator=g).mul_(std))
+
+    def init_parameters(self, seed: int) -> None:
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                self.init_parameter(name, p, seed)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits of shape (batch, time, vocab)."""
@@ -147,8 +158,13 @@ class GPT(nn.Module):
         return 6 * n + 12 * c.n_layer * c.n_embd * seq_len
 
 
-def build_model(cfg: ModelConfig, block_size: int, seed: int) -> GPT:
-    """Build on CPU under a private RNG so the weights depend on `seed` alone."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return GPT(cfg, block_size)
+def build_model(cfg: ModelConfig, block_size: int, seed: int, device: str = "cpu") -> GPT:
+    """The model with its initial weights; on `device="meta"` only shapes, no storage (a
+    sharded strategy then materializes it piece by piece with `init_parameter`)."""
+    with torch.device("meta"):
+        model = GPT(cfg, block_size)
+    if device != "meta":
+        model.to_empty(device=device)
+        model.lm_head.weight = model.wte.weight  # to_empty gives each module its own tensor
+        model.init_parameters(seed)
+    return model

@@ -1,9 +1,19 @@
 """Pure-torch sharding: flat buffers, range maps, one class per strategy. Never imports ray."""
 
 from rayzero.sharding.config import OptimConfig, ShardingConfig
+from rayzero.sharding.fsdp import ShardOptimGradsParams
 from rayzero.sharding.layout import Layout, Range, build_layout
-from rayzero.sharding.strategies import STRATEGY_CLASSES, Strategy, build_strategy
+from rayzero.sharding.strategies import NoShard, ShardOptim, ShardOptimGrads, Strategy
 from rayzero.sharding.topology import Topology
+
+STRATEGY_CLASSES: dict[str, type[Strategy]] = {
+    cls.name: cls for cls in (NoShard, ShardOptim, ShardOptimGrads, ShardOptimGradsParams)
+}
+
+
+def build_strategy(name: str, *args, **kwargs) -> Strategy:
+    return STRATEGY_CLASSES[name](*args, **kwargs)
+
 
 __all__ = [
     "Layout", "OptimConfig", "Range", "STRATEGY_CLASSES", "ShardingConfig", "Strategy",

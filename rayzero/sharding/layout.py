@@ -144,13 +144,19 @@ class Layout:
 
 
 def build_layout(
-    numels: Sequence[int], dp_size: int, bucket_numel: int, shard_align: int = 1
+    numels: Sequence[int],
+    dp_size: int,
+    bucket_numel: int,
+    shard_align: int = 1,
+    groups: Sequence[int] | None = None,
 ) -> Layout:
     """Place parameters of the given sizes contiguously, in the given order, into buckets.
 
     A bucket is closed once it holds at least `bucket_numel` elements (a parameter is never
     split across buckets), then padded to a multiple of ``dp_size * shard_align`` so every
-    rank's shard of it has the same size and starts `shard_align`-aligned.
+    rank's shard of it has the same size and starts `shard_align`-aligned. `groups` (one id
+    per parameter, each id's parameters consecutive) also closes a bucket wherever the id
+    changes: ZeRO-3 makes each FSDP unit a bucket of its own this way.
     """
     if dp_size < 1:
         raise ValueError(f"dp_size must be >= 1, got {dp_size}")
@@ -158,6 +164,12 @@ def build_layout(
         raise ValueError("bucket_numel and shard_align must be >= 1")
     if any(n < 1 for n in numels):
         raise ValueError("every parameter must have at least one element")
+    if groups is not None:
+        if len(groups) != len(numels):
+            raise ValueError(f"{len(groups)} group ids for {len(numels)} parameters")
+        changes = [g for i, g in enumerate(groups) if i == 0 or g != groups[i - 1]]
+        if len(changes) != len(set(changes)):
+            raise ValueError("each group's parameters must be consecutive")
     multiple = dp_size * shard_align
     spans: list[ParamSpan] = []
     buckets: list[Bucket] = []
@@ -172,6 +184,8 @@ def build_layout(
         members = []
 
     for i, n in enumerate(numels):
+        if members and groups is not None and groups[i] != groups[i - 1]:
+            close()
         spans.append(ParamSpan(i, n, Range(offset, offset + n), len(buckets)))
         members.append(i)
         offset += n

@@ -1,48 +1,53 @@
-"""One class per sharding strategy; the shared mechanics live in `FlatBuffer`.
+"""One class per sharding strategy, each a ZeRO stage on top of the one before it.
+
+    NoShard                 DDP: all-reduce gradients, AdamW on everything
+    ShardOptim              ZeRO-1: reduce-scatter gradients, AdamW on the shard, all-gather
+    ShardOptimGrads         ZeRO-2: as ZeRO-1, but each bucket is reduce-scattered on every
+                            micro-batch and only the gradient shard is kept
+    ShardOptimGradsParams   ZeRO-3 / FSDP (fsdp.py): as ZeRO-2, and parameters at rest are a
+                            shard, gathered per unit around its forward and backward
 
 A strategy is driven through the phases of one iteration:
 
     begin_step()                 gather: zero gradients; wait for the parameter all-gather
                                  (or, overlapped, let forward wait bucket by bucket)
-    backward(loss, last)         backward: arms the bucket reductions on the last micro-batch
-    finish_grad_sync()           reduce_scatter: wait for every bucket's reduction
+    backward(loss, last)         backward: gradient reductions start as buckets complete
+    finish_grad_sync()           reduce_scatter: finish them, then the outer (hybrid) reduction
     step(lr) -> grad_norm        step: clip by the global norm, AdamW, start the all-gather
+
+Hybrid sharding (`dp_outer` > 1) shards within the "shard" axis and adds an outer reduction
+across the "replicate" axis; with `outer_strategy=optim` the optimizer state is split across
+replicas too, and parameters are all-gathered across them after the step.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+import math
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from rayzero.sharding.adamw import AdamWHyper, FlatAdamW, merge_runs
+from rayzero.sharding.comm import Axis, wait
 from rayzero.sharding.config import OptimConfig, ShardingConfig
-from rayzero.sharding.flat_buffer import FlatBuffer
-from rayzero.sharding.layout import Bucket, Range
+from rayzero.sharding.flat_buffer import Fill, FlatBuffer
+from rayzero.sharding.layout import Bucket, Range, build_layout
+from rayzero.sharding.memory import MemoryLedger
+from rayzero.sharding.precision import Precision, build_loss_scaler
 from rayzero.sharding.topology import Topology
 
-# torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
-def _reduce_scatter_in_place(shard: torch.Tensor, full: torch.Tensor, group=None, async_op=False):
-    """Reduce-scatter where `shard` is this rank's chunk of `full`, as an in-place all-reduce.
+class Strategy:
+    """DDP's storage (full parameters, full gradients) and the machinery every stage shares."""
 
-    gloo has no reduce-scatter: it emulates one with an all-reduce plus copies, which for a
-    16 MiB bucket allocates ~130 MiB and takes ~30% longer than the all-reduce alone. The
-    in-place all-reduce gives the same sums with no allocation (the rest of `full` is
-    scratch, zeroed at the next step).
-    """
-    return dist.all_reduce(full, group=group, async_op=async_op)
-
-
-class Strategy(ABC):
-    name: str
-    _param_sync_in_forward = False  # forward waits for the parameters itself (see begin_step)
-    _norm_needs_reduce = True  # each rank holds only part of the gradient
+    name = "base"
+    reduce_every_microbatch = False  # ZeRO-2/3: gradients never stay whole across micro-batches
 
     def __init__(
         self,
@@ -50,43 +55,234 @@ class Strategy(ABC):
         topo: Topology,
         sharding: ShardingConfig,
         optim: OptimConfig,
-        decays=lambda name, p: p.dim() >= 2,
-        group: dist.ProcessGroup | None = None,
+        axes: dict[str, Axis],
+        decays: Callable[[str, torch.Tensor], bool] = lambda name, p: p.dim() >= 2,
+        fill: Fill | None = None,
+        device: torch.device | str = "cpu",
     ):
+        """`model` may be on the meta device when `fill(name, out)` gives each parameter's
+        initial fp32 values; without `fill` the model's current values are copied."""
         self.model = model
         self.topo = topo
         self.cfg = sharding
         self.optim_cfg = optim
-        self.group = group
-        self.buffer = FlatBuffer(
-            list(model.named_parameters()), topo.dp_size, sharding.bucket_numel, sharding.shard_align
-        )
-        self._grad_work: dict[int, dist.Work | None] = {}
-        owned = self._owned_ranges()
-        self.main_params = [self.buffer.param_data[w.slice()] for _, w in owned]
-        self.main_grads = [self.buffer.grad_data[w.slice()] for _, w in owned]
-        decaying = {i for i, (n, p) in enumerate(self.buffer.named_params) if decays(n, p)}
-        hyper = AdamWHyper(optim.beta1, optim.beta2, optim.eps, optim.weight_decay)
-        self.optimizer = FlatAdamW(self.main_params, hyper, self._decay_runs(owned, decaying))
+        self.axes = axes
+        self.shard_axis = axes["shard"]
+        self.replicate_axis = axes["replicate"]
+        self.precision = Precision.from_config(sharding)
+        self.scaler = build_loss_scaler(sharding)
+        self.ledger = MemoryLedger()
+        self.skipped_steps = 0
+        self.last_step_skipped = False
+        self._param_sync_in_forward = False
+        self._inflight: dict[int, tuple[dist.Work | None, Callable[[], None]]] = {}
+        self._reduced: set[int] = set()
+        self._reduce_in_backward = False
 
-    def _decay_runs(self, owned: list[tuple[Bucket, Range]], decaying: set[int]) -> list[Range]:
+        named = self._buffer_order(model)
+        layout = build_layout([p.numel() for _, p in named], topo.dp_size, self._bucket_numel(),
+                              sharding.shard_align, self._bucket_groups(named))
+        self.buffer = FlatBuffer(model, named, layout, self.precision.param, torch.device(device))
+        if fill is None:
+            values = {n: p.detach() for n, p in named}
+            fill = lambda name, out: out.copy_(values[name])  # noqa: E731
+        self.grads: list[torch.Tensor] = []
+        self.main_params: list[torch.Tensor] = []
+        self.main_grads: list[torch.Tensor] = []
+        for b in self.buffer.buckets:
+            self._build_bucket(b, self.buffer.materialize(b, fill))
+        decaying = {i for i, n in enumerate(self.buffer.names) if decays(n, self.buffer.params[i])}
+        hyper = AdamWHyper(optim.beta1, optim.beta2, optim.eps, optim.weight_decay)
+        self.optimizer = FlatAdamW(self.main_params, hyper, self._decay_runs(decaying))
+        self.ledger.hold("optimizer", 2 * _bytes(self.optimizer.exp_avg))
+
+    # -- layout and ownership ------------------------------------------------------------
+    def _buffer_order(self, model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        # Reverse order: backward produces the last layers' gradients first, so the first
+        # bucket fills first and its reduction can start while backward goes on.
+        return list(reversed(list(model.named_parameters())))
+
+    def _bucket_groups(self, named) -> list[int] | None:
+        return None
+
+    def _bucket_numel(self) -> int:
+        return self.cfg.bucket_numel
+
+    def inner(self, b: Bucket) -> Range:
+        """The part of `b` this rank's shard group assigns to it (world coordinates)."""
+        return b.shard(self.topo.shard_rank, self.topo.dp_shard)
+
+    def owned(self, b: Bucket) -> Range:
+        """The part of `b` whose optimizer update this rank runs."""
+        return b.world
+
+    @property
+    def owner_axis(self) -> Axis | None:
+        """The axis across which owned ranges tile the buffer exactly once (grad norm, export)."""
+        return None
+
+    def _local(self, r: Range, b: Bucket) -> slice:
+        return r.shift(-b.world.start).slice()
+
+    # -- storage -------------------------------------------------------------------------
+    def _build_bucket(self, b: Bucket, full32: torch.Tensor) -> None:
+        self.ledger.hold("compute_params", self.buffer.nbytes(b))
+        self._add_main(b, full32)
+        grad = torch.zeros(b.world.size, dtype=self.precision.grad, device=self.buffer.device)
+        self.ledger.hold("grads", _bytes(grad))
+        self.grads.append(grad)
+        if self.precision.grad == self.precision.param:
+            for i in b.params:  # autograd accumulates straight into the bucket
+                span = self.buffer.layout.params[i].world.shift(-b.world.start)
+                self.buffer.params[i].grad = grad[span.slice()].view(self.buffer.params[i].shape)
+        self.main_grads.append(grad[self._local(self.owned(b), b)])
+
+    def _add_main(self, b: Bucket, full32: torch.Tensor) -> None:
+        own = self.owned(b)
+        if self.precision.main_is_param:
+            self.main_params.append(self._param_view(b, own))
+        else:
+            main = full32[self._local(own, b)].clone()
+            self.ledger.hold("main_params", _bytes(main))
+            self.main_params.append(main)
+
+    def _param_view(self, b: Bucket, r: Range) -> torch.Tensor:
+        """The compute parameters of `b` over `r`, a view of the resident storage."""
+        return self.buffer.data[b.index][self._local(r, b)]
+
+    def _decay_runs(self, decaying: set[int]) -> list[Range]:
         """Local ranges of the owned shard that belong to parameters taking weight decay."""
         runs, local_offset = [], 0
-        for bucket, world in owned:
-            for i in bucket.params:
-                cut = self.buffer.layout.params[i].world.intersect(world)
+        for b in self.buffer.buckets:
+            own = self.owned(b)
+            for i in b.params:
+                cut = self.buffer.layout.params[i].world.intersect(own)
                 if cut is not None and i in decaying:
-                    runs.append(cut.shift(local_offset - world.start))
-            local_offset += world.size
+                    runs.append(cut.shift(local_offset - own.start))
+            local_offset += own.size
         return merge_runs(runs)
 
-    @abstractmethod
-    def _owned_ranges(self) -> list[tuple[Bucket, Range]]:
-        """The world ranges this rank's optimizer updates, one per bucket."""
+    # -- gradient reduction -------------------------------------------------------------
+    def _on_grad(self, i: int, param: nn.Parameter) -> None:
+        b = self.buffer.buckets[self.buffer.bucket_of(i)]
+        if param.grad is not None and not self._grad_is_view(i):
+            span = self.buffer.layout.params[i].world
+            self._grad_landing(b)[self._local(span, b)].add_(param.grad.view(-1))
+            param.grad = None
+        if self._reduce_in_backward and self.buffer.pending(b) == 0:
+            self._start_reduce(b)
 
-    @abstractmethod
-    def _start_bucket_reduce(self, bucket: Bucket) -> dist.Work | None:
-        """Launch (async) the gradient reduction of one bucket."""
+    def _grad_is_view(self, i: int) -> bool:
+        return self.precision.grad == self.precision.param
+
+    def _grad_landing(self, b: Bucket) -> torch.Tensor:
+        """The full-bucket tensor a parameter's gradient is added into."""
+        return self.grads[b.index]
+
+    def _start_reduce(self, b: Bucket) -> None:
+        """Launch the bucket's gradient reduction; its finisher runs after the wait."""
+        if b.index in self._reduced:
+            return
+        self._reduced.add(b.index)
+        self._inflight[b.index] = self._launch_reduce(b)
+
+    def _launch_reduce(self, b: Bucket) -> tuple[dist.Work | None, Callable[[], None]]:
+        grad = self.grads[b.index]
+        comm = self._to_comm(grad)
+        work = self.shard_axis.start_all_reduce(comm)
+
+        def finish():
+            if comm is not grad:
+                grad.copy_(comm)
+            self._free_comm(comm, grad)
+
+        return work, finish
+
+    def _to_comm(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` in the communication dtype: a transient copy when that differs."""
+        if t.dtype == self.precision.comm or self.shard_axis.size == 1:
+            return t
+        c = t.to(self.precision.comm)
+        self.ledger.grow(_bytes(c))
+        return c
+
+    def _free_comm(self, comm: torch.Tensor, t: torch.Tensor) -> None:
+        if comm is not t:
+            self.ledger.shrink(_bytes(comm))
+
+    def _finish_reduce(self, index: int) -> None:
+        work, finish = self._inflight.pop(index)
+        wait(work)
+        finish()
+
+    def _finish_all_reduces(self) -> None:
+        for index in sorted(self._inflight):
+            self._finish_reduce(index)
+
+    # -- phases --------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        if not self._param_sync_in_forward:
+            self.finish_param_sync()
+        for g in self.grads:
+            g.zero_()
+
+    def backward(self, loss: torch.Tensor, last_microbatch: bool) -> None:
+        overlap = self.cfg.overlap_grad_reduce
+        self._reduce_in_backward = overlap and (last_microbatch or self.reduce_every_microbatch)
+        self._reduced = set()
+        self.buffer.arm(self._on_grad)
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        (loss * scale if scale != 1.0 else loss).backward()
+        self._after_backward(last_microbatch)
+
+    def _after_backward(self, last_microbatch: bool) -> None:
+        self.buffer.disarm()
+        if self.reduce_every_microbatch:
+            for b in self.buffer.buckets:  # parameters that got no gradient: reduce zeros
+                self._start_reduce(b)
+            if not last_microbatch:
+                self._finish_all_reduces()
+
+    def finish_grad_sync(self) -> None:
+        for b in self.buffer.buckets:
+            self._start_reduce(b)
+        self._finish_all_reduces()
+        self._reduced = set()
+        self._outer_reduce()
+
+    def _outer_reduce(self) -> None:
+        """Hybrid: reduce each rank's gradient shard across the replicas."""
+
+    def step(self, lr: float) -> float:
+        """Clip to the global gradient norm, update the owned shard, start the all-gather.
+        With loss scaling, a step whose gradients are not finite is skipped."""
+        self.finish_param_sync()  # the update must not race a gather still writing the buffer
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        norm = self.grad_norm() / scale
+        if self.scaler is not None:
+            self.scaler.update(math.isfinite(norm))
+        self.last_step_skipped = not math.isfinite(norm)
+        if self.last_step_skipped:
+            self.skipped_steps += 1
+            return norm
+        coef = 1.0 / scale
+        clip = self.optim_cfg.grad_clip
+        if clip > 0:
+            coef *= min(clip / (norm + 1e-6), 1.0)  # as torch.nn.utils.clip_grad_norm_
+        if coef != 1.0:
+            for g in self.main_grads:
+                g.mul_(coef)
+        self.optimizer.step(self.main_grads, lr)
+        self._write_back()
+        self._start_param_sync()
+        return norm
+
+    def _write_back(self) -> None:
+        """Round the updated fp32 main parameters into the compute parameters."""
+        if self.precision.main_is_param:
+            return
+        for b, main in zip(self.buffer.buckets, self.main_params):
+            self._param_view(b, self.owned(b)).copy_(main)
 
     def _start_param_sync(self) -> None:
         """After the step: begin making updated parameters whole on every rank."""
@@ -94,68 +290,43 @@ class Strategy(ABC):
     def finish_param_sync(self, buckets: list[int] | None = None) -> None:
         """Wait until every rank holds the updated parameters of `buckets` (default: all)."""
 
-    # -- phases --------------------------------------------------------------------
-    def begin_step(self) -> None:
-        if not self._param_sync_in_forward:
-            self.finish_param_sync()
-        self.buffer.zero_grads()
-        self._grad_work = {}
-
-    def backward(self, loss: torch.Tensor, last_microbatch: bool) -> None:
-        overlap = last_microbatch and self.cfg.overlap_grad_reduce
-        self.buffer.arm(self._on_bucket_ready if overlap else None)
-        loss.backward()
-
-    def finish_grad_sync(self) -> None:
-        for bucket in self.buffer.unfired() if self.cfg.overlap_grad_reduce else self.buffer.buckets:
-            self._on_bucket_ready(bucket)
-        self.buffer.disarm()
-        for work in self._grad_work.values():
-            if work is not None:
-                work.wait()
-        self._grad_work = {}
-
-    def step(self, lr: float) -> float:
-        """Clip to the global gradient norm, update the owned shard, start the all-gather."""
-        self.finish_param_sync()  # the update must not race a gather still writing the buffer
-        norm = self.grad_norm()
-        clip = self.optim_cfg.grad_clip
-        if clip > 0:
-            coef = min(clip / (norm + 1e-6), 1.0)  # as torch.nn.utils.clip_grad_norm_
-            if coef < 1.0:
-                for g in self.main_grads:
-                    g.mul_(coef)
-        self.optimizer.step(self.main_grads, lr)
-        self._start_param_sync()
-        return norm
-
     def grad_norm(self) -> float:
         """The L2 norm of the full gradient; each element counted once across the group."""
         sq = torch.zeros((), dtype=torch.float64, device=self.buffer.device)
         for g in self.main_grads:
-            sq += torch.linalg.vector_norm(g).double() ** 2
-        if self.topo.dp_size > 1 and self._norm_needs_reduce:
-            dist.all_reduce(sq, group=self.group)
+            sq += torch.linalg.vector_norm(g.float()).double() ** 2
+        if self.owner_axis is not None and self.owner_axis.size > 1:
+            dist.all_reduce(sq, group=self.owner_axis.group)
         return float(sq.sqrt())
 
-    def _on_bucket_ready(self, bucket: Bucket) -> None:
-        if bucket.index not in self._grad_work:
-            self._grad_work[bucket.index] = self._start_bucket_reduce(bucket)
+    # -- outside the iteration -------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The fp32 main parameters, whole, on CPU, by `model.state_dict()` names. Every rank
+        must call it (owned pieces are summed into place across the owner axis); bucket by
+        bucket, so only one bucket is ever whole on the device."""
+        self.finish_param_sync()
+        by_name: dict[str, torch.Tensor] = {}
+        for b, main in zip(self.buffer.buckets, self.main_params):
+            full = torch.zeros(b.world.size, dtype=torch.float32, device=self.buffer.device)
+            full[self._local(self.owned(b), b)] = main
+            if self.owner_axis is not None:
+                wait(self.owner_axis.start_all_reduce(full))
+            for i in b.params:
+                span = self.buffer.layout.params[i].world
+                by_name[self.buffer.names[i]] = full[self._local(span, b)].view(
+                    self.buffer.params[i].shape).cpu().clone()
+        name_of = {id(p): n for n, p in zip(self.buffer.names, self.buffer.params)}
+        return {k: by_name[name_of[id(v)]] for k, v in self.model.state_dict(keep_vars=True).items()
+                if id(v) in name_of}
+
+    def memory(self) -> dict[str, int]:
+        return self.ledger.report()
 
 
 class NoShard(Strategy):
     """DDP: all-reduce gradients, every rank runs the full optimizer."""
 
     name = "no_shard"
-    _norm_needs_reduce = False  # every rank holds the whole reduced gradient
-
-    def _owned_ranges(self):
-        return [(b, b.world) for b in self.buffer.buckets]
-
-    def _start_bucket_reduce(self, bucket):
-        if self.topo.dp_size == 1:
-            return None
-        return dist.all_reduce(self.buffer.bucket_grads(bucket), group=self.group, async_op=True)
 
 
 class ShardOptim(Strategy):
@@ -164,17 +335,18 @@ class ShardOptim(Strategy):
     name = "optim"
 
     def __init__(self, *args, **kwargs):
-        self._param_work: dict[int, dist.Work] = {}
+        self._param_work: dict[int, dist.Work | None] = {}
+        self._gather_inputs: dict[int, torch.Tensor] = {}
         super().__init__(*args, **kwargs)
-        gloo = self.topo.dp_size > 1 and dist.get_backend(self.group) == "gloo"
-        self._reduce_scatter = _reduce_scatter_in_place if gloo else _reduce_scatter
-        self._param_sync_in_forward = self.cfg.overlap_param_gather
+        self._param_sync_in_forward = self.cfg.overlap_param_gather and self._gathers_full_params
         if self._param_sync_in_forward:
-            bucket_of = {id(p): span.bucket for p, span in zip(self.buffer.params, self.buffer.layout.params)}
+            bucket_of = {id(p): self.buffer.bucket_of(i) for i, p in enumerate(self.buffer.params)}
             for module in self.model.modules():
                 own = sorted({bucket_of[id(p)] for p in module.parameters(recurse=False)})
                 if own:
                     module.register_forward_pre_hook(self._wait_for(own))
+
+    _gathers_full_params = True
 
     def _wait_for(self, buckets: list[int]):
         def hook(_module, _args) -> None:
@@ -182,35 +354,121 @@ class ShardOptim(Strategy):
 
         return hook
 
-    def _owned_ranges(self):
-        t = self.topo
-        return [(b, b.shard(t.dp_rank, t.dp_size)) for b in self.buffer.buckets]
+    @property
+    def _hybrid_optim(self) -> bool:
+        return self.topo.dp_outer > 1 and self.cfg.outer_strategy == "optim"
 
-    def _start_bucket_reduce(self, bucket):
-        if self.topo.dp_size == 1:
-            return None
-        full = self.buffer.bucket_grads(bucket)
-        shard = self.buffer.grad_data[bucket.shard(self.topo.dp_rank, self.topo.dp_size).slice()]
-        return self._reduce_scatter(shard, full, group=self.group, async_op=True)
+    def owned(self, b: Bucket) -> Range:
+        inner = self.inner(b)
+        if not self._hybrid_optim:
+            return inner
+        n = inner.size // self.topo.dp_outer
+        start = inner.start + self.topo.replica_rank * n
+        return Range(start, start + n)
 
-    def _start_param_sync(self):
-        if self.topo.dp_size == 1:
+    @property
+    def owner_axis(self) -> Axis:
+        return self.axes["world"] if self._hybrid_optim else self.shard_axis
+
+    def _launch_reduce(self, b):
+        grad = self.grads[b.index]
+        comm = self._to_comm(grad)
+        work = self.shard_axis.start_reduce_scatter(comm)
+
+        def finish():
+            if comm is not grad:
+                grad[self._local(self.inner(b), b)].copy_(self.shard_axis.chunk(comm))
+            self._free_comm(comm, grad)
+
+        return work, finish
+
+    def _inner_grad(self, b: Bucket) -> torch.Tensor:
+        """This rank's reduced gradient shard of `b` (what the outer reduction works on)."""
+        return self.grads[b.index][self._local(self.inner(b), b)]
+
+    def _outer_reduce(self) -> None:
+        axis = self.replicate_axis
+        if axis.size == 1:
+            return
+        start = axis.start_reduce_scatter if self._hybrid_optim else axis.start_all_reduce
+        for work in [start(self._inner_grad(b)) for b in self.buffer.buckets]:
+            wait(work)
+
+    def _start_param_sync(self) -> None:
+        if self._hybrid_optim:  # the replicas' pieces first make this rank's inner shard whole
+            works = [self.replicate_axis.start_all_gather(self._param_view(b, self.inner(b)),
+                                                          self._param_view(b, self.owned(b)).clone())
+                     for b in self.buffer.buckets]
+            for work in works:
+                wait(work)
+        if self.shard_axis.size == 1 or not self._gathers_full_params:
             return
         # Forward order: the buffer holds parameters last layer first, so the last bucket is
         # the one the next forward needs first.
-        for bucket, main in reversed(list(zip(self.buffer.buckets, self.main_params))):
-            full = self.buffer.bucket_params(bucket)
-            self._param_work[bucket.index] = _all_gather(full, main.clone(), group=self.group, async_op=True)
+        for b in reversed(self.buffer.buckets):
+            local = self._param_view(b, self.inner(b)).clone()
+            self.ledger.grow(_bytes(local))
+            self._gather_inputs[b.index] = local
+            self._param_work[b.index] = self.shard_axis.start_all_gather(self.buffer.data[b.index], local)
 
-    def finish_param_sync(self, buckets: list[int] | None = None):
+    def finish_param_sync(self, buckets: list[int] | None = None) -> None:
         for i in list(self._param_work) if buckets is None else buckets:
-            work = self._param_work.pop(i, None)
-            if work is not None:
-                work.wait()
+            if i in self._param_work:
+                wait(self._param_work.pop(i))
+                self.ledger.shrink(_bytes(self._gather_inputs.pop(i)))
 
 
-STRATEGY_CLASSES: dict[str, type[Strategy]] = {cls.name: cls for cls in (NoShard, ShardOptim)}
+class ShardOptimGrads(ShardOptim):
+    """ZeRO-2: every micro-batch, each bucket is reduce-scattered as soon as its gradients are
+    complete and added into this rank's gradient shard; the full bucket is then freed."""
 
+    name = "optim_grads"
+    reduce_every_microbatch = True
 
-def build_strategy(name: str, *args, **kwargs) -> Strategy:
-    return STRATEGY_CLASSES[name](*args, **kwargs)
+    def __init__(self, *args, **kwargs):
+        self._landing: dict[int, torch.Tensor] = {}
+        super().__init__(*args, **kwargs)
+
+    def _build_bucket(self, b, full32):
+        self._hold_compute_params(b, full32)
+        self._add_main(b, full32)
+        grad = torch.zeros(self.inner(b).size, dtype=self.precision.grad, device=self.buffer.device)
+        self.ledger.hold("grads", _bytes(grad))
+        self.grads.append(grad)
+        own = self.owned(b).shift(-self.inner(b).start)
+        self.main_grads.append(grad[own.slice()])
+
+    def _hold_compute_params(self, b: Bucket, full32: torch.Tensor) -> None:
+        self.ledger.hold("compute_params", self.buffer.nbytes(b))
+
+    def _grad_is_view(self, i):
+        return False
+
+    def _grad_landing(self, b):
+        if b.index not in self._landing:
+            full = torch.zeros(b.world.size, dtype=self.precision.grad, device=self.buffer.device)
+            self.ledger.grow(_bytes(full))
+            self._landing[b.index] = full
+        return self._landing[b.index]
+
+    def _start_reduce(self, b):
+        if b.index not in self._reduced:
+            # Bound the transient memory: one bucket in flight besides the one filling.
+            for index in list(self._inflight):
+                self._finish_reduce(index)
+        super()._start_reduce(b)
+
+    def _launch_reduce(self, b):
+        full = self._grad_landing(b)
+        comm = self._to_comm(full)
+        work = self.shard_axis.start_reduce_scatter(comm)
+
+        def finish():
+            self.grads[b.index].add_(self.shard_axis.chunk(comm))
+            self._free_comm(comm, full)
+            self.ledger.shrink(_bytes(self._landing.pop(b.index)))
+
+        return work, finish
+
+    def _inner_grad(self, b):
+        return self.grads[b.index]

@@ -21,12 +21,30 @@ from rayzero.data.batches import RankBatches
 from rayzero.data.tokens import TokenDataset
 from rayzero.models.gpt import GPT, build_model
 from rayzero.sharding import Topology, build_strategy
+from rayzero.sharding.comm import Axis
+from rayzero.sharding.fsdp import find_units
+from rayzero.sharding.precision import DTYPES, check_device_supports
+
+
+def check_buildable(cfg: RootConfig, device: torch.device) -> None:
+    """Raise a ValueError for a model/sharding combination that cannot train on `device`:
+    FSDP unit classes that match no module, a dtype the device cannot compute in."""
+    sh = cfg.sharding
+    if sh.strategy == "optim_grads_params":
+        find_units(build_model(cfg.model, cfg.block_size, cfg.train.seed, device="meta"), sh.fsdp_units)
+    for key in ("param_dtype", "grad_dtype", "comm_dtype"):
+        name = getattr(sh, key)
+        if name is not None:
+            try:
+                check_device_supports(DTYPES[name], device)
+            except ValueError as e:
+                raise ValueError(f"sharding.{key}={name}: {e}") from None
 
 
 class Rank:
     def __init__(self, cfg: RootConfig, rank: int, world_size: int, data_path: str):
         self.cfg = cfg
-        self.topo = Topology(world_size=world_size, rank=rank)
+        self.topo = Topology(world_size=world_size, rank=rank, dp_outer=cfg.sharding.dp_outer)
         self.data_path = data_path
         self.device = torch.device("cpu")
         self._times: dict[str, float] = {}
@@ -54,9 +72,16 @@ class Rank:
             world_size=self.topo.world_size,
             timeout=timedelta(seconds=cfg.cluster.pg_timeout_s),
         )
-        self.model: GPT = build_model(cfg.model, cfg.block_size, cfg.train.seed).to(self.device)
+        check_buildable(cfg, self.device)
+        self.axes = self._make_axes()
+        # Built on the meta device: the strategy materializes its buckets (ZeRO-3: one unit
+        # at a time, keeping only the shard), so no rank ever holds more than it must.
+        self.model: GPT = build_model(cfg.model, cfg.block_size, cfg.train.seed, device="meta")
+        seed = cfg.train.seed
         self.strategy = build_strategy(
-            cfg.sharding.strategy, self.model, self.topo, cfg.sharding, cfg.optim, decays=GPT.decays
+            cfg.sharding.strategy, self.model, self.topo, cfg.sharding, cfg.optim, self.axes,
+            decays=GPT.decays, fill=lambda name, out: self.model.init_parameter(name, out, seed),
+            device=self.device,
         )
         self.data = RankBatches(
             TokenDataset(self.data_path),
@@ -75,7 +100,22 @@ class Rank:
             "num_params": self.model.num_params(),
             "buffer_numel": self.strategy.buffer.layout.numel,
             "shard_numel": sum(p.numel() for p in self.strategy.main_params),
+            "memory": self.strategy.memory(),
         }
+
+    def _make_axes(self) -> dict[str, Axis]:
+        """The named axes' process groups. Every rank creates every group, in the same order."""
+        t = self.topo
+        world = Axis(dist.group.WORLD, t.world_size, t.rank)
+        if t.dp_outer == 1:
+            return {"world": world, "shard": world, "replicate": Axis(None, 1, 0)}
+        axes = {"world": world}
+        for name in ("shard", "replicate"):
+            for ranks in t.groups(name):
+                group = dist.new_group(ranks)
+                if t.rank in ranks:
+                    axes[name] = Axis(group, len(ranks), t.axis_rank(name))
+        return axes
 
     # -- phases --------------------------------------------------------------------------
     def gather(self, plan: dict) -> dict:
@@ -135,6 +175,9 @@ class Rank:
             "loss_sum": float(self._loss_sum),
             "tokens": self._tokens,
             "grad_norm": grad_norm,
+            "skipped": self.strategy.last_step_skipped,
+            "loss_scale": self.strategy.scaler.scale if self.strategy.scaler is not None else None,
+            "memory": self.strategy.memory(),
             "phase_s": dict(self._times),
         }
 
@@ -147,10 +190,11 @@ class Rank:
         return self.step(self.reduce_scatter(out))
 
     # -- outside the iteration graph -------------------------------------------------
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model on CPU, by `state_dict()` names (tied weights under each name)."""
-        self.strategy.finish_param_sync()
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's fp32 weights on CPU, by `state_dict()` names (tied weights under
+        each name), on rank 0; None elsewhere. Every rank must call it: it is a collective."""
+        state = self.strategy.full_state_dict()
+        return state if self.topo.rank == 0 else None
 
     def close(self) -> None:
         if dist.is_initialized():

@@ -1,4 +1,4 @@
-"""The flat parameter/gradient buffer, its per-bucket backward callbacks, and AdamW over flat shards."""
+"""The flat per-bucket parameter storage, its release/restore, its gradient hooks, and AdamW over flat shards."""
 
 import random
 
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from rayzero.models.gpt import ModelConfig, build_model
 from rayzero.sharding.adamw import AdamWHyper, FlatAdamW, merge_runs
 from rayzero.sharding.flat_buffer import FlatBuffer
-from rayzero.sharding.layout import Range
+from rayzero.sharding.layout import Range, build_layout
 
 FAST = settings(max_examples=60, deadline=None)
 
@@ -20,8 +20,8 @@ CFG = ModelConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=40)
 BLOCK = 8
 
 
-def tiny_gpt():
-    return build_model(CFG, BLOCK, seed=0)
+def tiny_gpt(device="cpu"):
+    return build_model(CFG, BLOCK, seed=0, device=device)
 
 
 def batch(seed: int):
@@ -44,166 +44,130 @@ def reference_grads(seeds) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in ref.named_parameters()}
 
 
-def flat_gpt(dp_size=3, bucket_numel=500, shard_align=4):
-    model = tiny_gpt()
-    buf = FlatBuffer(list(model.named_parameters()), dp_size, bucket_numel, shard_align)
+def flat_gpt(dp_size=3, bucket_numel=500, shard_align=4, dtype=torch.float32):
+    """The model built on the meta device, materialized into a flat buffer from its init."""
+    model = tiny_gpt("meta")
+    named = list(reversed(list(model.named_parameters())))
+    layout = build_layout([p.numel() for _, p in named], dp_size, bucket_numel, shard_align)
+    buf = FlatBuffer(model, named, layout, dtype, torch.device("cpu"))
+    for b in buf.buckets:
+        buf.materialize(b, lambda name, out: model.init_parameter(name, out, 0))
     return model, buf
 
 
-def param_region(buf: FlatBuffer, data: torch.Tensor, i: int) -> torch.Tensor:
-    return data[buf.layout.params[i].world.slice()]
+def region(buf: FlatBuffer, i: int) -> torch.Tensor:
+    span = buf.layout.params[i]
+    b = buf.buckets[span.bucket]
+    return buf.data[b.index][span.world.shift(-b.world.start).slice()]
 
 
-def padding_mask(buf: FlatBuffer) -> torch.Tensor:
-    mask = torch.ones(buf.layout.numel, dtype=torch.bool)
-    for span in buf.layout.params:
-        mask[span.world.slice()] = False
-    return mask
+# --------------------------------------------------------------------------- storage
 
 
-# --------------------------------------------------------------------------- layout of the storage
-
-
-def test_params_and_grads_are_views_into_the_flat_buffers():
+def test_params_are_views_into_their_bucket_and_padding_is_zero():
     model, buf = flat_gpt()
     assert len(buf.buckets) > 2 and buf.layout.padding > 0  # the case is not trivial
-    size = buf.param_data.element_size()
-    for p, span in zip(buf.params, buf.layout.params):
-        assert p.data.data_ptr() == buf.param_data.data_ptr() + span.world.start * size
-        assert p.grad.data_ptr() == buf.grad_data.data_ptr() + span.world.start * size
-        assert p.data.is_contiguous() and p.grad.shape == p.shape
-        assert p.data.untyped_storage().data_ptr() == buf.param_data.untyped_storage().data_ptr()
-    assert buf.param_data.numel() == buf.grad_data.numel() == buf.layout.numel
+    named = dict(model.named_parameters())
+    for i, name in enumerate(buf.names):
+        p = buf.params[i]
+        assert named[name] is p, "the model holds the buffer's parameters"
+        assert p.data_ptr() == region(buf, i).data_ptr() and p.is_contiguous()
+        assert p.untyped_storage().data_ptr() == buf.data[buf.bucket_of(i)].untyped_storage().data_ptr()
+    used = sum(s.numel for s in buf.layout.params)
+    assert sum(d.count_nonzero() for d in buf.data) <= used
+    for b in buf.buckets:
+        assert (buf.data[b.index][b.data_end - b.world.start:] == 0).all()
 
 
-def test_writing_the_buffer_changes_the_parameters():
-    model, buf = flat_gpt()
-    for i, p in enumerate(buf.params):
-        param_region(buf, buf.param_data, i).fill_(float(i + 1))
-        assert (p.detach() == i + 1).all()
-        param_region(buf, buf.grad_data, i).fill_(-float(i + 1))
-        assert (p.grad == -(i + 1)).all()
-
-
-def test_values_are_preserved_and_the_forward_is_unchanged():
+def test_materialized_values_equal_the_plain_model_and_the_tie_survives():
     model, buf = flat_gpt()
     ref = tiny_gpt()
-    ref_params = dict(ref.named_parameters())
-    for name, p in buf.named_params:
-        assert torch.equal(p.detach(), ref_params[name].detach()), name
-    assert model.lm_head.weight is model.wte.weight  # the tie survives
-    assert not padding_mask(buf).logical_and(buf.param_data != 0).any()
+    assert model.lm_head.weight is model.wte.weight
+    assert "lm_head.weight" not in buf.names  # the tied weight is stored once
+    for name, p in ref.named_parameters():
+        assert torch.equal(buf.named_views()[name].detach(), p.detach()), name
     idx, _ = batch(0)
     with torch.no_grad():
         assert torch.equal(model(idx), ref(idx))
 
 
-def test_buffer_order_is_the_reverse_of_named_parameters():
+def test_writing_a_bucket_changes_its_parameters():
     model, buf = flat_gpt()
+    for i, p in enumerate(buf.params):
+        region(buf, i).fill_(float(i + 1))
+        assert (p.detach() == i + 1).all()
+
+
+def test_bf16_storage_rounds_the_fp32_values_it_returns():
+    model = tiny_gpt("meta")
     named = list(model.named_parameters())
-    assert buf.names == [n for n, _ in reversed(named)]
-    assert all(a is b for a, b in zip(buf.params, [p for _, p in reversed(named)]))
-    assert "lm_head.weight" not in buf.names  # the tied weight is stored once
-    starts = [s.world.start for s in buf.layout.params]
-    assert starts == sorted(starts)
-    assert buf.layout.params[-1].world.size == model.wte.weight.numel()
-    sd = buf.state_dict()
-    assert list(sd) == buf.names
-    assert all(torch.equal(sd[n], p.detach()) for n, p in model.named_parameters())
+    layout = build_layout([p.numel() for _, p in named], 1, 10**6)
+    buf = FlatBuffer(model, named, layout, torch.bfloat16, torch.device("cpu"))
+    full32 = buf.materialize(buf.buckets[0], lambda name, out: model.init_parameter(name, out, 0))
+    assert full32.dtype == torch.float32 and buf.data[0].dtype == torch.bfloat16
+    assert torch.equal(buf.data[0], full32.to(torch.bfloat16))
+    assert not torch.equal(buf.data[0].float(), full32)
 
 
-def test_backward_accumulates_into_the_gradient_buffer():
+def test_release_frees_storage_and_restore_brings_back_what_autograd_saved():
+    """ZeRO-3's mechanic: free a bucket between forward and backward, gather it back in
+    place (here: copy), and backward still computes the right gradients."""
     model, buf = flat_gpt()
-    loss_of(model, 1).backward()
-    loss_of(model, 2).backward()
-    expected = reference_grads([1, 2])
+    saved = [d.clone() for d in buf.data]
+    loss = loss_of(model, 4)
+    for b in buf.buckets:
+        buf.release(b)
+        assert not buf.is_resident(b) and buf.data[b.index].untyped_storage().nbytes() == 0
+    for b in buf.buckets:
+        buf.restore(b)
+        buf.data[b.index].copy_(saved[b.index])
+    loss.backward()
+    expected = reference_grads([4])
     for i, name in enumerate(buf.names):
-        torch.testing.assert_close(param_region(buf, buf.grad_data, i).view_as(expected[name]), expected[name])
-        assert buf.params[i].grad.data_ptr() == param_region(buf, buf.grad_data, i).data_ptr()
-    assert (buf.grad_data[padding_mask(buf)] == 0).all()
+        torch.testing.assert_close(buf.params[i].grad, expected[name], msg=name)
 
 
-def test_zero_grads_zeroes_and_the_next_backward_still_lands_in_the_buffer():
-    model, buf = flat_gpt()
-    loss_of(model, 1).backward()
-    assert buf.grad_data.abs().sum() > 0
-    buf.zero_grads()
-    assert (buf.grad_data == 0).all()
-    assert all((p.grad == 0).all() for p in buf.params)
-    loss_of(model, 3).backward()
-    expected = reference_grads([3])
-    for i, name in enumerate(buf.names):
-        torch.testing.assert_close(buf.params[i].grad, expected[name])
-        torch.testing.assert_close(param_region(buf, buf.grad_data, i).view_as(expected[name]), expected[name])
+def test_a_layout_that_does_not_fit_is_refused():
+    model = tiny_gpt("meta")
+    named = list(model.named_parameters())
+    with pytest.raises(ValueError, match="parameters for a layout"):
+        FlatBuffer(model, named[:-1], build_layout([p.numel() for _, p in named], 1, 10), torch.float32, "cpu")
 
 
-def test_mixed_dtypes_are_refused():
-    mixed = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3).double())
-    with pytest.raises(ValueError, match="one dtype"):
-        FlatBuffer(list(mixed.named_parameters()), dp_size=1, bucket_numel=8)
-
-
-# --------------------------------------------------------------------------- per-bucket callbacks
+# --------------------------------------------------------------------------- gradient hooks
 
 
 @pytest.mark.parametrize("dp_size,bucket_numel,align", [(3, 500, 4), (2, 1, 1), (4, 2000, 8), (1, 10**6, 1)])
-def test_each_bucket_fires_once_with_its_final_gradients(dp_size, bucket_numel, align):
+def test_each_parameter_reports_its_final_gradient_once_and_buckets_count_down(dp_size, bucket_numel, align):
     model, buf = flat_gpt(dp_size, bucket_numel, align)
     expected = reference_grads([5])
-    pad = padding_mask(buf)
-    fired = []
-    seen_at_fire = []
+    calls, completed = [], []
 
-    def on_ready(bucket):
-        fired.append(bucket.index)
-        for i in bucket.params:
-            got = param_region(buf, buf.grad_data, i)
-            torch.testing.assert_close(got, expected[buf.names[i]].flatten(), msg=buf.names[i])
-        assert (buf.bucket_grads(bucket)[pad[bucket.world.slice()]] == 0).all()
-        assert buf.bucket_grads(bucket).data_ptr() == buf.grad_data[bucket.world.start :].data_ptr()
-        seen_at_fire.append(buf.grad_data.clone())
+    def on_grad(i, param):
+        calls.append(i)
+        torch.testing.assert_close(param.grad, expected[buf.names[i]], msg=buf.names[i])
+        b = buf.buckets[buf.bucket_of(i)]
+        if buf.pending(b) == 0:
+            completed.append(b.index)
 
-    buf.arm(on_ready)
+    buf.arm(on_grad)
     loss_of(model, 5).backward()
-    assert sorted(fired) == list(range(len(buf.buckets)))
-    assert buf.unfired() == []
+    assert sorted(calls) == list(range(len(buf.params)))
+    assert sorted(completed) == list(range(len(buf.buckets)))
     if len(buf.buckets) > 1:
-        # callbacks run during backward: when the first fires, the embedding's gradient
-        # (the last to be completed, in the last bucket) is still zero
+        # the tied embedding's gradient is the last to be final: its bucket completes last
         wte = buf.names.index("wte.weight")
-        assert buf.layout.params[wte].bucket == len(buf.buckets) - 1
-        assert (param_region(buf, seen_at_fire[0], wte) == 0).all()
-        assert fired[-1] == len(buf.buckets) - 1
+        assert calls[-1] == wte and completed[-1] == buf.bucket_of(wte)
 
 
-def test_disarmed_backward_fires_nothing():
+def test_disarmed_backward_reports_nothing():
     model, buf = flat_gpt(bucket_numel=1)
-    fired = []
-    buf.arm(None)
-    loss_of(model, 1).backward()
-    assert fired == [] and buf.unfired() == []
-
-    buf.arm(fired.append)
+    calls = []
+    buf.arm(lambda i, p: calls.append(i))
     buf.disarm()
     loss_of(model, 2).backward()
-    assert fired == [] and buf.unfired() == []
-    # the gradients still accumulated
-    torch.testing.assert_close(buf.params[-1].grad, reference_grads([1, 2])["wte.weight"])
-
-
-def test_arming_covers_only_the_next_backward():
-    model, buf = flat_gpt()
-    fired = []
-    buf.arm(lambda b: fired.append(b.index))
-    loss_of(model, 1).backward()
-    assert sorted(fired) == list(range(len(buf.buckets)))
-    fired.clear()
-    buf.arm(None)
-    loss_of(model, 2).backward()
-    assert fired == []
-    buf.arm(lambda b: fired.append(b.index))  # re-arming counts afresh
-    loss_of(model, 3).backward()
-    assert sorted(fired) == list(range(len(buf.buckets)))
+    assert calls == [] and all(buf.pending(b) == 0 for b in buf.buckets)
+    torch.testing.assert_close(buf.named_views()["wte.weight"].grad, reference_grads([2])["wte.weight"])
 
 
 class WithUnused(nn.Module):
@@ -217,24 +181,21 @@ class WithUnused(nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
-@pytest.mark.parametrize("bucket_numel", [1, 12, 10**6])
-def test_unfired_lists_the_buckets_of_params_without_gradient(bucket_numel):
+def test_buckets_of_parameters_without_gradient_stay_pending():
     torch.manual_seed(0)
     model = WithUnused()
-    buf = FlatBuffer(list(model.named_parameters()), dp_size=2, bucket_numel=bucket_numel)
-    fired = []
-    buf.arm(lambda b: fired.append(b.index))
+    named = list(model.named_parameters())
+    layout = build_layout([p.numel() for _, p in named], 2, 12)
+    buf = FlatBuffer(model, named, layout, torch.float32, "cpu")
+    values = {n: p.detach().clone() for n, p in named}
+    for b in buf.buckets:
+        buf.materialize(b, lambda name, out: out.copy_(values[name]))
+    buf.arm(lambda i, p: None)
     model(torch.randn(6, 4)).pow(2).sum().backward()
-    unused = {buf.layout.params[i].bucket for i, n in enumerate(buf.names) if n.startswith("unused.")}
+    unused = {buf.bucket_of(i) for i, n in enumerate(buf.names) if n.startswith("unused.")}
     assert unused
-    assert sorted(b.index for b in buf.unfired()) == sorted(unused)
-    assert sorted(fired) == sorted(set(range(len(buf.buckets))) - unused)
-    assert len(fired) == len(set(fired))
-    for i, n in enumerate(buf.names):
-        if n.startswith("unused."):
-            assert (param_region(buf, buf.grad_data, i) == 0).all()
-    buf.disarm()
-    assert buf.unfired() == []
+    assert {b.index for b in buf.buckets if buf.pending(b) > 0} == unused
+
 
 
 # --------------------------------------------------------------------------- AdamW over flat shards

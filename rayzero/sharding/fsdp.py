@@ -1,0 +1,239 @@
+"""ZeRO-3 / FSDP: parameters at rest are a shard; each FSDP unit is gathered around its use.
+
+Units are the modules whose class is listed in `sharding.fsdp_units` (the outermost, when
+they nest); each unit's parameters form one bucket of the flat buffer. Parameters outside
+every unit form a root unit, whole from the start of forward to the end of backward. A
+module that uses another unit's parameter (a tied output head) gathers that unit too.
+
+    forward   pre-hook: finish this unit's gather, start the next one's   post-hook: release
+    backward  output-gradient hook: release finished units, finish this gather, start the
+              previous unit's; when a unit's last gradient lands: reduce-scatter it, release
+
+So at most two units are whole at once (the running one and the one being prefetched), and
+at most two units' full gradients (the one filling and the one being reduced).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from rayzero.sharding.comm import wait
+from rayzero.sharding.layout import Bucket
+from rayzero.sharding.strategies import ShardOptimGrads, _bytes
+
+ROOT = -1  # the unit id of parameters outside every unit
+
+
+@dataclass(frozen=True)
+class Units:
+    """Which module is a unit, which unit owns each parameter, which units each hooked module
+    needs. Pure bookkeeping over module names; no tensors."""
+
+    modules: tuple[str, ...]  # unit module names, in module order
+    owner: dict[str, int]  # parameter name (as named_parameters) -> unit index or ROOT
+    users: dict[str, frozenset[int]]  # hooked module name -> units it needs whole to run
+
+
+def find_units(model: nn.Module, classes: tuple[str, ...]) -> Units:
+    """Match `classes` against module class names; the outermost match wins. Raises a
+    ValueError for a class name that matches no module."""
+    names = {type(m).__name__ for m in model.modules()}
+    missing = [c for c in classes if c not in names]
+    if missing:
+        raise ValueError(
+            f"sharding.fsdp_units: {', '.join(missing)} match no module of {type(model).__name__}; "
+            f"its module classes are {', '.join(sorted(names))}"
+        )
+    unit_modules: list[str] = []
+    for name, m in model.named_modules():
+        inside = any(name.startswith(u + ".") for u in unit_modules)
+        if name and type(m).__name__ in classes and not inside:
+            unit_modules.append(name)
+    owner: dict[str, int] = {}
+    ident: dict[int, str] = {}  # parameter identity -> its named_parameters name
+    for pname, p in model.named_parameters():
+        ident[id(p)] = pname
+        owner[pname] = next((i for i, u in enumerate(unit_modules) if pname.startswith(u + ".")), ROOT)
+    modules = dict(model.named_modules())
+    users: dict[str, frozenset[int]] = {}
+    for i, u in enumerate(unit_modules):
+        users[u] = frozenset(owner[ident[id(p)]] for p in modules[u].parameters()) - {ROOT}
+    for name, m in model.named_modules():
+        if any(name == u or name.startswith(u + ".") for u in unit_modules):
+            continue
+        borrowed = {owner[ident[id(p)]] for p in m.parameters(recurse=False)} - {ROOT}
+        if borrowed:  # e.g. a tied head outside every unit: it must gather the owner
+            users[name] = frozenset(borrowed)
+    return Units(tuple(unit_modules), owner, users)
+
+
+class ShardOptimGradsParams(ShardOptimGrads):
+    """ZeRO-3: AdamW on the shard, gradients reduce-scattered per unit, parameters sharded."""
+
+    name = "optim_grads_params"
+    _gathers_full_params = False
+
+    def __init__(self, model: nn.Module, *args, **kwargs):
+        sharding = args[1] if len(args) > 1 else kwargs["sharding"]
+        self.units = find_units(model, tuple(sharding.fsdp_units))
+        self._shards: list[torch.Tensor] = []
+        self._gathering: dict[int, object] = {}  # bucket index -> pending all-gather work
+        self._resident: set[int] = set()
+        self._fwd_order: list[str] = []
+        self._last_fwd_order: list[str] = list(self.units.users)
+        self._bwd_seen: set[str] = set()
+        self._bwd_current: frozenset[int] = frozenset()
+        super().__init__(model, *args, **kwargs)
+        self._unit_bucket: dict[int, int] = {}  # unit -> its bucket
+        for i, n in enumerate(self.buffer.names):
+            self._unit_bucket[self.units.owner[n]] = self.buffer.bucket_of(i)
+        self._root = self._unit_bucket.get(ROOT)
+        self._register_hooks()
+
+    # -- layout: one bucket per unit, in forward order ----------------------------------
+    def _buffer_order(self, model):
+        # ROOT (-1) first, then units in module order; a stable sort keeps each unit's order.
+        return sorted(model.named_parameters(), key=lambda item: self.units.owner[item[0]])
+
+    def _bucket_groups(self, named):
+        return [self.units.owner[n] for n, _ in named]
+
+    def _bucket_numel(self) -> int:
+        return 2**62  # a unit is one bucket, whatever its size: it is gathered whole anyway
+
+    def _hold_compute_params(self, b: Bucket, full32: torch.Tensor) -> None:
+        shard = self.buffer.data[b.index][self._local(self.inner(b), b)].clone()
+        self.ledger.hold("compute_params", _bytes(shard))
+        self._shards.append(shard)
+        self.buffer.release(b)  # materialized one unit at a time: the model is never whole
+
+    def _param_view(self, b, r):
+        return self._shards[b.index][r.shift(-self.inner(b).start).slice()]
+
+    # -- gather and release -------------------------------------------------------------
+    def _start_gather(self, units) -> None:
+        for u in units:
+            b = self.buffer.buckets[self._unit_bucket[u]]
+            if b.index in self._resident:
+                continue
+            self.buffer.restore(b)
+            self.ledger.grow(self.buffer.nbytes(b))
+            self._resident.add(b.index)
+            self._gathering[b.index] = self.shard_axis.start_all_gather(
+                self.buffer.data[b.index], self._shards[b.index])
+
+    def _finish_gather(self, units) -> None:
+        self._start_gather(units)
+        for u in units:
+            i = self._unit_bucket[u]
+            if i in self._gathering:
+                wait(self._gathering.pop(i))
+
+    def _release(self, units) -> None:
+        for u in units:
+            i = self._unit_bucket[u]
+            if i not in self._resident or i == self._root:
+                continue
+            if i in self._gathering:
+                wait(self._gathering.pop(i))
+            self.buffer.release(self.buffer.buckets[i])
+            self.ledger.shrink(self.buffer.nbytes(self.buffer.buckets[i]))
+            self._resident.discard(i)
+
+    def _units_of_resident(self) -> set[int]:
+        bucket_unit = {b: u for u, b in self._unit_bucket.items()}
+        return {bucket_unit[i] for i in self._resident}
+
+    # -- hooks ---------------------------------------------------------------------------
+    def _register_hooks(self) -> None:
+        modules = dict(self.model.named_modules())
+        self.model.register_forward_pre_hook(lambda _m, _a: self._pre_model_forward())
+        for name in self.units.users:
+            modules[name].register_forward_pre_hook(self._make_pre_forward(name))
+            modules[name].register_forward_hook(self._make_post_forward(name))
+
+    def _pre_model_forward(self) -> None:
+        if self._fwd_order:
+            self._last_fwd_order = self._fwd_order
+        self._fwd_order = []
+        self._bwd_seen = set()
+        if self._root is not None:
+            self._finish_gather([ROOT])
+
+    def _neighbour(self, name: str, step: int) -> frozenset[int]:
+        """The units the module `step` places after (+1) or before (-1) `name` needs: the
+        forward order of the last complete forward (module order before the first)."""
+        order = self._last_fwd_order if step > 0 else self._fwd_order
+        if name not in order:
+            return frozenset()
+        k = (len(order) - 1 - order[::-1].index(name)) if step < 0 else order.index(name)
+        k += step
+        return self.units.users[order[k]] if 0 <= k < len(order) else frozenset()
+
+    def _make_pre_forward(self, name: str):
+        def hook(_module, _args):
+            self._fwd_order.append(name)
+            needs = self.units.users[name]
+            self._finish_gather(needs)
+            if self.cfg.overlap_param_gather:
+                self._start_gather(self._neighbour(name, +1))
+
+        return hook
+
+    def _make_post_forward(self, name: str):
+        def hook(_module, _args, output):
+            keep = self._neighbour(name, +1) if self.cfg.overlap_param_gather else frozenset()
+            self._release(self.units.users[name] - keep)
+            if torch.is_grad_enabled():
+                for t in _tensors(output):
+                    if t.requires_grad:
+                        t.register_hook(self._make_pre_backward(name))
+
+        return hook
+
+    def _make_pre_backward(self, name: str):
+        def hook(_grad):
+            if name in self._bwd_seen:
+                return
+            self._bwd_seen.add(name)
+            needs = self.units.users[name]
+            ahead = self._neighbour(name, -1) if self.cfg.overlap_param_gather else frozenset()
+            # Units gathered for modules whose backward has run are done with.
+            self._release(self._units_of_resident() - needs - ahead)
+            self._finish_gather(needs)
+            self._start_gather(ahead)
+
+        return hook
+
+    def _on_grad(self, i, param):
+        super()._on_grad(i, param)
+        b = self.buffer.buckets[self.buffer.bucket_of(i)]
+        if self.buffer.pending(b) == 0:  # the unit's backward is over: its weights can go
+            self._release([self.units.owner[self.buffer.names[i]]])
+
+    def _after_backward(self, last_microbatch):
+        self._release(self._units_of_resident())
+        if self._root is not None and self._root in self._resident:
+            b = self.buffer.buckets[self._root]
+            self.buffer.release(b)
+            self.ledger.shrink(self.buffer.nbytes(b))
+            self._resident.discard(self._root)
+        super()._after_backward(last_microbatch)
+
+    # -- phases ----------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        for g in self.grads:
+            g.zero_()
+
+
+def _tensors(output) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [t for o in output for t in _tensors(o)]
+    if isinstance(output, dict):
+        return [t for o in output.values() for t in _tensors(o)]
+    return []

@@ -1,0 +1,51 @@
+"""What a rank holds, by category, in bytes: the ledger behind `memory.bytes_per_param`.
+
+Persistent model state is counted where it is allocated; transient buffers (gathered units,
+full gradient buckets, communication casts) are counted while they live, and their peak kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+CATEGORIES = ("compute_params", "main_params", "optimizer", "grads")
+
+
+@dataclass
+class MemoryLedger:
+    persistent: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
+    transient: int = 0
+    transient_peak: int = 0
+
+    def hold(self, category: str, nbytes: int) -> None:
+        self.persistent[category] += nbytes
+
+    def grow(self, nbytes: int) -> None:
+        self.transient += nbytes
+        self.transient_peak = max(self.transient_peak, self.transient)
+
+    def shrink(self, nbytes: int) -> None:
+        self.transient -= nbytes
+
+    def report(self) -> dict[str, int]:
+        return {**self.persistent, "total": sum(self.persistent.values()),
+                "transient_peak": self.transient_peak}
+
+
+def bytes_per_param(reports: list[dict[str, int]], num_params: int) -> dict[str, float]:
+    """Each category's bytes per model parameter, the max over ranks."""
+    keys = [*CATEGORIES, "total"]
+    return {k: max(r[k] for r in reports) / num_params for k in keys}
+
+
+def formula_bytes_per_param(strategy: str, d: int, param_bytes: int = 4, grad_bytes: int = 4) -> float:
+    """Megatron's model-state bytes per parameter with d data-parallel ranks (fp32 main
+    parameters and two fp32 Adam moments; a separate main copy only when params are not fp32)."""
+    main = 0 if param_bytes == 4 else 4
+    p, g, o = param_bytes, grad_bytes, 8 + main
+    return {
+        "no_shard": p + g + o,
+        "optim": p + g + o / d,
+        "optim_grads": p + (g + o) / d,
+        "optim_grads_params": (p + g + o) / d,
+    }[strategy]
