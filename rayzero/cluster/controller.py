@@ -19,6 +19,7 @@ from rayzero.cluster.dispatch import DISPATCHERS
 from rayzero.cluster.schedule import lr_at
 from rayzero.cluster.worker_group import WorkerGroup
 from rayzero.config import RootConfig
+from rayzero.sharding.memory import bytes_per_param
 from rayzero.workers.actor import RankActor
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,8 @@ class History:
     losses: list[float] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)
     phase_s: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PHASES})
+    skipped: int = 0
+    memory: list[dict[str, int]] = field(default_factory=list)  # each rank's ledger, latest
 
     def timed(self, values: list[float]) -> list[float]:
         return values[WARMUP_STEPS:] or values
@@ -68,6 +71,7 @@ class Controller:
             )
             self.state = "RENDEZVOUS"
             infos = group.rendezvous()
+            self.num_params = infos[0]["num_params"]
             self.state = "BUILD"
             dispatch = DISPATCHERS[cfg.cluster.dispatch](
                 group.actors, cfg.grad_accum, timeout_s=cfg.cluster.pg_timeout_s
@@ -109,8 +113,10 @@ class Controller:
             h.step_s.append(dt)
             for p in PHASES:
                 h.phase_s[p].append(phase[p])
+            skipped = results[0]["skipped"]
             metrics = {
                 "loss": loss,
+                "skipped_step": float(skipped),  # fp16 loss scaling found inf/NaN: no update
                 "lr": lr,
                 "grad_norm": results[0]["grad_norm"],
                 "tokens_per_s": tokens_per_step / dt,
@@ -119,6 +125,12 @@ class Controller:
                 "dispatch_overhead_ms": max(0.0, dt - sum(phase.values())) * 1e3,
                 **{f"phase_{p}_ms": v * 1e3 for p, v in phase.items()},
             }
+            if results[0]["loss_scale"] is not None:
+                metrics["loss_scale"] = results[0]["loss_scale"]
+            h.skipped += int(skipped)
+            h.memory = [r["memory"] for r in results]
+            if step == 0 or step + 1 == cfg.train.steps:
+                metrics.update(memory_metrics(h.memory, self.num_params))
             self.tracker.log_metrics(step, metrics)
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_step / dt:,.0f}", refresh=False)
 
@@ -142,7 +154,23 @@ class Controller:
             "mlflow_tracking_uri": self.tracker.uri,
             "run_dir": self.run_dir,
             "final_weights": cfg.train.save_final or None,
+            "skipped_steps": h.skipped,
+            "memory": {
+                "bytes_per_param": bytes_per_param(h.memory, self.num_params),
+                "transient_bytes": max(r["transient_peak"] for r in h.memory),
+                "per_rank": h.memory,
+                "param_dtype": cfg.sharding.param_dtype,
+                "grad_dtype": cfg.sharding.grad_dtype,
+            },
         }
+
+
+def memory_metrics(reports: list[dict[str, int]], num_params: int) -> dict[str, float]:
+    """The ledger as MLflow metrics: bytes per parameter per category (max over ranks) and
+    the peak transient in MiB."""
+    out = {f"memory_{k}_bytes_per_param": v for k, v in bytes_per_param(reports, num_params).items()}
+    out["memory_transient_peak_mib"] = max(r["transient_peak"] for r in reports) / 2**20
+    return out
 
 
 def _teardown(dispatch, group: WorkerGroup | None, tracker, status: str) -> None:

@@ -48,12 +48,17 @@ def _train(args) -> int:
 
 def _print_summary(s: dict) -> None:
     phases = "  ".join(f"{k} {v:.1f}" for k, v in s["phase_ms"].items())
+    mem = s["memory"]
+    per_param = "  ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in mem["bytes_per_param"].items())
     print(
         f"\ntrained {s['steps']} steps: loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}\n"
         f"  {s['world_size']} ranks, strategy {s['strategy']}, {s['num_params']:,} parameters, "
         f"{s['grad_accum']} micro-batches/step\n"
         f"  {s['tokens_per_s']:,.0f} tokens/s, {s['step_ms']:.1f} ms/step ({phases} ms)\n"
-        f"  run dir {s['run_dir']}\n"
+        f"  memory per rank, bytes/parameter: {per_param}; transient peak "
+        f"{mem['transient_bytes'] / 2**20:.1f} MiB\n"
+        + (f"  {s['skipped_steps']} steps skipped by loss scaling\n" if s["skipped_steps"] else "")
+        + f"  run dir {s['run_dir']}\n"
         + (f"  mlflow run {s['mlflow_run_id']} at {s['mlflow_tracking_uri']}" if s["mlflow_run_id"] else "  mlflow off")
         + (f"\n  weights {s['final_weights']}" if s["final_weights"] else "")
     )

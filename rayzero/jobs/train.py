@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import ray
+import torch
 
 from rayzero import __version__
 from rayzero.cluster.controller import Controller
@@ -16,6 +17,7 @@ from rayzero.checkpoint.export import check_destination
 from rayzero.config import ConfigError, RootConfig
 from rayzero.data.corpus import ensure_default_corpus
 from rayzero.data.tokens import DataError, read_meta
+from rayzero.workers.rank import check_buildable
 
 
 class ClusterUnreachable(RuntimeError):
@@ -73,6 +75,10 @@ def run_train(cfg: RootConfig, progress: bool = True) -> dict:
             check_destination(cfg.train.save_final)
         except ValueError as e:
             raise ConfigError(f"train.save_final: {cfg.train.save_final!r} cannot be written: {e}") from None
+    try:  # unit classes, dtypes: fail here, before any cluster is touched
+        check_buildable(cfg, None if cfg.cluster.use_gpu else torch.device("cpu"))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     run_dir = make_run_dir(cfg)
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
     started_ray = not ray.is_initialized()

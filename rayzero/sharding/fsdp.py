@@ -44,7 +44,7 @@ def find_units(model: nn.Module, classes: tuple[str, ...]) -> Units:
     missing = [c for c in classes if c not in names]
     if missing:
         raise ValueError(
-            f"sharding.fsdp_units: {', '.join(missing)} match no module of {type(model).__name__}; "
+            f"sharding.fsdp_units: no module of {type(model).__name__} has class {', '.join(missing)}; "
             f"its module classes are {', '.join(sorted(names))}"
         )
     unit_modules: list[str] = []

@@ -26,15 +26,16 @@ from rayzero.sharding.fsdp import find_units
 from rayzero.sharding.precision import DTYPES, check_device_supports
 
 
-def check_buildable(cfg: RootConfig, device: torch.device) -> None:
+def check_buildable(cfg: RootConfig, device: torch.device | None) -> None:
     """Raise a ValueError for a model/sharding combination that cannot train on `device`:
-    FSDP unit classes that match no module, a dtype the device cannot compute in."""
+    FSDP unit classes that match no module, a dtype the device cannot compute in (not
+    checked with `device=None`: the driver of a GPU job may have no GPU)."""
     sh = cfg.sharding
     if sh.strategy == "optim_grads_params":
         find_units(build_model(cfg.model, cfg.block_size, cfg.train.seed, device="meta"), sh.fsdp_units)
     for key in ("param_dtype", "grad_dtype", "comm_dtype"):
         name = getattr(sh, key)
-        if name is not None:
+        if name is not None and device is not None:
             try:
                 check_device_supports(DTYPES[name], device)
             except ValueError as e:
