@@ -1,15 +1,18 @@
-"""The torchrun + DDP (gloo) baseline that `vs_torchrun.py` compares rayzero against.
+"""The torchrun baselines (DDP, or FSDP2 with `--fsdp2`; gloo) that `vs_torchrun.py` compares rayzero against.
 
 A plain torchrun training script doing what a rayzero rank does, without Ray: the same GPT
 (`build_model` under the config's seed), the same rows of every step's global batch
 (`RankBatches` with dp_rank = this rank), the same loss scaling, AdamW with weight decay on
 matrices only, gradient clipping and learning-rate schedule. Gradients are all-reduced by
-DDP once per step (`no_sync()` on every micro-batch but the last). Rank 0 times every
+DDP once per step (`no_sync()` on every micro-batch but the last). With `--fsdp2`, torch's
+FSDP2 instead: `fully_shard` on each transformer block, then on the whole model (the
+embeddings, final norm and tied head as the root unit), which reduce-scatters gradients on
+every micro-batch, as rayzero's ZeRO-3 does. Rank 0 times every
 iteration; each rank records its peak RSS. Rank 0 writes a JSON file with the step times,
 the per-step losses and the peak RSS of every rank.
 
     torchrun --standalone --nproc_per_node 2 benchmarks/torchrun_ddp.py --out ddp.json \\
-        [--warmup N] [rayzero config overrides, e.g. model.preset=small train.steps=30 ...]
+        [--warmup N] [--fsdp2] [rayzero config overrides, e.g. model.preset=small train.steps=30 ...]
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="JSON file rank 0 writes the results to")
     ap.add_argument("--warmup", type=int, default=1, help="iterations left out of the printed median")
+    ap.add_argument("--fsdp2", action="store_true", help="torch FSDP2 (fully_shard per block) instead of DDP")
     ap.add_argument("overrides", nargs="*", help="rayzero config overrides (key=value)")
     args = ap.parse_args()
     cfg = load_config(None, args.overrides)
@@ -48,7 +52,16 @@ def main() -> None:
     if world != cfg.dp_size:
         raise SystemExit(f"torchrun started {world} ranks but cluster.num_workers is {cfg.dp_size}")
     model = build_model(cfg.model, cfg.block_size, cfg.train.seed)
-    ddp = DDP(model)
+    if args.fsdp2:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        ddp = fully_shard(model, mesh=mesh)
+    else:
+        ddp = DDP(model)
     o = cfg.optim
     groups = [
         {"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": o.weight_decay},
@@ -76,7 +89,8 @@ def main() -> None:
         micro = data.microbatches(step)
         loss_sum = torch.zeros((), dtype=torch.float64)
         for i, (x, y) in enumerate(micro):
-            sync = contextlib.nullcontext() if i == len(micro) - 1 else ddp.no_sync()
+            last = i == len(micro) - 1
+            sync = contextlib.nullcontext() if last or args.fsdp2 else ddp.no_sync()
             with sync:
                 logits = ddp(x)
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum")
@@ -106,7 +120,7 @@ def main() -> None:
         }
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
-        print(f"torchrun DDP: {len(step_s)} steps, median {statistics.median(timed) * 1e3:.1f} ms/step "
+        print(f"torchrun {'FSDP2' if args.fsdp2 else 'DDP'}: {len(step_s)} steps, median {statistics.median(timed) * 1e3:.1f} ms/step "
               f"after {args.warmup} warmup, final loss {losses[-1]:.4f}; wrote {args.out}")
 
     dist.barrier()

@@ -1,11 +1,12 @@
-"""rayzero against torchrun + DDP: step time and peak memory per rank, same GPT and global batch.
+"""rayzero against torchrun + DDP and torch FSDP2: step time and peak memory per rank, same GPT and batch.
 
 Runs, one after the other, at 2 ranks on one config:
   1. `benchmarks/torchrun_ddp.py` under `torchrun --standalone --nproc_per_node 2` (gloo), with
-     OMP_NUM_THREADS=1, which is what Ray gives a 1-CPU actor;
-  2. rayzero, sharding.strategy=no_shard (all-reduce, full optimizer on every rank);
-  3. rayzero, sharding.strategy=optim (ZeRO-1);
-  4. the same `Rank` objects (optim) in plain spawned processes, no Ray: it separates what the
+     OMP_NUM_THREADS=1, which is what Ray gives a 1-CPU actor: DDP, then FSDP2 (`--fsdp2`:
+     `fully_shard` on each block and on the root);
+  2. rayzero, every sharding.strategy: no_shard (DDP), optim (ZeRO-1), optim_grads (ZeRO-2),
+     optim_grads_params (ZeRO-3);
+  3. the same `Rank` objects (optim) in plain spawned processes, no Ray: it separates what the
      rank's own code costs from what hosting it in Ray actors costs.
 The rayzero runs are driven from the library's own pieces, as the Controller drives them
 (WorkerGroup of RankActor, rendezvous, the configured dispatcher, one plan {"step", "lr"} per
@@ -24,8 +25,9 @@ This shared 2-core machine drifts by several percent within minutes, so the whol
 runs in rounds (default 3) and the figure reported is the median over rounds of each round's
 ratio to that round's DDP.
 
-Target (informational; the exit code is 0 either way): rayzero / DDP median step time
-<= 1.05 for each strategy.
+Targets (informational; the exit code is 0 either way): rayzero / DDP median step time
+<= 1.05 for no_shard and optim; rayzero optim_grads_params / FSDP2 median step time <= 0.95,
+and its peak RSS per rank <= FSDP2's. optim_grads is reported against both.
 
     python benchmarks/vs_torchrun.py [--quick] [--rounds N] [--json PATH] [--dispatch compiled|pipelined]
 """
@@ -68,22 +70,23 @@ CONFIG = [
     "cluster.cpus_per_worker=1",
     "tracking.enabled=false",
 ]
-STRATEGIES = ("no_shard", "optim")
-TARGET_RATIO = 1.05
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+TARGET_RATIO = 1.05  # no_shard and optim against DDP
+FSDP_TARGET_RATIO = 0.95  # optim_grads_params against FSDP2
 LOSS_RTOL = 1e-4
 LOSS_STEPS = 10  # later steps drift apart as fp32 reductions differ in order, as any two runs would
 LOSSES_SHOWN = 5
 SETTLE_S = 3.0  # let the processes of the run before exit before timing the next
 
 
-def run_ddp(overrides: list[str], warmup: int) -> dict:
+def run_ddp(overrides: list[str], warmup: int, fsdp2: bool = False) -> dict:
     script = Path(__file__).with_name("torchrun_ddp.py")
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ddp.json"
         cmd = [str(torchrun), "--standalone", "--nproc_per_node", str(WORLD), str(script),
-               "--out", str(out), "--warmup", str(warmup), *overrides]
+               "--out", str(out), "--warmup", str(warmup), *(["--fsdp2"] if fsdp2 else []), *overrides]
         subprocess.run(cmd, env=env, check=True)
         return json.loads(out.read_text())
 
@@ -168,7 +171,7 @@ def median_p90(values: list[float], warmup: int) -> tuple[float, float]:
 
 
 def print_tables(runs: dict[str, dict]) -> None:
-    header = (f"{'run':<18}  {'median ms':>9}  {'p90 ms':>8}  {'vs DDP':>7}  {'in phases ms':>12}  "
+    header = (f"{'run':<26}  {'median ms':>9}  {'p90 ms':>8}  {'vs DDP':>7}  {'vs FSDP2':>8}  {'in phases ms':>12}  "
               f"{'driver CPU':>10}  {'threads':>7}  " + "  ".join(f"{f'RSS r{r} MiB':>11}" for r in range(WORLD)))
     print(header)
     print("-" * len(header))
@@ -176,11 +179,12 @@ def print_tables(runs: dict[str, dict]) -> None:
         phases = f"{r['phase_median_ms']:>12.1f}" if "phase_ms" in r else f"{'-':>12}"
         cpu = f"{r['driver_cpu']:>10.0%}" if "driver_cpu" in r else f"{'-':>10}"
         rss = "  ".join(f"{m:>11.0f}" for m in r["peak_rss_mib"])
-        print(f"{name:<18}  {r['median_ms']:>9.1f}  {r['p90_ms']:>8.1f}  {r['ratio']:>6.3f}x  {phases}  "
+        print(f"{name:<26}  {r['median_ms']:>9.1f}  {r['p90_ms']:>8.1f}  {r['ratio']:>6.3f}x  "
+              f"{r['ratio_fsdp2']:>7.3f}x  {phases}  "
               f"{cpu}  {r['torch_threads']:>7}  {rss}")
     print()
     names = list(runs)
-    print(f"{'step':>4}  " + "  ".join(f"{n:>18}" for n in names))
+    print(f"{'step':>4}  " + "  ".join(f"{n.split()[-1]:>18}" for n in names))
     for step in range(min(LOSSES_SHOWN, len(runs[names[0]]["losses"]))):
         print(f"{step:>4}  " + "  ".join(f"{runs[n]['losses'][step]:>18.6f}" for n in names))
 
@@ -189,6 +193,8 @@ def one_round(overrides: list[str], data_path: str, warmup: int, dispatch: str, 
     """DDP, then rayzero's strategies in Ray actors (their order alternating between rounds),
     then the ranks without Ray."""
     runs = {"torchrun DDP": run_ddp(overrides, warmup)}
+    time.sleep(SETTLE_S)
+    runs["torchrun FSDP2"] = run_ddp(overrides, warmup, fsdp2=True)
     time.sleep(SETTLE_S)
     ray.init(logging_level="WARNING")
     try:
@@ -200,12 +206,15 @@ def one_round(overrides: list[str], data_path: str, warmup: int, dispatch: str, 
         ray.shutdown()
     time.sleep(SETTLE_S)
     runs["Rank w/o Ray optim"] = run_plain(load_config(None, overrides + ["sharding.strategy=optim"]), data_path)
-    runs = {name: runs[name] for name in ["torchrun DDP", *(f"rayzero {s}" for s in STRATEGIES), "Rank w/o Ray optim"]}
+    order = ["torchrun DDP", "torchrun FSDP2", *(f"rayzero {s}" for s in STRATEGIES), "Rank w/o Ray optim"]
+    runs = {name: runs[name] for name in order}
     for run in runs.values():
         run["median_ms"], run["p90_ms"] = median_p90(run["step_ms"], warmup)
         if "phase_ms" in run:
             run["phase_median_ms"], _ = median_p90(run["phase_ms"], warmup)
+    for run in runs.values():
         run["ratio"] = run["median_ms"] / runs["torchrun DDP"]["median_ms"]
+        run["ratio_fsdp2"] = run["median_ms"] / runs["torchrun FSDP2"]["median_ms"]
     return runs
 
 
@@ -232,19 +241,29 @@ def main() -> None:
         print_tables(runs)
         all_rounds.append(runs)
     ratio = {name: statistics.median(rnd[name]["ratio"] for rnd in all_rounds) for name in all_rounds[0]}
+    ratio_fsdp2 = {name: statistics.median(rnd[name]["ratio_fsdp2"] for rnd in all_rounds) for name in all_rounds[0]}
     rss = {name: max(max(rnd[name]["peak_rss_mib"]) for rnd in all_rounds) for name in all_rounds[0]}
-    print("\nover all rounds:  run, median of the per-round step-time ratios to DDP, max peak RSS per rank")
+    print("\nover all rounds:  run, median of the per-round step-time ratios to DDP (each round) and to "
+          "FSDP2 (each round), max peak RSS per rank")
     for name in ratio:
-        print(f"  {name:<18}  {ratio[name]:.3f}x  " + "  ".join(f"{rnd[name]['ratio']:.3f}" for rnd in all_rounds)
-              + f"   {rss[name]:.0f} MiB")
+        print(f"  {name:<26}  {ratio[name]:.3f}x  (" + " ".join(f"{rnd[name]['ratio']:.3f}" for rnd in all_rounds)
+              + f")  {ratio_fsdp2[name]:.3f}x  (" + " ".join(f"{rnd[name]['ratio_fsdp2']:.3f}" for rnd in all_rounds)
+              + f")  {rss[name]:.0f} MiB")
 
     checks = []
     ddp = all_rounds[0]["torchrun DDP"]
     for strategy in STRATEGIES:
         name = f"rayzero {strategy}"
         loss_diff = max(abs(a - b) / b for a, b in zip(all_rounds[0][name]["losses"][:LOSS_STEPS], ddp["losses"]))
-        checks.append({"name": f"{name} / DDP median step time", "value": ratio[name],
-                       "target": f"<= {TARGET_RATIO:g}", "pass": ratio[name] <= TARGET_RATIO})
+        if strategy in ("no_shard", "optim"):
+            checks.append({"name": f"{name} / DDP median step time", "value": ratio[name],
+                           "target": f"<= {TARGET_RATIO:g}", "pass": ratio[name] <= TARGET_RATIO})
+        if strategy == "optim_grads_params":
+            fsdp_rss = rss["torchrun FSDP2"]
+            checks.append({"name": f"{name} / FSDP2 median step time", "value": ratio_fsdp2[name],
+                           "target": f"<= {FSDP_TARGET_RATIO:g}", "pass": ratio_fsdp2[name] <= FSDP_TARGET_RATIO})
+            checks.append({"name": f"{name} peak RSS per rank / FSDP2's", "value": rss[name] / fsdp_rss,
+                           "target": "<= 1", "pass": rss[name] <= fsdp_rss})
         checks.append({"name": f"{name} vs DDP max relative loss difference, first {LOSS_STEPS} steps",
                        "value": loss_diff, "target": f"<= {LOSS_RTOL:g}", "pass": loss_diff <= LOSS_RTOL})
     print()
@@ -262,6 +281,8 @@ def main() -> None:
             "torch_version": torch.__version__,
             "ray_version": ray.__version__,
             "median_ratio": ratio,
+            "median_ratio_fsdp2": ratio_fsdp2,
+            "max_peak_rss_mib": rss,
             "rounds": all_rounds,
             "checks": checks,
         }

@@ -43,9 +43,10 @@ class Axis:
         return _reduce_scatter(self.chunk(full), full, group=self.group, async_op=True)
 
     def start_all_gather(self, full: torch.Tensor, local: torch.Tensor) -> dist.Work | None:
-        """Fill `full` with every rank's `local` (which must not alias `full`)."""
+        """Fill `full` with every rank's `local`: a separate tensor, or `chunk(full)` itself."""
         if self.size == 1:
-            full.copy_(local)
+            if local.data_ptr() != full.data_ptr():
+                full.copy_(local)
             return None
         return _all_gather(full, local, group=self.group, async_op=True)
 

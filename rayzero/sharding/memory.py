@@ -6,7 +6,10 @@ full gradient buckets, communication casts) are counted while they live, and the
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
+
+import torch
 
 CATEGORIES = ("compute_params", "main_params", "optimizer", "grads")
 
@@ -49,3 +52,18 @@ def formula_bytes_per_param(strategy: str, d: int, param_bytes: int = 4, grad_by
         "optim_grads": p + (g + o) / d,
         "optim_grads_params": (p + g + o) / d,
     }[strategy]
+
+
+def live_tensor_bytes(device_type: str = "cpu") -> int:
+    """Every distinct tensor storage alive in this process on `device_type`, in bytes: an
+    independent count to hold the ledger against (tensors autograd or torch keep included)."""
+    gc.collect()
+    seen: dict[int, int] = {}
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and obj.device.type == device_type:
+                st = obj.untyped_storage()
+                seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+        except Exception:  # half-built objects and tensor subclasses that refuse introspection
+            continue
+    return sum(seen.values())

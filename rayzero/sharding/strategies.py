@@ -336,7 +336,6 @@ class ShardOptim(Strategy):
 
     def __init__(self, *args, **kwargs):
         self._param_work: dict[int, dist.Work | None] = {}
-        self._gather_inputs: dict[int, torch.Tensor] = {}
         super().__init__(*args, **kwargs)
         self._param_sync_in_forward = self.cfg.overlap_param_gather and self._gathers_full_params
         if self._param_sync_in_forward:
@@ -404,18 +403,16 @@ class ShardOptim(Strategy):
         if self.shard_axis.size == 1 or not self._gathers_full_params:
             return
         # Forward order: the buffer holds parameters last layer first, so the last bucket is
-        # the one the next forward needs first.
+        # the one the next forward needs first. In place: each rank's shard already sits at
+        # its place in the bucket (NCCL and gloo both accept that aliasing).
         for b in reversed(self.buffer.buckets):
-            local = self._param_view(b, self.inner(b)).clone()
-            self.ledger.grow(_bytes(local))
-            self._gather_inputs[b.index] = local
-            self._param_work[b.index] = self.shard_axis.start_all_gather(self.buffer.data[b.index], local)
+            full = self.buffer.data[b.index]
+            self._param_work[b.index] = self.shard_axis.start_all_gather(full, self.shard_axis.chunk(full))
 
     def finish_param_sync(self, buckets: list[int] | None = None) -> None:
         for i in list(self._param_work) if buckets is None else buckets:
             if i in self._param_work:
                 wait(self._param_work.pop(i))
-                self.ledger.shrink(_bytes(self._gather_inputs.pop(i)))
 
 
 class ShardOptimGrads(ShardOptim):

@@ -7,15 +7,13 @@ tensor storage alive in the rank process is summed (gc), and that matches the le
 peak transient never exceeds two units' full parameters and gradients.
 """
 
-import gc
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from rayzero.cluster.schedule import lr_at
 from rayzero.config import load_config
-from rayzero.sharding.memory import bytes_per_param, formula_bytes_per_param
+from rayzero.sharding.memory import bytes_per_param, formula_bytes_per_param, live_tensor_bytes
 from rayzero.workers.rank import Rank
 from tests.conftest import free_port
 
@@ -30,20 +28,6 @@ def config(world: int, strategy: str, dtype: str):
         f"sharding.strategy={strategy}", f"sharding.param_dtype={dtype}",
         "sharding.bucket_numel=30000",
     ])
-
-
-def live_tensor_bytes() -> int:
-    """Every distinct tensor storage reachable in this process, in bytes."""
-    gc.collect()
-    seen: dict[int, int] = {}
-    for obj in gc.get_objects():
-        try:
-            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
-                st = obj.untyped_storage()
-                seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
-        except Exception:
-            continue
-    return sum(seen.values())
 
 
 def _worker(rank: int, world: int, ports, data_path: str, out: dict):
