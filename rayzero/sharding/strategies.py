@@ -316,8 +316,17 @@ class Strategy:
                 by_name[self.buffer.names[i]] = full[self._local(span, b)].view(
                     self.buffer.params[i].shape).cpu().clone()
         name_of = {id(p): n for n, p in zip(self.buffer.names, self.buffer.params)}
-        return {k: by_name[name_of[id(v)]] for k, v in self.model.state_dict(keep_vars=True).items()
-                if id(v) in name_of}
+        out, used = {}, set()
+        for key, v in self.model.state_dict(keep_vars=True).items():
+            if id(v) not in name_of:  # a buffer, not a parameter: every rank holds it whole
+                out[key] = v.detach().cpu().clone()
+                continue
+            name = name_of[id(v)]
+            # A tied weight appears under each of its names, as separate tensors: file formats
+            # (safetensors) refuse shared storage.
+            out[key] = by_name[name].clone() if name in used else by_name[name]
+            used.add(name)
+        return out
 
     def memory(self) -> dict[str, int]:
         return self.ledger.report()

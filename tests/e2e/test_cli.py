@@ -80,3 +80,43 @@ def test_too_many_workers_fails_after_the_placement_wait(tmp_path, ray_cluster, 
     assert "Traceback" not in r.stderr
     actors, groups = leftovers(ray_cluster)
     assert actors == [] and groups == []
+
+
+SHARDED = [
+    pytest.param(2, ["sharding.strategy=optim_grads"], 4 + 12 / 2, id="zero2"),
+    pytest.param(2, ["sharding.strategy=optim_grads_params", "sharding.param_dtype=bf16"], 18 / 2, id="zero3-bf16"),
+    pytest.param(4, ["sharding.strategy=optim_grads_params", "sharding.dp_outer=2",
+                     "sharding.outer_strategy=optim", "cluster.cpus_per_worker=0.5"], None, id="hybrid-fsdp-2x2"),
+]
+
+
+@pytest.mark.parametrize("world, extra, formula", SHARDED)
+def test_sharded_strategies_train_through_ray_and_report_their_memory(tmp_path, ray_cluster, small_dataset,
+                                                                       world, extra, formula):
+    weights = tmp_path / "final.safetensors"
+    r = run_cli("train", f"cluster.address={ray_cluster}", f"cluster.num_workers={world}", *extra,
+                f"data.path={small_dataset}", "train.steps=6", f"train.save_final={weights}", *FAST,
+                "--no-progress", "--summary-json", str(tmp_path / "s.json"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert s["final_loss"] < s["first_loss"] and s["world_size"] == world
+    mem = s["memory"]
+    assert set(mem["bytes_per_param"]) == {"compute_params", "main_params", "optimizer", "grads", "total"}
+    if formula is not None:  # padding adds at most a few percent on this small model
+        assert formula <= mem["bytes_per_param"]["total"] <= formula * 1.05
+    assert mem["transient_bytes"] > 0
+    assert "memory per rank, bytes/parameter" in r.stdout
+    client = MlflowClient(s["mlflow_tracking_uri"])
+    assert client.get_metric_history(s["mlflow_run_id"], "memory_total_bytes_per_param")[-1].value == \
+        pytest.approx(mem["bytes_per_param"]["total"])
+    # The exported weights are the fp32 main parameters, whole, under the model's own names.
+    cfg = load_config(None, [*FAST])
+    model = build_model(cfg.model, cfg.block_size, seed=0)
+    state = load_file(weights)
+    model.load_state_dict(state)
+    assert all(v.dtype == torch.float32 for v in state.values())
+    if "sharding.param_dtype=bf16" in extra:
+        w = state["blocks.0.mlp.fc.weight"]
+        assert not torch.equal(w, w.bfloat16().float()), "exported from fp32 main params, not bf16 copies"
+    actors, groups = leftovers(ray_cluster)
+    assert actors == [] and groups == []
