@@ -41,7 +41,7 @@ def check_device_supports(dtype: torch.dtype, device: torch.device) -> None:
         F.scaled_dot_product_attention(q, q, q, is_causal=True).float().sum().backward()
         if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
             raise RuntimeError("torch.cuda.is_bf16_supported() is False")
-    except RuntimeError as e:
+    except (RuntimeError, AssertionError) as e:  # AssertionError: a torch built without CUDA
         raise ValueError(f"{device.type} cannot compute in {dtype}: {e}") from None
 
 

@@ -85,6 +85,9 @@ def test_too_many_workers_fails_after_the_placement_wait(tmp_path, ray_cluster, 
 SHARDED = [
     pytest.param(2, ["sharding.strategy=optim_grads"], 4 + 12 / 2, id="zero2"),
     pytest.param(2, ["sharding.strategy=optim_grads_params", "sharding.param_dtype=bf16"], 18 / 2, id="zero3-bf16"),
+    pytest.param(2, ["sharding.strategy=optim", "sharding.param_dtype=fp16", "sharding.initial_loss_scale=1e6",
+                  "optim.warmup_steps=0"],
+                 6 + 12 / 2, id="zero1-fp16-overflowing"),
     pytest.param(4, ["sharding.strategy=optim_grads_params", "sharding.dp_outer=2",
                      "sharding.outer_strategy=optim", "cluster.cpus_per_worker=0.5"], None, id="hybrid-fsdp-2x2"),
 ]
@@ -94,8 +97,8 @@ SHARDED = [
 def test_sharded_strategies_train_through_ray_and_report_their_memory(tmp_path, ray_cluster, small_dataset,
                                                                        world, extra, formula):
     weights = tmp_path / "final.safetensors"
-    r = run_cli("train", f"cluster.address={ray_cluster}", f"cluster.num_workers={world}", *extra,
-                f"data.path={small_dataset}", "train.steps=6", f"train.save_final={weights}", *FAST,
+    r = run_cli("train", f"cluster.address={ray_cluster}", f"cluster.num_workers={world}",
+                f"data.path={small_dataset}", "train.steps=6", f"train.save_final={weights}", *FAST, *extra,
                 "--no-progress", "--summary-json", str(tmp_path / "s.json"), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads((tmp_path / "s.json").read_text())
@@ -104,9 +107,15 @@ def test_sharded_strategies_train_through_ray_and_report_their_memory(tmp_path, 
     assert set(mem["bytes_per_param"]) == {"compute_params", "main_params", "optimizer", "grads", "total"}
     if formula is not None:  # padding adds at most a few percent on this small model
         assert formula <= mem["bytes_per_param"]["total"] <= formula * 1.05
-    assert mem["transient_bytes"] > 0
+    if any(e.startswith("sharding.strategy=optim_grads") for e in extra):  # full gradient buckets
+        assert mem["transient_bytes"] > 0
     assert "memory per rank, bytes/parameter" in r.stdout
     client = MlflowClient(s["mlflow_tracking_uri"])
+    if "sharding.param_dtype=fp16" in extra:  # the overflowing first steps are skipped, and say so
+        assert s["skipped_steps"] > 0 and "skipped by loss scaling" in r.stdout
+        skipped = client.get_metric_history(s["mlflow_run_id"], "skipped_step")
+        assert sum(m.value for m in skipped) == s["skipped_steps"]
+        assert len(client.get_metric_history(s["mlflow_run_id"], "loss_scale")) == s["steps"]
     assert client.get_metric_history(s["mlflow_run_id"], "memory_total_bytes_per_param")[-1].value == \
         pytest.approx(mem["bytes_per_param"]["total"])
     # The exported weights are the fp32 main parameters, whole, under the model's own names.
