@@ -1,28 +1,125 @@
-"""Every GPU check in one call: the CUDA test tier, then the CLI's tokens/s on one GPU.
+"""Every GPU check in one call: the CUDA test tier, ZeRO-3 against plain torch on one GPU, and
+the CLI's tokens/s.
 
-    python benchmarks/gpu_checks.py
+1. `pytest tests/gpu` (NCCL, every strategy in fp32 and bf16, device memory vs the ledger);
+2. world size 1, NCCL, bf16: rayzero `optim_grads_params` against the same GPT trained by
+   plain torch without sharding (bf16 autocast over fp32 parameters, fused AdamW), same
+   batches, median step time over 30 steps after 10 warmup, in one process, alternating in
+   3 rounds; target overhead <= 3 %; also device memory per parameter against the formula;
+3. `rayzero train` on one GPU, for tokens/s and MFU as a user sees them.
+
+    python benchmarks/gpu_checks.py [--json PATH]
 """
 
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ["cluster.num_workers=1", "cluster.use_gpu=true", "model.preset=medium", "train.seq_len=512",
+          "train.global_batch_size=16", "train.micro_batch_size=8", "sharding.param_dtype=bf16",
+          "sharding.strategy=optim_grads_params"]
+STEPS, WARMUP, ROUNDS = 30, 10, 3
+
+
+def time_rayzero(cfg, data_path: str, port: int) -> tuple[list[float], dict]:
+    from rayzero.workers.rank import Rank
+
+    rank = Rank(cfg, 0, 1, data_path)
+    info = rank.setup("127.0.0.1", port)
+    times = []
+    for k in range(STEPS):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        rank.iteration({"step": k, "lr": 1e-4})
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    info["device_bytes_per_param"] = torch.cuda.memory_allocated() / info["num_params"]
+    rank.close()
+    return times, info
+
+
+def time_plain(cfg, data_path: str) -> list[float]:
+    from rayzero.data.batches import RankBatches
+    from rayzero.data.tokens import TokenDataset
+    from rayzero.models.gpt import build_model
+
+    model = build_model(cfg.model, cfg.block_size, cfg.train.seed).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    data = RankBatches(TokenDataset(data_path), seed=cfg.train.seed, global_batch=cfg.train.global_batch_size,
+                       micro_batch=cfg.train.micro_batch_size, seq_len=cfg.train.seq_len, dp_rank=0, dp_size=1)
+    times = []
+    for k in range(STEPS):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for x, y in data.microbatches(k):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = model(x.cuda(non_blocking=True))
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.cuda().flatten(), reduction="sum")
+            (loss / data.tokens_per_step).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    del model, opt
+    torch.cuda.empty_cache()
+    return times
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", metavar="PATH")
+    args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
         return 0
+    import os
+
+    from rayzero.config import load_config
+    from rayzero.data.corpus import ensure_default_corpus
+    from rayzero.jobs.train import resolve_data
+    from rayzero.sharding.memory import formula_bytes_per_param
+    from tests.conftest import free_port
+
     print(f"device: {torch.cuda.get_device_name()}")
     rc = subprocess.call([sys.executable, "-m", "pytest", "-q", str(ROOT / "tests" / "gpu")], cwd=ROOT)
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    data_path = ensure_default_corpus("~/.cache/rayzero/datasets")
+    cfg = load_config(None, CONFIG + [f"data.path={data_path}"])
+    resolve_data(cfg)
+    ratios, info = [], {}
+    for r in range(ROUNDS):
+        plain = statistics.median(time_plain(cfg, data_path)[WARMUP:])
+        times, info = time_rayzero(cfg, data_path, free_port())
+        ours = statistics.median(times[WARMUP:])
+        ratios.append(ours / plain)
+        print(f"round {r + 1}: plain torch {plain * 1e3:.1f} ms, rayzero ZeRO-3 bf16 {ours * 1e3:.1f} ms, "
+              f"ratio {ours / plain:.3f}")
+    ratio = statistics.median(ratios)
+    formula = formula_bytes_per_param("optim_grads_params", 1, param_bytes=2)
+    print(f"ZeRO-3 / plain torch median step time: {ratio:.3f} (target <= 1.03)")
+    print(f"device bytes per parameter: {info['device_bytes_per_param']:.2f} (formula {formula:.0f}, "
+          f"ledger {info['memory']['total'] / info['num_params']:.2f})")
+
     rayzero = Path(sys.executable).with_name("rayzero")
     rc |= subprocess.call([str(rayzero), "train", "cluster.num_workers=1", "cluster.use_gpu=true",
                            "model.preset=small", "train.steps=50", "train.global_batch_size=32",
                            "train.micro_batch_size=8", "train.seq_len=256", "tracking.enabled=false",
                            "--no-progress"], cwd=ROOT)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"ratio": ratio, "rounds": ratios, "device_bytes_per_param":
+                                               info["device_bytes_per_param"], "formula": formula}, indent=2))
     return rc
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import resource
 import statistics
@@ -124,7 +125,13 @@ def main() -> None:
               f"after {args.warmup} warmup, final loss {losses[-1]:.4f}; wrote {args.out}")
 
     dist.barrier()
-    del ddp, model, optimizer
+    # Drop everything holding tensors or the mesh before the group goes: otherwise gloo's
+    # threads can still be running at interpreter exit and the process aborts.
+    del ddp, model, optimizer, groups
+    if args.fsdp2:
+        del mesh
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -1,5 +1,7 @@
 """ZeRO-3's schedule on real gloo groups (world 2), and fp16 loss scaling.
 
+- materialized from the meta device shard by shard, the model starts from exactly the
+  unsharded model's weights;
 - at rest every unit is released: a rank holds only its shards;
 - never more than two units are whole at once, in forward or backward;
 - the next unit's all-gather starts before the current unit computes (prefetch);
@@ -12,6 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 from rayzero.config import load_config
+from rayzero.models.gpt import build_model
 from rayzero.workers.rank import Rank
 from tests.conftest import free_port
 
@@ -24,6 +27,7 @@ def _zero3(rank: int, port: int, data_path: str, out: dict):
     torch.set_num_threads(1)
     r = Rank(load_config(None, BASE + ["sharding.strategy=optim_grads_params"]), rank, WORLD, data_path)
     r.setup("127.0.0.1", port)
+    initial = r.full_state_dict()  # materialized shard by shard from the meta device
     s, buf = r.strategy, r.strategy.buffer
     events, resident_counts = [], []
     unit_of_bucket = {b: u for u, b in s._unit_bucket.items()}
@@ -51,6 +55,7 @@ def _zero3(rank: int, port: int, data_path: str, out: dict):
         "resident_at_rest": [buf.is_resident(b) for b in buf.buckets],
         "param_storage_at_rest": [p.untyped_storage().nbytes() for p in buf.params],
         "units": list(s.units.modules), "losses": losses, "unit_of_bucket": unit_of_bucket,
+        "initial": initial,
     }
     r.close()
 
@@ -60,6 +65,11 @@ def test_zero3_gathers_ahead_releases_after_and_keeps_at_most_two_units(small_da
         out = manager.dict()
         mp.spawn(_zero3, args=(free_port(), small_dataset, out), nprocs=WORLD)
         results = dict(out)
+    cfg = load_config(None, BASE)
+    plain = build_model(cfg.model, cfg.block_size, cfg.train.seed).state_dict()
+    initial = results[0]["initial"]
+    assert initial.keys() == plain.keys()
+    assert all(torch.equal(initial[k], v) for k, v in plain.items()), "same init as the unsharded model"
     for rank, got in results.items():
         assert not any(got["resident_at_rest"]) and not any(got["param_storage_at_rest"])
         assert got["max_resident"] == 2, "prefetch keeps two units whole, never more"

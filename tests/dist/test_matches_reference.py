@@ -186,3 +186,16 @@ def test_weights_do_not_depend_on_world_size(small_dataset):
     c = build_model(config(4, 1).model, 32, seed=8).state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["wte.weight"], c["wte.weight"])
+
+
+def test_bf16_hybrid_curves_follow_fp32(small_dataset):
+    """HSDP and Hybrid-FSDP (2 x 2) with bf16 compute parameters: the rounding write-back from
+    the fp32 main shard and the outer all-gather keep the curve on fp32's (same tolerance)."""
+    world, accum = 4, 1
+    _, ref_losses = reference(config(world, accum), small_dataset)
+    runs = [(f"{label}/bf16", [*extra, "sharding.param_dtype=bf16"]) for label, extra in HYBRID]
+    results = run_ranks(world, accum, runs, small_dataset)
+    for label, _ in runs:
+        curve = global_losses(results, label, world)
+        assert curve == pytest.approx(ref_losses, rel=BF16_TOL), label
+        assert curve[-1] < curve[0] - 0.3, f"{label} does not train"

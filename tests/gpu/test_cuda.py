@@ -1,4 +1,5 @@
-"""Checks only a GPU can make: NCCL process groups and a sharded step on CUDA (skipped on CPU).
+"""Checks only a GPU can make: NCCL process groups, every strategy and bf16 on CUDA, and
+device memory against the ledger (skipped on CPU).
 
 Run them all with `python benchmarks/gpu_checks.py`.
 """
@@ -8,16 +9,19 @@ import torch
 
 from rayzero.cluster.schedule import lr_at
 from rayzero.config import load_config
+from rayzero.sharding.memory import formula_bytes_per_param
 from rayzero.workers.rank import Rank
 from tests.conftest import free_port
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 
 
-@pytest.mark.parametrize("strategy", ["no_shard", "optim"])
-def test_one_rank_trains_on_cuda_over_nccl(strategy, small_dataset):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_one_rank_trains_on_cuda_over_nccl(strategy, dtype, small_dataset):
     cfg = load_config(None, ["cluster.num_workers=1", "cluster.use_gpu=true", f"sharding.strategy={strategy}",
-                             "train.steps=20", "optim.warmup_steps=2"])
+                             f"sharding.param_dtype={dtype}", "train.steps=20", "optim.warmup_steps=2"])
     rank = Rank(cfg, 0, 1, small_dataset)
     info = rank.setup("127.0.0.1", free_port())
     assert info["backend"] == "nccl" and info["device"].startswith("cuda")
@@ -25,7 +29,27 @@ def test_one_rank_trains_on_cuda_over_nccl(strategy, small_dataset):
     for step in range(cfg.train.steps):
         out = rank.iteration({"step": step, "lr": lr_at(step, cfg.train.steps, cfg.optim)})
         losses.append(out["loss_sum"] / out["tokens"])
-    assert all(p.is_cuda for p in rank.model.parameters())
-    assert rank.strategy.buffer.param_data.is_cuda
+    assert all(m.is_cuda for m in rank.strategy.main_params)
+    assert all(m.dtype == torch.float32 for m in rank.strategy.main_params)
     assert losses[-1] < losses[0] - 0.5
+    rank.close()
+
+
+@pytest.mark.parametrize("dtype, pbytes", [("fp32", 4), ("bf16", 2)])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_device_memory_at_rest_is_the_ledger(strategy, dtype, pbytes, small_dataset):
+    """What the CUDA allocator holds once the model state is built equals the ledger, and the
+    formula (d = 1) up to padding and AdamW's scratch."""
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    cfg = load_config(None, ["cluster.num_workers=1", "cluster.use_gpu=true", "model.preset=small",
+                             f"sharding.strategy={strategy}", f"sharding.param_dtype={dtype}"])
+    rank = Rank(cfg, 0, 1, small_dataset)
+    info = rank.setup("127.0.0.1", free_port())
+    held = torch.cuda.memory_allocated() - before
+    ledger = info["memory"]["total"]
+    scratch = rank.strategy.optimizer._denom.numel() * 4
+    assert ledger <= held <= ledger + scratch + 2**20
+    formula = formula_bytes_per_param(strategy, 1, param_bytes=pbytes)
+    assert info["memory"]["total"] / info["num_params"] == pytest.approx(formula, rel=0.02)
     rank.close()
