@@ -9,8 +9,12 @@ from tests.e2e.conftest import run_cli
 @pytest.mark.parametrize("args, expected", [
     (["train.stepz=3"], "train.stepz: unknown key; did you mean 'steps'?"),
     (["train.steps=many"], "train.steps: Input should be a valid integer"),
-    (["sharding.strategy=zero9"], "sharding.strategy: Input should be 'no_shard' or 'optim'"),
+    (["sharding.strategy=zero9"], "sharding.strategy: Input should be 'no_shard', 'optim', 'optim_grads' or 'optim_grads_params'"),
     (["train.global_batch_size=10"], "train.global_batch_size: 10 is not divisible"),
+    (["data.path=DATA", "sharding.strategy=optim_grads_params", "sharding.fsdp_units=Blok"],
+     "sharding.fsdp_units: no module of GPT has class Blok; its module classes are"),
+    (["cluster.num_workers=4", "sharding.dp_outer=3"], "sharding.dp_outer: 3 does not divide cluster.num_workers (4)"),
+    (["sharding.param_dtype=fp16", "sharding.loss_scale=none"], "fp16 parameters need loss scaling"),
     (["--config", "/nonexistent.yaml"], "config file /nonexistent.yaml does not exist"),
     (["data.path=/nonexistent/data"], "no dataset at /nonexistent/data"),
     (["cluster.address=127.0.0.1:1", "data.path=DATA"], "cluster.address: cannot connect"),
