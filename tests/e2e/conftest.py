@@ -26,12 +26,19 @@ def ray_cluster(tmp_path_factory):
     port = free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "token"}
     temp = tmp_path_factory.mktemp("ray")
-    subprocess.run(
+    # A fresh machine has no token yet and `ray start` refuses to run without one; this makes
+    # one only if none exists (its output, the token, is not shown).
+    subprocess.run([str(BIN / "ray"), "get-auth-token", "--generate"], env=env, capture_output=True,
+                   check=True, timeout=60)
+    started = subprocess.run(
         [str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1",
          "--dashboard-host=127.0.0.1", f"--port={port}", f"--dashboard-port={free_port()}",
          "--num-cpus=2", "--disable-usage-stats", f"--temp-dir={temp}"],
-        check=True, env=env, capture_output=True, timeout=120,
+        env=env, capture_output=True, text=True, timeout=120,
     )
+    if started.returncode != 0:
+        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
+        pytest.fail(f"ray start failed:\n{started.stdout[-2000:]}\n{started.stderr[-3000:]}")
     try:
         yield f"127.0.0.1:{port}"
     finally:
