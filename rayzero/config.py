@@ -16,6 +16,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from rayzero._frozen import Frozen
+from rayzero.checkpoint.config import CheckpointConfig
 from rayzero.cluster.config import ClusterConfig, TrackingConfig
 from rayzero.data.config import DataConfig
 from rayzero.models.gpt import ModelConfig
@@ -44,6 +45,7 @@ class RootConfig(Frozen):
     train: TrainConfig = TrainConfig()
     optim: OptimConfig = OptimConfig()
     tracking: TrackingConfig = TrackingConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
 
     @model_validator(mode="after")
     def _check(self):
@@ -82,7 +84,7 @@ class RootConfig(Frozen):
 
     def flat(self) -> dict[str, Any]:
         """Dotted keys to values, as MLflow parameters."""
-        return _flatten(self.model_dump())
+        return _flatten(self.model_dump(by_alias=True))
 
 
 def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:

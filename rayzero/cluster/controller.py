@@ -15,6 +15,9 @@ import ray
 from tqdm import tqdm
 
 from rayzero.checkpoint.export import save_safetensors
+from rayzero.checkpoint.manifest import CheckpointError
+from rayzero.checkpoint.shard_file import ChecksumError
+from rayzero.cluster.checkpoints import Checkpoints
 from rayzero.cluster.dispatch import DISPATCHERS
 from rayzero.cluster.schedule import lr_at
 from rayzero.cluster.worker_group import WorkerGroup
@@ -42,7 +45,7 @@ class History:
 
 class Controller:
     def __init__(self, cfg: RootConfig, data_path: str, run_dir: str, tracker, progress: bool = True,
-                 actor_cls=RankActor):
+                 actor_cls=RankActor, checkpoints: Checkpoints | None = None):
         self.cfg = cfg
         self.actor_cls = actor_cls
         self.data_path = data_path
@@ -51,6 +54,9 @@ class Controller:
         self.progress = progress
         self.state = "INIT"
         self.history = History()
+        self.checkpoints = checkpoints  # None: checkpoints off
+        self.start_step = 0
+        self.resumed_from: str | None = None
 
     def fit(self) -> dict:
         cfg = self.cfg
@@ -73,6 +79,9 @@ class Controller:
             infos = group.rendezvous()
             self.num_params = infos[0]["num_params"]
             self.state = "BUILD"
+            if self.checkpoints is not None:
+                self.checkpoints.configure(infos, self.tracker.run_id)
+                self._resume(group, infos[0]["params"])
             dispatch = DISPATCHERS[cfg.cluster.dispatch](
                 group.actors, cfg.grad_accum, timeout_s=cfg.cluster.pg_timeout_s
             )
@@ -80,6 +89,10 @@ class Controller:
             self._train(dispatch)
             dispatch.close()
             dispatch = None
+            if self.checkpoints is not None:  # the last uploads, then their commit
+                self.state = "CHECKPOINT"
+                reports = ray.get([a.finish_checkpoints.remote() for a in group.actors])
+                self.checkpoints.add_uploads([u for r in reports for u in r])
             if cfg.train.save_final:
                 weights = ray.get([a.full_state_dict.remote() for a in group.actors])[0]
                 save_safetensors(weights, cfg.train.save_final, {"strategy": cfg.sharding.strategy})
@@ -89,17 +102,39 @@ class Controller:
         finally:
             _teardown(dispatch, group, self.tracker, status)
 
+    def _resume(self, group: WorkerGroup, params: dict) -> None:
+        """Load the newest usable commit into every rank; with `auto`, a checkpoint whose shard
+        fails its checksum is skipped (with a warning) for the one before it."""
+        for c in self.checkpoints.resume_target(params):
+            try:
+                ray.get([a.load_checkpoint.remote(c.uri, c.manifest) for a in group.actors])
+            except ray.exceptions.RayTaskError as e:
+                cause = e.cause if isinstance(getattr(e, "cause", None), Exception) else e
+                if self.cfg.checkpoint.resume != "auto" or not isinstance(cause, ChecksumError):
+                    raise CheckpointError(f"cannot resume from {c.uri}: {cause}") from None
+                log.warning("checkpoint %s is damaged (%s); falling back to the one before it", c.uri, cause)
+                continue
+            self.start_step, self.resumed_from = c.step, c.uri
+            log.info("resumed from %s at step %d", c.uri, c.step)
+            self.tracker.set_tags({"resumed_from": c.uri})
+            return
+
     def _train(self, dispatch) -> None:
         cfg, h = self.cfg, self.history
         tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
-        bar = tqdm(range(cfg.train.steps), desc="train", unit="step", disable=not self.progress,
-                   mininterval=1.0, dynamic_ncols=True)
+        first = self.start_step
+        if first >= cfg.train.steps:
+            return
+        bar = tqdm(range(first, cfg.train.steps), desc="train", unit="step", disable=not self.progress,
+                   mininterval=1.0, dynamic_ncols=True, initial=first, total=cfg.train.steps)
+        ckpt = self.checkpoints
 
         def plan(k: int) -> dict:
-            return {"step": k, "lr": lr_at(k, cfg.train.steps, cfg.optim)}
+            return {"step": k, "lr": lr_at(k, cfg.train.steps, cfg.optim),
+                    "checkpoint": ckpt.plan(k) if ckpt is not None else None}
 
         last = time.perf_counter()
-        pending = dispatch.submit(plan(0))
+        pending = dispatch.submit(plan(first))
         for step in bar:
             # Queue the next iteration before reading this one: ranks never wait on the driver.
             queued = dispatch.submit(plan(step + 1)) if step + 1 < cfg.train.steps else None
@@ -131,19 +166,27 @@ class Controller:
             h.memory = [r["memory"] for r in results]
             if step == 0 or step + 1 == cfg.train.steps:
                 metrics.update(memory_metrics(h.memory, self.num_params))
+            if ckpt is not None:
+                metrics["checkpoint_stall_ms"] = max(r["phase_s"].get("checkpoint", 0.0) for r in results) * 1e3
+                ckpt.collect(step, results)
             self.tracker.log_metrics(step, metrics)
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_step / dt:,.0f}", refresh=False)
 
     def summary(self, rank0_info: dict) -> dict:
         cfg, h = self.cfg, self.history
-        step_s = mean(h.timed(h.step_s))
+        trained = bool(h.losses)
+        step_s = mean(h.timed(h.step_s)) if trained else None
+        memory = h.memory or [rank0_info["memory"]]
+        ckpt = self.checkpoints
         return {
-            "first_loss": h.losses[0],
-            "final_loss": h.losses[-1],
+            "first_loss": h.losses[0] if trained else None,
+            "final_loss": h.losses[-1] if trained else None,
             "steps": len(h.losses),
-            "tokens_per_s": cfg.train.global_batch_size * cfg.train.seq_len / step_s,
-            "step_ms": step_s * 1e3,
-            "phase_ms": {p: mean(h.timed(v)) * 1e3 for p, v in h.phase_s.items()},
+            "start_step": self.start_step,
+            "total_steps": cfg.train.steps,
+            "tokens_per_s": cfg.train.global_batch_size * cfg.train.seq_len / step_s if trained else None,
+            "step_ms": step_s * 1e3 if trained else None,
+            "phase_ms": {p: mean(h.timed(v)) * 1e3 for p, v in h.phase_s.items()} if trained else {},
             "world_size": cfg.cluster.num_workers,
             "strategy": cfg.sharding.strategy,
             "grad_accum": cfg.grad_accum,
@@ -155,10 +198,13 @@ class Controller:
             "run_dir": self.run_dir,
             "final_weights": cfg.train.save_final or None,
             "skipped_steps": h.skipped,
+            "resumed_from": self.resumed_from,
+            "checkpoint": ckpt.last_committed if ckpt is not None else None,
+            "checkpoints_committed": ckpt.commits if ckpt is not None else 0,
             "memory": {
-                "bytes_per_param": bytes_per_param(h.memory, self.num_params),
-                "transient_bytes": max(r["transient_peak"] for r in h.memory),
-                "per_rank": h.memory,
+                "bytes_per_param": bytes_per_param(memory, self.num_params),
+                "transient_bytes": max(r["transient_peak"] for r in memory),
+                "per_rank": memory,
                 "param_dtype": cfg.sharding.param_dtype,
                 "grad_dtype": cfg.sharding.grad_dtype,
             },

@@ -47,17 +47,23 @@ def _train(args) -> int:
 
 
 def _print_summary(s: dict) -> None:
+    if s["steps"] == 0:
+        print(f"\nnothing to train: resumed from {s['resumed_from']} at step {s['start_step']} "
+              f"of {s['total_steps']}")
+        return
     phases = "  ".join(f"{k} {v:.1f}" for k, v in s["phase_ms"].items())
     mem = s["memory"]
     per_param = "  ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in mem["bytes_per_param"].items())
+    resumed = f" (resumed at step {s['start_step']})" if s["resumed_from"] else ""
     print(
-        f"\ntrained {s['steps']} steps: loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}\n"
+        f"\ntrained {s['steps']} steps{resumed}: loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}\n"
         f"  {s['world_size']} ranks, strategy {s['strategy']}, {s['num_params']:,} parameters, "
         f"{s['grad_accum']} micro-batches/step\n"
         f"  {s['tokens_per_s']:,.0f} tokens/s, {s['step_ms']:.1f} ms/step ({phases} ms)\n"
         f"  memory per rank, bytes/parameter: {per_param}; transient peak "
         f"{mem['transient_bytes'] / 2**20:.1f} MiB\n"
         + (f"  {s['skipped_steps']} steps skipped by loss scaling\n" if s["skipped_steps"] else "")
+        + (f"  checkpoint {s['checkpoint']}\n" if s["checkpoint"] else "")
         + f"  run dir {s['run_dir']}\n"
         + (f"  mlflow run {s['mlflow_run_id']} at {s['mlflow_tracking_uri']}" if s["mlflow_run_id"] else "  mlflow off")
         + (f"\n  weights {s['final_weights']}" if s["final_weights"] else "")

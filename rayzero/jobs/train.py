@@ -11,6 +11,8 @@ import ray
 import torch
 
 from rayzero import __version__
+from rayzero.checkpoint.storage import StorageError
+from rayzero.cluster.checkpoints import Checkpoints
 from rayzero.cluster.controller import Controller
 from rayzero.cluster.tracking import NullTracker, Tracker
 from rayzero.checkpoint.export import check_destination
@@ -79,8 +81,15 @@ def run_train(cfg: RootConfig, progress: bool = True) -> dict:
         check_buildable(cfg, None if cfg.cluster.use_gpu else torch.device("cpu"))
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    checkpoints = None
+    if cfg.checkpoint.dir:  # a probe write now, not a failed upload after an hour of training
+        try:
+            checkpoints = Checkpoints(cfg)
+            checkpoints.probe()
+        except StorageError as e:
+            raise ConfigError(f"checkpoint.dir: cannot write checkpoints there: {e}") from None
     run_dir = make_run_dir(cfg)
-    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2, by_alias=True))
     started_ray = not ray.is_initialized()
     if started_ray:
         try:
@@ -99,7 +108,8 @@ def run_train(cfg: RootConfig, progress: bool = True) -> dict:
         tracker = Tracker(tracking_uri(cfg, run_dir), cfg.tracking.experiment,
                           cfg.tracking.run_name or run_dir.name, cfg.flat(), tags)
     try:
-        return Controller(cfg, data_path, str(run_dir), tracker, progress=progress).fit()
+        return Controller(cfg, data_path, str(run_dir), tracker, progress=progress,
+                          checkpoints=checkpoints).fit()
     finally:
         if started_ray:
             ray.shutdown()

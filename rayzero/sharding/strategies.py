@@ -331,6 +331,29 @@ class Strategy:
     def memory(self) -> dict[str, int]:
         return self.ledger.report()
 
+    # -- checkpoints -----------------------------------------------------------------------
+    def owned_pieces(self) -> list[Range]:
+        """The world ranges of `main_params`, in order: this rank's part of a checkpoint."""
+        return [self.owned(b) for b in self.buffer.buckets]
+
+    @property
+    def saves_shard(self) -> bool:
+        """Whether this rank writes a checkpoint shard: one copy of every element is written,
+        so replicas (DDP ranks, HSDP replicas) other than the first leave it to that one."""
+        axis = self.owner_axis
+        if axis is None:
+            return self.topo.rank == 0
+        if axis is self.shard_axis:
+            return self.topo.replica_rank == 0
+        return True
+
+    def after_load(self) -> None:
+        """Main parameters were just written: round them into the compute parameters and make
+        them whole where the strategy keeps them whole."""
+        self._write_back()
+        self._start_param_sync()
+        self.finish_param_sync()
+
 
 class NoShard(Strategy):
     """DDP: all-reduce gradients, every rank runs the full optimizer."""

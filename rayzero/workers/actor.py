@@ -35,6 +35,12 @@ class RankShim:
     def step(self, prev: dict) -> dict:
         return self.rank.step(prev)
 
+    def finish_checkpoints(self) -> list[dict]:
+        return self.rank.finish_checkpoints()
+
+    def load_checkpoint(self, uri: str, manifest: dict) -> dict:
+        return self.rank.load_checkpoint(uri, manifest)
+
     def full_state_dict(self) -> dict:
         return self.rank.full_state_dict()
 

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from rayzero.checkpoint.shards import ShardSaver, layout_record, load_shard
+from rayzero.checkpoint.storage import Storage
 from rayzero.config import RootConfig
 from rayzero.data.batches import RankBatches
 from rayzero.data.tokens import TokenDataset
@@ -49,6 +51,7 @@ class Rank:
         self.data_path = data_path
         self.device = torch.device("cpu")
         self._times: dict[str, float] = {}
+        self.saver: ShardSaver | None = None
 
     # -- setup -------------------------------------------------------------------------
     @staticmethod
@@ -102,6 +105,9 @@ class Rank:
             "buffer_numel": self.strategy.buffer.layout.numel,
             "shard_numel": sum(p.numel() for p in self.strategy.main_params),
             "memory": self.strategy.memory(),
+            "saves_shard": self.strategy.saves_shard,
+            "layout": layout_record(self.strategy),
+            "params": {n: list(p.shape) for n, p in self.model.named_parameters()},
         }
 
     def _make_axes(self) -> dict[str, Axis]:
@@ -169,6 +175,7 @@ class Rank:
         t0 = time.perf_counter()
         grad_norm = self.strategy.step(self.plan["lr"])
         self._times["step"] = time.perf_counter() - t0
+        self._times["checkpoint"] = self._checkpoint(self.plan.get("checkpoint"))
         return {
             "rank": self.topo.rank,
             "step": self.plan["step"],
@@ -180,6 +187,8 @@ class Rank:
             "loss_scale": self.strategy.scaler.scale if self.strategy.scaler is not None else None,
             "memory": self.strategy.memory(),
             "phase_s": dict(self._times),
+            "uploads": self.saver.reports() if self.saver is not None else [],
+            "rng": torch.get_rng_state().tolist() if self.plan.get("checkpoint") else None,
         }
 
     def iteration(self, plan: dict) -> dict:
@@ -190,6 +199,36 @@ class Rank:
             out = self.backward(self.forward(out))
         return self.step(self.reduce_scatter(out))
 
+    # -- checkpoints ------------------------------------------------------------------
+    def _checkpoint(self, where: dict | None) -> float:
+        """At a checkpoint step: snapshot this rank's shard and start its upload. Returns the
+        seconds training was held."""
+        if not where or not self.strategy.saves_shard:
+            return 0.0
+        if self.saver is None:
+            self.saver = ShardSaver(self.strategy, asynchronous=self.cfg.checkpoint.async_)
+        storage = Storage(where["uri"], self.cfg.checkpoint)
+        return self.saver.save(storage, where["step"])
+
+    def finish_checkpoints(self) -> list[dict]:
+        """Wait for the last upload; the reports not yet returned."""
+        if self.saver is None:
+            return []
+        self.saver.wait()
+        return self.saver.reports()
+
+    def load_checkpoint(self, uri: str, manifest: dict) -> dict:
+        """Restore this rank's shard (resharding if the layout differs), and the RNG state when
+        the world size is the same. Every rank must call it."""
+        t0 = time.perf_counter()
+        load_shard(self.strategy, Storage(uri, self.cfg.checkpoint), manifest)
+        if self.strategy.scaler is not None and manifest.get("loss_scale") is not None:
+            self.strategy.scaler.scale = manifest["loss_scale"]
+        rng = manifest.get("rng") or []
+        if len(rng) == self.topo.world_size:
+            torch.set_rng_state(torch.tensor(rng[self.topo.rank], dtype=torch.uint8))
+        return {"rank": self.topo.rank, "load_s": time.perf_counter() - t0}
+
     # -- outside the iteration graph -------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's fp32 weights on CPU, by `state_dict()` names (tied weights under
@@ -198,6 +237,8 @@ class Rank:
         return state if self.topo.rank == 0 else None
 
     def close(self) -> None:
+        if self.saver is not None:
+            self.saver.wait()
         if dist.is_initialized():
             dist.barrier()
             self.model = self.strategy = None  # drop buffers before the group goes away

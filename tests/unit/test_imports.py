@@ -78,6 +78,7 @@ RULES = {
     "cluster": ["rayzero.jobs"],
     "models": ["ray"],
     "data": ["ray"],
+    "checkpoint": ["ray", "rayzero.cluster", "rayzero.workers", "rayzero.jobs"],
 }
 
 

@@ -1,0 +1,133 @@
+"""The checkpoint format (version 1) and the catalog of a checkpoint directory.
+
+    <dir>/step-000120/shard-00000-of-00004.safetensors   one per saving rank, written by it
+    <dir>/step-000120/manifest.json                      written last, by the controller: the commit
+
+A prefix without `manifest.json` is not a checkpoint: readers skip it and the controller
+deletes it once a newer checkpoint is committed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+
+from rayzero.checkpoint.storage import Storage, StorageError
+
+log = logging.getLogger(__name__)
+
+FORMAT, VERSION = "rayzero-checkpoint", 1
+MANIFEST = "manifest.json"
+_STEP = re.compile(r"^step-(\d{6,})$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used as asked; the message says why and names the files."""
+
+
+def step_dir(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def shard_name(rank: int, world: int) -> str:
+    return f"shard-{rank:05d}-of-{world:05d}.safetensors"
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A committed checkpoint: its storage prefix and its manifest."""
+
+    storage: Storage
+    manifest: dict
+
+    @property
+    def step(self) -> int:
+        return self.manifest["step"]
+
+    @property
+    def uri(self) -> str:
+        return self.storage.uri
+
+
+def write_manifest(storage: Storage, manifest: dict) -> None:
+    storage.write_bytes(MANIFEST, json.dumps(manifest, indent=1).encode())
+
+
+def read_manifest(storage: Storage) -> dict:
+    try:
+        m = json.loads(storage.read_bytes(MANIFEST))
+    except FileNotFoundError:
+        raise CheckpointError(f"{storage.uri} is not a checkpoint (no {MANIFEST}: never committed)") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{storage.uri}/{MANIFEST} is not valid JSON: {e}") from None
+    if m.get("format") != FORMAT or m.get("version") != VERSION:
+        raise CheckpointError(f"{storage.uri}: format {m.get('format')} v{m.get('version')}, "
+                              f"this rayzero reads {FORMAT} v{VERSION}")
+    return m
+
+
+def committed(root: Storage) -> list[Committed]:
+    """The committed checkpoints under `root`, oldest first."""
+    out = []
+    for name in root.list_dirs():
+        if not _STEP.match(name):
+            continue
+        try:
+            out.append(Committed(root.child(name), read_manifest(root.child(name))))
+        except CheckpointError:
+            continue  # uncommitted (no manifest): not a checkpoint
+    return sorted(out, key=lambda c: c.step)
+
+
+def open_checkpoint(uri: str, cfg=None) -> Committed:
+    """A checkpoint by URI: a `step-…` prefix, or a directory (its newest commit)."""
+    storage = Storage(uri, cfg)
+    if _STEP.match(uri.rstrip("/").rsplit("/", 1)[-1]):
+        return Committed(storage, read_manifest(storage))
+    found = committed(storage)
+    if not found:
+        raise CheckpointError(f"{uri}: no committed checkpoint there")
+    return found[-1]
+
+
+def check_shards_present(c: Committed) -> None:
+    """Every shard the manifest lists exists with its recorded size (cheap: no data read)."""
+    for s in c.manifest["shards"]:
+        size = c.storage.size(s["file"])
+        if size != s["size"]:
+            raise CheckpointError(f"{c.uri}/{s['file']}: " + ("missing" if size is None else
+                                  f"{size} bytes, the manifest says {s['size']}"))
+
+
+def check_model(manifest: dict, params: dict[str, list[int]], uri: str) -> None:
+    """The checkpoint holds exactly these parameter names and shapes; else a CheckpointError
+    listing every mismatch."""
+    saved = {p["name"]: p["shape"] for p in manifest["params"]}
+    problems = [f"{n}: missing from the checkpoint" for n in params if n not in saved]
+    problems += [f"{n}: not in the model" for n in saved if n not in params]
+    problems += [f"{n}: shape {saved[n]} in the checkpoint, {params[n]} in the model"
+                 for n in params if n in saved and list(saved[n]) != list(params[n])]
+    if problems:
+        raise CheckpointError(f"{uri} holds a different model:\n  " + "\n  ".join(problems))
+
+
+def prune(root: Storage, keep_last: int) -> list[str]:
+    """Delete committed checkpoints beyond the newest `keep_last`, and uncommitted prefixes
+    older than the newest commit (a crash mid-upload leaves those). Returns what went."""
+    done = committed(root)
+    if not done:
+        return []
+    newest = done[-1].step
+    keep = {step_dir(c.step) for c in done[-keep_last:]}
+    gone = []
+    for name in root.list_dirs():
+        m = _STEP.match(name)
+        if m and name not in keep and int(m.group(1)) < newest:
+            try:
+                root.delete_dir(name)
+                gone.append(name)
+            except StorageError as e:
+                log.warning("could not delete old checkpoint %s: %s", name, e)
+    return gone

@@ -1,0 +1,184 @@
+"""A rank's side of checkpointing: snapshot its shard and upload it in the background; load
+(and reshard) its new shard from a committed checkpoint with ranged reads.
+
+Flat-buffer coordinates make resharding arithmetic: a saved shard file holds the rank's owned
+world ranges, concatenated; a parameter's elements sit at its saved world offset; the new
+rank intersects each range it now owns with the saved parameter ranges and reads just those
+bytes from the files that hold them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+import time
+
+import numpy as np
+import torch
+
+from rayzero.checkpoint.manifest import shard_name
+from rayzero.checkpoint.shard_file import NAMES, ShardReader, write_shard
+from rayzero.checkpoint.storage import Storage
+from rayzero.sharding.strategies import Strategy
+
+log = logging.getLogger(__name__)
+
+
+def layout_record(strategy: Strategy) -> dict:
+    """The saved layout: enough to find any parameter element in the shard files."""
+    lay = strategy.buffer.layout
+    return {
+        "strategy": strategy.name,
+        "world_size": strategy.topo.world_size,
+        "dp_outer": strategy.topo.dp_outer,
+        "outer_strategy": strategy.cfg.outer_strategy,
+        "buckets": [[b.world.start, b.world.end] for b in lay.buckets],
+        "param_order": list(strategy.buffer.names),
+        "param_world": [[p.world.start, p.world.end] for p in lay.params],
+    }
+
+
+class ShardSaver:
+    """Snapshots to host memory, then streams the shard from a background thread."""
+
+    def __init__(self, strategy: Strategy, asynchronous: bool):
+        self.strategy = strategy
+        self.asynchronous = asynchronous
+        self._thread: threading.Thread | None = None
+        self._done: list[dict] = []
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def save(self, storage: Storage, step: int) -> float:
+        """Wait for the previous upload, snapshot, start this one. Returns the seconds the
+        caller was held (the training stall)."""
+        t0 = time.perf_counter()
+        self.wait()
+        s = self.strategy
+        opt = s.optimizer
+        snapshot = {
+            "main": torch.cat([m.detach().reshape(-1) for m in s.main_params]).to("cpu", torch.float32),
+            "exp_avg": opt.exp_avg.detach().to("cpu", copy=True),
+            "exp_avg_sq": opt.exp_avg_sq.detach().to("cpu", copy=True),
+        }
+        rank, world = s.topo.rank, s.topo.world_size
+        key = shard_name(rank, world)
+        meta = {"step": str(step), "rank": str(rank)}
+        pieces = [[r.start, r.end] for r in s.owned_pieces()]
+        adam_steps = opt.step_count  # steps skipped by loss scaling do not count
+
+        def upload():
+            try:
+                t = time.perf_counter()
+                entry = write_shard(storage, key, snapshot, meta)
+                with self._lock:
+                    self._done.append({"step": step, "rank": rank, "file": key, "pieces": pieces,
+                                       "adam_steps": adam_steps, "upload_s": time.perf_counter() - t, **entry})
+            except BaseException as e:  # reported to the controller on the next call
+                self._error = e
+
+        if self.asynchronous:
+            self._thread = threading.Thread(target=upload, name=f"ckpt-upload-{step}", daemon=True)
+            self._thread.start()
+        else:
+            upload()
+            self._raise()
+        return time.perf_counter() - t0
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._raise()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise RuntimeError(f"checkpoint upload failed: {e}") from e
+
+    def reports(self) -> list[dict]:
+        """Uploads finished since the last call (and any upload error, raised)."""
+        self._raise()
+        with self._lock:
+            out, self._done = self._done, []
+        return out
+
+
+def load_shard(strategy: Strategy, storage: Storage, manifest: dict) -> None:
+    """Fill this rank's main parameters and Adam moments from a checkpoint saved at any world
+    size and strategy, reading only the byte ranges that cover them."""
+    lay = manifest["layout"]
+    saved_at = {n: w[0] for n, w in zip(lay["param_order"], lay["param_world"])}
+    # Every saved piece: (world start, world end, file index, offset in that file's tensors).
+    pieces = []
+    for f, shard in enumerate(manifest["shards"]):
+        off = 0
+        for start, end in shard["pieces"]:
+            pieces.append((start, end, f, off))
+            off += end - start
+    pieces.sort()
+    starts = [p[0] for p in pieces]
+    readers: dict[int, ShardReader] = {}
+
+    def reader(f: int) -> ShardReader:
+        if f not in readers:
+            readers[f] = ShardReader(storage, manifest["shards"][f]["file"], manifest["shards"][f])
+        return readers[f]
+
+    opt = strategy.optimizer
+    targets = {"main": torch.zeros(sum(m.numel() for m in strategy.main_params)),
+               "exp_avg": torch.zeros_like(opt.exp_avg, device="cpu"),
+               "exp_avg_sq": torch.zeros_like(opt.exp_avg_sq, device="cpu")}
+    layout, names = strategy.buffer.layout, strategy.buffer.names
+    copies = []  # (file, offset in the file's tensors, length, offset in this rank's shard)
+    local = 0
+    for own in strategy.owned_pieces():
+        for span in layout.params:
+            cut = span.world.intersect(own)
+            if cut is not None:
+                src = saved_at[names[span.index]] + (cut.start - span.world.start)
+                copies += _locate(src, src + cut.size, local + (cut.start - own.start), pieces, starts)
+        local += own.size
+    for f, off, n, dsts in _coalesce(copies):
+        for name in NAMES:
+            data = torch.from_numpy(np.array(reader(f).read(name, off, off + n)))
+            for src_rel, dst, length in dsts:
+                targets[name][dst : dst + length] = data[src_rel : src_rel + length]
+    with torch.no_grad():
+        offset = 0
+        for m in strategy.main_params:
+            m.copy_(targets["main"][offset : offset + m.numel()].view_as(m))
+            offset += m.numel()
+        opt.exp_avg.copy_(targets["exp_avg"])
+        opt.exp_avg_sq.copy_(targets["exp_avg_sq"])
+    opt.step_count = manifest["optimizer"]["step_count"]
+    strategy.after_load()
+
+
+def _locate(src: int, src_end: int, dst: int, pieces, starts) -> list[tuple[int, int, int, int]]:
+    """Where saved world elements [src, src_end) are: (file, offset, length, destination)."""
+    out = []
+    i = bisect.bisect_right(starts, src) - 1
+    while src < src_end:
+        start, end, f, off = pieces[i] if i >= 0 else (0, 0, 0, 0)
+        if not start <= src < end:
+            raise ValueError(f"saved element {src} is in no shard: the manifest's pieces do not cover it")
+        n = min(end, src_end) - src
+        out.append((f, off + (src - start), n, dst))
+        src, dst, i = src + n, dst + n, i + 1
+    return out
+
+
+def _coalesce(copies):
+    """Join copies that read adjacent bytes of the same file into one read each: a rank at the
+    same layout reads each of its pieces in one request."""
+    runs = []
+    for f, off, n, dst in sorted(copies):
+        if runs and runs[-1][0] == f and runs[-1][1] + runs[-1][2] == off:
+            run = runs[-1]
+            run[3].append((run[2], dst, n))
+            run[2] += n
+        else:
+            runs.append([f, off, n, [(0, dst, n)]])
+    return runs

@@ -1,0 +1,147 @@
+"""Checkpoint storage through `pyarrow.fs`: local paths, file:// and s3://, with retries.
+
+Credentials come from the config or the standard AWS variables and are never part of a
+message: errors name the URI, never the keys.
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator, TypeVar
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from rayzero.checkpoint.config import CheckpointConfig
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class StorageError(RuntimeError):
+    """Storage that cannot be reached, written or read; the message names the URI."""
+
+
+class Storage:
+    """One checkpoint root: a filesystem and a base path, addressed by relative keys."""
+
+    def __init__(self, uri: str, cfg: CheckpointConfig | None = None):
+        cfg = cfg or CheckpointConfig()
+        self.uri = uri.rstrip("/")
+        self.retries = cfg.retries
+        if uri.startswith("s3://"):
+            self.fs = _s3(cfg)
+            self.base = uri[len("s3://"):].rstrip("/")
+        elif "://" in uri and not uri.startswith("file://"):
+            raise StorageError(f"{uri}: unsupported scheme (use a local path, file:// or s3://)")
+        else:
+            self.fs = pafs.LocalFileSystem()
+            self.base = str(Path(uri.removeprefix("file://")).expanduser().resolve())
+
+    def path(self, key: str = "") -> str:
+        return posixpath.join(self.base, key) if key else self.base
+
+    def child(self, key: str) -> "Storage":
+        other = object.__new__(Storage)
+        other.fs, other.retries = self.fs, self.retries
+        other.uri, other.base = f"{self.uri}/{key}", self.path(key)
+        return other
+
+    # -- retried primitives ------------------------------------------------------------
+    def _retry(self, what: str, fn: Callable[[], T]) -> T:
+        delay = 0.2
+        for attempt in range(self.retries + 1):
+            try:
+                return fn()
+            except FileNotFoundError:
+                raise
+            except (OSError, pa.ArrowException) as e:
+                if attempt == self.retries:
+                    raise StorageError(f"{what} {self.uri}: {_clean(e)}") from None
+                log.warning("%s %s failed (%s); retrying in %.1fs", what, self.uri, _clean(e), delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        raise AssertionError("unreachable")
+
+    def write_bytes(self, key: str, data: bytes) -> None:
+        def write():
+            self.fs.create_dir(posixpath.dirname(self.path(key)), recursive=True)
+            with self.fs.open_output_stream(self.path(key)) as f:
+                f.write(data)
+
+        self._retry(f"writing {key} to", write)
+
+    def read_bytes(self, key: str) -> bytes:
+        def read():
+            with self.fs.open_input_stream(self.path(key)) as f:
+                return f.read()
+
+        return self._retry(f"reading {key} from", read)
+
+    def read_range(self, key: str, offset: int, length: int) -> bytes:
+        """`length` bytes at `offset`: a ranged read, the rest of the file is not fetched."""
+        def read():
+            with self.fs.open_input_file(self.path(key)) as f:
+                data = f.read_at(length, offset)
+            if len(data) != length:
+                raise OSError(f"short read of {key}: {len(data)} of {length} bytes at {offset}")
+            return data
+
+        return self._retry(f"reading {key} from", read)
+
+    @contextmanager
+    def output_stream(self, key: str) -> Iterator:
+        self._retry("creating", lambda: self.fs.create_dir(posixpath.dirname(self.path(key)), recursive=True))
+        with self.fs.open_output_stream(self.path(key)) as f:
+            yield f
+
+    def size(self, key: str) -> int | None:
+        info = self._retry("inspecting", lambda: self.fs.get_file_info(self.path(key)))
+        return info.size if info.type == pafs.FileType.File else None
+
+    def list_dirs(self) -> list[str]:
+        """Names of the folders (prefixes) directly under the root."""
+        sel = pafs.FileSelector(self.base, allow_not_found=True)
+        infos = self._retry("listing", lambda: self.fs.get_file_info(sel))
+        return sorted(posixpath.basename(i.path) for i in infos if i.type == pafs.FileType.Directory)
+
+    def delete_dir(self, key: str) -> None:
+        self._retry("deleting", lambda: self.fs.delete_dir(self.path(key)))
+
+    def probe(self) -> None:
+        """Write, read back and delete a small object: raises StorageError with the cause
+        (unreachable endpoint, wrong credentials, no such bucket, read-only path)."""
+        key = ".rayzero-probe"
+        try:
+            self.write_bytes(key, b"ok")
+            if self.read_bytes(key) != b"ok":
+                raise StorageError(f"{self.uri}: what was written did not read back")
+            self.fs.delete_file(self.path(key))
+        except FileNotFoundError as e:
+            raise StorageError(f"{self.uri}: {_clean(e)}") from None
+
+
+def _s3(cfg: CheckpointConfig) -> pafs.S3FileSystem:
+    kw: dict = {}
+    endpoint = cfg.s3_endpoint
+    if endpoint:
+        scheme, sep, rest = endpoint.partition("://")
+        kw["endpoint_override"] = rest if sep else endpoint
+        kw["scheme"] = scheme if sep else "https"
+    if cfg.s3_region:
+        kw["region"] = cfg.s3_region
+    if cfg.s3_access_key_id:
+        kw["access_key"] = cfg.s3_access_key_id
+        kw["secret_key"] = cfg.s3_secret_access_key.get_secret_value()
+    # Fail fast on a dead endpoint: the retries above are ours, with backoff.
+    kw.update(connect_timeout=5, request_timeout=30, retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=2))
+    return pafs.S3FileSystem(**kw)
+
+
+def _clean(e: BaseException) -> str:
+    """The error's first line, which never holds credentials (pyarrow puts none in them)."""
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

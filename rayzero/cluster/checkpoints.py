@@ -1,0 +1,121 @@
+"""The driver's side of checkpointing: when to save, committing manifests, pruning, and
+picking what a run resumes from. Only the controller writes manifests."""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timezone
+from pathlib import Path
+
+from rayzero.checkpoint.manifest import (
+    FORMAT, VERSION, CheckpointError, Committed, check_model, check_shards_present, committed,
+    open_checkpoint, prune, step_dir, write_manifest,
+)
+from rayzero.checkpoint.storage import Storage, StorageError
+from rayzero.config import RootConfig
+
+log = logging.getLogger(__name__)
+
+
+def checkpoint_root(cfg: RootConfig) -> str:
+    """`checkpoint.dir` as a URI: relative local paths live under `train.output_dir`."""
+    d = cfg.checkpoint.dir
+    if "://" in d or Path(d).expanduser().is_absolute():
+        return d
+    return str(Path(cfg.train.output_dir).expanduser().resolve() / d)
+
+
+class Checkpoints:
+    def __init__(self, cfg: RootConfig):
+        self.cfg = cfg
+        self.root = Storage(checkpoint_root(cfg), cfg.checkpoint)
+        self.pending: dict[int, dict] = {}  # step -> {"uploads": [...], "rng": [...], ...}
+        self.saving_ranks = 0
+        self.layout: dict = {}
+        self.params: list[dict] = []
+        self.mlflow_run_id: str | None = None
+        self.last_committed: str | None = None
+        self.commits = 0
+
+    def probe(self) -> None:
+        """A write, read and delete at the checkpoint root: StorageError with the cause."""
+        self.root.probe()
+
+    def configure(self, infos: list[dict], mlflow_run_id: str | None) -> None:
+        self.saving_ranks = sum(1 for i in infos if i["saves_shard"])
+        self.layout = infos[0]["layout"]
+        self.params = [{"name": n, "shape": s} for n, s in infos[0]["params"].items()]
+        self.mlflow_run_id = mlflow_run_id
+
+    def plan(self, step: int) -> dict | None:
+        """For iteration `step` (0-based): where to save after it, if it is a checkpoint step."""
+        done, every, total = step + 1, self.cfg.checkpoint.every_steps, self.cfg.train.steps
+        if done == total or (every and done % every == 0):
+            return {"uri": self.root.child(step_dir(done)).uri, "step": done}
+        return None
+
+    def collect(self, step: int, results: list[dict]) -> None:
+        """Reports from one iteration's results; commits every checkpoint now complete."""
+        if results[0].get("rng") is not None:  # the ranks took a checkpoint after this step
+            entry = self.pending.setdefault(step + 1, {"uploads": []})
+            entry["rng"] = [r["rng"] for r in sorted(results, key=lambda r: r["rank"])]
+            entry["loss_scale"] = results[0]["loss_scale"]
+            entry["lr"] = results[0]["lr"]
+        self.add_uploads([u for r in results for u in r["uploads"]])
+
+    def add_uploads(self, uploads: list[dict]) -> None:
+        for u in uploads:
+            self.pending.setdefault(u["step"], {"uploads": []})["uploads"].append(u)
+        for step in sorted(self.pending):
+            if len(self.pending[step]["uploads"]) == self.saving_ranks and "rng" in self.pending[step]:
+                self._commit(step, self.pending.pop(step))
+
+    def _commit(self, step: int, entry: dict) -> None:
+        cfg = self.cfg
+        shards = sorted(entry["uploads"], key=lambda u: u["rank"])
+        manifest = {
+            "format": FORMAT, "version": VERSION, "step": step,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "model": cfg.model.model_dump(), "block_size": cfg.block_size,
+            "params": self.params,
+            "layout": self.layout,
+            "shards": [{k: u[k] for k in ("rank", "file", "size", "block", "sha256", "pieces")} for u in shards],
+            "optimizer": {"name": "adamw", "step_count": shards[0]["adam_steps"]},
+            "schedule": {"step": step, "total_steps": cfg.train.steps, "lr": entry["lr"]},
+            "data": {"seed": cfg.train.seed, "global_batch_size": cfg.train.global_batch_size,
+                     "seq_len": cfg.train.seq_len, "position": step},
+            "rng": entry["rng"],
+            "loss_scale": entry["loss_scale"],
+            "mlflow_run_id": self.mlflow_run_id,
+        }
+        prefix = self.root.child(step_dir(step))
+        write_manifest(prefix, manifest)
+        self.last_committed = prefix.uri
+        self.commits += 1
+        gone = prune(self.root, cfg.checkpoint.keep_last)
+        log.info("committed checkpoint %s%s", prefix.uri, f"; removed {', '.join(gone)}" if gone else "")
+
+    def resume_target(self, params: dict[str, list[int]]) -> list[Committed]:
+        """What to resume from, best first (auto: newest commit first, then older ones to fall
+        back on). Empty: start from scratch."""
+        how = self.cfg.checkpoint.resume
+        if how == "none":
+            return []
+        if how == "auto":
+            try:
+                found = committed(self.root)[::-1]
+            except StorageError as e:
+                raise CheckpointError(f"checkpoint.dir: {e}") from None
+        else:
+            found = [open_checkpoint(how, self.cfg.checkpoint)]
+        usable = []
+        for c in found:
+            check_model(c.manifest, params, c.uri)  # another model: an error, never a fallback
+            try:
+                check_shards_present(c)
+                usable.append(c)
+            except CheckpointError as e:
+                if how != "auto":
+                    raise
+                log.warning("skipping checkpoint %s: %s", c.uri, e)
+        return usable
