@@ -178,9 +178,9 @@ def test_flat_gives_a_dotted_key_for_every_leaf():
     cfg = load_config(None, ["train.steps=42", "model.preset=small"])
     flat = cfg.flat()
     expected_keys = {
-        f"{section}.{field}"
+        f"{section}.{f.alias or field}"  # the key a user writes (checkpoint.async, not async_)
         for section, info in RootConfig.model_fields.items()
-        for field in info.annotation.model_fields
+        for field, f in info.annotation.model_fields.items()
     }
     assert set(flat) == expected_keys
     assert flat["train.steps"] == 42
