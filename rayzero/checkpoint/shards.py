@@ -105,9 +105,10 @@ class ShardSaver:
         return out
 
 
-def load_shard(strategy: Strategy, storage: Storage, manifest: dict) -> None:
-    """Fill this rank's main parameters and Adam moments from a checkpoint saved at any world
-    size and strategy, reading only the byte ranges that cover them."""
+def read_shard(strategy: Strategy, storage: Storage, manifest: dict) -> dict[str, torch.Tensor]:
+    """This rank's main parameters and Adam moments from a checkpoint saved at any world size
+    and strategy, reading (and verifying) only the byte ranges that cover them. No collective
+    runs here: a rank that fails leaves the others free to try another checkpoint."""
     lay = manifest["layout"]
     saved_at = {n: w[0] for n, w in zip(lay["param_order"], lay["param_world"])}
     # Every saved piece: (world start, world end, file index, offset in that file's tensors).
@@ -145,6 +146,12 @@ def load_shard(strategy: Strategy, storage: Storage, manifest: dict) -> None:
             data = torch.from_numpy(np.array(reader(f).read(name, off, off + n)))
             for src_rel, dst, length in dsts:
                 targets[name][dst : dst + length] = data[src_rel : src_rel + length]
+    return targets
+
+
+def apply_shard(strategy: Strategy, targets: dict[str, torch.Tensor], adam_steps: int) -> None:
+    """Install what `read_shard` read; collective (parameters are made whole): every rank."""
+    opt = strategy.optimizer
     with torch.no_grad():
         offset = 0
         for m in strategy.main_params:
@@ -152,7 +159,7 @@ def load_shard(strategy: Strategy, storage: Storage, manifest: dict) -> None:
             offset += m.numel()
         opt.exp_avg.copy_(targets["exp_avg"])
         opt.exp_avg_sq.copy_(targets["exp_avg_sq"])
-    opt.step_count = manifest["optimizer"]["step_count"]
+    opt.step_count = adam_steps
     strategy.after_load()
 
 

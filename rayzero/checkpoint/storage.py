@@ -60,16 +60,20 @@ class Storage:
             except FileNotFoundError:
                 raise
             except (OSError, pa.ArrowException) as e:
-                if attempt == self.retries:
+                if attempt == self.retries or _permanent(e):
                     raise StorageError(f"{what} {self.uri}: {_clean(e)}") from None
                 log.warning("%s %s failed (%s); retrying in %.1fs", what, self.uri, _clean(e), delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
         raise AssertionError("unreachable")
 
+    def _make_parent(self, key: str) -> None:
+        if isinstance(self.fs, pafs.LocalFileSystem):  # object stores have no folders to make
+            self.fs.create_dir(posixpath.dirname(self.path(key)), recursive=True)
+
     def write_bytes(self, key: str, data: bytes) -> None:
         def write():
-            self.fs.create_dir(posixpath.dirname(self.path(key)), recursive=True)
+            self._make_parent(key)
             with self.fs.open_output_stream(self.path(key)) as f:
                 f.write(data)
 
@@ -95,7 +99,7 @@ class Storage:
 
     @contextmanager
     def output_stream(self, key: str) -> Iterator:
-        self._retry("creating", lambda: self.fs.create_dir(posixpath.dirname(self.path(key)), recursive=True))
+        self._retry("creating", lambda: self._make_parent(key))
         with self.fs.open_output_stream(self.path(key)) as f:
             yield f
 
@@ -138,8 +142,16 @@ def _s3(cfg: CheckpointConfig) -> pafs.S3FileSystem:
         kw["access_key"] = cfg.s3_access_key_id
         kw["secret_key"] = cfg.s3_secret_access_key.get_secret_value()
     # Fail fast on a dead endpoint: the retries above are ours, with backoff.
-    kw.update(connect_timeout=5, request_timeout=30, retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=2))
+    kw.update(connect_timeout=5, request_timeout=30, allow_bucket_creation=True,
+              retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=2))
     return pafs.S3FileSystem(**kw)
+
+
+def _permanent(e: BaseException) -> bool:
+    """Errors no retry can fix: wrong credentials, no permission, no such bucket."""
+    text = str(e)
+    return any(code in text for code in ("SIGNATURE_DOES_NOT_MATCH", "ACCESS_DENIED", "INVALID_ACCESS_KEY",
+                                         "NO_SUCH_BUCKET", "Permission denied", "Read-only file system"))
 
 
 def _clean(e: BaseException) -> str:

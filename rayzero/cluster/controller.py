@@ -114,6 +114,7 @@ class Controller:
                     raise CheckpointError(f"cannot resume from {c.uri}: {cause}") from None
                 log.warning("checkpoint %s is damaged (%s); falling back to the one before it", c.uri, cause)
                 continue
+            ray.get([a.apply_checkpoint.remote() for a in group.actors])
             self.start_step, self.resumed_from = c.step, c.uri
             log.info("resumed from %s at step %d", c.uri, c.step)
             self.tracker.set_tags({"resumed_from": c.uri})

@@ -1,4 +1,4 @@
-"""The `rayzero` command: `rayzero train …` and `rayzero data prepare SRC OUT`."""
+"""The `rayzero` command: `rayzero train …`, `rayzero data prepare SRC OUT`, `rayzero ckpt …`."""
 
 from __future__ import annotations
 
@@ -28,17 +28,62 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("out", help="output folder (local path or URI)")
     prep.add_argument("--glob", default="*", help="which files under SRC (default: all)")
     prep.add_argument("--shard-tokens", type=int, default=1 << 24, help="tokens per shard file")
+    c = sub.add_parser("ckpt", help="checkpoint tools", description=(
+        "Inspect committed checkpoints. URI is a checkpoint directory (ls; the others take its "
+        "newest commit) or one step-… prefix. Storage options as overrides, e.g. "
+        "checkpoint.s3_endpoint=http://host:8333 (or the AWS_* variables)."))
+    csub = c.add_subparsers(dest="ckpt_command", required=True)
+    for name, text in (("ls", "committed checkpoints: step, size, world size, strategy"),
+                       ("verify", "read every shard and check its checksums"),
+                       ("export", "consolidated fp32 weights as one safetensors file")):
+        cmd = csub.add_parser(name, help=text)
+        cmd.add_argument("uri")
+        if name == "export":
+            cmd.add_argument("out", help="output .safetensors (local path or s3://…)")
+        cmd.add_argument("overrides", nargs="*", metavar="key=value")
     return p
 
 
+def _ckpt(args) -> int:
+    from rayzero.checkpoint.export import save_safetensors
+    from rayzero.checkpoint.manifest import CheckpointError
+    from rayzero.checkpoint.shard_file import ChecksumError
+    from rayzero.checkpoint.storage import StorageError
+    from rayzero.checkpoint.tools import consolidated_weights, list_checkpoints, open_for_cli, verify_checkpoint
+
+    cfg = load_config(None, args.overrides).checkpoint
+    try:
+        if args.ckpt_command == "ls":
+            rows = list_checkpoints(args.uri, cfg)
+            if not rows:
+                print(f"no committed checkpoints under {args.uri}")
+            for r in rows:
+                print(f"{r['uri']}  step {r['step']}  {r['bytes'] / 2**20:.1f} MiB  "
+                      f"world {r['world_size']}  {r['strategy']}  {r['created']}")
+            return 0
+        c = open_for_cli(args.uri, cfg)
+        if args.ckpt_command == "verify":
+            n = verify_checkpoint(c)
+            print(f"{c.uri}: {len(c.manifest['shards'])} shard(s), {n:,} bytes, every checksum matches")
+            return 0
+        weights = consolidated_weights(c)
+        save_safetensors(weights, args.out, {"step": str(c.step), "source": c.uri})
+        print(f"wrote {len(weights)} tensors from {c.uri} (step {c.step}) to {args.out}")
+        return 0
+    except (CheckpointError, ChecksumError, StorageError) as e:
+        raise _UserError(str(e)) from None
+
+
 def _train(args) -> int:
+    from rayzero.checkpoint.manifest import CheckpointError
+    from rayzero.checkpoint.storage import StorageError
     from rayzero.cluster.worker_group import PlacementError
     from rayzero.jobs.train import ClusterUnreachable, run_train
 
     cfg = load_config(args.config, args.overrides)
     try:
         summary = run_train(cfg, progress=not args.no_progress)
-    except (PlacementError, ClusterUnreachable) as e:
+    except (PlacementError, ClusterUnreachable, CheckpointError, StorageError) as e:
         raise _UserError(str(e)) from None
     _print_summary(summary)
     if args.summary_json:
@@ -88,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args)
+        if args.command == "ckpt":
+            return _ckpt(args)
         return _prepare(args)
     except (ConfigError, DataError, _UserError) as e:
         print(f"rayzero: error: {e}", file=sys.stderr)

@@ -41,6 +41,9 @@ class RankShim:
     def load_checkpoint(self, uri: str, manifest: dict) -> dict:
         return self.rank.load_checkpoint(uri, manifest)
 
+    def apply_checkpoint(self) -> dict:
+        return self.rank.apply_checkpoint()
+
     def full_state_dict(self) -> dict:
         return self.rank.full_state_dict()
 

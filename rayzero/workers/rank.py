@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from rayzero.checkpoint.shards import ShardSaver, layout_record, load_shard
+from rayzero.checkpoint.shards import ShardSaver, apply_shard, layout_record, read_shard
 from rayzero.checkpoint.storage import Storage
 from rayzero.config import RootConfig
 from rayzero.data.batches import RankBatches
@@ -218,16 +218,25 @@ class Rank:
         return self.saver.reports()
 
     def load_checkpoint(self, uri: str, manifest: dict) -> dict:
-        """Restore this rank's shard (resharding if the layout differs), and the RNG state when
-        the world size is the same. Every rank must call it."""
+        """Read (and reshard, and verify) this rank's part of a checkpoint; nothing is applied
+        until `apply_checkpoint`, so a damaged shard on any rank leaves every rank as it was."""
         t0 = time.perf_counter()
-        load_shard(self.strategy, Storage(uri, self.cfg.checkpoint), manifest)
+        self._staged = (read_shard(self.strategy, Storage(uri, self.cfg.checkpoint), manifest), manifest)
+        return {"rank": self.topo.rank, "read_s": time.perf_counter() - t0}
+
+    def apply_checkpoint(self) -> dict:
+        """Install the staged checkpoint (a collective: every rank), and the RNG state when the
+        world size is the one it was saved at."""
+        t0 = time.perf_counter()
+        targets, manifest = self._staged
+        self._staged = None
+        apply_shard(self.strategy, targets, manifest["optimizer"]["step_count"])
         if self.strategy.scaler is not None and manifest.get("loss_scale") is not None:
             self.strategy.scaler.scale = manifest["loss_scale"]
         rng = manifest.get("rng") or []
         if len(rng) == self.topo.world_size:
             torch.set_rng_state(torch.tensor(rng[self.topo.rank], dtype=torch.uint8))
-        return {"rank": self.topo.rank, "load_s": time.perf_counter() - t0}
+        return {"rank": self.topo.rank, "apply_s": time.perf_counter() - t0}
 
     # -- outside the iteration graph -------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:

@@ -29,6 +29,7 @@ def _rank(rank, world, cfg, data_path, port, first, last, save_at, resume, out):
     info = r.setup("127.0.0.1", port)
     if resume is not None:
         r.load_checkpoint(*resume)
+        r.apply_checkpoint()
     ckpt = Checkpoints(cfg)
     results, losses = [], []
     for k in range(first, last):
