@@ -1,10 +1,6 @@
-import json
 import os
-import signal
 import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 # The e2e clusters use Ray's token authentication (what `ray start` turns on); Ray reads the
@@ -14,6 +10,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 import pytest
 
 from rayzero.data.tokens import prepare
+from tests.s3server import SeaweedS3
 
 
 def free_port() -> int:
@@ -33,63 +30,6 @@ def small_dataset(tmp_path_factory) -> str:
             (texts / f"{pkg}_{f.name}").write_text(f.read_text())
     prepare(texts, str(out), pattern="*.py", row_group_tokens=1 << 14)
     return str(out)
-
-
-class SeaweedS3:
-    """A real S3 server (SeaweedFS `weed mini`) on loopback, with credentials, persisting to
-    `data_dir`. `stop()` and `start()` take it down and bring it back on the same ports."""
-
-    KEY, SECRET, REGION = "rayzero-test", "rayzero-test-secret", "us-east-1"
-
-    def __init__(self, root: Path):
-        self.root = root
-        self.ports = {name: free_port() for name in ("s3", "master", "filer", "volume", "webdav", "admin", "debug")}
-        self.endpoint = f"http://127.0.0.1:{self.ports['s3']}"
-        (root / "s3.json").write_text(json.dumps({"identities": [{
-            "name": "admin", "credentials": [{"accessKey": self.KEY, "secretKey": self.SECRET}],
-            "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
-        self.proc = None
-
-    def start(self) -> None:
-        weed = Path(sys.executable).with_name("weed")
-        p = self.ports
-        cmd = [str(weed), "mini", f"-dir={self.root / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-               f"-s3.port={p['s3']}", f"-s3.config={self.root / 's3.json'}", f"-master.port={p['master']}",
-               f"-filer.port={p['filer']}", f"-volume.port={p['volume']}", f"-webdav.port={p['webdav']}",
-               f"-admin.port={p['admin']}", f"-debug.port={p['debug']}", "-master.telemetry=false"]
-        (self.root / "data").mkdir(exist_ok=True)
-        self.proc = subprocess.Popen(cmd, stdout=open(self.root / "weed.log", "ab"), stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            try:
-                self.fs().get_file_info("probe-bucket/x")
-                return
-            except OSError:
-                time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"SeaweedFS did not start; see {self.root / 'weed.log'}")
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-            self.proc = None
-
-    def fs(self):
-        import pyarrow.fs as pafs
-
-        return pafs.S3FileSystem(endpoint_override=self.endpoint.removeprefix("http://"), scheme="http",
-                                 access_key=self.KEY, secret_key=self.SECRET, region=self.REGION,
-                                 connect_timeout=2, request_timeout=10, allow_bucket_creation=True)
-
-    def overrides(self) -> list[str]:
-        return [f"checkpoint.s3_endpoint={self.endpoint}", f"checkpoint.s3_access_key_id={self.KEY}",
-                f"checkpoint.s3_secret_access_key={self.SECRET}", f"checkpoint.s3_region={self.REGION}"]
 
 
 @pytest.fixture(scope="session")

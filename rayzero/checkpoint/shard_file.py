@@ -108,10 +108,14 @@ class ShardReader:
             self._checked.add(i)
         return data[offset - start : offset - start + length]
 
+    def read_bytes(self, name: str, start: int, end: int) -> bytes:
+        """The bytes of elements [start, end) of fp32 tensor `name`, verified."""
+        base = self.data_start + self.offsets[name]
+        return self._verified(base + 4 * start, 4 * (end - start))
+
     def read(self, name: str, start: int, end: int) -> np.ndarray:
         """Elements [start, end) of tensor `name` (fp32)."""
-        base = self.data_start + self.offsets[name]
-        return np.frombuffer(self._verified(base + 4 * start, 4 * (end - start)), dtype=np.float32)
+        return np.frombuffer(self.read_bytes(name, start, end), dtype=np.float32)
 
 
 def verify(storage: Storage, key: str, entry: dict) -> None:

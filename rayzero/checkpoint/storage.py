@@ -151,7 +151,8 @@ def _permanent(e: BaseException) -> bool:
     """Errors no retry can fix: wrong credentials, no permission, no such bucket."""
     text = str(e)
     return any(code in text for code in ("SIGNATURE_DOES_NOT_MATCH", "ACCESS_DENIED", "INVALID_ACCESS_KEY",
-                                         "NO_SUCH_BUCKET", "Permission denied", "Read-only file system"))
+                                         "NO_SUCH_BUCKET", "Permission denied", "Read-only file system",
+                                         "Not a directory", "File exists"))
 
 
 def _clean(e: BaseException) -> str:

@@ -92,7 +92,11 @@ class Checkpoints:
         write_manifest(prefix, manifest)
         self.last_committed = prefix.uri
         self.commits += 1
-        gone = prune(self.root, cfg.checkpoint.keep_last)
+        try:  # the commit stands; failing to tidy up older ones is only worth a warning
+            gone = prune(self.root, cfg.checkpoint.keep_last)
+        except StorageError as e:
+            log.warning("could not prune old checkpoints under %s: %s", self.root.uri, e)
+            gone = []
         log.info("committed checkpoint %s%s", prefix.uri, f"; removed {', '.join(gone)}" if gone else "")
 
     def resume_target(self, params: dict[str, list[int]]) -> list[Committed]:

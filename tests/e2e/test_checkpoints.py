@@ -115,7 +115,7 @@ def test_unusable_storage_is_found_before_training(tmp_path, small_dataset, s3_s
 
 
 def test_storage_stopped_mid_run_leaves_the_last_commit_intact(tmp_path, small_dataset):
-    from tests.conftest import SeaweedS3
+    from tests.s3server import SeaweedS3
     import threading
     import time
 
@@ -124,7 +124,8 @@ def test_storage_stopped_mid_run_leaves_the_last_commit_intact(tmp_path, small_d
     server.start()
     try:
         s3 = server.overrides() + ["checkpoint.retries=1"]
-        args = ["checkpoint.dir=s3://ckpt/run-s", *s3, "checkpoint.every_steps=2"]
+        # A rank stuck on dead storage is reported after pg_timeout_s, not the default 300 s.
+        args = ["checkpoint.dir=s3://ckpt/run-s", *s3, "checkpoint.every_steps=2", "cluster.pg_timeout_s=60"]
         r, s = train(tmp_path, small_dataset, *args, "train.steps=4")
         assert r.returncode == 0, r.stderr[-3000:]
         # Stop the server while the next run trains and uploads: it fails, the commit stays.

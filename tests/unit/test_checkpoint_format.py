@@ -1,0 +1,98 @@
+"""The shard file format, its checksums, the reshard arithmetic, pruning, and model checks."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rayzero.checkpoint.manifest import (
+    CheckpointError, check_model, committed, prune, read_manifest, step_dir, write_manifest,
+)
+from rayzero.checkpoint.shard_file import BLOCK, ChecksumError, ShardReader, verify, write_shard
+from rayzero.checkpoint.shards import _coalesce, _locate
+from rayzero.checkpoint.storage import Storage, StorageError
+
+
+def tensors(n=3 * BLOCK // 4 + 5):  # spans several 4 MiB blocks
+    g = torch.Generator().manual_seed(0)
+    return {name: torch.randn(n, generator=g) for name in ("main", "exp_avg", "exp_avg_sq")}
+
+
+def test_a_shard_is_plain_safetensors_and_ranged_reads_are_exact(tmp_path):
+    st, t = Storage(str(tmp_path)), tensors()
+    entry = write_shard(st, "s.safetensors", t, {"step": "7"})
+    assert entry["size"] == (tmp_path / "s.safetensors").stat().st_size
+    assert len(entry["sha256"]) == -(-entry["size"] // BLOCK) > 2
+    loaded = load_file(tmp_path / "s.safetensors")  # the library reads it as it is
+    assert all(torch.equal(loaded[k], v) for k, v in t.items())
+    r = ShardReader(st, "s.safetensors", entry)
+    assert r.metadata == {"step": "7"}
+    for name, lo, hi in [("main", 0, 10), ("exp_avg", BLOCK // 4 - 3, BLOCK // 4 + 3), ("exp_avg_sq", 17, len(t["main"]))]:
+        assert torch.equal(torch.from_numpy(r.read(name, lo, hi).copy()), t[name][lo:hi])
+    verify(st, "s.safetensors", entry)
+
+
+def test_a_flipped_byte_fails_the_block_that_holds_it_naming_the_file(tmp_path):
+    st, t = Storage(str(tmp_path)), tensors()
+    entry = write_shard(st, "s.safetensors", t, {})
+    raw = bytearray((tmp_path / "s.safetensors").read_bytes())
+    raw[BLOCK + 100] ^= 1
+    (tmp_path / "s.safetensors").write_bytes(bytes(raw))
+    with pytest.raises(ChecksumError, match=r"s.safetensors: block 1 fails its checksum"):
+        verify(st, "s.safetensors", entry)
+    r = ShardReader(st, "s.safetensors", entry)
+    r.read("main", 0, 100)  # block 0 is fine: a ranged read there still works
+    with pytest.raises(ChecksumError, match="block 1"):
+        r.read("main", 0, len(t["main"]))
+
+
+def test_locate_walks_saved_pieces_and_coalesce_joins_adjacent_reads():
+    # Saved: rank 0 holds world [0, 10) and [20, 30); rank 1 holds [10, 20) and [30, 40).
+    pieces = sorted([(0, 10, 0, 0), (20, 30, 0, 10), (10, 20, 1, 0), (30, 40, 1, 10)])
+    starts = [p[0] for p in pieces]
+    assert _locate(5, 25, 100, pieces, starts) == [(0, 5, 5, 100), (1, 0, 10, 105), (0, 10, 5, 115)]
+    with pytest.raises(ValueError, match="in no shard"):
+        _locate(40, 41, 0, pieces, starts)
+    runs = _coalesce([(0, 0, 4, 50), (0, 4, 6, 10), (1, 0, 2, 0), (0, 20, 1, 5)])
+    assert runs == [[0, 0, 10, [(0, 50, 4), (4, 10, 6)]], [0, 20, 1, [(0, 5, 1)]], [1, 0, 2, [(0, 0, 2)]]]
+
+
+def manifest(step):
+    return {"format": "rayzero-checkpoint", "version": 1, "step": step, "shards": [],
+            "params": [{"name": "w", "shape": [2, 3]}, {"name": "b", "shape": [3]}]}
+
+
+def test_only_prefixes_with_a_manifest_count_and_pruning_keeps_the_newest(tmp_path):
+    root = Storage(str(tmp_path))
+    for step in (2, 4, 6, 8):
+        write_manifest(root.child(step_dir(step)), manifest(step))
+    (tmp_path / step_dir(7)).mkdir()  # a crash mid-upload: shards, no manifest
+    (tmp_path / step_dir(9)).mkdir()  # an upload still going on, newer than every commit
+    (tmp_path / "notes").mkdir()
+    assert [c.step for c in committed(root)] == [2, 4, 6, 8]
+    assert sorted(prune(root, keep_last=2)) == [step_dir(2), step_dir(4), step_dir(7)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", step_dir(6), step_dir(8), step_dir(9)]
+    with pytest.raises(CheckpointError, match="no manifest.json: never committed"):
+        read_manifest(root.child(step_dir(9)))
+    (tmp_path / step_dir(6) / "manifest.json").write_text(json.dumps({**manifest(6), "version": 99}))
+    with pytest.raises(CheckpointError, match="v99"):
+        read_manifest(root.child(step_dir(6)))
+
+
+def test_another_model_lists_every_mismatch():
+    with pytest.raises(CheckpointError) as e:
+        check_model(manifest(1), {"w": [2, 4], "c": [1]}, "s3://b/x")
+    text = str(e.value)
+    assert "s3://b/x holds a different model" in text
+    assert "c: missing from the checkpoint" in text and "b: not in the model" in text
+    assert "w: shape [2, 3] in the checkpoint, [2, 4] in the model" in text
+
+
+def test_storage_names_the_uri_and_refuses_unknown_schemes(tmp_path):
+    with pytest.raises(StorageError, match="unsupported scheme"):
+        Storage("gs://bucket/x")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(StorageError, match=str(blocker / "ck")):
+        Storage(str(blocker / "ck"), None).probe()
