@@ -15,6 +15,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pyarrow as pa
 import torch
 
 from rayzero.checkpoint.manifest import shard_name
@@ -73,7 +74,7 @@ class ShardSaver:
         def upload():
             try:
                 t = time.perf_counter()
-                entry = write_shard(storage, key, snapshot, meta)
+                entry = _with_retries(storage, lambda: write_shard(storage, key, snapshot, meta))
                 with self._lock:
                     self._done.append({"step": step, "rank": rank, "file": key, "pieces": pieces,
                                        "adam_steps": adam_steps, "upload_s": time.perf_counter() - t, **entry})
@@ -105,6 +106,22 @@ class ShardSaver:
         with self._lock:
             out, self._done = self._done, []
         return out
+
+
+def _with_retries(storage: Storage, fn):
+    """The whole upload again, with backoff, on a transient storage error (it restarts the
+    object: a stream cannot resume halfway)."""
+    delay = 0.5
+    for attempt in range(storage.retries + 1):
+        try:
+            return fn()
+        except (OSError, pa.ArrowException) as e:
+            if attempt == storage.retries:
+                raise
+            log.warning("checkpoint upload to %s failed (%s); retrying in %.1fs", storage.uri,
+                        str(e).splitlines()[0] if str(e) else type(e).__name__, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 10.0)
 
 
 def read_shard(strategy: Strategy, storage: Storage, manifest: dict) -> dict[str, torch.Tensor]:

@@ -22,6 +22,17 @@ def test_resume_is_bitwise_identical(tmp_path, small_dataset, world, strategy):
         assert torch.equal(resumed["state"][name], ref), name
 
 
+def test_resume_is_bitwise_identical_through_s3(small_dataset, s3_server):
+    cfg = config(2, "optim_grads", "s3://ckpt/bitwise", extra=s3_server.overrides())
+    straight = run(cfg, small_dataset, 0, 20)
+    first = run(cfg, small_dataset, 0, 10, save_at=10)
+    assert first["committed"] == "s3://ckpt/bitwise/step-000010"
+    c = open_checkpoint(first["committed"], cfg.checkpoint)
+    resumed = run(cfg, small_dataset, 10, 20, resume=(c.uri, c.manifest))
+    assert resumed["losses"] == straight["losses"][10:]
+    assert all(torch.equal(resumed["state"][k], v) for k, v in straight["state"].items())
+
+
 CHAIN = [(4, "optim_grads_params"), (2, "optim"), (3, "optim_grads"), (1, "no_shard")]
 
 

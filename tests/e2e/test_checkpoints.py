@@ -142,3 +142,52 @@ def test_storage_stopped_mid_run_leaves_the_last_commit_intact(tmp_path, small_d
         assert s["start_step"] >= 4 and s["resumed_from"].startswith("s3://ckpt/run-s/step-")
     finally:
         server.stop()
+
+
+class DiesDuringUpload:
+    """Rank 1 exits the moment its step-4 shard upload has started."""
+
+    def step(self, prev):
+        out = super().step(prev)
+        where = self.rank.plan.get("checkpoint")
+        if where and where["step"] == 4 and self.rank.topo.rank == 1:
+            import os
+
+            os._exit(1)
+        return out
+
+
+def test_a_rank_killed_during_an_upload_leaves_the_last_commit_usable(tmp_path, ray_cluster, small_dataset):
+    import sys
+
+    import ray
+    from ray import cloudpickle
+
+    from rayzero.cluster.checkpoints import Checkpoints
+    from rayzero.cluster.controller import Controller
+    from rayzero.cluster.tracking import NullTracker
+    from rayzero.workers.actor import RankShim
+    from tests.e2e.conftest import leftovers
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
+    root = tmp_path / "ck"
+    cfg = load_config(None, [*FAST, "train.steps=8", f"checkpoint.dir={root}", "checkpoint.every_steps=2",
+                             f"data.path={small_dataset}"])
+    ray.init(address=ray_cluster, logging_level="ERROR")
+    try:
+        actor = ray.remote(type("Dies", (DiesDuringUpload, RankShim), {}))
+        controller = Controller(cfg, small_dataset, str(tmp_path), NullTracker(), progress=False,
+                                actor_cls=actor, checkpoints=Checkpoints(cfg))
+        with pytest.raises(Exception):
+            controller.fit()
+    finally:
+        ray.shutdown()
+    assert controller.checkpoints.last_committed.endswith("step-000002")
+    assert not (root / "step-000004" / "manifest.json").exists()
+    actors, groups = leftovers(ray_cluster)
+    assert actors == [] and groups == []
+    v = run_cli("ckpt", "verify", str(root), cwd=tmp_path)
+    assert v.returncode == 0 and "step-000002" in v.stdout, v.stderr
+    r, s = train(tmp_path, small_dataset, f"checkpoint.dir={root}", "train.steps=8", "checkpoint.every_steps=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert s["start_step"] == 2 and s["checkpoint"].endswith("step-000008")
