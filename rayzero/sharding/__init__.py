@@ -3,7 +3,8 @@
 from rayzero.sharding.config import OptimConfig, ShardingConfig
 from rayzero.sharding.fsdp import ShardOptimGradsParams
 from rayzero.sharding.layout import Layout, Range, build_layout
-from rayzero.sharding.strategies import NoShard, ShardOptim, ShardOptimGrads, Strategy
+from rayzero.sharding.strategies import Strategy
+from rayzero.sharding.zero import NoShard, ShardOptim, ShardOptimGrads
 from rayzero.sharding.topology import Topology
 
 STRATEGY_CLASSES: dict[str, type[Strategy]] = {

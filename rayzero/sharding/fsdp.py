@@ -22,7 +22,8 @@ import torch.nn as nn
 
 from rayzero.sharding.comm import wait
 from rayzero.sharding.layout import Bucket
-from rayzero.sharding.strategies import ShardOptimGrads, _bytes
+from rayzero.sharding.strategies import _bytes
+from rayzero.sharding.zero import ShardOptimGrads
 
 ROOT = -1  # the unit id of parameters outside every unit
 

@@ -9,7 +9,6 @@
   scale halves, the step says so), then training proceeds and the loss falls.
 """
 
-import pytest
 import torch
 import torch.multiprocessing as mp
 

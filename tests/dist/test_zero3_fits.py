@@ -61,7 +61,7 @@ def _worker(rank: int, ports, data_path: str, out: dict):
                 info = r.setup("127.0.0.1", port)
             except (RuntimeError, MemoryError) as e:
                 results[strategy] = {"error": str(e)[:200]}
-                del r
+                r = None  # drop what it built before the group goes
                 torch.distributed.destroy_process_group()
                 continue
             losses = [r.iteration({"step": k, "lr": 3e-3})["loss_sum"] for k in range(5)]

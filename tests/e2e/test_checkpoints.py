@@ -2,7 +2,6 @@
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -117,7 +116,6 @@ def test_unusable_storage_is_found_before_training(tmp_path, small_dataset, s3_s
 def test_storage_stopped_mid_run_leaves_the_last_commit_intact(tmp_path, small_dataset):
     from tests.s3server import SeaweedS3
     import threading
-    import time
 
     (tmp_path / "s3").mkdir()
     server = SeaweedS3(tmp_path / "s3")
