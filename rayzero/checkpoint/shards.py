@@ -131,14 +131,7 @@ def read_shard(strategy: Strategy, storage: Storage, manifest: dict) -> dict[str
     lay = manifest["layout"]
     saved_at = {n: w[0] for n, w in zip(lay["param_order"], lay["param_world"])}
     # Every saved piece: (world start, world end, file index, offset in that file's tensors).
-    pieces = []
-    for f, shard in enumerate(manifest["shards"]):
-        off = 0
-        for start, end in shard["pieces"]:
-            pieces.append((start, end, f, off))
-            off += end - start
-    pieces.sort()
-    starts = [p[0] for p in pieces]
+    pieces, starts = saved_pieces(manifest)
     readers: dict[int, ShardReader] = {}
 
     def reader(f: int) -> ShardReader:
@@ -158,7 +151,7 @@ def read_shard(strategy: Strategy, storage: Storage, manifest: dict) -> dict[str
             cut = span.world.intersect(own)
             if cut is not None:
                 src = saved_at[names[span.index]] + (cut.start - span.world.start)
-                copies += _locate(src, src + cut.size, local + (cut.start - own.start), pieces, starts)
+                copies += locate_saved(src, src + cut.size, local + (cut.start - own.start), pieces, starts)
         local += own.size
     # Parallel ranged reads of at most READ_CHUNK each: object stores serve several GETs at
     # once faster than one long one, and hashing (which releases the GIL) overlaps them.
@@ -197,7 +190,20 @@ def apply_shard(strategy: Strategy, targets: dict[str, torch.Tensor], adam_steps
     strategy.after_load()
 
 
-def _locate(src: int, src_end: int, dst: int, pieces, starts) -> list[tuple[int, int, int, int]]:
+def saved_pieces(manifest: dict) -> tuple[list[tuple[int, int, int, int]], list[int]]:
+    """Every saved piece as (world start, world end, file index, offset in that file's
+    tensors), sorted, and their starts (for bisect)."""
+    pieces = []
+    for f, shard in enumerate(manifest["shards"]):
+        off = 0
+        for start, end in shard["pieces"]:
+            pieces.append((start, end, f, off))
+            off += end - start
+    pieces.sort()
+    return pieces, [p[0] for p in pieces]
+
+
+def locate_saved(src: int, src_end: int, dst: int, pieces, starts) -> list[tuple[int, int, int, int]]:
     """Where saved world elements [src, src_end) are: (file, offset, length, destination)."""
     out = []
     i = bisect.bisect_right(starts, src) - 1

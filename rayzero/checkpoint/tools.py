@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import bisect
-
 import numpy as np
 import torch
 
 from rayzero.checkpoint.config import CheckpointConfig
-from rayzero.checkpoint.manifest import CheckpointError, Committed, committed, open_checkpoint
+from rayzero.checkpoint.manifest import CheckpointError, Committed, committed
 from rayzero.checkpoint.shard_file import ShardReader, verify
+from rayzero.checkpoint.shards import locate_saved, saved_pieces
 from rayzero.checkpoint.storage import Storage
 from rayzero.models.gpt import ModelConfig, build_model
 
@@ -37,36 +36,21 @@ def consolidated_weights(c: Committed) -> dict[str, torch.Tensor]:
     under each of its names), read from the shards."""
     m = c.manifest
     lay = m["layout"]
-    pieces = sorted((s, e, f, off) for f, shard in enumerate(m["shards"])
-                    for s, e, off in _with_offsets(shard["pieces"]))
-    starts = [p[0] for p in pieces]
+    pieces, starts = saved_pieces(m)
     readers: dict[int, ShardReader] = {}
     by_name = {}
     for name, (start, end) in zip(lay["param_order"], lay["param_world"]):
         out = np.empty(end - start, dtype=np.float32)
-        i, src = bisect.bisect_right(starts, start) - 1, start
-        while src < end:
-            s, e, f, off = pieces[i]
-            if not s <= src < e:
-                raise CheckpointError(f"{c.uri}: no shard holds element {src} of {name}")
-            n = min(e, end) - src
+        try:
+            found = locate_saved(start, end, 0, pieces, starts)
+        except ValueError as e:
+            raise CheckpointError(f"{c.uri}: {name}: {e}") from None
+        for f, off, n, dst in found:
             if f not in readers:
                 readers[f] = ShardReader(c.storage, m["shards"][f]["file"], m["shards"][f])
-            out[src - start : src - start + n] = readers[f].read("main", off + src - s, off + src - s + n)
-            src, i = src + n, i + 1
+            out[dst : dst + n] = readers[f].read("main", off, off + n)
         by_name[name] = torch.from_numpy(out)
     model = build_model(ModelConfig(**m["model"]), m["block_size"], seed=0, device="meta")
     name_of = {id(p): n for n, p in model.named_parameters()}
     return {k: by_name[name_of[id(v)]].view(v.shape).clone()
             for k, v in model.state_dict(keep_vars=True).items()}
-
-
-def _with_offsets(ranges):
-    off = 0
-    for s, e in ranges:
-        yield s, e, off
-        off += e - s
-
-
-def open_for_cli(uri: str, cfg: CheckpointConfig | None = None) -> Committed:
-    return open_checkpoint(uri, cfg)

@@ -49,7 +49,8 @@ def _ckpt(args) -> int:
     from rayzero.checkpoint.manifest import CheckpointError
     from rayzero.checkpoint.shard_file import ChecksumError
     from rayzero.checkpoint.storage import StorageError
-    from rayzero.checkpoint.tools import consolidated_weights, list_checkpoints, open_for_cli, verify_checkpoint
+    from rayzero.checkpoint.manifest import open_checkpoint
+    from rayzero.checkpoint.tools import consolidated_weights, list_checkpoints, verify_checkpoint
 
     cfg = load_config(None, args.overrides).checkpoint
     try:
@@ -61,7 +62,7 @@ def _ckpt(args) -> int:
                 print(f"{r['uri']}  step {r['step']}  {r['bytes'] / 2**20:.1f} MiB  "
                       f"world {r['world_size']}  {r['strategy']}  {r['created']}")
             return 0
-        c = open_for_cli(args.uri, cfg)
+        c = open_checkpoint(args.uri, cfg)
         if args.ckpt_command == "verify":
             n = verify_checkpoint(c)
             print(f"{c.uri}: {len(c.manifest['shards'])} shard(s), {n:,} bytes, every checksum matches")

@@ -73,7 +73,6 @@ class Strategy:
         self.precision = Precision.from_config(sharding)
         self.scaler = build_loss_scaler(sharding)
         self.ledger = MemoryLedger()
-        self.skipped_steps = 0
         self.last_step_skipped = False
         self._param_sync_in_forward = False
         self._inflight: dict[int, tuple[dist.Work | None, Callable[[], None]]] = {}
@@ -264,7 +263,6 @@ class Strategy:
             self.scaler.update(math.isfinite(norm))
         self.last_step_skipped = not math.isfinite(norm)
         if self.last_step_skipped:
-            self.skipped_steps += 1
             return norm
         coef = 1.0 / scale
         clip = self.optim_cfg.grad_clip

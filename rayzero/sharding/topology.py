@@ -67,7 +67,3 @@ class Topology:
 
     def my_group(self, axis: str) -> list[int]:
         return next(g for g in self.groups(axis) if self.rank in g)
-
-    # Kept for the layout and data code, which only know the flat data-parallel axis.
-    def dp_groups(self) -> list[list[int]]:
-        return [list(range(self.world_size))]

@@ -10,7 +10,7 @@ from rayzero.checkpoint.manifest import (
     CheckpointError, check_model, committed, prune, read_manifest, step_dir, write_manifest,
 )
 from rayzero.checkpoint.shard_file import BLOCK, ChecksumError, ShardReader, verify, write_shard
-from rayzero.checkpoint.shards import _coalesce, _locate
+from rayzero.checkpoint.shards import _coalesce, locate_saved
 from rayzero.checkpoint.storage import Storage, StorageError
 
 
@@ -51,9 +51,9 @@ def test_locate_walks_saved_pieces_and_coalesce_joins_adjacent_reads():
     # Saved: rank 0 holds world [0, 10) and [20, 30); rank 1 holds [10, 20) and [30, 40).
     pieces = sorted([(0, 10, 0, 0), (20, 30, 0, 10), (10, 20, 1, 0), (30, 40, 1, 10)])
     starts = [p[0] for p in pieces]
-    assert _locate(5, 25, 100, pieces, starts) == [(0, 5, 5, 100), (1, 0, 10, 105), (0, 10, 5, 115)]
+    assert locate_saved(5, 25, 100, pieces, starts) == [(0, 5, 5, 100), (1, 0, 10, 105), (0, 10, 5, 115)]
     with pytest.raises(ValueError, match="in no shard"):
-        _locate(40, 41, 0, pieces, starts)
+        locate_saved(40, 41, 0, pieces, starts)
     runs = _coalesce([(0, 0, 4, 50), (0, 4, 6, 10), (1, 0, 2, 0), (0, 20, 1, 5)])
     assert runs == [[0, 0, 10, [(0, 50, 4), (4, 10, 6)]], [0, 20, 1, [(0, 5, 1)]], [1, 0, 2, [(0, 0, 2)]]]
 
