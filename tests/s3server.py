@@ -47,12 +47,30 @@ class SeaweedS3:
         deadline = time.time() + 60
         while time.time() < deadline:
             try:
-                self.fs().get_file_info("probe-bucket/x")
+                self._check_ready()
                 return
             except OSError:
                 time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"SeaweedFS did not start; see {self.root / 'weed.log'}")
+
+    def _check_ready(self) -> None:
+        """Raise OSError until the server round-trips a new object and can read every object it
+        already holds (after a restart, the volumes register some seconds after
+        the S3 port answers)."""
+        import pyarrow.fs as pafs
+
+        fs = self.fs()
+        with fs.open_output_stream("probe-bucket/ready") as f:
+            f.write(b"ok")
+        with fs.open_input_stream("probe-bucket/ready") as f:
+            if f.read() != b"ok":
+                raise OSError("probe object read back wrong")
+        for bucket in fs.get_file_info(pafs.FileSelector("", recursive=False)):
+            for info in fs.get_file_info(pafs.FileSelector(bucket.path, recursive=True))[:200]:
+                if info.type == pafs.FileType.File and info.size:
+                    with fs.open_input_file(info.path) as f:
+                        f.read_at(1, 0)
 
     def stop(self) -> None:
         if self.proc is not None:
