@@ -17,7 +17,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from rayzero._frozen import Frozen
 from rayzero.checkpoint.config import CheckpointConfig
-from rayzero.cluster.config import ClusterConfig, TrackingConfig
+from rayzero.cluster.config import ClusterConfig, FailureConfig, TrackingConfig
 from rayzero.data.config import DataConfig
 from rayzero.models.gpt import ModelConfig
 from rayzero.sharding.config import OptimConfig, ShardingConfig
@@ -46,6 +46,7 @@ class RootConfig(Frozen):
     optim: OptimConfig = OptimConfig()
     tracking: TrackingConfig = TrackingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    failure: FailureConfig = FailureConfig()
 
     @model_validator(mode="after")
     def _check(self):
@@ -60,6 +61,18 @@ class RootConfig(Frozen):
             raise ValueError(
                 f"sharding.dp_outer: {self.sharding.dp_outer} does not divide cluster.num_workers "
                 f"({self.cluster.num_workers})"
+            )
+        low = self.cluster.min_workers
+        if low is not None and low > self.cluster.num_workers:
+            raise ValueError(
+                f"cluster.min_workers: {low} exceeds cluster.num_workers ({self.cluster.num_workers})"
+            )
+        if low is not None and self.world_sizes() == [self.cluster.num_workers] and low < self.cluster.num_workers:
+            raise ValueError(
+                f"cluster.min_workers: no world size from {low} to {self.cluster.num_workers - 1} keeps "
+                f"train.global_batch_size ({t.global_batch_size}) divisible by train.micro_batch_size "
+                f"({t.micro_batch_size}) x world size"
+                + (f" and is a multiple of sharding.dp_outer ({self.sharding.dp_outer})" if self.sharding.dp_outer > 1 else "")
             )
         if self.model.block_size is not None and self.model.block_size < t.seq_len:
             raise ValueError(
@@ -77,6 +90,20 @@ class RootConfig(Frozen):
     def grad_accum(self) -> int:
         """Micro-batches per rank per step: global batch / (micro batch x dp size)."""
         return self.train.global_batch_size // (self.train.micro_batch_size * self.dp_size)
+
+    def world_sizes(self) -> list[int]:
+        """The world sizes this run may train at, largest first: `cluster.num_workers`, then
+        (elastic) every smaller one down to `cluster.min_workers` that divides the global batch
+        into whole micro-batches and is a multiple of `sharding.dp_outer`."""
+        t, c = self.train, self.cluster
+        low = c.min_workers or c.num_workers
+        return [w for w in range(c.num_workers, low - 1, -1)
+                if w == c.num_workers or (t.global_batch_size % (t.micro_batch_size * w) == 0
+                                          and w % self.sharding.dp_outer == 0)]
+
+    def at_world_size(self, world: int) -> "RootConfig":
+        """This config with `world` ranks (an elastic resize; nothing else changes)."""
+        return self.model_copy(update={"cluster": self.cluster.model_copy(update={"num_workers": world})})
 
     @property
     def block_size(self) -> int:

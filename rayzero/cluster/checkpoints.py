@@ -42,6 +42,9 @@ class Checkpoints:
         self.root.probe()
 
     def configure(self, infos: list[dict], mlflow_run_id: str | None) -> None:
+        """For a new group of ranks (the first, or one rebuilt after a failure or a resize):
+        uploads the previous group left unfinished are dropped, uncommitted."""
+        self.pending = {}
         self.saving_ranks = sum(1 for i in infos if i["saves_shard"])
         self.layout = infos[0]["layout"]
         self.params = [{"name": n, "shape": s} for n, s in infos[0]["params"].items()]
@@ -99,10 +102,16 @@ class Checkpoints:
             gone = []
         log.info("committed checkpoint %s%s", prefix.uri, f"; removed {', '.join(gone)}" if gone else "")
 
+    @property
+    def resume_mode(self) -> str:
+        """`checkpoint.resume`, until this run commits: then `auto` (its own newest commit)."""
+        return "auto" if self.commits else self.cfg.checkpoint.resume
+
     def resume_target(self, params: dict[str, list[int]]) -> list[Committed]:
         """What to resume from, best first (auto: newest commit first, then older ones to fall
-        back on). Empty: start from scratch."""
-        how = self.cfg.checkpoint.resume
+        back on). Empty: start from scratch. Once this run has committed, a rebuilt group
+        resumes from its newest commit, whatever `checkpoint.resume` named at the start."""
+        how = self.resume_mode
         if how == "none":
             return []
         if how == "auto":

@@ -1,7 +1,9 @@
 """The driver's loop: place the ranks, rendezvous, build, then drive every iteration phase by phase.
 
 The controller is the only process that talks to MLflow and writes the run's outputs; ranks
-return plain dicts. States: PLACE → RENDEZVOUS → BUILD → TRAIN → DONE.
+return plain dicts. States: PLACE → RENDEZVOUS → BUILD → TRAIN → CHECKPOINT → DONE. A failure in
+any of them tears the group down; the failure policy decides whether to go round again (from
+PLACE, resuming from the newest commit), with how many ranks, or to give up.
 """
 
 from __future__ import annotations
@@ -17,15 +19,33 @@ from tqdm import tqdm
 from rayzero.checkpoint.export import save_safetensors
 from rayzero.checkpoint.manifest import CheckpointError
 from rayzero.checkpoint.shard_file import ChecksumError
+from rayzero.checkpoint.storage import StorageError
 from rayzero.cluster.checkpoints import Checkpoints
 from rayzero.cluster.dispatch import DISPATCHERS
+from rayzero.cluster.failure import (
+    PLACEMENT, RANK_DIED, Decision, Failure, FailurePolicy, TrainingFailed, classify, first_line,
+)
 from rayzero.cluster.schedule import lr_at
-from rayzero.cluster.worker_group import WorkerGroup
+from rayzero.cluster.watchdog import Watchdog
+from rayzero.cluster.worker_group import PlacementError, WorkerGroup, free_bundles
 from rayzero.config import RootConfig
 from rayzero.sharding.memory import bytes_per_param
 from rayzero.workers.actor import RankActor
 
 log = logging.getLogger(__name__)
+
+
+class _DeadActorCancel(logging.Filter):
+    """Ray's compiled graph logs a traceback for every dead actor it cannot cancel a task on
+    while it tears down; after a failure those actors are dead on purpose (the controller
+    kills the whole group), and the failure is reported once, by the controller."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        dead = record.exc_info and isinstance(record.exc_info[1], ray.exceptions.RayActorError)
+        return not (dead and record.getMessage().startswith("Error cancelling worker task"))
+
+
+logging.getLogger("ray.dag.compiled_dag_node").addFilter(_DeadActorCancel())
 
 PHASES = ("gather", "forward", "backward", "reduce_scatter", "step")
 WARMUP_STEPS = 1  # the first iteration compiles the graph and faults in memory: not timed
@@ -33,11 +53,25 @@ WARMUP_STEPS = 1  # the first iteration compiles the graph and faults in memory:
 
 @dataclass
 class History:
+    steps: list[int] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)
     phase_s: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PHASES})
     skipped: int = 0
     memory: list[dict[str, int]] = field(default_factory=list)  # each rank's ledger, latest
+
+    def record(self, step: int, loss: float, step_s: float, phase_s: dict[str, float]) -> None:
+        self.steps.append(step)
+        self.losses.append(loss)
+        self.step_s.append(step_s)
+        for p in PHASES:
+            self.phase_s[p].append(phase_s[p])
+
+    def rewind(self, step: int) -> None:
+        """Forget iterations from `step` on: a resumed group runs them again."""
+        keep = sum(1 for s in self.steps if s < step)
+        for values in (self.steps, self.losses, self.step_s, *self.phase_s.values()):
+            del values[keep:]
 
     def timed(self, values: list[float]) -> list[float]:
         return values[WARMUP_STEPS:] or values
@@ -57,98 +91,187 @@ class Controller:
         self.checkpoints = checkpoints  # None: checkpoints off
         self.start_step = 0
         self.resumed_from: str | None = None
+        self.policy = FailurePolicy(cfg)
+        self.world = cfg.cluster.num_workers  # the current world size (elastic: may shrink)
+        self.failures: list[Failure] = []
+        self.resizes: list[dict] = []
+        self.group: WorkerGroup | None = None
+        self.dispatch = None
+        self.watchdog: Watchdog | None = None
+        self._recovering: Failure | None = None  # the failure whose recovery is being timed
+        self._mark_t = 0.0
+        self._grow_to: int | None = None
+        self.start_step_next = 0  # where a group stopped to grow resumes
+        self._step = None  # the iteration being collected
+        self.first_start: tuple[int, str | None] | None = None  # (step, checkpoint) the run began at
 
     def fit(self) -> dict:
-        cfg = self.cfg
-        group = dispatch = None
+        """Train to `train.steps`, surviving failures: each attempt places a group, rendezvous,
+        resumes from the newest commit and trains; a failure tears the whole group down and the
+        policy decides whether to restart, shrink, or give up."""
         status = "FAILED"
+        streak, commits_then = 0, 0
         try:
-            self.state = "PLACE"
-            bundle = {"CPU": cfg.cluster.cpus_per_worker}
-            if cfg.cluster.use_gpu:
-                bundle["GPU"] = 1
-            group = WorkerGroup.create(
-                self.actor_cls,
-                cfg.cluster.num_workers,
-                bundle,
-                lambda rank: (cfg, rank, cfg.cluster.num_workers, self.data_path),
-                strategy=cfg.cluster.placement_strategy,
-                placement_timeout_s=cfg.cluster.placement_timeout_s,
-            )
-            self.state = "RENDEZVOUS"
-            infos = group.rendezvous()
-            self.num_params = infos[0]["num_params"]
-            self.state = "BUILD"
-            if self.checkpoints is not None:
-                self.checkpoints.configure(infos, self.tracker.run_id)
-                self._resume(group, infos[0]["params"])
-            dispatch = DISPATCHERS[cfg.cluster.dispatch](
-                group.actors, cfg.grad_accum, timeout_s=cfg.cluster.pg_timeout_s
-            )
-            self.state = "TRAIN"
-            self._train(dispatch)
-            dispatch.close()
-            dispatch = None
-            if self.checkpoints is not None:  # the last uploads, then their commit
-                self.state = "CHECKPOINT"
-                reports = ray.get([a.finish_checkpoints.remote() for a in group.actors])
-                self.checkpoints.add_uploads([u for r in reports for u in r])
-            if cfg.train.save_final:
-                weights = ray.get([a.full_state_dict.remote() for a in group.actors])[0]
-                save_safetensors(weights, cfg.train.save_final, {"strategy": cfg.sharding.strategy})
-            self.state = "DONE"
+            while True:
+                try:
+                    done, info = self._attempt()
+                except Exception as exc:
+                    failure = self._diagnose(exc)
+                    self._release(kill=True)
+                    self._mark("teardown")
+                    if failure.kind == PLACEMENT and not self.failures and not self.history.losses:
+                        raise  # the very first placement: the request itself cannot be met
+                    commits = self.checkpoints.commits if self.checkpoints is not None else 0
+                    streak = 1 if commits > commits_then else streak + 1
+                    commits_then = commits
+                    capacity = free_bundles(self._bundle())
+                    decision = self.policy.decide(failure, len(self.failures), streak, self.world, capacity)
+                    self._record(failure, decision)
+                    if decision.action == "give_up":
+                        raise TrainingFailed(self._give_up_message(failure, decision)) from exc
+                    time.sleep(decision.delay_s)
+                    self._mark("backoff")
+                    self.world = decision.world_size
+                    continue
+                if done:
+                    break
+                self._release(kill=False)  # a planned resize: the commit is in, close politely
+                self.resizes.append({"step": self.start_step_next, "from": self.world, "to": self._grow_to})
+                log.info("growing from %d to %d ranks at step %d", self.world, self._grow_to, self.start_step_next)
+                self.world, self._grow_to = self._grow_to, None
             status = "FINISHED"
-            return self.summary(infos[0])
+            return self.summary(info)
         finally:
-            _teardown(dispatch, group, self.tracker, status)
+            self._release(kill=status != "FINISHED")
+            self.tracker.finish(status)
 
-    def _resume(self, group: WorkerGroup, params: dict) -> None:
+    def _attempt(self) -> tuple[bool, dict]:
+        """One group's life: PLACE → RENDEZVOUS → BUILD (resume) → TRAIN → CHECKPOINT.
+        Returns (done, rank 0's info); not done means the group stopped at a checkpoint to grow."""
+        self.state = "PLACE"
+        self.group, self.world = self._place(self.world)
+        cfg = self.cfg.at_world_size(self.world)
+        self._mark("placement")
+        self.watchdog = Watchdog(self.group.actors, cfg.failure.phase_timeout_s, on_fire=self.group.kill).start()
+        self.state = "RENDEZVOUS"
+        infos = self.group.rendezvous()
+        self.pids = {i["pid"]: i["rank"] for i in infos}
+        self.num_params = infos[0]["num_params"]
+        self._mark("rendezvous")
+        self.state = "BUILD"
+        self.start_step, self.resumed_from = 0, None
+        if self.checkpoints is not None:
+            self.checkpoints.configure(infos, self.tracker.run_id)
+            self._resume(infos[0]["params"])
+        self.history.rewind(self.start_step)
+        if self.first_start is None:
+            self.first_start = (self.start_step, self.resumed_from)
+        self._mark("load")
+        self.dispatch = DISPATCHERS[cfg.cluster.dispatch](
+            self.group.actors, cfg.grad_accum, timeout_s=cfg.cluster.pg_timeout_s
+        )
+        self.state = "TRAIN"
+        grow = self._train(cfg)
+        self.dispatch.close()
+        self.dispatch = None
+        if self.checkpoints is not None:  # the last uploads, then their commit
+            self.state = "CHECKPOINT"
+            reports = ray.get([a.finish_checkpoints.remote() for a in self.group.actors])
+            self.checkpoints.add_uploads([u for r in reports for u in r])
+        if grow:
+            return False, infos[0]
+        if cfg.train.save_final:
+            weights = ray.get([a.full_state_dict.remote() for a in self.group.actors])[0]
+            save_safetensors(weights, cfg.train.save_final, {"strategy": cfg.sharding.strategy})
+        self.state = "DONE"
+        return True, infos[0]
+
+    def _bundle(self) -> dict[str, float]:
+        bundle = {"CPU": self.cfg.cluster.cpus_per_worker}
+        if self.cfg.cluster.use_gpu:
+            bundle["GPU"] = 1
+        return bundle
+
+    def _place(self, world: int) -> tuple[WorkerGroup, int]:
+        """A group of `world` ranks; failing that within `cluster.placement_timeout_s`
+        (elastic), the largest smaller world the cluster can hold right now."""
+        c = self.cfg.cluster
+        first_error = None
+        for w in [w for w in self.cfg.world_sizes() if w <= world]:
+            cfg_w = self.cfg.at_world_size(w)
+            try:
+                group = WorkerGroup.create(
+                    self.actor_cls, w, self._bundle(), lambda rank: (cfg_w, rank, w, self.data_path),
+                    strategy=c.placement_strategy,
+                    # The first try waits for resources to appear; smaller ones only take what is free.
+                    placement_timeout_s=c.placement_timeout_s if first_error is None else min(c.placement_timeout_s, 2.0),
+                )
+            except PlacementError as e:
+                first_error = first_error or e
+                continue
+            if w < world:
+                log.warning("only %d of %d ranks can be placed; continuing with %d (cluster.min_workers=%d)",
+                            w, world, w, c.min_workers)
+            return group, w
+        if len(self.cfg.world_sizes()) > 1:
+            raise PlacementError(f"{first_error}; nor any smaller world down to cluster.min_workers={c.min_workers}")
+        raise first_error
+
+    def _resume(self, params: dict) -> None:
         """Load the newest usable commit into every rank; with `auto`, a checkpoint whose shard
         fails its checksum is skipped (with a warning) for the one before it."""
+        actors = self.group.actors
         for c in self.checkpoints.resume_target(params):
             try:
-                ray.get([a.load_checkpoint.remote(c.uri, c.manifest) for a in group.actors])
+                ray.get([a.load_checkpoint.remote(c.uri, c.manifest) for a in actors])
             except ray.exceptions.RayTaskError as e:
                 cause = e.cause if isinstance(getattr(e, "cause", None), Exception) else e
-                if self.cfg.checkpoint.resume != "auto" or not isinstance(cause, ChecksumError):
+                if self.checkpoints.resume_mode != "auto" or not isinstance(cause, ChecksumError):
+                    if isinstance(cause, (StorageError, ray.exceptions.RayActorError)):
+                        raise  # the storage or a rank went away: a fault to retry, not a bad checkpoint
                     raise CheckpointError(f"cannot resume from {c.uri}: {cause}") from None
                 log.warning("checkpoint %s is damaged (%s); falling back to the one before it", c.uri, cause)
                 continue
-            ray.get([a.apply_checkpoint.remote() for a in group.actors])
+            ray.get([a.apply_checkpoint.remote() for a in actors])
             self.start_step, self.resumed_from = c.step, c.uri
             log.info("resumed from %s at step %d", c.uri, c.step)
             self.tracker.set_tags({"resumed_from": c.uri})
             return
 
-    def _train(self, dispatch) -> None:
-        cfg, h = self.cfg, self.history
+    def _train(self, cfg: RootConfig) -> bool:
+        """Iterations from `start_step` to `train.steps`. Returns True when it stopped early, at
+        a checkpoint, to grow back to a bigger world (elastic)."""
+        h, dispatch = self.history, self.dispatch
         tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
         first = self.start_step
         if first >= cfg.train.steps:
-            return
+            return False
         bar = tqdm(range(first, cfg.train.steps), desc="train", unit="step", disable=not self.progress,
                    mininterval=1.0, dynamic_ncols=True, initial=first, total=cfg.train.steps)
         ckpt = self.checkpoints
+        grow_at = None
 
         def plan(k: int) -> dict:
-            return {"step": k, "lr": lr_at(k, cfg.train.steps, cfg.optim),
-                    "checkpoint": ckpt.plan(k) if ckpt is not None else None}
+            nonlocal grow_at
+            where = ckpt.plan(k) if ckpt is not None else None
+            if where and grow_at is None and k + 1 < cfg.train.steps and self._can_grow():
+                grow_at = k  # resources are back: stop after this checkpoint and regroup
+            return {"step": k, "lr": lr_at(k, cfg.train.steps, cfg.optim), "checkpoint": where}
 
         last = time.perf_counter()
         pending = dispatch.submit(plan(first))
         for step in bar:
+            self._step = step
             # Queue the next iteration before reading this one: ranks never wait on the driver.
-            queued = dispatch.submit(plan(step + 1)) if step + 1 < cfg.train.steps else None
+            more = step + 1 < cfg.train.steps and grow_at != step
+            queued = dispatch.submit(plan(step + 1)) if more else None
             results = dispatch.collect(pending)
             now = time.perf_counter()
             dt, last, pending = now - last, now, queued
             lr = results[0]["lr"]
             loss = sum(r["loss_sum"] for r in results) / sum(r["tokens"] for r in results)
             phase = {p: max(r["phase_s"][p] for r in results) for p in PHASES}
-            h.losses.append(loss)
-            h.step_s.append(dt)
-            for p in PHASES:
-                h.phase_s[p].append(phase[p])
+            h.record(step, loss, dt, phase)
             skipped = results[0]["skipped"]
             metrics = {
                 "loss": loss,
@@ -165,16 +288,151 @@ class Controller:
                 metrics["loss_scale"] = results[0]["loss_scale"]
             h.skipped += int(skipped)
             h.memory = [r["memory"] for r in results]
+            if step == first:
+                metrics["world_size"] = self.world
             if step == 0 or step + 1 == cfg.train.steps:
                 metrics.update(memory_metrics(h.memory, self.num_params))
             if ckpt is not None:
                 metrics["checkpoint_stall_ms"] = max(r["phase_s"].get("checkpoint", 0.0) for r in results) * 1e3
                 ckpt.collect(step, results)
+            if self._recovering is not None and step == first:
+                metrics["recovery_s"] = self._recovered()
             self.tracker.log_metrics(step, metrics)
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_step / dt:,.0f}", refresh=False)
+            if grow_at == step:
+                self.start_step_next = step + 1
+                bar.close()
+                return True
+        return False
+
+    def _can_grow(self) -> bool:
+        """Below the configured world and the cluster now holds a bigger valid one."""
+        if self.world >= self.cfg.cluster.num_workers:
+            return False
+        free = free_bundles(self._bundle(), settle_s=0.0)
+        bigger = [w for w in self.cfg.world_sizes() if self.world < w <= self.world + free]
+        if bigger:
+            self._grow_to = bigger[0]
+        return bool(bigger)
+
+    # -- failures ---------------------------------------------------------------------
+    def _diagnose(self, exc: BaseException) -> Failure:
+        """Who failed, where, and how: the watchdog's finding if it fired, else a dead rank if
+        any (a lost member makes the others' collectives fail too: the dead one is the cause),
+        else the exception."""
+        detected = time.time()
+        wd, self.watchdog = self.watchdog, None
+        if wd is not None:
+            wd.stop()
+        last = wd.last if wd is not None else {}
+        if wd is not None and wd.fired is not None:
+            failure = wd.fired
+        else:
+            kind, rank, phase = classify(exc), None, None
+            if isinstance(exc, ray.exceptions.RayTaskError):
+                rank = self.pids.get(getattr(exc, "pid", None)) if hasattr(self, "pids") else None
+                phase = (getattr(exc, "function_name", "") or "").rpartition(".")[2] or None
+            dead = self._dead_ranks()
+            if dead:
+                kind, rank = RANK_DIED, dead[0][0]
+                phase = last.get(rank, {}).get("phase") or phase
+                exc = dead[0][1]
+            step = self._step if self.state == "TRAIN" else None
+            who = (f"rank{'s' if len(dead) > 1 else ''} {', '.join(str(r) for r, _ in dead)} died" if dead
+                   else f"rank {rank} failed" if rank is not None else f"the {self.state.lower()} state failed")
+            where = (f" in phase {phase}" if phase else "") + (
+                "" if step is None else f" of step {step}" if phase else f" at step {step}")
+            failure = Failure(kind, f"{who}{where}: {first_line(exc)}", rank=rank, phase=phase, step=step)
+        failure.detected_at = detected
+        self._recovering, self._mark_t = failure, detected
+        self._mark("diagnose")
+        log.warning("failure (%s): %s", failure.kind, failure.message)
+        return failure
+
+    def _dead_ranks(self, timeout_s: float = 2.0) -> list[tuple[int, BaseException]]:
+        """(rank, why) for each rank actor that is dead, asking every one of them."""
+        group = self.group
+        if group is None or not group.actors:
+            return []
+        refs = [a.progress.remote() for a in group.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        dead = []
+        for r, ref in enumerate(refs):
+            if ref in ready:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as e:
+                    dead.append((r, e))
+        return dead
+
+    def _record(self, failure: Failure, decision: Decision) -> None:
+        self.failures.append(failure)
+        n = len(self.failures)
+        failure.decision, failure.world_size = decision.action, decision.world_size
+        text = (f"step {failure.step}: {failure.message} -> {decision.action}"
+                + (f" at {decision.world_size} ranks" if decision.action != "give_up" else f" ({decision.reason})"))
+        if decision.action != "give_up":
+            log.warning("restart %d: %s", n, text)
+        try:  # MLflow must not turn a recoverable failure into a fatal one
+            self.tracker.set_tags({f"failure.{n}": text[:5000], "failure.last_cause": failure.kind})
+            if decision.action != "give_up":
+                self.tracker.log_metrics(failure.step or self.start_step, {"restarts": float(n)})
+        except Exception as e:
+            log.warning("could not record the failure in MLflow: %s", e)
+
+    def _give_up_message(self, failure: Failure, decision: Decision) -> str:
+        restarts = len(self.failures) - 1
+        last = self.checkpoints.last_committed if self.checkpoints is not None else None
+        if last is None and self.checkpoints is not None:
+            try:
+                found = self.checkpoints.resume_target({})
+                last = found[0].uri if found else None
+            except Exception:
+                last = None
+        where = (f"the last committed checkpoint is {last}; run the same command again to resume from it"
+                 if last else "no checkpoint was committed")
+        return (f"training stopped after {restarts} restart{'s' if restarts != 1 else ''} "
+                f"({decision.reason}): {failure.message}. {where[0].upper()}{where[1:]}.")
+
+    def _mark(self, name: str) -> None:
+        """Time one stage of the recovery under way, if any."""
+        if self._recovering is None:
+            return
+        now = time.time()
+        self._recovering.timings[f"{name}_s"] = self._recovering.timings.get(f"{name}_s", 0.0) + now - self._mark_t
+        self._mark_t = now
+
+    def _recovered(self) -> float:
+        """The first step after a failure is done: close its recovery timings."""
+        self._mark("first_step")
+        f, self._recovering = self._recovering, None
+        f.timings["total_s"] = time.time() - f.detected_at
+        log.info("recovered from %s in %.1fs", f.kind, f.timings["total_s"])
+        return f.timings["total_s"]
+
+    def _release(self, kill: bool) -> None:
+        """Stop the watchdog and free the group: killed at once after a failure (a graph or a
+        process group waits on a lost member until it times out), closed politely otherwise."""
+        wd, self.watchdog = self.watchdog, None
+        if wd is not None:
+            wd.stop()
+        group, self.group = self.group, None
+        dispatch, self.dispatch = self.dispatch, None
+        if kill and group is not None:
+            group.kill()
+        if dispatch is not None:
+            try:
+                dispatch.close()
+            except Exception as e:
+                log.debug("closing the dispatcher failed: %s", e)
+        if group is not None and not kill:
+            try:
+                group.shutdown()
+            except Exception as e:
+                log.warning("shutting the group down failed: %s", e)
 
     def summary(self, rank0_info: dict) -> dict:
-        cfg, h = self.cfg, self.history
+        cfg, h = self.cfg.at_world_size(self.world), self.history
         trained = bool(h.losses)
         step_s = mean(h.timed(h.step_s)) if trained else None
         memory = h.memory or [rank0_info["memory"]]
@@ -183,12 +441,13 @@ class Controller:
             "first_loss": h.losses[0] if trained else None,
             "final_loss": h.losses[-1] if trained else None,
             "steps": len(h.losses),
-            "start_step": self.start_step,
+            "start_step": self.first_start[0],
             "total_steps": cfg.train.steps,
             "tokens_per_s": cfg.train.global_batch_size * cfg.train.seq_len / step_s if trained else None,
             "step_ms": step_s * 1e3 if trained else None,
             "phase_ms": {p: mean(h.timed(v)) * 1e3 for p, v in h.phase_s.items()} if trained else {},
-            "world_size": cfg.cluster.num_workers,
+            "world_size": self.world,
+            "num_workers": self.cfg.cluster.num_workers,
             "strategy": cfg.sharding.strategy,
             "grad_accum": cfg.grad_accum,
             "num_params": rank0_info["num_params"],
@@ -199,9 +458,12 @@ class Controller:
             "run_dir": self.run_dir,
             "final_weights": cfg.train.save_final or None,
             "skipped_steps": h.skipped,
-            "resumed_from": self.resumed_from,
+            "resumed_from": self.first_start[1],
             "checkpoint": ckpt.last_committed if ckpt is not None else None,
             "checkpoints_committed": ckpt.commits if ckpt is not None else 0,
+            "restarts": len(self.failures),
+            "failures": [f.record() for f in self.failures],
+            "resizes": self.resizes,
             "memory": {
                 "bytes_per_param": bytes_per_param(memory, self.num_params),
                 "transient_bytes": max(r["transient_peak"] for r in memory),
@@ -218,18 +480,3 @@ def memory_metrics(reports: list[dict[str, int]], num_params: int) -> dict[str, 
     out = {f"memory_{k}_bytes_per_param": v for k, v in bytes_per_param(reports, num_params).items()}
     out["memory_transient_peak_mib"] = max(r["transient_peak"] for r in reports) / 2**20
     return out
-
-
-def _teardown(dispatch, group: WorkerGroup | None, tracker, status: str) -> None:
-    """Release everything, each step even if an earlier one fails (a dead rank can make the
-    graph's teardown raise; the actors and placement group must go regardless)."""
-    steps = [
-        dispatch.close if dispatch is not None else None,
-        group.shutdown if group is not None else None,
-        lambda: tracker.finish(status),
-    ]
-    for step in filter(None, steps):
-        try:
-            step()
-        except Exception:
-            log.exception("teardown step failed; continuing")

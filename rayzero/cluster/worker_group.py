@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable
 
 import ray
 from ray.exceptions import GetTimeoutError
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 log = logging.getLogger(__name__)
@@ -76,9 +77,39 @@ class WorkerGroup:
                 ray.get([a.close.remote() for a in self.actors], timeout=graceful_timeout_s)
             except Exception as e:  # a dead or hung rank: kill regardless
                 log.debug("graceful close failed: %s", e)
+        self.kill()
+
+    def kill(self) -> None:
+        """Kill every actor at once (no goodbyes: a process group cannot survive a lost member,
+        and the others may be stuck in a collective with it) and free the bundles."""
         for a in self.actors:
-            ray.kill(a, no_restart=True)
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception as e:
+                log.debug("kill failed: %s", e)
         self.actors = []
         if self.pg is not None:
-            remove_placement_group(self.pg)
-            self.pg = None
+            pg, self.pg = self.pg, None
+            remove_placement_group(pg)
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and placement_group_table(pg).get("state") != "REMOVED":
+                time.sleep(0.01)
+
+
+def free_bundles(bundle: dict[str, float], settle_s: float = 2.0) -> int:
+    """How many `bundle`s the cluster's free resources hold now, summed over nodes (an upper
+    bound for PACK and SPREAD placement). Waits until the view settles: freed resources reach
+    it some 100 ms after a placement group is removed."""
+    def count() -> int:
+        free = ray.available_resources()
+        return int(min(free.get(k, 0.0) / v for k, v in bundle.items() if v > 0) + 1e-9)
+
+    deadline = time.monotonic() + settle_s
+    last = count()
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = count()
+        if now == last:
+            return now
+        last = now
+    return last

@@ -78,6 +78,7 @@ def _ckpt(args) -> int:
 def _train(args) -> int:
     from rayzero.checkpoint.manifest import CheckpointError
     from rayzero.checkpoint.storage import StorageError
+    from rayzero.cluster.failure import TrainingFailed
     from rayzero.cluster.worker_group import PlacementError
     from rayzero.jobs.train import ClusterUnreachable, run_train
 
@@ -86,6 +87,9 @@ def _train(args) -> int:
         summary = run_train(cfg, progress=not args.no_progress)
     except (PlacementError, ClusterUnreachable, CheckpointError, StorageError) as e:
         raise _UserError(str(e)) from None
+    except TrainingFailed as e:
+        print(f"rayzero: training failed: {e}", file=sys.stderr)
+        return 1
     _print_summary(summary)
     if args.summary_json:
         Path(args.summary_json).write_text(json.dumps(summary, indent=2))
@@ -101,14 +105,19 @@ def _print_summary(s: dict) -> None:
     mem = s["memory"]
     per_param = "  ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in mem["bytes_per_param"].items())
     resumed = f" (resumed at step {s['start_step']})" if s["resumed_from"] else ""
+    ranks = f"{s['world_size']} ranks" + ("" if s["world_size"] == s["num_workers"] else f" (of {s['num_workers']})")
     print(
         f"\ntrained {s['steps']} steps{resumed}: loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}\n"
-        f"  {s['world_size']} ranks, strategy {s['strategy']}, {s['num_params']:,} parameters, "
+        f"  {ranks}, strategy {s['strategy']}, {s['num_params']:,} parameters, "
         f"{s['grad_accum']} micro-batches/step\n"
         f"  {s['tokens_per_s']:,.0f} tokens/s, {s['step_ms']:.1f} ms/step ({phases} ms)\n"
         f"  memory per rank, bytes/parameter: {per_param}; transient peak "
         f"{mem['transient_bytes'] / 2**20:.1f} MiB\n"
         + (f"  {s['skipped_steps']} steps skipped by loss scaling\n" if s["skipped_steps"] else "")
+        + "".join(f"  restart {i}: {f['message']}; {f['decision']} at {f['world_size']} ranks, "
+                  f"training again {f['timings'].get('total_s', 0):.1f}s later\n"
+                  for i, f in enumerate(s["failures"], 1))
+        + "".join(f"  grew from {r['from']} to {r['to']} ranks at step {r['step']}\n" for r in s["resizes"])
         + (f"  checkpoint {s['checkpoint']}\n" if s["checkpoint"] else "")
         + f"  run dir {s['run_dir']}\n"
         + (f"  mlflow run {s['mlflow_run_id']} at {s['mlflow_tracking_uri']}" if s["mlflow_run_id"] else "  mlflow off")

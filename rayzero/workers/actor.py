@@ -14,6 +14,11 @@ class RankShim:
     def __init__(self, cfg: RootConfig, rank: int, world_size: int, data_path: str):
         self.rank = Rank(cfg, rank, world_size, data_path)
 
+    # In its own thread, so the controller's watchdog gets an answer while a phase runs.
+    @ray.method(concurrency_group="control")
+    def progress(self) -> dict:
+        return self.rank.progress()
+
     def address(self) -> tuple[str, int]:
         return self.rank.address(ray.util.get_node_ip_address())
 
@@ -51,4 +56,9 @@ class RankShim:
         self.rank.close()
 
 
-RankActor = ray.remote(RankShim)
+def rank_actor(cls: type = RankShim):
+    """`cls` (RankShim or a subclass) as a Ray actor class with the watchdog's thread."""
+    return ray.remote(concurrency_groups={"control": 1})(cls)
+
+
+RankActor = rank_actor()

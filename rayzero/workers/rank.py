@@ -7,6 +7,7 @@ the controller can chain them into one compiled graph per iteration.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import time
@@ -44,6 +45,23 @@ def check_buildable(cfg: RootConfig, device: torch.device | None) -> None:
                 raise ValueError(f"sharding.{key}={name}: {e}") from None
 
 
+def watched(name: str):
+    """Mark a method as phase `name` for `Rank.progress` (what the controller's watchdog reads)."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(self, *args, **kwargs):
+            self._current = (name, time.monotonic())
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                self._current = None
+
+        return inner
+
+    return wrap
+
+
 class Rank:
     def __init__(self, cfg: RootConfig, rank: int, world_size: int, data_path: str):
         self.cfg = cfg
@@ -52,6 +70,16 @@ class Rank:
         self.device = torch.device("cpu")
         self._times: dict[str, float] = {}
         self.saver: ShardSaver | None = None
+        self.plan: dict = {}
+        self._current: tuple[str, float] | None = None  # (phase, monotonic start) while in one
+
+    def progress(self) -> dict:
+        """What this rank is doing: the step, the phase it is in (None between calls) and for
+        how long. Safe to call from another thread while a phase runs."""
+        current = self._current
+        return {"rank": self.topo.rank, "step": self.plan.get("step"),
+                "phase": current[0] if current else None,
+                "elapsed_s": time.monotonic() - current[1] if current else 0.0}
 
     # -- setup -------------------------------------------------------------------------
     @staticmethod
@@ -61,6 +89,7 @@ class Rank:
             s.bind((ip, 0))
             return ip, s.getsockname()[1]
 
+    @watched("setup")
     def setup(self, master_addr: str, master_port: int) -> dict:
         cfg = self.cfg
         backend = cfg.cluster.backend
@@ -125,6 +154,7 @@ class Rank:
         return axes
 
     # -- phases --------------------------------------------------------------------------
+    @watched("gather")
     def gather(self, plan: dict) -> dict:
         """Start of an iteration: zero gradients, load this rank's batch, and wait for the
         parameter all-gather (unless the strategy waits for it inside forward)."""
@@ -141,6 +171,7 @@ class Rank:
         self._times = {"gather": time.perf_counter() - t0, "forward": 0.0, "backward": 0.0}
         return {}
 
+    @watched("forward")
     def forward(self, _prev: dict) -> dict:
         t0 = time.perf_counter()
         x, y = self._micro[self._next_micro]
@@ -154,6 +185,7 @@ class Rank:
         self._times["forward"] += time.perf_counter() - t0
         return {}
 
+    @watched("backward")
     def backward(self, _prev: dict) -> dict:
         t0 = time.perf_counter()
         last = self._next_micro == len(self._micro) - 1
@@ -163,6 +195,7 @@ class Rank:
         self._times["backward"] += time.perf_counter() - t0
         return {}
 
+    @watched("reduce_scatter")
     def reduce_scatter(self, _prev: dict) -> dict:
         t0 = time.perf_counter()
         if self._next_micro != len(self._micro):
@@ -171,6 +204,7 @@ class Rank:
         self._times["reduce_scatter"] = time.perf_counter() - t0
         return {}
 
+    @watched("step")
     def step(self, _prev: dict) -> dict:
         t0 = time.perf_counter()
         grad_norm = self.strategy.step(self.plan["lr"])
@@ -210,6 +244,7 @@ class Rank:
         storage = Storage(where["uri"], self.cfg.checkpoint)
         return self.saver.save(storage, where["step"])
 
+    @watched("finish_checkpoints")
     def finish_checkpoints(self) -> list[dict]:
         """Wait for the last upload; the reports not yet returned."""
         if self.saver is None:
@@ -217,6 +252,7 @@ class Rank:
         self.saver.wait()
         return self.saver.reports()
 
+    @watched("load_checkpoint")
     def load_checkpoint(self, uri: str, manifest: dict) -> dict:
         """Read (and reshard, and verify) this rank's part of a checkpoint; nothing is applied
         until `apply_checkpoint`, so a damaged shard on any rank leaves every rank as it was."""
@@ -224,6 +260,7 @@ class Rank:
         self._staged = (read_shard(self.strategy, Storage(uri, self.cfg.checkpoint), manifest), manifest)
         return {"rank": self.topo.rank, "read_s": time.perf_counter() - t0}
 
+    @watched("apply_checkpoint")
     def apply_checkpoint(self) -> dict:
         """Install the staged checkpoint (a collective: every rank), and the RNG state when the
         world size is the one it was saved at."""
@@ -239,6 +276,7 @@ class Rank:
         return {"rank": self.topo.rank, "apply_s": time.perf_counter() - t0}
 
     # -- outside the iteration graph -------------------------------------------------
+    @watched("full_state_dict")
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's fp32 weights on CPU, by `state_dict()` names (tied weights under
         each name), on rank 0; None elsewhere. Every rank must call it: it is a collective."""

@@ -122,8 +122,9 @@ def test_storage_stopped_mid_run_leaves_the_last_commit_intact(tmp_path, small_d
     server.start()
     try:
         s3 = server.overrides() + ["checkpoint.retries=1"]
-        # A rank stuck on dead storage is reported after pg_timeout_s, not the default 300 s.
-        args = ["checkpoint.dir=s3://ckpt/run-s", *s3, "checkpoint.every_steps=2", "cluster.pg_timeout_s=60"]
+        # A rank stuck on dead storage is caught by the watchdog; no restarts: this is about the commit.
+        args = ["checkpoint.dir=s3://ckpt/run-s", *s3, "checkpoint.every_steps=2", "cluster.pg_timeout_s=60",
+                "failure.max_restarts=0", "failure.phase_timeout_s=20"]
         r, s = train(tmp_path, small_dataset, *args, "train.steps=4")
         assert r.returncode == 0, r.stderr[-3000:]
         # Stop the server while the next run trains and uploads: it fails, the commit stays.
@@ -164,16 +165,16 @@ def test_a_rank_killed_during_an_upload_leaves_the_last_commit_usable(tmp_path, 
     from rayzero.cluster.checkpoints import Checkpoints
     from rayzero.cluster.controller import Controller
     from rayzero.cluster.tracking import NullTracker
-    from rayzero.workers.actor import RankShim
+    from rayzero.workers.actor import RankShim, rank_actor
     from tests.e2e.conftest import leftovers
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
     root = tmp_path / "ck"
     cfg = load_config(None, [*FAST, "train.steps=8", f"checkpoint.dir={root}", "checkpoint.every_steps=2",
-                             f"data.path={small_dataset}"])
+                             f"data.path={small_dataset}", "failure.max_restarts=0"])
     ray.init(address=ray_cluster, logging_level="ERROR")
     try:
-        actor = ray.remote(type("Dies", (DiesDuringUpload, RankShim), {}))
+        actor = rank_actor(type("Dies", (DiesDuringUpload, RankShim), {}))
         controller = Controller(cfg, small_dataset, str(tmp_path), NullTracker(), progress=False,
                                 actor_cls=actor, checkpoints=Checkpoints(cfg))
         with pytest.raises(Exception):

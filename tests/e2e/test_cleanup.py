@@ -8,7 +8,7 @@ from ray import cloudpickle
 
 from rayzero.cluster.controller import Controller
 from rayzero.config import load_config
-from rayzero.workers.actor import RankShim
+from rayzero.workers.actor import RankShim, rank_actor
 from tests.e2e.conftest import leftovers
 
 pytestmark = pytest.mark.e2e
@@ -30,6 +30,9 @@ class RecordingTracker:
     def log_metrics(self, step, metrics):
         self.steps.append(step)
 
+    def set_tags(self, tags):
+        pass
+
     def finish(self, status="FINISHED"):
         self.status = status
 
@@ -44,7 +47,7 @@ def test_failing_rank_is_reported_and_cleaned_up(tmp_path, ray_cluster, small_da
     ray.init(address=ray_cluster, logging_level="ERROR")
     try:
         controller = Controller(cfg, small_dataset, str(tmp_path), tracker, progress=False,
-                                actor_cls=ray.remote(FailsAtStep2))
+                                actor_cls=rank_actor(FailsAtStep2))
         with pytest.raises(Exception, match="injected failure at step 2"):
             controller.fit()
     finally:

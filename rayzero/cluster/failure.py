@@ -1,0 +1,116 @@
+"""What went wrong, and what to do about it.
+
+`diagnose` turns whatever the controller caught into a `Failure` (which rank, which phase, what
+kind of fault); `FailurePolicy.decide` turns a failure into a `Decision`: restart at the same
+world size, shrink to a smaller one (elastic), or give up. The controller carries it out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+import ray
+import torch.distributed as dist
+
+from rayzero.checkpoint.storage import StorageError
+from rayzero.cluster.worker_group import PlacementError
+from rayzero.config import RootConfig
+
+# Kinds of failure. All but "error" are faults of the machinery (a process, the network, the
+# storage, the cluster) that a fresh group can get past; "error" is an exception out of the
+# training code itself (a bad checkpoint, a bug), which a restart would only repeat.
+RANK_DIED, HANG, COLLECTIVE, STORAGE, PLACEMENT, ERROR = (
+    "rank_died", "hang", "collective", "storage", "placement", "error")
+RETRYABLE = (RANK_DIED, HANG, COLLECTIVE, STORAGE, PLACEMENT)
+
+# A torch.distributed failure that reaches Python as a plain RuntimeError (gloo's wording).
+_COLLECTIVE_WORDS = ("gloo", "nccl", "connection closed by peer", "connection reset", "broken pipe",
+                     "timed out", "socket", "process group")
+
+
+class TrainingFailed(RuntimeError):
+    """The policy gave up; the message names the cause and the last committed checkpoint."""
+
+
+@dataclass
+class Failure:
+    kind: str
+    message: str  # one line: who, where, what
+    rank: int | None = None
+    phase: str | None = None
+    step: int | None = None  # the iteration (0-based) the rank was in
+    detected_at: float = 0.0  # time.time() when the controller caught it
+    decision: str = ""  # what the policy decided: restart, shrink, give_up
+    world_size: int | None = None  # the world placed next
+    timings: dict[str, float] = field(default_factory=dict)  # recovery, filled in as it goes
+
+    def record(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Literal["restart", "shrink", "give_up"]
+    world_size: int  # the world to place next (restart, shrink)
+    delay_s: float  # backoff before placing
+    reason: str
+
+
+class FailurePolicy:
+    """`failure.max_restarts` restarts (−1: unlimited) with exponential backoff that resets
+    once a checkpoint commits; a smaller world when the cluster can no longer hold the current
+    one and `cluster.min_workers` allows it."""
+
+    def __init__(self, cfg: RootConfig):
+        self.max_restarts = cfg.failure.max_restarts
+        self.backoff_s, self.backoff_max_s = cfg.failure.backoff_s, cfg.failure.backoff_max_s
+        self.worlds = cfg.world_sizes()
+
+    def decide(self, failure: Failure, restarts: int, streak: int, world: int, capacity: int) -> Decision:
+        """`restarts` so far, `streak` failures since the last commit, the `world` that failed
+        and how many ranks the cluster could `capacity` place now."""
+        if failure.kind not in RETRYABLE:
+            return Decision("give_up", world, 0.0, "the error is in the training code, not a lost resource")
+        if self.max_restarts >= 0 and restarts >= self.max_restarts:
+            return Decision("give_up", world, 0.0, f"failure.max_restarts={self.max_restarts} reached")
+        delay = min(self.backoff_max_s, self.backoff_s * 2 ** max(0, streak - 1))
+        fits = [w for w in self.worlds if w <= capacity]
+        if fits and fits[0] < world:
+            return Decision("shrink", fits[0], delay, f"the cluster can place {capacity} ranks now")
+        # Enough room (or none at all yet: placement waits for it, then shrinks if it can).
+        return Decision("restart", max(world, fits[0]) if fits else world, delay, "a fresh group")
+
+
+def classify(exc: BaseException) -> str:
+    if isinstance(exc, PlacementError):
+        return PLACEMENT
+    if isinstance(exc, (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError)):
+        return RANK_DIED
+    if isinstance(exc, (ray.exceptions.GetTimeoutError, ray.exceptions.RayChannelTimeoutError)):
+        return HANG
+    cause = exc
+    if isinstance(exc, ray.exceptions.RayTaskError):
+        cause = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
+        if isinstance(cause, ray.exceptions.RayActorError):
+            return RANK_DIED
+    if isinstance(cause, (dist.DistError, ray.exceptions.RayChannelError)):
+        return COLLECTIVE
+    if isinstance(cause, StorageError):
+        return STORAGE
+    if isinstance(cause, RuntimeError) and any(w in str(cause).lower() for w in _COLLECTIVE_WORDS):
+        return COLLECTIVE
+    return ERROR
+
+
+def first_line(exc: BaseException) -> str:
+    """The exception's own message, without Ray's wrapping and tracebacks; for a dead actor,
+    Ray's reason (its process died, its node died, it was killed…)."""
+    cause = getattr(exc, "cause", None) if isinstance(exc, ray.exceptions.RayTaskError) else None
+    e = cause if isinstance(cause, BaseException) else exc
+    text = str(e).strip()
+    if isinstance(e, ray.exceptions.RayActorError):  # Ray's text runs to a paragraph: one sentence
+        at = text.find("The actor is dead because")
+        return f"{type(e).__name__}: {text[max(at, 0):].split('. ')[0].split(': ')[0].rstrip('.')}"
+    lines = text.splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}".strip()

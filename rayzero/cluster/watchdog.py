@@ -1,0 +1,93 @@
+"""The controller's watchdog: a thread that asks every rank what it is doing, once a second.
+
+Each rank answers `progress()` from a separate thread of its actor (its own concurrency
+group), so it answers while a phase runs. A rank that has spent longer than
+`failure.phase_timeout_s` in one phase, or that stops answering for that long, counts as hung:
+the watchdog records which rank, phase and step, and kills the group. The controller, blocked
+on the iteration's result, then gets an error at once instead of waiting for torch's own
+collective timeout, and asks the watchdog what happened.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+import ray
+
+from rayzero.cluster.failure import HANG, Failure
+
+log = logging.getLogger(__name__)
+
+
+class Watchdog:
+    def __init__(self, actors: list, timeout_s: float, on_fire: Callable[[], None], interval_s: float = 1.0):
+        self.actors = actors
+        self.timeout_s = timeout_s
+        self.interval_s = min(interval_s, timeout_s / 2)
+        self.on_fire = on_fire  # tears the group down
+        self.last: dict[int, dict] = {}  # rank -> its latest answer: step, phase, elapsed_s
+        self.fired: Failure | None = None
+        self._silent_since: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rayzero-watchdog", daemon=True)
+
+    def start(self) -> "Watchdog":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                if self._check():
+                    return
+            except Exception as e:  # the watchdog must never take the run down by itself
+                log.debug("watchdog poll failed: %s", e)
+
+    def _check(self) -> bool:
+        refs = {r: a.progress.remote() for r, a in enumerate(self.actors)}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.interval_s)
+        now = time.monotonic()
+        for r, ref in refs.items():
+            if ref in ready:
+                try:
+                    self.last[r] = ray.get(ref)
+                    self._silent_since.pop(r, None)
+                except ray.exceptions.RayError:
+                    pass  # a dead rank: the controller's own wait reports it
+            else:
+                self._silent_since.setdefault(r, now)
+        culprit = self._culprit(now)
+        if culprit is None or self._stop.is_set():
+            return False
+        self.fired = culprit
+        log.warning("watchdog: %s; tearing the group down", culprit.message)
+        self.on_fire()
+        return True
+
+    def _culprit(self, now: float) -> Failure | None:
+        """The rank stuck longest, if any is past the timeout: the one whose phase began
+        first is the cause; the others are waiting for it inside a collective."""
+        stuck = [(p["elapsed_s"], r) for r, p in self.last.items()
+                 if p.get("phase") and p["elapsed_s"] > self.timeout_s and r not in self._silent_since]
+        silent = [(now - t, r) for r, t in self._silent_since.items() if now - t > self.timeout_s]
+        if silent:
+            secs, r = max(silent)
+            p = self.last.get(r, {})
+            return Failure(HANG, f"rank {r} has not answered for {secs:.0f}s (failure.phase_timeout_s="
+                                 f"{self.timeout_s:g}), last seen in phase {p.get('phase')} of step {p.get('step')}",
+                           rank=r, phase=p.get("phase"), step=p.get("step"))
+        if stuck:
+            secs, r = max(stuck)
+            p = self.last[r]
+            return Failure(HANG, f"rank {r} spent {secs:.0f}s in phase {p['phase']} of step {p['step']} "
+                                 f"(failure.phase_timeout_s={self.timeout_s:g})",
+                           rank=r, phase=p["phase"], step=p["step"])
+        return None
