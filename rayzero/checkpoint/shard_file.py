@@ -63,8 +63,10 @@ class _BlockHasher:
         return self.hashes
 
 
-def write_shard(storage: Storage, key: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict:
-    """Stream `tensors` (CPU, fp32, contiguous) to `key`; returns its size and block hashes."""
+def write_shard(storage: Storage, key: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
+                on_block=None) -> dict:
+    """Stream `tensors` (CPU, fp32, contiguous) to `key`; returns its size and block hashes.
+    `on_block()`, if given, is called after each block is handed to the stream."""
     header = _header(tensors, metadata)
     hasher = _BlockHasher()
     with storage.output_stream(key) as f:
@@ -73,6 +75,8 @@ def write_shard(storage: Storage, key: str, tensors: dict[str, torch.Tensor], me
                 piece = chunk[lo : lo + BLOCK]
                 f.write(piece)
                 hasher.update(piece)
+                if on_block is not None:
+                    on_block()
     return {"size": hasher.size, "block": BLOCK, "sha256": hasher.finish()}
 
 

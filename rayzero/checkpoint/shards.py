@@ -52,6 +52,11 @@ class ShardSaver:
         self._done: list[dict] = []
         self._error: BaseException | None = None
         self._lock = threading.Lock()
+        self.moved_at = time.monotonic()  # when the upload last handed a block to storage
+        self.waiting = False  # the caller is blocked in wait()
+
+    def _moved(self) -> None:
+        self.moved_at = time.monotonic()
 
     def save(self, storage: Storage, step: int) -> float:
         """Wait for the previous upload, snapshot, start this one. Returns the seconds the
@@ -74,7 +79,7 @@ class ShardSaver:
         def upload():
             try:
                 t = time.perf_counter()
-                entry = _with_retries(storage, lambda: write_shard(storage, key, snapshot, meta))
+                entry = _with_retries(storage, lambda: write_shard(storage, key, snapshot, meta, self._moved))
                 with self._lock:
                     self._done.append({"step": step, "rank": rank, "file": key, "pieces": pieces,
                                        "adam_steps": adam_steps, "upload_s": time.perf_counter() - t, **entry})
@@ -91,7 +96,11 @@ class ShardSaver:
 
     def wait(self) -> None:
         if self._thread is not None:
-            self._thread.join()
+            self.waiting = True
+            try:
+                self._thread.join()
+            finally:
+                self.waiting = False
             self._thread = None
         self._raise()
 

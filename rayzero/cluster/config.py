@@ -37,8 +37,9 @@ class FailureConfig(Frozen):
     down and rebuilt from the newest committed checkpoint, up to `max_restarts` times."""
 
     max_restarts: int = Field(default=3, ge=-1)  # -1: unlimited
-    # Watchdog: the longest one rank may spend in one phase (or one checkpoint load or upload
-    # wait) before the run counts it as hung; torch's own collective timeout is 30 minutes.
+    # Watchdog: the longest one rank may spend in one phase or checkpoint load (waiting on its
+    # upload: since the upload last moved a block) before the run counts it as hung; torch's
+    # own collective timeout is 30 minutes.
     phase_timeout_s: float = Field(default=60.0, gt=0)
     backoff_s: float = Field(default=1.0, ge=0)  # wait before a restart, doubling while none commits
     backoff_max_s: float = Field(default=30.0, ge=0)

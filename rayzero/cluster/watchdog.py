@@ -30,7 +30,8 @@ class Watchdog:
         self.on_fire = on_fire  # tears the group down
         self.last: dict[int, dict] = {}  # rank -> its latest answer: step, phase, elapsed_s
         self.fired: Failure | None = None
-        self._silent_since: dict[int, float] = {}
+        self._silent_since: dict[int, float] = {}  # rank -> when it last answered, while it does not
+        self._answered: dict[int, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rayzero-watchdog", daemon=True)
 
@@ -60,10 +61,11 @@ class Watchdog:
                 try:
                     self.last[r] = ray.get(ref)
                     self._silent_since.pop(r, None)
+                    self._answered[r] = now
                 except ray.exceptions.RayError:
                     pass  # a dead rank: the controller's own wait reports it
             else:
-                self._silent_since.setdefault(r, now)
+                self._silent_since.setdefault(r, self._answered.get(r, now))
         culprit = self._culprit(now)
         if culprit is None or self._stop.is_set():
             return False

@@ -75,11 +75,16 @@ class Rank:
 
     def progress(self) -> dict:
         """What this rank is doing: the step, the phase it is in (None between calls) and for
-        how long. Safe to call from another thread while a phase runs."""
-        current = self._current
+        how long (while it waits on its checkpoint upload: since the upload last moved a
+        block). Safe to call from another thread while a phase runs."""
+        current, now = self._current, time.monotonic()
+        elapsed = now - current[1] if current else 0.0
+        saver = self.saver
+        if current and saver is not None and saver.waiting:
+            # Waiting on its checkpoint upload: slow is not stuck while bytes still move.
+            elapsed = min(elapsed, now - saver.moved_at)
         return {"rank": self.topo.rank, "step": self.plan.get("step"),
-                "phase": current[0] if current else None,
-                "elapsed_s": time.monotonic() - current[1] if current else 0.0}
+                "phase": current[0] if current else None, "elapsed_s": elapsed}
 
     # -- setup -------------------------------------------------------------------------
     @staticmethod

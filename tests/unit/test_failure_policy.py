@@ -1,0 +1,181 @@
+"""The failure policy, the classification of errors, the watchdog's verdict and the elastic
+world sizes, without a cluster."""
+
+import pytest
+import ray.exceptions
+import torch.distributed as dist
+
+from rayzero.checkpoint.storage import StorageError
+from rayzero.cluster.controller import History
+from rayzero.cluster.failure import Failure, FailurePolicy, classify, first_line
+from rayzero.cluster.watchdog import Watchdog
+from rayzero.cluster.worker_group import PlacementError
+from rayzero.config import ConfigError, load_config
+
+ELASTIC = ["cluster.num_workers=4", "cluster.min_workers=2", "train.global_batch_size=24",
+           "train.micro_batch_size=2"]
+
+
+def policy(*overrides):
+    return FailurePolicy(load_config(None, [*ELASTIC, *overrides]))
+
+
+def died(step=5):
+    return Failure("rank_died", "rank 1 died", rank=1, step=step)
+
+
+def test_restart_at_the_same_world_when_the_cluster_still_holds_it():
+    d = policy().decide(died(), restarts=0, streak=1, world=4, capacity=4)
+    assert (d.action, d.world_size, d.delay_s) == ("restart", 4, 1.0)
+
+
+def test_backoff_doubles_while_nothing_commits_and_is_capped():
+    p = policy("failure.backoff_s=2", "failure.backoff_max_s=5")
+    assert [p.decide(died(), 0, streak, 4, 4).delay_s for streak in (1, 2, 3, 4)] == [2, 4, 5, 5]
+
+
+def test_shrink_to_the_largest_world_that_fits_and_divides_the_batch():
+    d = policy().decide(died(), restarts=0, streak=1, world=4, capacity=3)
+    assert (d.action, d.world_size) == ("shrink", 3)
+    # 24 sequences of 2 per micro-batch: 4, 3 and 2 ranks divide them; with 16 only 4 and 2 do.
+    d = policy("train.global_batch_size=16").decide(died(), 0, 1, world=4, capacity=3)
+    assert (d.action, d.world_size) == ("shrink", 2)
+
+
+def test_below_min_workers_waits_for_resources_at_the_same_world():
+    d = policy().decide(died(), restarts=0, streak=1, world=4, capacity=1)
+    assert (d.action, d.world_size) == ("restart", 4)
+
+
+def test_without_elastic_never_shrinks():
+    d = policy("cluster.min_workers=null").decide(died(), 0, 1, world=4, capacity=3)
+    assert (d.action, d.world_size) == ("restart", 4)
+
+
+def test_gives_up_when_restarts_run_out_and_never_with_minus_one():
+    assert policy("failure.max_restarts=2").decide(died(), 2, 1, 4, 4).action == "give_up"
+    assert policy("failure.max_restarts=2").decide(died(), 1, 1, 4, 4).action == "restart"
+    assert policy("failure.max_restarts=-1").decide(died(), 10_000, 1, 4, 4).action == "restart"
+    assert "failure.max_restarts=0" in policy("failure.max_restarts=0").decide(died(), 0, 1, 4, 4).reason
+
+
+def test_an_error_in_the_training_code_is_not_retried():
+    d = policy().decide(Failure("error", "ValueError: bad"), 0, 1, 4, 4)
+    assert d.action == "give_up" and "training code" in d.reason
+
+
+def task_error(cause: Exception) -> ray.exceptions.RayTaskError:
+    return ray.exceptions.RayTaskError("RankShim.step", "Traceback…", cause, type(cause)).as_instanceof_cause()
+
+
+@pytest.mark.parametrize("exc, kind", [
+    (PlacementError("no room"), "placement"),
+    (ray.exceptions.ActorDiedError(), "rank_died"),
+    (ray.exceptions.GetTimeoutError(), "hang"),
+    (ray.exceptions.RayChannelTimeoutError("slow"), "hang"),
+    (RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4100"), "collective"),
+    (dist.DistNetworkError("timeout"), "collective"),
+    (StorageError("s3 down"), "storage"),
+    (ValueError("shape mismatch"), "error"),
+])
+def test_classify(exc, kind):
+    assert classify(exc) == kind
+    if not isinstance(exc, (ray.exceptions.RayError, PlacementError)):
+        assert classify(task_error(exc)) == kind, "the same through a rank's RayTaskError"
+
+
+def test_first_line_is_the_cause_in_one_line():
+    assert first_line(task_error(ValueError("bad shape\nmore detail"))) == "ValueError: bad shape"
+    text = ("The actor died unexpectedly before finishing this task.\n\tclass_name: RankShim\n"
+            "The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR …")
+
+    class Died(ray.exceptions.ActorDiedError):  # Ray builds the real one from a context
+        def __init__(self, text):
+            self.text = text
+
+        def __str__(self):
+            return self.text
+
+    assert first_line(Died(text)) == "Died: The actor is dead because its worker process has died"
+
+
+
+def verdict(last, silent_since=None, now=100.0, timeout=10.0):
+    w = Watchdog([], timeout, on_fire=lambda: None)
+    w.last, w._silent_since = last, silent_since or {}
+    return w._culprit(now)
+
+
+def test_the_watchdog_blames_the_rank_stuck_longest():
+    # Rank 2 hangs in backward; the others wait for it in reduce_scatter's collective.
+    last = {0: {"step": 7, "phase": "reduce_scatter", "elapsed_s": 11.0},
+            1: {"step": 7, "phase": "reduce_scatter", "elapsed_s": 11.5},
+            2: {"step": 7, "phase": "backward", "elapsed_s": 12.0},
+            3: {"step": 7, "phase": None, "elapsed_s": 0.0}}
+    f = verdict(last)
+    assert (f.kind, f.rank, f.phase, f.step) == ("hang", 2, "backward", 7)
+    assert "failure.phase_timeout_s=10" in f.message
+
+
+def test_the_watchdog_is_quiet_within_the_timeout():
+    assert verdict({0: {"step": 1, "phase": "forward", "elapsed_s": 9.0}}) is None
+
+
+def test_a_rank_that_stops_answering_counts_as_hung():
+    f = verdict({1: {"step": 3, "phase": "step", "elapsed_s": 0.5}}, silent_since={1: 85.0})
+    assert (f.rank, f.phase, f.step) == (1, "step", 3) and "has not answered for 15s" in f.message
+
+
+def test_world_sizes_and_bad_min_workers():
+    assert load_config(None, ELASTIC).world_sizes() == [4, 3, 2]
+    assert load_config(None, [*ELASTIC, "sharding.dp_outer=2"]).world_sizes() == [4, 2]
+    assert load_config(None, ["cluster.num_workers=4"]).world_sizes() == [4]
+    cfg = load_config(None, ELASTIC).at_world_size(3)
+    assert cfg.cluster.num_workers == 3 and cfg.grad_accum == 4 and cfg.train.global_batch_size == 24
+    with pytest.raises(ConfigError, match="cluster.min_workers: 5 exceeds cluster.num_workers"):
+        load_config(None, ["cluster.num_workers=4", "cluster.min_workers=5"])
+    with pytest.raises(ConfigError, match="cluster.min_workers: no world size from 3 to 3"):
+        load_config(None, ["cluster.num_workers=4", "cluster.min_workers=3", "train.global_batch_size=16"])
+    with pytest.raises(ConfigError, match="failure.max_restarts"):
+        load_config(None, ["failure.max_restarts=-2"])
+
+
+def test_history_rewinds_to_the_resumed_step():
+    h = History()
+    phases = {p: 0.1 for p in ("gather", "forward", "backward", "reduce_scatter", "step")}
+    for step in range(6):
+        h.record(step, 5.0 - step, 0.2, phases)
+    h.rewind(4)
+    assert h.steps == [0, 1, 2, 3] and h.losses == [5.0, 4.0, 3.0, 2.0] and len(h.phase_s["step"]) == 4
+    h.record(4, 1.0, 0.2, phases)
+    assert h.steps[-1] == 4 and len(h.step_s) == 5
+
+
+def test_a_rank_waiting_on_an_upload_that_still_moves_is_not_stuck():
+    import time
+
+    from rayzero.workers.rank import Rank
+
+    rank = Rank(load_config(None, []), 0, 1, "unused")
+    assert rank.progress() == {"rank": 0, "step": None, "phase": None, "elapsed_s": 0.0}
+    rank._current = ("step", time.monotonic() - 100)
+
+    class Saver:
+        waiting, moved_at = True, time.monotonic() - 2
+
+    rank.saver = Saver()
+    assert 2 <= rank.progress()["elapsed_s"] < 3
+    Saver.waiting = False  # in the phase itself for 100 s
+    assert rank.progress()["elapsed_s"] >= 100 and rank.progress()["phase"] == "step"
+
+
+def test_a_given_up_run_exits_1_with_the_cause(monkeypatch, capsys):
+    from rayzero.cluster.failure import TrainingFailed
+    from rayzero.jobs import cli, train
+
+    def fails(cfg, progress):
+        raise TrainingFailed("training stopped after 3 restarts (…): rank 1 died in phase step of step 9")
+
+    monkeypatch.setattr(train, "run_train", fails)
+    assert cli.main(["train", "train.steps=2"]) == 1
+    assert capsys.readouterr().err.startswith("rayzero: training failed: training stopped after 3 restarts")
