@@ -23,7 +23,7 @@ from rayzero.checkpoint.storage import StorageError
 from rayzero.cluster.checkpoints import Checkpoints
 from rayzero.cluster.dispatch import DISPATCHERS
 from rayzero.cluster.failure import (
-    PLACEMENT, RANK_DIED, Decision, Failure, FailurePolicy, TrainingFailed, classify, first_line,
+    ERROR, PLACEMENT, RANK_DIED, Decision, Failure, FailurePolicy, TrainingFailed, classify, first_line, unwrap,
 )
 from rayzero.cluster.schedule import lr_at
 from rayzero.cluster.watchdog import Watchdog
@@ -48,6 +48,10 @@ class _DeadActorCancel(logging.Filter):
 logging.getLogger("ray.dag.compiled_dag_node").addFilter(_DeadActorCancel())
 
 PHASES = ("gather", "forward", "backward", "reduce_scatter", "step")
+STATE_WORDS = {"INIT": "starting", "PLACE": "placing the ranks", "RENDEZVOUS": "the rendezvous",
+               "BUILD": "resuming from the checkpoint", "TRAIN": "training",
+               "CHECKPOINT": "finishing the checkpoint uploads", "SAVE": "writing the final weights",
+               "DONE": "finishing"}
 WARMUP_STEPS = 1  # the first iteration compiles the graph and faults in memory: not timed
 
 
@@ -128,6 +132,9 @@ class Controller:
                     decision = self.policy.decide(failure, len(self.failures), streak, self.world, capacity)
                     self._record(failure, decision)
                     if decision.action == "give_up":
+                        cause = unwrap(exc)
+                        if failure.kind == ERROR and isinstance(cause, CheckpointError):
+                            raise cause from None  # a user's mistake, already worded as one
                         raise TrainingFailed(self._give_up_message(failure, decision)) from exc
                     time.sleep(decision.delay_s)
                     self._mark("backoff")
@@ -181,6 +188,7 @@ class Controller:
         if grow:
             return False, infos[0]
         if cfg.train.save_final:
+            self.state = "SAVE"
             weights = ray.get([a.full_state_dict.remote() for a in self.group.actors])[0]
             save_safetensors(weights, cfg.train.save_final, {"strategy": cfg.sharding.strategy})
         self.state = "DONE"
@@ -339,14 +347,16 @@ class Controller:
                 exc = dead[0][1]
             step = self._step if self.state == "TRAIN" else None
             who = (f"rank{'s' if len(dead) > 1 else ''} {', '.join(str(r) for r, _ in dead)} died" if dead
-                   else f"rank {rank} failed" if rank is not None else f"the {self.state.lower()} state failed")
+                   else f"rank {rank} failed" if rank is not None else f"{STATE_WORDS[self.state]} failed")
             where = (f" in phase {phase}" if phase else "") + (
                 "" if step is None else f" of step {step}" if phase else f" at step {step}")
-            failure = Failure(kind, f"{who}{where}: {first_line(exc)}", rank=rank, phase=phase, step=step)
+            failure = Failure(kind, f"{who}{where}: {first_line(exc)}", rank=rank, phase=phase, step=step,
+                              detail=str(unwrap(exc)).strip())
         failure.detected_at = detected
         self._recovering, self._mark_t = failure, detected
         self._mark("diagnose")
-        log.warning("failure (%s): %s", failure.kind, failure.message)
+        if failure.kind != ERROR:  # an error in the training code is reported once, as the run ends
+            log.warning("failure (%s): %s", failure.kind, failure.message)
         return failure
 
     def _dead_ranks(self, timeout_s: float = 2.0) -> list[tuple[int, BaseException]]:
@@ -384,15 +394,17 @@ class Controller:
         restarts = len(self.failures) - 1
         last = self.checkpoints.last_committed if self.checkpoints is not None else None
         if last is None and self.checkpoints is not None:
-            try:
+            try:  # one from an earlier run, that this one resumed from
                 found = self.checkpoints.resume_target({})
                 last = found[0].uri if found else None
             except Exception:
                 last = None
-        where = (f"the last committed checkpoint is {last}; run the same command again to resume from it"
-                 if last else "no checkpoint was committed")
+        where = (f"The last committed checkpoint is {last}; run the same command again to resume from it"
+                 if last else "No checkpoint was committed")
+        more = failure.detail.splitlines()[1:] if failure.kind == ERROR else []
         return (f"training stopped after {restarts} restart{'s' if restarts != 1 else ''} "
-                f"({decision.reason}): {failure.message}. {where[0].upper()}{where[1:]}.")
+                f"({decision.reason}): {failure.message}"
+                + "".join(f"\n  {line}" for line in more) + f"\n{where}.")
 
     def _mark(self, name: str) -> None:
         """Time one stage of the recovery under way, if any."""

@@ -37,6 +37,7 @@ class TrainingFailed(RuntimeError):
 class Failure:
     kind: str
     message: str  # one line: who, where, what
+    detail: str = ""  # the error's whole message
     rank: int | None = None
     phase: str | None = None
     step: int | None = None  # the iteration (0-based) the rank was in
@@ -89,11 +90,9 @@ def classify(exc: BaseException) -> str:
         return RANK_DIED
     if isinstance(exc, (ray.exceptions.GetTimeoutError, ray.exceptions.RayChannelTimeoutError)):
         return HANG
-    cause = exc
-    if isinstance(exc, ray.exceptions.RayTaskError):
-        cause = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
-        if isinstance(cause, ray.exceptions.RayActorError):
-            return RANK_DIED
+    cause = unwrap(exc)
+    if isinstance(cause, ray.exceptions.RayActorError):
+        return RANK_DIED
     if isinstance(cause, (dist.DistError, ray.exceptions.RayChannelError)):
         return COLLECTIVE
     if isinstance(cause, StorageError):
@@ -103,11 +102,16 @@ def classify(exc: BaseException) -> str:
     return ERROR
 
 
+def unwrap(exc: BaseException) -> BaseException:
+    """The error a rank raised, out of Ray's RayTaskError around it."""
+    cause = getattr(exc, "cause", None) if isinstance(exc, ray.exceptions.RayTaskError) else None
+    return cause if isinstance(cause, BaseException) else exc
+
+
 def first_line(exc: BaseException) -> str:
     """The exception's own message, without Ray's wrapping and tracebacks; for a dead actor,
     Ray's reason (its process died, its node died, it was killed…)."""
-    cause = getattr(exc, "cause", None) if isinstance(exc, ray.exceptions.RayTaskError) else None
-    e = cause if isinstance(cause, BaseException) else exc
+    e = unwrap(exc)
     text = str(e).strip()
     if isinstance(e, ray.exceptions.RayActorError):  # Ray's text runs to a paragraph: one sentence
         at = text.find("The actor is dead because")

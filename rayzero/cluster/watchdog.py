@@ -75,10 +75,9 @@ class Watchdog:
         return True
 
     def _culprit(self, now: float) -> Failure | None:
-        """The rank stuck longest, if any is past the timeout: the one whose phase began
-        first is the cause; the others are waiting for it inside a collective."""
-        stuck = [(p["elapsed_s"], r) for r, p in self.last.items()
-                 if p.get("phase") and p["elapsed_s"] > self.timeout_s and r not in self._silent_since]
+        """If any rank is past the timeout: the one furthest behind in the run's order (step,
+        then phase) is the cause; the others are waiting for it inside a collective. Ranks are
+        only loosely in step, so the cause need not be the one stuck longest."""
         silent = [(now - t, r) for r, t in self._silent_since.items() if now - t > self.timeout_s]
         if silent:
             secs, r = max(silent)
@@ -86,10 +85,21 @@ class Watchdog:
             return Failure(HANG, f"rank {r} has not answered for {secs:.0f}s (failure.phase_timeout_s="
                                  f"{self.timeout_s:g}), last seen in phase {p.get('phase')} of step {p.get('step')}",
                            rank=r, phase=p.get("phase"), step=p.get("step"))
-        if stuck:
-            secs, r = max(stuck)
-            p = self.last[r]
-            return Failure(HANG, f"rank {r} spent {secs:.0f}s in phase {p['phase']} of step {p['step']} "
-                                 f"(failure.phase_timeout_s={self.timeout_s:g})",
-                           rank=r, phase=p["phase"], step=p["step"])
-        return None
+        busy = {r: p for r, p in self.last.items() if p.get("phase") and r not in self._silent_since}
+        if not any(p["elapsed_s"] > self.timeout_s for p in busy.values()):
+            return None
+        r = min(busy, key=lambda r: (_position(busy[r]), -busy[r]["elapsed_s"]))
+        p = busy[r]
+        return Failure(HANG, f"rank {r} spent {p['elapsed_s']:.0f}s in phase {p['phase']} of step {p['step']}"
+                             f" (failure.phase_timeout_s={self.timeout_s:g})",
+                       rank=r, phase=p["phase"], step=p["step"])
+
+
+# The order a rank goes through its calls, to tell who is behind.
+ORDER = ("setup", "load_checkpoint", "apply_checkpoint", "gather", "forward", "backward", "reduce_scatter",
+         "step", "finish_checkpoints", "full_state_dict")
+
+
+def _position(progress: dict) -> tuple[int, int]:
+    step = progress.get("step")
+    return (-1 if step is None else step, ORDER.index(progress["phase"]) if progress["phase"] in ORDER else len(ORDER))

@@ -117,6 +117,18 @@ def test_the_watchdog_blames_the_rank_stuck_longest():
     assert "failure.phase_timeout_s=10" in f.message
 
 
+def test_the_watchdog_blames_the_rank_behind_even_if_others_waited_longer():
+    # Rank 0 ran ahead into reduce_scatter's collective before rank 2 got stuck in backward.
+    last = {0: {"step": 7, "phase": "reduce_scatter", "elapsed_s": 11.0},
+            1: {"step": 7, "phase": "reduce_scatter", "elapsed_s": 9.0},
+            2: {"step": 7, "phase": "backward", "elapsed_s": 9.5}}
+    f = verdict(last)
+    assert (f.rank, f.phase, f.step) == (2, "backward", 7)
+    # A rank still a step behind is further behind than one in an earlier phase of a later step.
+    last[3] = {"step": 6, "phase": "step", "elapsed_s": 9.9}
+    assert verdict(last).rank == 3
+
+
 def test_the_watchdog_is_quiet_within_the_timeout():
     assert verdict({0: {"step": 1, "phase": "forward", "elapsed_s": 9.0}}) is None
 
