@@ -20,6 +20,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--config", help="YAML config file (defaults apply to what it leaves out)")
     t.add_argument("--summary-json", help="also write the final summary as JSON here")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--dry-run", action="store_true",
+                   help="validate the config and print the plan (world size, strategy, accumulation, "
+                        "memory per rank) without starting Ray; --summary-json gets the plan")
     t.add_argument("overrides", nargs="*", metavar="key=value")
     d = sub.add_parser("data", help="dataset tools")
     dsub = d.add_subparsers(dest="data_command", required=True)
@@ -83,6 +86,14 @@ def _train(args) -> int:
     from rayzero.jobs.train import ClusterUnreachable, run_train
 
     cfg = load_config(args.config, args.overrides)
+    if args.dry_run:
+        from rayzero.jobs.train import plan
+
+        p = plan(cfg)
+        _print_plan(p)
+        if args.summary_json:
+            Path(args.summary_json).write_text(json.dumps(p, indent=2))
+        return 0
     try:
         summary = run_train(cfg, progress=not args.no_progress)
     except (PlacementError, ClusterUnreachable, CheckpointError, StorageError) as e:
@@ -94,6 +105,29 @@ def _train(args) -> int:
     if args.summary_json:
         Path(args.summary_json).write_text(json.dumps(summary, indent=2))
     return 0
+
+
+def _print_plan(p: dict) -> None:
+    elastic = f" (down to {p['world_sizes'][-1]} if the cluster shrinks)" if len(p["world_sizes"]) > 1 else ""
+    bundle = ", ".join(f"{v:g} {k}" for k, v in p["bundle"].items())
+    hybrid = f", {p['dp_outer']} replicas" if p["dp_outer"] > 1 else ""
+    mem = p["memory"]
+    ck = p["checkpoint"]
+    print(
+        f"plan (dry run: nothing started)\n"
+        f"  {p['world_size']} ranks{elastic} of {bundle} each, on {p['cluster']}\n"
+        f"  strategy {p['strategy']}{hybrid}; params {p['param_dtype']}, grads {p['grad_dtype']}\n"
+        f"  {p['num_params']:,} parameters; model state per rank {mem['bytes_per_param']:.2f} bytes/parameter "
+        f"= {mem['bytes_per_rank'] / 2**20:,.1f} MiB (Megatron's formula, before padding and activations)\n"
+        f"  {p['global_batch_size']} sequences per step = {p['world_size']} ranks x {p['grad_accum']} "
+        f"micro-batches x {p['micro_batch_size']}; {p['tokens_per_step']:,} tokens per step, {p['steps']} steps\n"
+        f"  data {p['data']}\n"
+        + (f"  checkpoints every {ck['every_steps']} steps to {ck['dir']} (resume {ck['resume']})\n" if ck
+           else "  checkpoints off\n")
+        + f"  mlflow {p['tracking'] or 'off'}\n"
+        f"  restarts up to {p['failure']['max_restarts']} (-1: unlimited), phase watchdog "
+        f"{p['failure']['phase_timeout_s']:g} s"
+    )
 
 
 def _print_summary(s: dict) -> None:

@@ -70,6 +70,51 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
         raise ConnectionError(f"{host}:{port} is not reachable ({e})") from None
 
 
+def plan(cfg: RootConfig) -> dict:
+    """What `run_train(cfg)` would do, checked as far as possible without data, storage or Ray:
+    the config and the model/sharding combination are validated (ConfigError), and the plan
+    says how the ranks split the work and what each holds (Megatron's model-state formula)."""
+    from rayzero.cluster.checkpoints import checkpoint_root
+    from rayzero.models.gpt import build_model
+    from rayzero.sharding.memory import formula_bytes_per_param
+    from rayzero.sharding.precision import DTYPES
+
+    try:
+        check_buildable(cfg, None if cfg.cluster.use_gpu else torch.device("cpu"))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    sh, t, c = cfg.sharding, cfg.train, cfg.cluster
+    num_params = build_model(cfg.model, cfg.block_size, t.seed, device="meta").num_params()
+    d = c.num_workers // sh.dp_outer  # ranks a shard is split over
+    param_bytes = DTYPES[sh.param_dtype].itemsize
+    grad_bytes = DTYPES[sh.grad_dtype].itemsize
+    d_optim = c.num_workers if sh.dp_outer > 1 and sh.outer_strategy == "optim" else d
+    per_param = formula_bytes_per_param(sh.strategy, d, param_bytes, grad_bytes, d_optim)
+    return {
+        "world_size": c.num_workers,
+        "world_sizes": cfg.world_sizes(),
+        "cluster": c.address or "local Ray",
+        "bundle": {"CPU": c.cpus_per_worker, **({"GPU": 1} if c.use_gpu else {})},
+        "strategy": sh.strategy,
+        "dp_outer": sh.dp_outer,
+        "param_dtype": sh.param_dtype,
+        "grad_dtype": sh.grad_dtype,
+        "num_params": num_params,
+        "global_batch_size": t.global_batch_size,
+        "micro_batch_size": t.micro_batch_size,
+        "grad_accum": cfg.grad_accum,
+        "tokens_per_step": t.global_batch_size * t.seq_len,
+        "steps": t.steps,
+        "memory": {"bytes_per_param": per_param, "bytes_per_rank": int(per_param * num_params)},
+        "checkpoint": ({"dir": checkpoint_root(cfg), "every_steps": cfg.checkpoint.every_steps,
+                        "resume": cfg.checkpoint.resume} if cfg.checkpoint.dir else None),
+        "tracking": (cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite in the run directory")
+        if cfg.tracking.enabled else None,
+        "data": cfg.data.path or "the default corpus (prepared on first use)",
+        "failure": {"max_restarts": cfg.failure.max_restarts, "phase_timeout_s": cfg.failure.phase_timeout_s},
+    }
+
+
 def run_train(cfg: RootConfig, progress: bool = True) -> dict:
     data_path = resolve_data(cfg)
     if cfg.train.save_final:

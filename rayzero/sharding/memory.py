@@ -41,16 +41,20 @@ def bytes_per_param(reports: list[dict[str, int]], num_params: int) -> dict[str,
     return {k: max(r[k] for r in reports) / num_params for k in keys}
 
 
-def formula_bytes_per_param(strategy: str, d: int, param_bytes: int = 4, grad_bytes: int = 4) -> float:
+def formula_bytes_per_param(strategy: str, d: int, param_bytes: int = 4, grad_bytes: int = 4,
+                            d_optim: int | None = None) -> float:
     """Megatron's model-state bytes per parameter with d data-parallel ranks (fp32 main
-    parameters and two fp32 Adam moments; a separate main copy only when params are not fp32)."""
+    parameters and two fp32 Adam moments; a separate main copy only when params are not fp32).
+    `d_optim`: ranks the optimizer state is split over when that differs from d (Hybrid-FSDP
+    shards it across the replicas too)."""
     main = 0 if param_bytes == 4 else 4
     p, g, o = param_bytes, grad_bytes, 8 + main
+    o_shard = o / (d_optim or d)
     return {
         "no_shard": p + g + o,
-        "optim": p + g + o / d,
-        "optim_grads": p + (g + o) / d,
-        "optim_grads_params": (p + g + o) / d,
+        "optim": p + g + o_shard,
+        "optim_grads": p + g / d + o_shard,
+        "optim_grads_params": (p + g) / d + o_shard,
     }[strategy]
 
 

@@ -1,0 +1,53 @@
+"""`rayzero train --dry-run`: the config validated and the plan printed, nothing started."""
+
+import json
+
+import ray
+
+from rayzero.jobs import cli
+
+
+def dry_run(tmp_path, capsys, *overrides):
+    out = tmp_path / "plan.json"
+    code = cli.main(["train", "--dry-run", "--summary-json", str(out), *overrides])
+    captured = capsys.readouterr()
+    return code, captured, (json.loads(out.read_text()) if code == 0 else None)
+
+
+def test_the_plan_names_world_strategy_accumulation_and_memory(tmp_path, capsys):
+    code, out, plan = dry_run(tmp_path, capsys, "model.preset=small", "cluster.num_workers=4",
+                              "cluster.min_workers=2", "sharding.strategy=optim_grads_params",
+                              "train.global_batch_size=24", "train.micro_batch_size=2",
+                              f"train.output_dir={tmp_path}")
+    assert code == 0, out.err
+    assert plan["world_size"] == 4 and plan["world_sizes"] == [4, 3, 2]
+    assert plan["strategy"] == "optim_grads_params" and plan["grad_accum"] == 3
+    assert plan["num_params"] == 10_819_584
+    assert plan["memory"]["bytes_per_param"] == 4.0  # 16 / d at d = 4
+    assert plan["memory"]["bytes_per_rank"] == 4 * 10_819_584
+    text = out.out
+    assert text.startswith("plan (dry run: nothing started)")
+    assert "4 ranks (down to 2 if the cluster shrinks)" in text and "4 ranks x 3 micro-batches x 2" in text
+    assert "41.3 MiB" in text and "strategy optim_grads_params" in text
+    assert not ray.is_initialized()
+    assert not (tmp_path / "checkpoints").exists(), "nothing written"
+
+
+def test_the_memory_estimate_follows_the_formula_for_each_strategy(tmp_path, capsys):
+    want = {"no_shard": 18, "optim": 6 + 12 / 4, "optim_grads": 2 + 16 / 4, "optim_grads_params": 18 / 4}
+    for strategy, per_param in want.items():
+        code, out, plan = dry_run(tmp_path, capsys, "cluster.num_workers=4", f"sharding.strategy={strategy}",
+                                  "sharding.param_dtype=bf16")
+        assert code == 0, out.err
+        assert plan["memory"]["bytes_per_param"] == per_param, strategy
+    # Hybrid-FSDP, 2 replicas x 2 shards: params and grads over 2, optimizer state over all 4.
+    code, out, plan = dry_run(tmp_path, capsys, "cluster.num_workers=4", "sharding.strategy=optim_grads_params",
+                              "sharding.dp_outer=2", "sharding.outer_strategy=optim")
+    assert plan["memory"]["bytes_per_param"] == 8 / 2 + 8 / 4 and "2 replicas" in out.out
+
+
+def test_a_bad_config_fails_the_dry_run_with_one_message(tmp_path, capsys):
+    code, out, _ = dry_run(tmp_path, capsys, "sharding.strategy=optim_grads_params", "sharding.fsdp_units=Blok")
+    assert code == 2 and out.err.startswith("rayzero: error: sharding.fsdp_units: no module of GPT has class Blok")
+    code, out, _ = dry_run(tmp_path, capsys, "cluster.num_workers=3")
+    assert code == 2 and "train.global_batch_size: 16 is not divisible" in out.err
