@@ -27,22 +27,45 @@ class ConfigError(ValueError):
     """A user's configuration mistake; the message names the key."""
 
 
-class TrainConfig(Frozen):
-    steps: int = Field(default=100, ge=1)
-    global_batch_size: int = Field(default=16, ge=1)  # sequences per optimizer step
-    micro_batch_size: int = Field(default=4, ge=1)  # sequences per forward/backward on a rank
-    seq_len: int = Field(default=128, ge=1)
-    seed: int = Field(default=0, ge=0)
-    save_final: str = ""  # path of a safetensors file with the final consolidated weights
-    output_dir: str = "runs"  # each run gets a directory below it
+class RunConfig(Frozen):
+    """The training run: how long, how big a batch, its seed, and where its outputs go."""
+
+    steps: int = Field(default=100, ge=1, description="Optimizer steps to train for.")
+    global_batch_size: int = Field(
+        default=16, ge=1,
+        description="Sequences per optimizer step, across all ranks; must be divisible by "
+        "`micro_batch_size` x `cluster.num_workers`.",
+    )
+    micro_batch_size: int = Field(
+        default=4, ge=1,
+        description="Sequences per forward/backward on a rank; the rest of the global batch is gradient "
+        "accumulation.",
+    )
+    seq_len: int = Field(default=128, ge=1, description="Tokens per training sequence.")
+    seed: int = Field(
+        default=0, ge=0,
+        description="Seed of the initial weights and of the data order; every world size and strategy "
+        "starts from the same weights.",
+    )
+    save_final: str = Field(
+        default="",
+        description="Path of a safetensors file to write the final consolidated weights to; empty = none.",
+    )
+    output_dir: str = Field(
+        default="runs",
+        description="Each run gets a directory below it, named by `tracking.run_name`; a relative "
+        "`checkpoint.dir` is below it too.",
+    )
 
 
 class RootConfig(Frozen):
+    """A whole job: one section per component."""
+
     cluster: ClusterConfig = ClusterConfig()
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     sharding: ShardingConfig = ShardingConfig()
-    train: TrainConfig = TrainConfig()
+    train: RunConfig = RunConfig()
     optim: OptimConfig = OptimConfig()
     tracking: TrackingConfig = TrackingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -188,7 +211,7 @@ def _suggest(loc: tuple) -> str:
         if field is None:
             return ""
         model = field.annotation
-    fields = list(getattr(model, "model_fields", {}))
+    fields = [f.alias or name for name, f in getattr(model, "model_fields", {}).items()]  # as users type them
     close = difflib.get_close_matches(str(loc[-1]), fields, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     where = ".".join(map(str, loc[:-1])) or "the root"

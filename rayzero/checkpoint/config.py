@@ -8,21 +8,56 @@ from rayzero._frozen import Frozen
 
 
 class CheckpointConfig(Frozen):
+    """Where checkpoints go, how often, how many are kept, and what a run resumes from. S3
+    settings left empty fall back to the standard AWS variables (`AWS_ACCESS_KEY_ID`, ...)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, populate_by_name=True)
 
-    # A local path, file://… or s3://bucket/prefix; relative paths are under train.output_dir.
-    # Empty disables checkpoints.
-    dir: str = "checkpoints"
-    every_steps: int = Field(default=50, ge=0)  # 0: only at the end of training
-    keep_last: int = Field(default=2, ge=1)  # committed checkpoints kept; older ones are deleted
-    resume: str = "auto"  # auto: the newest committed checkpoint in `dir`; none; or a checkpoint URI
-    async_: bool = Field(default=True, alias="async")  # upload in the background while training goes on
-    # S3: unset fields fall back to the standard AWS variables (AWS_ACCESS_KEY_ID, …).
-    s3_endpoint: str = ""  # host:port or a URL, e.g. http://127.0.0.1:8333
-    s3_region: str = ""
-    s3_access_key_id: str = ""
-    s3_secret_access_key: SecretStr = SecretStr("")
-    retries: int = Field(default=5, ge=0)  # per storage call, with exponential backoff
+    dir: str = Field(
+        default="checkpoints",
+        description="A local path, `file://...` or `s3://bucket/prefix`; relative paths are under "
+        "`train.output_dir`. Empty disables checkpoints.",
+    )
+    every_steps: int = Field(
+        default=50, ge=0,
+        description="Save a checkpoint every this many steps, and always after the last one; 0 = only at "
+        "the end of training.",
+    )
+    keep_last: int = Field(
+        default=2, ge=1,
+        description="Committed checkpoints kept; older ones are deleted.",
+    )
+    resume: str = Field(
+        default="auto",
+        description="What a run starts from: `auto` = the newest committed checkpoint in `dir` (none: "
+        "from scratch); `none` = from scratch; or a checkpoint URI.",
+    )
+    async_: bool = Field(
+        default=True, alias="async",
+        description="Upload checkpoints in the background while training goes on; `false` waits for each "
+        "upload.",
+    )
+    s3_endpoint: str = Field(
+        default="",
+        description="S3 endpoint, `host:port` (https) or a URL, e.g. `http://127.0.0.1:8333`; empty = AWS.",
+    )
+    s3_region: str = Field(
+        default="",
+        description="S3 region; empty = the AWS default.",
+    )
+    s3_access_key_id: str = Field(
+        default="",
+        description="S3 access key id; empty = the standard AWS credentials.",
+    )
+    s3_secret_access_key: SecretStr = Field(
+        default=SecretStr(""),
+        description="S3 secret access key, used together with `s3_access_key_id`; masked wherever the "
+        "config is shown.",
+    )
+    retries: int = Field(
+        default=5, ge=0,
+        description="Retries per storage call, with exponential backoff; 0 = no retries.",
+    )
 
     @field_validator("resume")
     @classmethod

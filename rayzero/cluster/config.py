@@ -10,36 +10,104 @@ from rayzero._frozen import Frozen
 
 
 class ClusterConfig(Frozen):
-    num_workers: int = Field(default=2, ge=1)  # ranks, one Ray actor each
-    # Elastic: below num_workers, a run continues with fewer ranks when only fewer can be
-    # placed (the largest world that keeps the global batch divisible), and grows back at a
-    # checkpoint when the resources return. None = num_workers (no shrinking).
-    min_workers: int | None = Field(default=None, ge=1)
-    address: str = ""  # empty = start a local Ray; "auto" or host:port = join a running one
-    use_gpu: bool = False
-    cpus_per_worker: float = Field(default=1.0, gt=0)
-    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
-    placement_timeout_s: float = Field(default=60.0, gt=0)  # then shrink or fail: never hang on resources
-    pg_timeout_s: float = Field(default=300.0, gt=0)  # torch.distributed collective timeout
-    backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto = nccl with GPUs, else gloo
-    dispatch: Literal["compiled", "pipelined"] = "compiled"
+    """Where the ranks run: how many, on which Ray cluster, with what resources, and how the
+    controller drives them."""
+
+    num_workers: int = Field(
+        default=2, ge=1,
+        description="Ranks to train with, one Ray actor each; this is also the data-parallel size.",
+    )
+    min_workers: int | None = Field(
+        default=None, ge=1,
+        description="Elastic training: when fewer ranks can be placed, the run continues with the largest "
+        "world size down to this one that keeps the global batch divisible, and grows back at a checkpoint "
+        "when the resources return. `null` = `num_workers` (no shrinking).",
+    )
+    address: str = Field(
+        default="",
+        description="The Ray cluster: empty starts a local Ray; `auto` or `host:port` joins a running one.",
+    )
+    use_gpu: bool = Field(
+        default=False,
+        description="Give each rank one GPU and train on CUDA; `false` trains on CPU.",
+    )
+    cpus_per_worker: float = Field(
+        default=1.0, gt=0,
+        description="CPUs Ray reserves for each rank; may be fractional.",
+    )
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        default="PACK",
+        description="Ray placement-group strategy for the ranks: `PACK` keeps them on as few nodes as "
+        "possible, `SPREAD` spreads them across nodes; `STRICT_PACK` requires a single node, `STRICT_SPREAD` "
+        "a node per rank.",
+    )
+    placement_timeout_s: float = Field(
+        default=60.0, gt=0,
+        description="Seconds to wait for Ray to place the ranks; then the run shrinks (see `min_workers`) "
+        "or fails: it never hangs on resources.",
+    )
+    pg_timeout_s: float = Field(
+        default=300.0, gt=0,
+        description="Timeout of each torch.distributed collective, in seconds.",
+    )
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        default="auto",
+        description="torch.distributed backend; `auto` = `nccl` with GPUs, else `gloo`.",
+    )
+    dispatch: Literal["compiled", "pipelined"] = Field(
+        default="compiled",
+        description="How the controller runs an iteration's phases on the ranks: `compiled` = one Ray "
+        "Compiled Graph, built once; `pipelined` = every phase submitted at once with `.remote()`, the "
+        "fallback where compiled graphs are unavailable.",
+    )
 
 
 class TrackingConfig(Frozen):
-    enabled: bool = True
-    uri: str = ""  # empty = $MLFLOW_TRACKING_URI, else a sqlite file in the run directory
-    experiment: str = "rayzero"
-    run_name: str = ""
+    """MLflow tracking of each run's parameters and metrics."""
+
+    enabled: bool = Field(default=True, description="Log parameters and metrics to MLflow.")
+    uri: str = Field(
+        default="",
+        description="MLflow tracking URI; empty = `$MLFLOW_TRACKING_URI`, else a sqlite file in the run "
+        "directory.",
+    )
+    experiment: str = Field(
+        default="rayzero",
+        description="MLflow experiment the run is logged under; created when missing.",
+    )
+    run_name: str = Field(
+        default="",
+        description="Name of the run and of its directory under `train.output_dir` (a `-1`, `-2`, ... "
+        "suffix is added when it exists); empty = the start time, `YYYYmmdd-HHMMSS`.",
+    )
+    flush_timeout_s: float = Field(
+        default=30.0, ge=0,
+        description="At the end of a run, how long to wait for a slow or unreachable tracking server to "
+        "take the metrics kept while it did not answer; what is left is written to "
+        "`mlflow-unsent.json` in the run directory.",
+    )
 
 
 class FailureConfig(Frozen):
     """What happens when a rank dies, a collective fails or a phase hangs: the group is torn
     down and rebuilt from the newest committed checkpoint, up to `max_restarts` times."""
 
-    max_restarts: int = Field(default=3, ge=-1)  # -1: unlimited
-    # Watchdog: the longest one rank may spend in one phase or checkpoint load (waiting on its
-    # upload: since the upload last moved a block) before the run counts it as hung; torch's
-    # own collective timeout is 30 minutes.
-    phase_timeout_s: float = Field(default=60.0, gt=0)
-    backoff_s: float = Field(default=1.0, ge=0)  # wait before a restart, doubling while none commits
-    backoff_max_s: float = Field(default=30.0, ge=0)
+    max_restarts: int = Field(
+        default=3, ge=-1,
+        description="Restarts after failures before the run gives up; -1 = unlimited.",
+    )
+    phase_timeout_s: float = Field(
+        default=60.0, gt=0,
+        description="Watchdog, in seconds: the longest one rank may spend in one phase or checkpoint load "
+        "(waiting on its upload: since the upload last moved a block) before the run counts it as hung "
+        "and restarts.",
+    )
+    backoff_s: float = Field(
+        default=1.0, ge=0,
+        description="Seconds to wait before a restart, doubling with each failure until a checkpoint "
+        "commits; 0 = restart at once.",
+    )
+    backoff_max_s: float = Field(
+        default=30.0, ge=0,
+        description="Upper bound on the wait before a restart, in seconds.",
+    )

@@ -147,10 +147,13 @@ class Controller:
                 log.info("growing from %d to %d ranks at step %d", self.world, self._grow_to, self.start_step_next)
                 self.world, self._grow_to = self._grow_to, None
             status = "FINISHED"
-            return self.summary(info)
+        except KeyboardInterrupt:
+            status = "KILLED"
+            raise
         finally:
             self._release(kill=status != "FINISHED")
             self.tracker.finish(status)
+        return self.summary(info)
 
     def _attempt(self) -> tuple[bool, dict]:
         """One group's life: PLACE → RENDEZVOUS → BUILD (resume) → TRAIN → CHECKPOINT.
@@ -184,7 +187,10 @@ class Controller:
         if self.checkpoints is not None:  # the last uploads, then their commit
             self.state = "CHECKPOINT"
             reports = ray.get([a.finish_checkpoints.remote() for a in self.group.actors])
+            before = self.checkpoints.last_committed
             self.checkpoints.add_uploads([u for r in reports for u in r])
+            if self.checkpoints.last_committed != before:
+                self.tracker.set_tags({"checkpoint": self.checkpoints.last_committed})
         if grow:
             return False, infos[0]
         if cfg.train.save_final:
@@ -302,7 +308,10 @@ class Controller:
                 metrics.update(memory_metrics(h.memory, self.num_params))
             if ckpt is not None:
                 metrics["checkpoint_stall_ms"] = max(r["phase_s"].get("checkpoint", 0.0) for r in results) * 1e3
+                before = ckpt.last_committed
                 ckpt.collect(step, results)
+                if ckpt.last_committed != before:
+                    self.tracker.set_tags({"checkpoint": ckpt.last_committed})
             if self._recovering is not None and step == first:
                 metrics["recovery_s"] = self._recovered()
             self.tracker.log_metrics(step, metrics)
@@ -467,6 +476,7 @@ class Controller:
             "dispatch": cfg.cluster.dispatch,
             "mlflow_run_id": self.tracker.run_id,
             "mlflow_tracking_uri": self.tracker.uri,
+            "mlflow_unsent": self.tracker.spilled_to,
             "run_dir": self.run_dir,
             "final_weights": cfg.train.save_final or None,
             "skipped_steps": h.skipped,

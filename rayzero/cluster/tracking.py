@@ -1,46 +1,177 @@
-"""MLflow from the controller alone: parameters once, metrics batched and asynchronous."""
+"""MLflow from the controller alone, never in training's way.
+
+Every MLflow call goes through a queue to one background thread, in order. A tracking server
+that is down or slow holds up that thread, not training: the thread warns once, keeps what is
+queued, retries with backoff, and sends it all when the server answers. At the end the run
+waits `flush_timeout_s` for the queue to drain; what still has not gone is written to a JSON
+file in the run directory, and the warning says where.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import queue
+import threading
 import time
+from pathlib import Path
 
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
+log = logging.getLogger(__name__)
+
 _PARAM_BATCH = 100  # MLflow's limit on params per log_batch call
+_METRIC_BATCH = 1000  # … and on metrics
+_START_WAIT_S = 2.0  # how long the constructor waits to learn the run id (never longer)
+_RETRY_MAX_S = 30.0
 
 
 class Tracker:
-    def __init__(self, uri: str, experiment: str, run_name: str, params: dict, tags: dict):
+    def __init__(self, uri: str, experiment: str, run_name: str, params: dict, tags: dict, *,
+                 artifact_dir: str | None = None, artifacts: list[str] = (), spill_path: str | None = None,
+                 flush_timeout_s: float = 30.0):
         self.uri = uri
+        self.run_id: str | None = None
+        self.spill_path = spill_path
+        self.spilled_to: str | None = None  # set when metrics had to be written there instead
+        self.flush_timeout_s = flush_timeout_s
+        # MLflow's own HTTP retries would hold one call for minutes; the thread retries instead.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         self.client = MlflowClient(tracking_uri=uri)
-        exp = self.client.get_experiment_by_name(experiment)
-        exp_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
-        run = self.client.create_run(
-            exp_id, run_name=run_name or None, tags={k: str(v) for k, v in tags.items()}
-        )
-        self.run_id = run.info.run_id
-        items = [Param(k, str(v)) for k, v in sorted(params.items())]
-        for i in range(0, len(items), _PARAM_BATCH):
-            self.client.log_batch(self.run_id, params=items[i : i + _PARAM_BATCH])
-        self._pending = []
+        self._queue: queue.Queue = queue.Queue()
+        self._pending: list[tuple] = []  # taken from the queue, not yet sent
+        self._started = threading.Event()  # the run exists: run_id is known
+        self._stop = threading.Event()
+        self._warned = False
+        self._unsent: list[tuple] = []
+        self._put(("start", experiment, run_name, params, tags, artifact_dir))
+        for path in artifacts:
+            self._put(("artifact", str(path)))
+        self._thread = threading.Thread(target=self._run, name="rayzero-mlflow", daemon=True)
+        self._thread.start()
+        self._started.wait(_START_WAIT_S)  # a run id for the summary, if the server answers soon
 
+    # -- what the controller calls: never blocks on the server -------------------------
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        """Queue one step's metrics; MLflow's async logger batches and writes them."""
         ts = int(time.time() * 1000)
-        batch = [Metric(k, float(v), ts, step) for k, v in metrics.items()]
-        self._pending.append(self.client.log_batch(self.run_id, metrics=batch, synchronous=False))
+        self._put(("metrics", [Metric(k, float(v), ts, step) for k, v in metrics.items()]))
 
     def set_tags(self, tags: dict) -> None:
-        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+        self._put(("tags", [RunTag(k, str(v)) for k, v in tags.items()]))
 
     def finish(self, status: str = "FINISHED") -> None:
-        """Wait for queued metrics, then close the run with `status` (FINISHED or FAILED)."""
-        for op in self._pending:
-            if op is not None:
-                op.wait()
-        self._pending = []
-        self.client.set_terminated(self.run_id, status=status)
+        """Close the run with `status` (FINISHED, FAILED or KILLED) once everything queued
+        before has been sent; after `flush_timeout_s`, spill what is left to a file."""
+        self._put(("end", status))
+        deadline = time.monotonic() + self.flush_timeout_s
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            self._thread.join(timeout=0.1)
+        if self._thread.is_alive():
+            self._stop.set()
+            self._thread.join(timeout=15)
+            self._spill()
+
+    # -- the background thread ----------------------------------------------------------
+    def _put(self, op: tuple) -> None:
+        self._queue.put(op)
+
+    def _run(self) -> None:
+        delay = 1.0
+        while True:
+            if not self._pending:
+                self._pending = [self._queue.get()]
+                while not self._queue.empty() and len(self._pending) < 256:
+                    self._pending.append(self._queue.get_nowait())
+            try:
+                done = self._send(self._pending)
+            except Exception as e:  # the server is down or slow: keep it all, try again
+                if self._stop.is_set():
+                    return
+                self._started.set()  # nobody waits for a run id that is not coming soon
+                if not self._warned:
+                    log.warning("MLflow at %s does not answer (%s); training goes on and the metrics are kept "
+                                "and sent when it does. Check tracking.uri (or MLFLOW_TRACKING_URI), or set "
+                                "tracking.enabled=false.",
+                                self.uri, str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
+                    self._warned = True
+                self._stop.wait(delay)
+                delay = min(delay * 2, _RETRY_MAX_S)
+                continue
+            if self._warned and self.run_id:
+                log.warning("MLflow at %s answers again; the kept metrics are sent", self.uri)
+                self._warned = False
+            delay = 1.0
+            ended = any(op[0] == "end" for op in self._pending[:done])
+            self._pending = self._pending[done:]
+            if ended:
+                return
+
+    def _send(self, ops: list[tuple]) -> int:
+        """Send ops from the front, merging runs of metrics; returns how many went (an
+        exception leaves the rest, and the one that failed, for the retry)."""
+        sent = 0
+        while sent < len(ops):
+            kind = ops[sent][0]
+            if kind == "metrics":
+                batch, n = [], 0
+                while sent + n < len(ops) and ops[sent + n][0] == "metrics" and len(batch) < _METRIC_BATCH:
+                    batch += ops[sent + n][1]
+                    n += 1
+                for i in range(0, len(batch), _METRIC_BATCH):
+                    self.client.log_batch(self.run_id, metrics=batch[i : i + _METRIC_BATCH])
+                sent += n
+                continue
+            self._send_one(ops[sent])
+            sent += 1
+        return sent
+
+    def _send_one(self, op: tuple) -> None:
+        kind = op[0]
+        if kind == "start":
+            _, experiment, run_name, params, tags, artifact_dir = op
+            if self.run_id is None:
+                exp = self.client.get_experiment_by_name(experiment)
+                exp_id = exp.experiment_id if exp else self.client.create_experiment(
+                    experiment, artifact_location=Path(artifact_dir).resolve().as_uri() if artifact_dir else None)
+                run = self.client.create_run(exp_id, run_name=run_name or None,
+                                             tags={k: str(v) for k, v in tags.items()})
+                self.run_id = run.info.run_id
+                self._started.set()
+            items = [Param(k, str(v)) for k, v in sorted(params.items())]
+            for i in range(0, len(items), _PARAM_BATCH):
+                self.client.log_batch(self.run_id, params=items[i : i + _PARAM_BATCH])
+        elif kind == "tags":
+            self.client.log_batch(self.run_id, tags=op[1])
+        elif kind == "artifact":
+            self.client.log_artifact(self.run_id, op[1])
+        elif kind == "end":
+            self.client.set_terminated(self.run_id, status=op[1])
+
+    def _spill(self) -> None:
+        """What never reached the server, as JSON in the run directory."""
+        left = self._pending + list(self._drain())
+        rows = []
+        for op in left:
+            if op[0] == "metrics":
+                rows += [{"key": m.key, "value": m.value, "step": m.step, "timestamp": m.timestamp} for m in op[1]]
+        if not self.spill_path:
+            log.warning("MLflow at %s never answered; %d metric values were not sent", self.uri, len(rows))
+            return
+        Path(self.spill_path).write_text(json.dumps({"tracking_uri": self.uri, "run_id": self.run_id,
+                                                     "metrics": rows}, indent=1))
+        self.spilled_to = self.spill_path
+        log.warning("MLflow at %s did not take the last %d metric values within %.0fs; they are in %s",
+                    self.uri, len(rows), self.flush_timeout_s, self.spill_path)
+
+    def _drain(self):
+        while True:
+            try:
+                yield self._queue.get_nowait()
+            except queue.Empty:
+                return
 
 
 class NullTracker:
@@ -48,6 +179,7 @@ class NullTracker:
 
     uri = ""
     run_id = ""
+    spilled_to = None
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         pass

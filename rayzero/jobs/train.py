@@ -150,8 +150,14 @@ def run_train(cfg: RootConfig, progress: bool = True) -> dict:
     if cfg.tracking.enabled:
         tags = {"strategy": cfg.sharding.strategy, "world_size": cfg.cluster.num_workers,
                 "rayzero_version": __version__, "run_dir": str(run_dir)}
-        tracker = Tracker(tracking_uri(cfg, run_dir), cfg.tracking.experiment,
-                          cfg.tracking.run_name or run_dir.name, cfg.flat(), tags)
+        if checkpoints is not None:
+            tags["checkpoint_dir"] = checkpoints.root.uri
+        uri = tracking_uri(cfg, run_dir)
+        local = uri.startswith(("sqlite:", "file:")) or "://" not in uri
+        tracker = Tracker(uri, cfg.tracking.experiment, cfg.tracking.run_name or run_dir.name, cfg.flat(), tags,
+                          artifact_dir=str(run_dir / "artifacts") if local else None,
+                          artifacts=[str(run_dir / "config.json")], spill_path=str(run_dir / "mlflow-unsent.json"),
+                          flush_timeout_s=cfg.tracking.flush_timeout_s)
     try:
         return Controller(cfg, data_path, str(run_dir), tracker, progress=progress,
                           checkpoints=checkpoints).fit()

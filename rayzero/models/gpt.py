@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from rayzero._frozen import Frozen
 
@@ -27,16 +27,30 @@ PRESETS: dict[str, dict[str, int]] = {
 
 
 class ModelConfig(Frozen):
-    """`preset` fills every dimension that is not given explicitly."""
+    """The GPT decoder's shape. `preset` fills every dimension that is not given explicitly."""
 
-    preset: Literal["tiny", "small", "medium", "large"] = "tiny"
-    n_layer: int | None = None
-    n_head: int | None = None
-    n_embd: int | None = None
-    vocab_size: int = 320  # 257 byte tokens (256 bytes + end-of-text) padded up to a multiple of 64
-    block_size: int | None = None  # max context; None = train.seq_len
-    dropout: float = 0.0
-    bias: bool = True
+    preset: Literal["tiny", "small", "medium", "large"] = Field(
+        default="tiny",
+        description="Model size: `tiny` (~0.5M parameters), `small` (~10.8M), `medium` (~85M, GPT-2 small's "
+        "shape), `large` (~303M, GPT-2 medium's shape).",
+    )
+    n_layer: int | None = Field(default=None, description="Transformer blocks; `null` = from `preset`.")
+    n_head: int | None = Field(
+        default=None,
+        description="Attention heads per block; must divide `n_embd`. `null` = from `preset`.",
+    )
+    n_embd: int | None = Field(default=None, description="Embedding width; `null` = from `preset`.")
+    vocab_size: int = Field(
+        default=320,
+        description="Token vocabulary: 257 byte tokens (256 bytes + end-of-text) padded up to a multiple "
+        "of 64; at least the dataset's.",
+    )
+    block_size: int | None = Field(
+        default=None,
+        description="Maximum context length in tokens, at least `train.seq_len`; `null` = `train.seq_len`.",
+    )
+    dropout: float = Field(default=0.0, description="Dropout probability, in [0, 1); 0 disables it.")
+    bias: bool = Field(default=True, description="Biases in the linear layers and layer norms.")
 
     @model_validator(mode="before")
     @classmethod

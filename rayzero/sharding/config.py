@@ -13,28 +13,74 @@ Dtype = Literal["fp32", "bf16", "fp16"]
 
 
 class ShardingConfig(Frozen):
-    # no_shard = DDP, optim = ZeRO-1, optim_grads = ZeRO-2, optim_grads_params = ZeRO-3 / FSDP
-    strategy: Literal["no_shard", "optim", "optim_grads", "optim_grads_params"] = "optim"
-    bucket_numel: int = Field(default=2**22, ge=1)  # elements per bucket before padding (4M)
-    shard_align: int = Field(default=64, ge=1)  # each rank's shard starts 64-element aligned
-    overlap_grad_reduce: bool = True  # start each bucket's reduction as backward completes it
-    overlap_param_gather: bool = True  # forward waits per bucket (per unit) for its all-gather
-    # ZeRO-3: module classes that become FSDP units (outermost wins). The defaults fit the
-    # built-in GPT: each block, the two embeddings, the final norm, the (tied) output head.
-    fsdp_units: tuple[str, ...] = ("Block", "Embedding", "LayerNorm", "Linear")
-    # Hybrid: replicas x shards. dp_outer > 1 shards within groups of world / dp_outer ranks;
-    # outer_strategy no_shard all-reduces gradients across replicas (HSDP), optim also shards
-    # the optimizer state across them (Hybrid-FSDP).
-    dp_outer: int = Field(default=1, ge=1)
-    outer_strategy: Literal["no_shard", "optim"] = "no_shard"
-    # Mixed precision: main parameters and optimizer state are always fp32.
-    param_dtype: Dtype = "fp32"  # compute parameters: what forward and backward run in
-    grad_dtype: Dtype = "fp32"  # gradient accumulation
-    comm_dtype: Dtype | None = None  # gradient communication; None = grad_dtype
-    # auto = dynamic for fp16, none otherwise; a number is a fixed scale.
-    loss_scale: Literal["auto", "dynamic", "none"] | float = "auto"
-    initial_loss_scale: float = Field(default=2.0**16, gt=0)
-    loss_scale_window: int = Field(default=1000, ge=1)  # finite steps before the scale doubles
+    """How parameters, gradients and optimizer state are split across the ranks, and the
+    precision each is kept and communicated in. Main parameters and optimizer state are always
+    fp32."""
+
+    strategy: Literal["no_shard", "optim", "optim_grads", "optim_grads_params"] = Field(
+        default="optim",
+        description="What is sharded: `no_shard` = DDP, `optim` = ZeRO-1 (optimizer state), `optim_grads` "
+        "= ZeRO-2 (and gradients), `optim_grads_params` = ZeRO-3 / FSDP (and parameters).",
+    )
+    bucket_numel: int = Field(
+        default=2**22, ge=1,
+        description="Elements per communication bucket before padding (4M).",
+    )
+    shard_align: int = Field(
+        default=64, ge=1,
+        description="Each rank's shard of a bucket starts aligned to this many elements.",
+    )
+    overlap_grad_reduce: bool = Field(
+        default=True,
+        description="Start each bucket's gradient reduction as soon as backward completes it.",
+    )
+    overlap_param_gather: bool = Field(
+        default=True,
+        description="Forward waits per bucket (per unit with ZeRO-3) for its parameter all-gather instead "
+        "of for all of them.",
+    )
+    fsdp_units: tuple[str, ...] = Field(
+        default=("Block", "Embedding", "LayerNorm", "Linear"),
+        description="ZeRO-3: module classes that become FSDP units (outermost wins), comma-separated on the "
+        "command line. The defaults fit the built-in GPT: each block, the two embeddings, the final norm, "
+        "the (tied) output head.",
+    )
+    dp_outer: int = Field(
+        default=1, ge=1,
+        description="Hybrid sharding, replicas x shards: above 1, the ranks form `dp_outer` replicas and "
+        "shard within each; must divide `cluster.num_workers`. 1 = no hybrid.",
+    )
+    outer_strategy: Literal["no_shard", "optim"] = Field(
+        default="no_shard",
+        description="Hybrid sharding across the replicas: `no_shard` all-reduces gradients (HSDP), `optim` "
+        "also shards the optimizer state across them (Hybrid-FSDP).",
+    )
+    param_dtype: Dtype = Field(
+        default="fp32",
+        description="Compute parameters: what forward and backward run in.",
+    )
+    grad_dtype: Dtype = Field(
+        default="fp32",
+        description="Gradient accumulation dtype.",
+    )
+    comm_dtype: Dtype | None = Field(
+        default=None,
+        description="Gradient communication dtype; `null` = `grad_dtype`.",
+    )
+    loss_scale: Literal["auto", "dynamic", "none"] | float = Field(
+        default="auto",
+        description="Loss scaling: `auto` = `dynamic` for fp16 parameters, `none` otherwise; a number is a "
+        "fixed scale.",
+    )
+    initial_loss_scale: float = Field(
+        default=2.0**16, gt=0,
+        description="Starting scale of dynamic loss scaling.",
+    )
+    loss_scale_window: int = Field(
+        default=1000, ge=1,
+        description="Dynamic loss scaling: consecutive finite steps before the scale doubles (it halves on "
+        "an overflow).",
+    )
 
     @field_validator("fsdp_units", mode="before")
     @classmethod
@@ -60,14 +106,29 @@ class ShardingConfig(Frozen):
 
 
 class OptimConfig(Frozen):
-    lr: float = Field(default=3e-3, gt=0)
-    min_lr: float | None = Field(default=None, ge=0)  # None = lr / 10
-    warmup_steps: int = Field(default=10, ge=0)
-    weight_decay: float = Field(default=0.1, ge=0)
-    beta1: float = Field(default=0.9, ge=0, lt=1)
-    beta2: float = Field(default=0.95, ge=0, lt=1)
-    eps: float = Field(default=1e-8, gt=0)
-    grad_clip: float = Field(default=1.0, ge=0)  # 0 disables clipping
+    """AdamW and its learning-rate schedule: linear warmup to `lr`, then cosine decay that
+    reaches `min_lr` at the last step."""
+
+    lr: float = Field(default=3e-3, gt=0, description="Peak learning rate, reached at the end of warmup.")
+    min_lr: float | None = Field(
+        default=None, ge=0,
+        description="Learning rate at the last step, where the cosine decay ends; `null` = `lr` / 10.",
+    )
+    warmup_steps: int = Field(
+        default=10, ge=0,
+        description="Steps of linear warmup up to `lr`; 0 = none.",
+    )
+    weight_decay: float = Field(
+        default=0.1, ge=0,
+        description="AdamW decoupled weight decay; 0 disables it.",
+    )
+    beta1: float = Field(default=0.9, ge=0, lt=1, description="AdamW decay rate of the first moment.")
+    beta2: float = Field(default=0.95, ge=0, lt=1, description="AdamW decay rate of the second moment.")
+    eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon, added to the denominator.")
+    grad_clip: float = Field(
+        default=1.0, ge=0,
+        description="Clip the global gradient norm to this value; 0 disables clipping.",
+    )
 
     @property
     def final_lr(self) -> float:

@@ -6,7 +6,7 @@ import pydantic
 import pytest
 
 from rayzero.cluster.config import ClusterConfig, TrackingConfig
-from rayzero.config import ConfigError, RootConfig, TrainConfig, load_config
+from rayzero.config import ConfigError, RootConfig, RunConfig, load_config
 from rayzero.data.config import DataConfig
 from rayzero.models.gpt import PRESETS, ModelConfig
 from rayzero.sharding.config import OptimConfig, ShardingConfig
@@ -30,7 +30,7 @@ def error_of(path=None, overrides=()) -> str:
 def test_defaults_load_without_a_file():
     cfg = load_config()
     assert isinstance(cfg, RootConfig)
-    assert cfg.train == TrainConfig()
+    assert cfg.train == RunConfig()
     assert cfg.optim == OptimConfig()
     assert cfg.sharding == ShardingConfig()
     assert cfg.cluster == ClusterConfig()
@@ -58,7 +58,7 @@ def test_yaml_file_sets_values_and_overrides_win(tmp_path):
     assert cfg.train.steps == 7 and cfg.train.seq_len == 64
     assert cfg.optim.lr == 0.01
     assert cfg.sharding.strategy == "no_shard"
-    assert cfg.train.global_batch_size == TrainConfig().global_batch_size  # untouched keys keep defaults
+    assert cfg.train.global_batch_size == RunConfig().global_batch_size  # untouched keys keep defaults
 
     cfg = load_config(path, ["train.steps=50", "sharding.strategy=optim"])
     assert cfg.train.steps == 50 and cfg.sharding.strategy == "optim"
@@ -168,10 +168,10 @@ def test_config_is_frozen():
     with pytest.raises(pydantic.ValidationError):
         cfg.train.steps = 5  # type: ignore[misc]
     with pytest.raises(pydantic.ValidationError):
-        cfg.train = TrainConfig()  # type: ignore[misc]
+        cfg.train = RunConfig()  # type: ignore[misc]
     with pytest.raises(pydantic.ValidationError):
         cfg.model.n_layer = 9  # type: ignore[misc]
-    assert cfg.train.steps == TrainConfig().steps
+    assert cfg.train.steps == RunConfig().steps
 
 
 def test_flat_gives_a_dotted_key_for_every_leaf():

@@ -1,0 +1,254 @@
+"""The configuration reference, generated from the config classes themselves.
+
+    python -m rayzero.config_reference            # (re)write docs/configuration.md
+    python -m rayzero.config_reference --check    # exit 1 if it is out of date
+
+Every key, its type, its default and its description come from `RootConfig`'s sections, so the
+reference cannot drift from what `load_config` accepts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections.abc
+import enum
+import inspect
+import sys
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import annotated_types as at
+from pydantic import BaseModel, SecretBytes, SecretStr
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
+
+from rayzero.config import RootConfig
+
+DEFAULT_PATH = "docs/configuration.md"
+REGENERATE = "python -m rayzero.config_reference"
+
+TITLE = "# Configuration reference"
+INTRO = (
+    "A job is configured by an optional YAML file of the sections below plus `key=value` overrides "
+    "on the command line, which win over the file, e.g. "
+    "`rayzero train --config job.yaml train.steps=50`. Every key is optional; an unknown key or an "
+    "invalid value is an error that names the key, reported before any cluster is touched. In an "
+    "override, `null` means unset and a list is written comma-separated."
+)
+NOTE = f"<!-- Generated from the config classes by `{REGENERATE}`; do not edit by hand. -->"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One key of the reference, as the table shows it."""
+
+    key: str  # the dotted key users type, aliases applied
+    type: str
+    default: str  # as users would type it in an override (`""` for an empty string)
+    meaning: str
+    secret: bool = False
+
+
+def sections() -> list[tuple[str, type[BaseModel]]]:
+    """`RootConfig`'s sections in class order: (key, model class)."""
+    return [(_name(n, f), _model_of(f.annotation)) for n, f in RootConfig.model_fields.items()]
+
+
+def rows(model: type[BaseModel], prefix: str) -> list[Row]:
+    """Every key of `model`, in class order, nested models recursed into."""
+    out: list[Row] = []
+    for name, field in model.model_fields.items():
+        key = f"{prefix}.{_name(name, field)}"
+        nested = _model_of(field.annotation)
+        if nested is not None:
+            out.extend(rows(nested, key))
+            continue
+        out.append(Row(key, render_type(field), render_default(field), _clean(field.description or ""),
+                       secret=_is_secret(field.annotation)))
+    return out
+
+
+def render() -> str:
+    parts = [TITLE, "", NOTE, "", INTRO, ""]
+    contents = ", ".join(f"[`{name}`](#{name})" for name, _ in sections())
+    parts += [f"Sections: {contents}.", ""]
+    for name, model in sections():
+        parts += [f"## {name}", ""]
+        doc = _docstring(model)
+        if doc:
+            parts += [doc, ""]
+        parts += ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+        for r in rows(model, name):
+            cells = [f"`{r.key}`", r.type, f"`{r.default}`" if r.default else "", r.meaning]
+            parts.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+        parts.append("")
+    return "\n".join(parts)
+
+
+# --------------------------------------------------------------------------- types
+
+
+def render_type(field: FieldInfo) -> str:
+    text = _type(field.annotation)
+    bounds = [_bound(m) for m in field.metadata]
+    bounds = [b for b in bounds if b]
+    return ", ".join([text, *bounds])
+
+
+def _type(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Annotated:
+        return _type(args[0])
+    if origin is Literal:
+        return "one of " + ", ".join(f"`{_value(a)}`" for a in args)
+    if origin in (typing.Union, types.UnionType):
+        members = [a for a in args if a is not type(None)]
+        nullable = len(members) < len(args)
+        literals = [v for a in members if typing.get_origin(a) is Literal for v in typing.get_args(a)]
+        others = [a for a in members if typing.get_origin(a) is not Literal]
+        if literals:
+            alts = [f"{_article(_type(a))} {_type(a)}" for a in others] + (["`null`"] if nullable else [])
+            text = "one of " + ", ".join(f"`{_value(v)}`" for v in literals)
+            return text + ("; or " + " or ".join(alts) if alts else "")
+        names = [_name_of(a) for a in others] + (["None"] if nullable else [])
+        return f"`{' | '.join(names)}`"
+    if origin in (list, tuple, set, frozenset, collections.abc.Sequence):
+        item = args[0] if args else Any
+        return f"list of {_type(item)}"
+    if origin is dict:
+        return f"mapping of {_type(args[0])} to {_type(args[1])}" if args else "mapping"
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return "one of " + ", ".join(f"`{m.value}`" for m in tp)
+    if _is_secret(tp):
+        return "`str` (secret)"
+    return f"`{_name_of(tp)}`"
+
+
+def _name_of(tp: Any) -> str:
+    if tp is Any:
+        return "any"
+    if isinstance(tp, type):
+        if issubclass(tp, Path):
+            return "str"
+        if _is_secret(tp):
+            return "str"
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def _article(text: str) -> str:
+    return "an" if text.strip("`").lower()[:1] in ("a", "e", "i", "o", "u") else "a"
+
+
+def _bound(m: Any) -> str:
+    for cls, op in ((at.Ge, ">="), (at.Gt, ">"), (at.Le, "<="), (at.Lt, "<")):
+        if isinstance(m, cls):
+            return f"{op} {_value(getattr(m, cls.__name__.lower()))}"
+    if isinstance(m, at.MultipleOf):
+        return f"multiple of {_value(m.multiple_of)}"
+    if isinstance(m, at.MinLen):
+        return f"at least {m.min_length} long"
+    if isinstance(m, at.MaxLen):
+        return f"at most {m.max_length} long"
+    return ""
+
+
+# --------------------------------------------------------------------------- defaults
+
+
+def render_default(field: FieldInfo) -> str:
+    if field.default is PydanticUndefined and field.default_factory is None:
+        return ""  # required
+    value = field.get_default(call_default_factory=True)
+    if _is_secret(field.annotation) or isinstance(value, (SecretStr, SecretBytes)):
+        # Never a secret's value: an empty one reads as empty, anything else as hidden.
+        return '""' if not _secret_value(value) else "(hidden)"
+    return _value(value)
+
+
+def _value(v: Any) -> str:
+    """`v` as it is written in an override."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, enum.Enum):
+        return _value(v.value)
+    if isinstance(v, str):
+        return v if v else '""'
+    if isinstance(v, (list, tuple, set, frozenset)):
+        return ",".join(_value(x) for x in v) if v else '""'
+    if isinstance(v, BaseModel):
+        return ""
+    return repr(v) if isinstance(v, float) else str(v)
+
+
+def _secret_value(v: Any) -> Any:
+    return v.get_secret_value() if isinstance(v, (SecretStr, SecretBytes)) else v
+
+
+def _is_secret(tp: Any) -> bool:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return any(_is_secret(a) for a in typing.get_args(tp))
+    return isinstance(tp, type) and issubclass(tp, (SecretStr, SecretBytes))
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _name(name: str, field: FieldInfo) -> str:
+    """The key users type: the field's alias where it has one."""
+    return field.validation_alias if isinstance(field.validation_alias, str) else (field.alias or name)
+
+
+def _model_of(tp: Any) -> type[BaseModel] | None:
+    return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
+
+
+def _docstring(model: type[BaseModel]) -> str:
+    doc = model.__dict__.get("__doc__")
+    return _clean(inspect.cleandoc(doc)) if doc else ""
+
+
+def _clean(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+# --------------------------------------------------------------------------- command
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m rayzero.config_reference",
+        description="Write the configuration reference generated from the config classes.",
+    )
+    p.add_argument("--check", action="store_true", help="exit 1 if PATH differs from the generated text")
+    p.add_argument("path", nargs="?", default=DEFAULT_PATH, help=f"where it goes (default: {DEFAULT_PATH})")
+    args = p.parse_args(argv)
+    path = Path(args.path)
+    text = render()
+    how = REGENERATE + ("" if args.path == DEFAULT_PATH else f" {args.path}")
+    if args.check:
+        if not path.is_file():
+            print(f"{args.path} does not exist: run {how}", file=sys.stderr)
+            return 1
+        if path.read_text() != text:
+            print(f"{args.path} is out of date: run {how}", file=sys.stderr)
+            return 1
+        print(f"{args.path} is up to date")
+        return 0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    print(f"wrote {args.path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
