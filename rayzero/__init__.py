@@ -1,3 +1,19 @@
-"""rayzero: sharded PyTorch training driven phase by phase over Ray actors."""
+"""rayzero: sharded PyTorch training driven phase by phase over Ray actors.
+
+    from rayzero import Trainer, TrainConfig
+    result = Trainer(TrainConfig(train={"steps": 50})).fit()
+"""
 
 __version__ = "0.1.0"
+
+__all__ = ["Trainer", "TrainConfig", "Result", "__version__"]
+
+
+def __getattr__(name: str):
+    # The SDK (and with it Ray) is imported on first use only: `import rayzero.sharding` and
+    # the other pure layers must not pull Ray in through their parent package.
+    if name in ("Trainer", "TrainConfig", "Result"):
+        import importlib
+
+        return getattr(importlib.import_module("rayzero.sdk"), name)
+    raise AttributeError(f"module 'rayzero' has no attribute {name!r}")

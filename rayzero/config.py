@@ -59,7 +59,19 @@ class RunConfig(Frozen):
 
 
 class RootConfig(Frozen):
-    """A whole job: one section per component."""
+    """A whole job: one section per component (in Python, `rayzero.TrainConfig`).
+
+        RootConfig.from_yaml("job.yaml", ["train.steps=50"]).override("cluster.num_workers=4")
+    """
+
+    @classmethod
+    def from_yaml(cls, path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> "RootConfig":
+        """A YAML file of sections (or none: every default) with `key=value` overrides."""
+        return load_config(path, overrides, cls)
+
+    def override(self, *overrides: str) -> "RootConfig":
+        """This config with `key=value` overrides applied, validated again."""
+        return build_config(apply_overrides(self.model_dump(by_alias=True), overrides), type(self))
 
     cluster: ClusterConfig = ClusterConfig()
     model: ModelConfig = ModelConfig()
@@ -158,7 +170,8 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RootConfig:
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                cls: type[RootConfig] | None = None) -> RootConfig:
     data: dict = {}
     if path:
         p = Path(path)
@@ -170,6 +183,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {p}: expected a mapping of sections, got {type(data).__name__}")
+    return build_config(apply_overrides(data, overrides), cls)
+
+
+def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
+    """`data` (nested sections) with each `a.b=v` override set in it, in place."""
     for item in overrides:
         keys, value = parse_override(item)
         node = data
@@ -179,17 +197,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
                 raise ConfigError(f"{'.'.join(keys[: i + 1])}: is a value, not a section")
             node = nxt
         node[keys[-1]] = value
-    return build_config(data)
+    return data
 
 
-def build_config(data: dict) -> RootConfig:
+def build_config(data: dict, cls: type[RootConfig] | None = None) -> RootConfig:
     try:
-        return RootConfig.model_validate(data)
+        return (cls or RootConfig).model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_explain(e)) from None
+        raise ConfigError(explain(e)) from None
 
 
-def _explain(err: ValidationError) -> str:
+def explain(err: ValidationError) -> str:
+    for e in err.errors():  # already explained (a TrainConfig validated inside another validation)
+        inner = (e.get("ctx") or {}).get("error")
+        if isinstance(inner, ConfigError):
+            return str(inner)
     lines = []
     for e in err.errors():
         key = ".".join(str(x) for x in e["loc"])

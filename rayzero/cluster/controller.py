@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from statistics import mean
 
 import ray
-from tqdm import tqdm
+from tqdm.auto import tqdm  # a widget in Jupyter, a text bar in terminals
 
 from rayzero.checkpoint.export import save_safetensors
 from rayzero.checkpoint.manifest import CheckpointError
@@ -63,6 +63,7 @@ class History:
     phase_s: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PHASES})
     skipped: int = 0
     memory: list[dict[str, int]] = field(default_factory=list)  # each rank's ledger, latest
+    rows: list[dict] = field(default_factory=list)  # each step's metrics, as logged to MLflow
 
     def record(self, step: int, loss: float, step_s: float, phase_s: dict[str, float]) -> None:
         self.steps.append(step)
@@ -74,7 +75,7 @@ class History:
     def rewind(self, step: int) -> None:
         """Forget iterations from `step` on: a resumed group runs them again."""
         keep = sum(1 for s in self.steps if s < step)
-        for values in (self.steps, self.losses, self.step_s, *self.phase_s.values()):
+        for values in (self.steps, self.losses, self.step_s, self.rows, *self.phase_s.values()):
             del values[keep:]
 
     def timed(self, values: list[float]) -> list[float]:
@@ -315,6 +316,7 @@ class Controller:
             if self._recovering is not None and step == first:
                 metrics["recovery_s"] = self._recovered()
             self.tracker.log_metrics(step, metrics)
+            h.rows.append({"step": step, "world_size": self.world, **metrics})
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_step / dt:,.0f}", refresh=False)
             if grow_at == step:
                 self.start_step_next = step + 1

@@ -1,4 +1,5 @@
-"""The `rayzero` command: `rayzero train …`, `rayzero data prepare SRC OUT`, `rayzero ckpt …`."""
+"""The `rayzero` command: `rayzero train …`, `rayzero data prepare SRC OUT`, `rayzero ckpt …`,
+`rayzero deploy check FILE…`."""
 
 from __future__ import annotations
 
@@ -44,6 +45,16 @@ def _parser() -> argparse.ArgumentParser:
         if name == "export":
             cmd.add_argument("out", help="output .safetensors (local path or s3://…)")
         cmd.add_argument("overrides", nargs="*", metavar="key=value")
+    k = sub.add_parser("deploy", help="KubeRay deployment tools")
+    ksub = k.add_subparsers(dest="deploy_command", required=True)
+    chk = ksub.add_parser("check", help="validate RayJob/RayCluster manifests before kubectl apply", description=(
+        "Check KubeRay manifests: strictly against the CRDs' schema (a misspelt field is an error), "
+        "an image for every container, and a RayJob's entrypoint as `rayzero train --dry-run` checks it."))
+    chk.add_argument("files", nargs="+", metavar="FILE", help="manifest YAML (RayJob or RayCluster, ray.io/v1)")
+    chk.add_argument("--crds", help="folder with KubeRay's ray.io_rayjobs.yaml and ray.io_rayclusters.yaml "
+                                    "(default: $RAYZERO_KUBERAY_CRDS; without either the schema is not checked)")
+    chk.add_argument("--workdir", default=".", help="where an entrypoint's --config resolves: the repository "
+                                                    "root, which the image has at /app (default: here)")
     return p
 
 
@@ -154,9 +165,30 @@ def _print_summary(s: dict) -> None:
         + "".join(f"  grew from {r['from']} to {r['to']} ranks at step {r['step']}\n" for r in s["resizes"])
         + (f"  checkpoint {s['checkpoint']}\n" if s["checkpoint"] else "")
         + f"  run dir {s['run_dir']}\n"
-        + (f"  mlflow run {s['mlflow_run_id']} at {s['mlflow_tracking_uri']}" if s["mlflow_run_id"] else "  mlflow off")
+        + (f"  mlflow run {s['mlflow_run_id']} at {s['mlflow_tracking_uri']}" if s["mlflow_run_id"]
+           else f"  mlflow at {s['mlflow_tracking_uri']} did not answer" if s["mlflow_tracking_uri"] else "  mlflow off")
+        + (f"; unsent metrics in {s['mlflow_unsent']}" if s["mlflow_unsent"] else "")
         + (f"\n  weights {s['final_weights']}" if s["final_weights"] else "")
     )
+
+
+def _deploy(args) -> int:
+    from rayzero.jobs.deploy import DeployError, check_manifest, crds_folder
+
+    try:
+        crds = crds_folder(args.crds)
+        results = [(f, check_manifest(f, crds, workdir=args.workdir)) for f in args.files]
+    except DeployError as e:
+        raise _UserError(str(e)) from None
+    if crds is None:
+        print("rayzero: note: no KubeRay CRDs (--crds or $RAYZERO_KUBERAY_CRDS): the schema is not checked",
+              file=sys.stderr)
+    for f, problems in results:
+        for problem in problems:
+            print(f"rayzero: error: {f}: {problem}", file=sys.stderr)
+        if not problems:
+            print(f"{f}: ok" + ("" if crds else " (schema not checked)"))
+    return 2 if any(problems for _, problems in results) else 0
 
 
 def _prepare(args) -> int:
@@ -179,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args)
         if args.command == "ckpt":
             return _ckpt(args)
+        if args.command == "deploy":
+            return _deploy(args)
         return _prepare(args)
     except (ConfigError, DataError, _UserError) as e:
         print(f"rayzero: error: {e}", file=sys.stderr)

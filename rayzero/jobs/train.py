@@ -116,6 +116,12 @@ def plan(cfg: RootConfig) -> dict:
 
 
 def run_train(cfg: RootConfig, progress: bool = True) -> dict:
+    """Train; the run's summary (what `rayzero train --summary-json` writes)."""
+    return train_run(cfg, progress)[0]
+
+
+def train_run(cfg: RootConfig, progress: bool = True) -> tuple[dict, list[dict]]:
+    """Train; the run's summary and each step's metrics (one dict per step)."""
     data_path = resolve_data(cfg)
     if cfg.train.save_final:
         try:
@@ -159,8 +165,8 @@ def run_train(cfg: RootConfig, progress: bool = True) -> dict:
                           artifacts=[str(run_dir / "config.json")], spill_path=str(run_dir / "mlflow-unsent.json"),
                           flush_timeout_s=cfg.tracking.flush_timeout_s)
     try:
-        return Controller(cfg, data_path, str(run_dir), tracker, progress=progress,
-                          checkpoints=checkpoints).fit()
+        controller = Controller(cfg, data_path, str(run_dir), tracker, progress=progress, checkpoints=checkpoints)
+        return controller.fit(), controller.history.rows
     finally:
         if started_ray:
             ray.shutdown()

@@ -1,0 +1,133 @@
+"""Training from Python (a notebook, a script): the same run as `rayzero train`.
+
+    from rayzero import Trainer, TrainConfig
+
+    config = TrainConfig.from_yaml("job.yaml", ["train.steps=200"])   # or TrainConfig(train={...})
+    result = Trainer(config).fit()
+    result.history          # one row per step: loss, tokens/s, per-phase times, ...
+    result.plot()
+    result.checkpoint, result.mlflow_run_id
+
+`fit()` starts a local Ray unless one is running or `cluster.address` names a cluster, and
+shuts down only what it started, so it can run again in the same kernel. An interrupt (the
+notebook's stop button) ends the run cleanly: the rank actors are gone and the last committed
+checkpoint stays as it was; fitting the same config again resumes from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from rayzero.config import ConfigError, RootConfig, explain, load_config
+
+
+class TrainConfig(RootConfig):
+    """A whole run's configuration, built in Python or read from YAML:
+
+        TrainConfig(model={"preset": "small"}, train={"steps": 200})
+        TrainConfig.from_yaml("job.yaml", ["train.steps=50"]).override("cluster.num_workers=4")
+
+    A mistake is a ConfigError worded as the command line words it."""
+
+    def __init__(self, **sections: Any):
+        try:
+            super().__init__(**sections)
+        except ValidationError as e:
+            raise ConfigError(explain(e)) from None
+
+PHASES = ("gather", "forward", "backward", "reduce_scatter", "step")
+
+
+class Trainer:
+    def __init__(self, config: RootConfig | str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                 *, progress: bool = True):
+        """`config`: a TrainConfig, or the path of a YAML file (None: every default);
+        `overrides`: `key=value` items applied on top, as on the command line."""
+        if config is None or isinstance(config, (str, Path)):
+            config = load_config(config, overrides)
+        elif overrides:
+            config = config.override(*overrides)
+        self.config = config
+        self.progress = progress
+
+    def fit(self) -> "Result":
+        from rayzero.jobs.train import train_run
+
+        summary, rows = train_run(self.config, progress=self.progress)
+        return Result(summary, rows)
+
+
+@dataclass
+class Result:
+    summary: dict  # what `rayzero train --summary-json` writes
+    rows: list[dict]  # each step's metrics
+
+    @property
+    def history(self):
+        """Per-step metrics as a pandas DataFrame indexed by step: loss, lr, grad_norm,
+        tokens_per_s, step_ms, phase_<name>_ms, world_size, and what else was logged."""
+        import pandas as pd
+
+        frame = pd.DataFrame(self.rows)
+        return frame.set_index("step") if not frame.empty else frame
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        """The final figures: losses, throughput, steps, restarts."""
+        s = self.summary
+        keys = ("final_loss", "first_loss", "steps", "start_step", "total_steps", "tokens_per_s", "step_ms",
+                "world_size", "restarts", "skipped_steps")
+        return {k: s[k] for k in keys}
+
+    @property
+    def checkpoint(self) -> str | None:
+        """The last committed checkpoint's URI."""
+        return self.summary["checkpoint"]
+
+    @property
+    def mlflow_run_id(self) -> str | None:
+        return self.summary["mlflow_run_id"] or None
+
+    @property
+    def final_weights(self) -> str | None:
+        return self.summary["final_weights"]
+
+    def plot(self, path: str | Path | None = None):
+        """Loss, tokens/s and per-phase time against the step, as one matplotlib figure
+        (in Jupyter, drawn under the cell); saved to `path` too if given."""
+        import matplotlib
+
+        h = self.history
+        size = {"figsize": (15, 4), "layout": "constrained"}
+        if "inline" in matplotlib.get_backend():  # Jupyter: shown under the cell, then closed
+            import matplotlib.pyplot as plt
+
+            fig = plt.figure(**size)
+        else:  # scripts: no pyplot, so no global list of figures and no GUI backend
+            from matplotlib.figure import Figure
+
+            fig = Figure(**size)
+        axes = fig.subplots(1, 3)
+        loss, speed, phases = axes
+        if not h.empty:
+            loss.plot(h.index, h["loss"])
+            speed.plot(h.index, h["tokens_per_s"])
+            cols = [f"phase_{p}_ms" for p in PHASES if f"phase_{p}_ms" in h]
+            phases.stackplot(h.index, *(h[c] for c in cols), labels=[c[6:-3] for c in cols])
+            phases.legend(loc="upper right", fontsize="small")
+        loss.set(title="loss", xlabel="step")
+        speed.set(title="tokens/s", xlabel="step")
+        phases.set(title="time per phase (ms, slowest rank)", xlabel="step")
+        if path is not None:
+            fig.savefig(path)
+        return fig
+
+    def __repr__(self) -> str:
+        m = self.metrics
+        loss = f"loss {m['first_loss']:.4f} -> {m['final_loss']:.4f}" if m["steps"] else "nothing trained"
+        return (f"Result({m['steps']} steps to {m['total_steps']}, {loss}, checkpoint={self.checkpoint!r}, "
+                f"mlflow_run_id={self.mlflow_run_id!r})")

@@ -1,0 +1,88 @@
+"""The Python SDK and the quickstart notebook, on real Ray."""
+
+import _thread
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rayzero import Result, TrainConfig, Trainer
+from tests.e2e.conftest import leftovers
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[2]
+FAST = {"model": {"n_layer": 2, "n_embd": 64, "n_head": 4},
+        "train": {"seq_len": 64, "global_batch_size": 8, "micro_batch_size": 2},
+        "optim": {"warmup_steps": 2}}
+
+
+def config(tmp_path, data, address, **sections):
+    base = {k: dict(v) for k, v in FAST.items()}
+    for k, v in sections.items():
+        base.setdefault(k, {}).update(v)
+    base["train"]["output_dir"] = str(tmp_path / "runs")
+    return TrainConfig(data={"path": data}, cluster={"address": address}, **base)
+
+
+def test_fit_returns_a_result_and_runs_twice_in_one_process(tmp_path, ray_cluster, small_dataset):
+    cfg = config(tmp_path, small_dataset, ray_cluster, train={"steps": 12}, checkpoint={"every_steps": 5})
+    first = Trainer(cfg, progress=False).fit()
+    assert isinstance(first, Result) and first.metrics["steps"] == 12
+    h = first.history
+    assert list(h.index) == list(range(12))
+    assert {"loss", "tokens_per_s", "step_ms", "phase_backward_ms", "lr"} <= set(h.columns)
+    assert h["loss"].iloc[-1] == pytest.approx(first.metrics["final_loss"])
+    assert first.checkpoint.endswith("step-000012") and first.mlflow_run_id
+    fig = first.plot(tmp_path / "run.png")
+    assert [a.get_title() for a in fig.axes] == ["loss", "tokens/s", "time per phase (ms, slowest rank)"]
+    assert (tmp_path / "run.png").stat().st_size > 10_000
+
+    # Again in the same process, with a longer run: it resumes from the first one's commit.
+    second = Trainer(cfg, ["train.steps=16"], progress=False).fit()
+    assert second.metrics["start_step"] == 12 and list(second.history.index) == [12, 13, 14, 15]
+    assert second.mlflow_run_id != first.mlflow_run_id
+    assert leftovers(ray_cluster) == ([], [])
+
+
+def test_an_interrupt_stops_cleanly_and_keeps_the_last_commit(tmp_path, ray_cluster, small_dataset):
+    from mlflow.tracking import MlflowClient
+
+    from rayzero.checkpoint.manifest import open_checkpoint
+    from rayzero.checkpoint.tools import verify_checkpoint
+
+    cfg = config(tmp_path, small_dataset, ray_cluster, train={"steps": 100_000}, checkpoint={"every_steps": 20})
+    root = tmp_path / "runs" / "checkpoints"
+
+    def interrupt_after_a_commit():
+        deadline = time.monotonic() + 120
+        while not list(root.glob("step-*/manifest.json")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        _thread.interrupt_main()  # what Jupyter's stop button does
+
+    threading.Thread(target=interrupt_after_a_commit, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(cfg, progress=False).fit()
+    assert leftovers(ray_cluster) == ([], [])
+    committed = sorted(root.glob("step-*/manifest.json"))
+    assert committed
+    last = open_checkpoint(str(committed[-1].parent), cfg.checkpoint)
+    assert verify_checkpoint(last) > 0
+    client = MlflowClient(f"sqlite:///{next((tmp_path / 'runs').glob('*/mlflow.db'))}")
+    runs = client.search_runs([client.get_experiment_by_name("rayzero").experiment_id])
+    assert [r.info.status for r in runs] == ["KILLED"]
+
+
+def test_the_quickstart_notebook_runs_headless(tmp_path):
+    nbformat = pytest.importorskip("nbformat")
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(ROOT / "examples" / "quickstart.ipynb", as_version=4)
+    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    assert "loss on a line of Python" in text
+    assert any("image/png" in o.get("data", {}) for o in outputs), "the plot is drawn"
+    assert (tmp_path / "runs" / "quickstart" / "checkpoints" / "step-000060" / "manifest.json").exists()
