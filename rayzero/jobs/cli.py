@@ -204,8 +204,22 @@ class _UserError(Exception):
     pass
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with `key=value` overrides allowed before and after the options
+    (`rayzero train a=1 --no-progress b=2`): argparse alone stops the overrides at the first
+    option and rejects the rest."""
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    stray = [a for a in extra if a.startswith("-") or "=" not in a or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         if args.command == "train":
             return _train(args)

@@ -367,12 +367,12 @@ def _entrypoint_problems(doc: dict, workdir: Path) -> list[str]:
 def _parse_train(argv: list[str]):
     """`argv` parsed by the `rayzero` command's own parser, so that the check and the job
     agree on what an option means; its usage error becomes a DeployError."""
-    from rayzero.jobs.cli import _parser
+    from rayzero.jobs.cli import parse_args
 
     out = io.StringIO()
     try:
         with contextlib.redirect_stderr(out), contextlib.redirect_stdout(out):
-            return _parser().parse_args(argv)
+            return parse_args(argv)
     except SystemExit:
         last = (out.getvalue().strip().splitlines() or ["not a valid command"])[-1]
         raise DeployError(f"`rayzero train` rejects it: {last.removeprefix('rayzero: error: ')}") from None

@@ -20,11 +20,20 @@ def run_cli(*args: str, cwd: Path, timeout: float = 300, env: dict | None = None
     )
 
 
+class RayHead:
+    """A `ray start --head` on loopback: its GCS address and its dashboard (job) URL."""
+
+    def __init__(self, address: str, dashboard: str):
+        self.address, self.dashboard = address, dashboard
+
+
 @pytest.fixture(scope="session")
-def ray_cluster(tmp_path_factory):
-    """The address of a 2-CPU head node; stopped (with everything on it) at the end."""
-    port = free_port()
-    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+def ray_head(tmp_path_factory):
+    """A 2-CPU head node with token authentication, as a user starts one from an activated
+    venv (so `rayzero` is on the PATH of the jobs it runs); stopped, with everything on it,
+    at the end."""
+    port, dashboard_port = free_port(), free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
     temp = tmp_path_factory.mktemp("ray")
     # A fresh machine has no token yet and `ray start` refuses to run without one; this makes
     # one only if none exists (its output, the token, is not shown).
@@ -32,7 +41,7 @@ def ray_cluster(tmp_path_factory):
                    check=True, timeout=60)
     started = subprocess.run(
         [str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1",
-         "--dashboard-host=127.0.0.1", f"--port={port}", f"--dashboard-port={free_port()}",
+         "--dashboard-host=127.0.0.1", f"--port={port}", f"--dashboard-port={dashboard_port}",
          "--num-cpus=2", "--disable-usage-stats", f"--temp-dir={temp}"],
         env=env, capture_output=True, text=True, timeout=120,
     )
@@ -40,9 +49,15 @@ def ray_cluster(tmp_path_factory):
         subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
         pytest.fail(f"ray start failed:\n{started.stdout[-2000:]}\n{started.stderr[-3000:]}")
     try:
-        yield f"127.0.0.1:{port}"
+        yield RayHead(f"127.0.0.1:{port}", f"http://127.0.0.1:{dashboard_port}")
     finally:
         subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(ray_head):
+    """The address of the head node above."""
+    return ray_head.address
 
 
 def leftovers(address: str) -> tuple[list, list]:

@@ -51,3 +51,16 @@ def test_a_bad_config_fails_the_dry_run_with_one_message(tmp_path, capsys):
     assert code == 2 and out.err.startswith("rayzero: error: sharding.fsdp_units: no module of GPT has class Blok")
     code, out, _ = dry_run(tmp_path, capsys, "cluster.num_workers=3")
     assert code == 2 and "train.global_batch_size: 16 is not divisible" in out.err
+
+
+def test_overrides_may_come_before_and_after_the_options(tmp_path, capsys):
+    code, out, plan = dry_run(tmp_path, capsys, "train.steps=5", "--no-progress", "cluster.num_workers=4",
+                              "train.steps=7")
+    assert code == 0, out.err
+    assert plan["world_size"] == 4 and plan["steps"] == 7, "later overrides win, wherever they stand"
+    try:
+        cli.main(["train", "--dry-run", "--bogus"])
+    except SystemExit as e:
+        assert e.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
+    else:
+        raise AssertionError("an unknown option must be refused")

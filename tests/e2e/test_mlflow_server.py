@@ -1,0 +1,135 @@
+"""A real `mlflow server` on loopback: what a run logs arrives, and a server that is down or
+frozen for a while neither crashes nor stalls training; its metrics arrive when it answers."""
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+import urllib.request
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tests.conftest import free_port
+from tests.e2e.conftest import BIN, run_cli
+
+pytestmark = pytest.mark.e2e
+RUN = ["--no-progress", "model.n_layer=2", "model.n_embd=64", "model.n_head=4", "train.seq_len=64",
+       "train.global_batch_size=8", "train.micro_batch_size=2", "optim.warmup_steps=2"]
+
+
+class MlflowServer:
+    def __init__(self, root, port=None):
+        self.root, self.port = root, port or free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.proc = None
+
+    def start(self):
+        self.proc = subprocess.Popen(
+            [str(BIN / "mlflow"), "server", "--workers", "1", "--host", "127.0.0.1", "--port", str(self.port),
+             "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
+             "--artifacts-destination", str(self.root / "artifacts")],
+            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+            stdout=open(self.root / "server.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"{self.uri}/health", timeout=2).read()
+                return self
+            except OSError:
+                time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"mlflow server did not start; see {self.root / 'server.log'}")
+
+    def stop(self):
+        if self.proc is not None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            self.proc = None
+
+
+@pytest.fixture
+def server(tmp_path):
+    (tmp_path / "mlflow").mkdir()
+    s = MlflowServer(tmp_path / "mlflow")
+    yield s
+    s.stop()
+
+
+def train(tmp_path, data, address, *args):
+    r = run_cli("train", "--summary-json", str(tmp_path / "s.json"), f"data.path={data}",
+                f"cluster.address={address}", f"train.output_dir={tmp_path / 'runs'}", *RUN, *args, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r, json.loads((tmp_path / "s.json").read_text())
+
+
+def test_params_metrics_tags_and_config_arrive_and_link_the_checkpoint(tmp_path, server, ray_cluster,
+                                                                        small_dataset):
+    server.start()
+    r, s = train(tmp_path, small_dataset, ray_cluster, f"tracking.uri={server.uri}", "tracking.experiment=e2e",
+                 "train.steps=12", "checkpoint.every_steps=6")
+    client = MlflowClient(server.uri)
+    run = client.get_run(s["mlflow_run_id"])
+    assert s["mlflow_tracking_uri"] == server.uri and run.info.status == "FINISHED"
+    assert client.get_experiment(run.info.experiment_id).name == "e2e"
+    assert run.data.params["train.steps"] == "12" and run.data.params["sharding.strategy"] == "optim"
+    losses = client.get_metric_history(run.info.run_id, "loss")
+    assert sorted(m.step for m in losses) == list(range(12))
+    assert losses[-1].value == pytest.approx(s["final_loss"])
+    assert {"tokens_per_s", "phase_backward_ms", "memory_total_bytes_per_param"} <= set(run.data.metrics)
+    tags = run.data.tags
+    assert tags["checkpoint"] == s["checkpoint"] and tags["checkpoint"].endswith("step-000012")
+    assert tags["checkpoint_dir"] == str(tmp_path / "runs" / "checkpoints")
+    assert tags["strategy"] == "optim" and tags["world_size"] == "2"
+    local = client.download_artifacts(run.info.run_id, "config.json", str(tmp_path))
+    assert json.loads(open(local).read())["train"]["steps"] == 12
+    assert "does not answer" not in r.stderr
+
+
+def test_a_tracking_server_down_at_the_start_and_frozen_later_loses_nothing(tmp_path, server, ray_cluster,
+                                                                             small_dataset):
+    """The server is not up when training starts (the run warns once and goes on), comes up
+    some seconds in, is frozen (SIGSTOP: it accepts connections and never answers) for a while,
+    and thaws; every step's metrics arrive all the same, and the run finishes normally."""
+    root = tmp_path / "runs" / "checkpoints"
+
+    def chaos():
+        time.sleep(4)
+        server.start()
+        deadline = time.monotonic() + 120
+        while not list(root.glob("step-*/manifest.json")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.killpg(server.proc.pid, signal.SIGSTOP)
+        time.sleep(12)
+        os.killpg(server.proc.pid, signal.SIGCONT)
+
+    thread = threading.Thread(target=chaos, daemon=True)
+    thread.start()
+    r, s = train(tmp_path, small_dataset, ray_cluster, f"tracking.uri={server.uri}", "train.steps=300",
+                 "checkpoint.every_steps=60", "tracking.flush_timeout_s=120")
+    thread.join()
+    assert "MLflow at " + server.uri + " does not answer" in r.stderr
+    assert "Check tracking.uri" in r.stderr, "the warning says what to check"
+    assert s["steps"] == 300 and s["mlflow_unsent"] is None
+    client = MlflowClient(server.uri)
+    run_id = s["mlflow_run_id"]
+    assert run_id, "the run was created once the server came up"
+    assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == list(range(300))
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_a_server_that_never_answers_leaves_the_metrics_in_the_run_directory(tmp_path, ray_cluster, small_dataset):
+    dead = f"http://127.0.0.1:{free_port()}"
+    r, s = train(tmp_path, small_dataset, ray_cluster, f"tracking.uri={dead}", "train.steps=6",
+                 "tracking.flush_timeout_s=3")
+    assert f"MLflow at {dead} does not answer" in r.stderr
+    assert s["steps"] == 6 and s["mlflow_run_id"] is None
+    unsent = json.loads(open(s["mlflow_unsent"]).read())
+    assert sorted({m["step"] for m in unsent["metrics"] if m["key"] == "loss"}) == list(range(6))
+    assert f"did not answer; unsent metrics in {s['mlflow_unsent']}" in r.stdout
