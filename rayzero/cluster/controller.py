@@ -9,6 +9,8 @@ PLACE, resuming from the newest commit), with how many ranks, or to give up.
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from statistics import mean
@@ -108,6 +110,7 @@ class Controller:
         self._grow_to: int | None = None
         self.start_step_next = 0  # where a group stopped to grow resumes
         self._step = None  # the iteration being collected
+        self._interrupted = False  # a SIGINT arrived (see _catch_interrupts)
         self.first_start: tuple[int, str | None] | None = None  # (step, checkpoint) the run began at
 
     def fit(self) -> dict:
@@ -116,6 +119,7 @@ class Controller:
         policy decides whether to restart, shrink, or give up."""
         status = "FAILED"
         streak, commits_then = 0, 0
+        previous_handler = self._catch_interrupts()
         try:
             while True:
                 try:
@@ -152,9 +156,34 @@ class Controller:
             status = "KILLED"
             raise
         finally:
+            if previous_handler is not None:
+                signal.signal(signal.SIGINT, previous_handler)
             self._release(kill=status != "FINISHED")
             self.tracker.finish(status)
         return self.summary(info)
+
+    def _catch_interrupts(self):
+        """Ctrl-C (or a notebook's stop button) stops the run after the iteration in flight.
+
+        A SIGINT that arrives while the main thread waits inside Ray's compiled-graph read can
+        be swallowed there; so the handler only takes note, and the loop raises
+        KeyboardInterrupt at its next check. A second Ctrl-C raises at once. Returns the
+        handler to restore (None off the main thread, where signals cannot be handled)."""
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        self._interrupted = False
+
+        def on_sigint(signum, frame):
+            if self._interrupted:
+                raise KeyboardInterrupt
+            self._interrupted = True
+            log.warning("interrupted: stopping after the current iteration (Ctrl-C again to stop now)")
+
+        return signal.signal(signal.SIGINT, on_sigint)
+
+    def _check_interrupt(self) -> None:
+        if self._interrupted:
+            raise KeyboardInterrupt
 
     def _attempt(self) -> tuple[bool, dict]:
         """One group's life: PLACE → RENDEZVOUS → BUILD (resume) → TRAIN → CHECKPOINT.
@@ -164,6 +193,7 @@ class Controller:
         cfg = self.cfg.at_world_size(self.world)
         self._mark("placement")
         self.watchdog = Watchdog(self.group.actors, cfg.failure.phase_timeout_s, on_fire=self.group.kill).start()
+        self._check_interrupt()
         self.state = "RENDEZVOUS"
         infos = self.group.rendezvous()
         self.pids = {i["pid"]: i["rank"] for i in infos}
@@ -277,6 +307,7 @@ class Controller:
         pending = dispatch.submit(plan(first))
         for step in bar:
             self._step = step
+            self._check_interrupt()
             # Queue the next iteration before reading this one: ranks never wait on the driver.
             more = step + 1 < cfg.train.steps and grow_at != step
             queued = dispatch.submit(plan(step + 1)) if more else None

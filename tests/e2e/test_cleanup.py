@@ -23,6 +23,7 @@ class FailsAtStep2(RankShim):
 
 class RecordingTracker:
     uri = run_id = ""
+    spilled_to = None
 
     def __init__(self):
         self.steps, self.status = [], None

@@ -156,7 +156,10 @@ class AlwaysDiesAtStep50(RankShim):
 
 
 class NullTracker:
+    """Keeps what the controller logs, for the assertions."""
+
     uri = run_id = ""
+    spilled_to = None
 
     def __init__(self):
         self.metrics, self.tags = {}, {}

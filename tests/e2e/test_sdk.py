@@ -1,6 +1,7 @@
 """The Python SDK and the quickstart notebook, on real Ray."""
 
-import _thread
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -51,7 +52,8 @@ def test_an_interrupt_stops_cleanly_and_keeps_the_last_commit(tmp_path, ray_clus
     from rayzero.checkpoint.manifest import open_checkpoint
     from rayzero.checkpoint.tools import verify_checkpoint
 
-    cfg = config(tmp_path, small_dataset, ray_cluster, train={"steps": 100_000}, checkpoint={"every_steps": 20})
+    # Bounded, so that a lost interrupt fails the test instead of hanging it.
+    cfg = config(tmp_path, small_dataset, ray_cluster, train={"steps": 1500}, checkpoint={"every_steps": 20})
     root = tmp_path / "runs" / "checkpoints"
 
     def interrupt_after_a_commit():
@@ -59,11 +61,13 @@ def test_an_interrupt_stops_cleanly_and_keeps_the_last_commit(tmp_path, ray_clus
         while not list(root.glob("step-*/manifest.json")) and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.5)
-        _thread.interrupt_main()  # what Jupyter's stop button does
+        os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C and Jupyter's stop button send
 
+    handler = signal.getsignal(signal.SIGINT)
     threading.Thread(target=interrupt_after_a_commit, daemon=True).start()
     with pytest.raises(KeyboardInterrupt):
         Trainer(cfg, progress=False).fit()
+    assert signal.getsignal(signal.SIGINT) is handler, "the caller's handler is back"
     assert leftovers(ray_cluster) == ([], [])
     committed = sorted(root.glob("step-*/manifest.json"))
     assert committed
