@@ -111,6 +111,7 @@ class Controller:
         self.start_step_next = 0  # where a group stopped to grow resumes
         self._step = None  # the iteration being collected
         self._interrupted = False  # a SIGINT arrived (see _catch_interrupts)
+        self._streak, self._commits_then = 0, 0  # failures since the last commit, for the backoff
         self.first_start: tuple[int, str | None] | None = None  # (step, checkpoint) the run began at
 
     def fit(self) -> dict:
@@ -118,32 +119,13 @@ class Controller:
         resumes from the newest commit and trains; a failure tears the whole group down and the
         policy decides whether to restart, shrink, or give up."""
         status = "FAILED"
-        streak, commits_then = 0, 0
         previous_handler = self._catch_interrupts()
         try:
             while True:
                 try:
                     done, info = self._attempt()
                 except Exception as exc:
-                    failure = self._diagnose(exc)
-                    self._release(kill=True)
-                    self._mark("teardown")
-                    if failure.kind == PLACEMENT and not self.failures and not self.history.losses:
-                        raise  # the very first placement: the request itself cannot be met
-                    commits = self.checkpoints.commits if self.checkpoints is not None else 0
-                    streak = 1 if commits > commits_then else streak + 1
-                    commits_then = commits
-                    capacity = free_bundles(self._bundle())
-                    decision = self.policy.decide(failure, len(self.failures), streak, self.world, capacity)
-                    self._record(failure, decision)
-                    if decision.action == "give_up":
-                        cause = unwrap(exc)
-                        if failure.kind == ERROR and isinstance(cause, CheckpointError):
-                            raise cause from None  # a user's mistake, already worded as one
-                        raise TrainingFailed(self._give_up_message(failure, decision)) from exc
-                    time.sleep(decision.delay_s)
-                    self._mark("backoff")
-                    self.world = decision.world_size
+                    self.world = self._recover(exc)  # or raise: the policy gave up
                     continue
                 if done:
                     break
@@ -161,6 +143,29 @@ class Controller:
             self._release(kill=status != "FINISHED")
             self.tracker.finish(status)
         return self.summary(info)
+
+    def _recover(self, exc: Exception) -> int:
+        """After a failed attempt: diagnose, tear the group down, ask the policy, back off.
+        Returns the world size to place next; raises when the policy gives up."""
+        failure = self._diagnose(exc)
+        self._release(kill=True)
+        self._mark("teardown")
+        if failure.kind == PLACEMENT and not self.failures and not self.history.losses:
+            raise exc  # the very first placement: the request itself cannot be met
+        commits = self.checkpoints.commits if self.checkpoints is not None else 0
+        self._streak = 1 if commits > self._commits_then else self._streak + 1  # failures since a commit
+        self._commits_then = commits
+        capacity = free_bundles(self._bundle())
+        decision = self.policy.decide(failure, len(self.failures), self._streak, self.world, capacity)
+        self._record(failure, decision)
+        if decision.action == "give_up":
+            cause = unwrap(exc)
+            if failure.kind == ERROR and isinstance(cause, CheckpointError):
+                raise cause from None  # a user's mistake, already worded as one
+            raise TrainingFailed(self._give_up_message(failure, decision)) from exc
+        time.sleep(decision.delay_s)
+        self._mark("backoff")
+        return decision.world_size
 
     def _catch_interrupts(self):
         """Ctrl-C (or a notebook's stop button) stops the run after the iteration in flight.
