@@ -22,6 +22,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from rayzero.cluster.history import PHASES
 from rayzero.config import ConfigError, RootConfig, explain, load_config
 
 
@@ -39,7 +40,6 @@ class TrainConfig(RootConfig):
         except ValidationError as e:
             raise ConfigError(explain(e)) from None
 
-PHASES = ("gather", "forward", "backward", "reduce_scatter", "step")
 
 
 class Trainer:

@@ -12,7 +12,6 @@ import logging
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
 from statistics import mean
 
 import ray
@@ -29,6 +28,7 @@ from rayzero.cluster.failure import (
 )
 from rayzero.cluster.schedule import lr_at
 from rayzero.cluster.watchdog import Watchdog
+from rayzero.cluster.history import PHASES, History, memory_metrics
 from rayzero.cluster.worker_group import PlacementError, WorkerGroup, free_bundles
 from rayzero.config import RootConfig
 from rayzero.sharding.memory import bytes_per_param
@@ -37,51 +37,11 @@ from rayzero.workers.actor import RankActor
 log = logging.getLogger(__name__)
 
 
-class _DeadActorCancel(logging.Filter):
-    """Ray's compiled graph logs a traceback for every dead actor it cannot cancel a task on
-    while it tears down; after a failure those actors are dead on purpose (the controller
-    kills the whole group), and the failure is reported once, by the controller."""
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        dead = record.exc_info and isinstance(record.exc_info[1], ray.exceptions.RayActorError)
-        return not (dead and record.getMessage().startswith("Error cancelling worker task"))
-
-
-logging.getLogger("ray.dag.compiled_dag_node").addFilter(_DeadActorCancel())
-
-PHASES = ("gather", "forward", "backward", "reduce_scatter", "step")
 STATE_WORDS = {"INIT": "starting", "PLACE": "placing the ranks", "RENDEZVOUS": "the rendezvous",
                "BUILD": "resuming from the checkpoint", "TRAIN": "training",
                "CHECKPOINT": "finishing the checkpoint uploads", "SAVE": "writing the final weights",
                "DONE": "finishing"}
-WARMUP_STEPS = 1  # the first iteration compiles the graph and faults in memory: not timed
-
-
-@dataclass
-class History:
-    steps: list[int] = field(default_factory=list)
-    losses: list[float] = field(default_factory=list)
-    step_s: list[float] = field(default_factory=list)
-    phase_s: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PHASES})
-    skipped: int = 0
-    memory: list[dict[str, int]] = field(default_factory=list)  # each rank's ledger, latest
-    rows: list[dict] = field(default_factory=list)  # each step's metrics, as logged to MLflow
-
-    def record(self, step: int, loss: float, step_s: float, phase_s: dict[str, float]) -> None:
-        self.steps.append(step)
-        self.losses.append(loss)
-        self.step_s.append(step_s)
-        for p in PHASES:
-            self.phase_s[p].append(phase_s[p])
-
-    def rewind(self, step: int) -> None:
-        """Forget iterations from `step` on: a resumed group runs them again."""
-        keep = sum(1 for s in self.steps if s < step)
-        for values in (self.steps, self.losses, self.step_s, self.rows, *self.phase_s.values()):
-            del values[keep:]
-
-    def timed(self, values: list[float]) -> list[float]:
-        return values[WARMUP_STEPS:] or values
 
 
 class Controller:
@@ -532,11 +492,3 @@ class Controller:
                 "grad_dtype": cfg.sharding.grad_dtype,
             },
         }
-
-
-def memory_metrics(reports: list[dict[str, int]], num_params: int) -> dict[str, float]:
-    """The ledger as MLflow metrics: bytes per parameter per category (max over ranks) and
-    the peak transient in MiB."""
-    out = {f"memory_{k}_bytes_per_param": v for k, v in bytes_per_param(reports, num_params).items()}
-    out["memory_transient_peak_mib"] = max(r["transient_peak"] for r in reports) / 2**20
-    return out

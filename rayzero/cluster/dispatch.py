@@ -12,6 +12,7 @@ at once. All three give the same result; they differ in what one iteration costs
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -27,6 +28,19 @@ from ray.dag import InputNode, MultiOutputNode
 NAP_MIN_S = 0.005
 NAP_FRACTION = 0.97
 UNTIMED_ITERATIONS = 1  # the first one compiles and warms up: no guide to the next
+
+
+class _DeadActorCancel(logging.Filter):
+    """Ray's compiled graph logs a traceback for every dead actor it cannot cancel a task on
+    while it tears down; after a failure those actors are dead on purpose (the controller
+    kills the whole group), and the failure is reported once, by the controller."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        dead = record.exc_info and isinstance(record.exc_info[1], ray.exceptions.RayActorError)
+        return not (dead and record.getMessage().startswith("Error cancelling worker task"))
+
+
+logging.getLogger("ray.dag.compiled_dag_node").addFilter(_DeadActorCancel())
 
 
 def phase_names(num_microbatches: int) -> list[str]:

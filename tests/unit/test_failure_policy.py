@@ -6,7 +6,7 @@ import ray.exceptions
 import torch.distributed as dist
 
 from rayzero.checkpoint.storage import StorageError
-from rayzero.cluster.controller import History
+from rayzero.cluster.history import History
 from rayzero.cluster.failure import Failure, FailurePolicy, classify, first_line
 from rayzero.cluster.watchdog import Watchdog
 from rayzero.cluster.worker_group import PlacementError

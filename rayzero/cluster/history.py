@@ -1,0 +1,46 @@
+"""What the controller keeps of a run as it goes: each step's loss, times and metrics, and the
+ranks' memory ledgers; the summary and `Result.history` are made from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rayzero.sharding.memory import bytes_per_param
+
+PHASES = ("gather", "forward", "backward", "reduce_scatter", "step")
+WARMUP_STEPS = 1  # the first iteration compiles the graph and faults in memory: not timed
+
+
+@dataclass
+class History:
+    steps: list[int] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)
+    phase_s: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PHASES})
+    skipped: int = 0
+    memory: list[dict[str, int]] = field(default_factory=list)  # each rank's ledger, latest
+    rows: list[dict] = field(default_factory=list)  # each step's metrics, as logged to MLflow
+
+    def record(self, step: int, loss: float, step_s: float, phase_s: dict[str, float]) -> None:
+        self.steps.append(step)
+        self.losses.append(loss)
+        self.step_s.append(step_s)
+        for p in PHASES:
+            self.phase_s[p].append(phase_s[p])
+
+    def rewind(self, step: int) -> None:
+        """Forget iterations from `step` on: a resumed group runs them again."""
+        keep = sum(1 for s in self.steps if s < step)
+        for values in (self.steps, self.losses, self.step_s, self.rows, *self.phase_s.values()):
+            del values[keep:]
+
+    def timed(self, values: list[float]) -> list[float]:
+        return values[WARMUP_STEPS:] or values
+
+
+def memory_metrics(reports: list[dict[str, int]], num_params: int) -> dict[str, float]:
+    """The ledger as MLflow metrics: bytes per parameter per category (max over ranks) and
+    the peak transient in MiB."""
+    out = {f"memory_{k}_bytes_per_param": v for k, v in bytes_per_param(reports, num_params).items()}
+    out["memory_transient_peak_mib"] = max(r["transient_peak"] for r in reports) / 2**20
+    return out
