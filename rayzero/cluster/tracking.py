@@ -46,10 +46,9 @@ class Tracker:
         self._started = threading.Event()  # the run exists: run_id is known
         self._stop = threading.Event()
         self._warned = False
-        self._unsent: list[tuple] = []
-        self._put(("start", experiment, run_name, params, tags, artifact_dir))
+        self._queue.put(("start", experiment, run_name, params, tags, artifact_dir))
         for path in artifacts:
-            self._put(("artifact", str(path)))
+            self._queue.put(("artifact", str(path)))
         self._thread = threading.Thread(target=self._run, name="rayzero-mlflow", daemon=True)
         self._thread.start()
         self._started.wait(_START_WAIT_S)  # a run id for the summary, if the server answers soon
@@ -57,15 +56,15 @@ class Tracker:
     # -- what the controller calls: never blocks on the server -------------------------
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         ts = int(time.time() * 1000)
-        self._put(("metrics", [Metric(k, float(v), ts, step) for k, v in metrics.items()]))
+        self._queue.put(("metrics", [Metric(k, float(v), ts, step) for k, v in metrics.items()]))
 
     def set_tags(self, tags: dict) -> None:
-        self._put(("tags", [RunTag(k, str(v)) for k, v in tags.items()]))
+        self._queue.put(("tags", [RunTag(k, str(v)) for k, v in tags.items()]))
 
     def finish(self, status: str = "FINISHED") -> None:
         """Close the run with `status` (FINISHED, FAILED or KILLED) once everything queued
         before has been sent; after `flush_timeout_s`, spill what is left to a file."""
-        self._put(("end", status))
+        self._queue.put(("end", status))
         deadline = time.monotonic() + self.flush_timeout_s
         while self._thread.is_alive() and time.monotonic() < deadline:
             self._thread.join(timeout=0.1)
@@ -75,9 +74,6 @@ class Tracker:
             self._spill()
 
     # -- the background thread ----------------------------------------------------------
-    def _put(self, op: tuple) -> None:
-        self._queue.put(op)
-
     def _run(self) -> None:
         delay = 1.0
         while True:
@@ -86,8 +82,8 @@ class Tracker:
                 while not self._queue.empty() and len(self._pending) < 256:
                     self._pending.append(self._queue.get_nowait())
             try:
-                done = self._send(self._pending)
-            except Exception as e:  # the server is down or slow: keep it all, try again
+                ended = self._send_pending()
+            except Exception as e:  # the server is down or slow: keep the rest, try again
                 if self._stop.is_set():
                     return
                 self._started.set()  # nobody waits for a run id that is not coming soon
@@ -104,29 +100,29 @@ class Tracker:
                 log.warning("MLflow at %s answers again; the kept metrics are sent", self.uri)
                 self._warned = False
             delay = 1.0
-            ended = any(op[0] == "end" for op in self._pending[:done])
-            self._pending = self._pending[done:]
             if ended:
                 return
 
-    def _send(self, ops: list[tuple]) -> int:
-        """Send ops from the front, merging runs of metrics; returns how many went (an
-        exception leaves the rest, and the one that failed, for the retry)."""
-        sent = 0
-        while sent < len(ops):
-            kind = ops[sent][0]
-            if kind == "metrics":
-                batch, n = [], 0
-                while sent + n < len(ops) and ops[sent + n][0] == "metrics" and len(batch) < _METRIC_BATCH:
-                    batch += ops[sent + n][1]
+    def _send_pending(self) -> bool:
+        """Send from the front of the pending ops, dropping each once the server has taken it,
+        so a failure leaves exactly the unsent rest (the failed one first) for the retry.
+        Consecutive metrics go in one call, within MLflow's limit. True once the run is ended."""
+        ops = self._pending
+        while ops:
+            n = 1
+            if ops[0][0] == "metrics":
+                batch = list(ops[0][1])
+                while n < len(ops) and ops[n][0] == "metrics" and len(batch) + len(ops[n][1]) <= _METRIC_BATCH:
+                    batch += ops[n][1]
                     n += 1
-                for i in range(0, len(batch), _METRIC_BATCH):
-                    self.client.log_batch(self.run_id, metrics=batch[i : i + _METRIC_BATCH])
-                sent += n
-                continue
-            self._send_one(ops[sent])
-            sent += 1
-        return sent
+                self.client.log_batch(self.run_id, metrics=batch)
+            else:
+                self._send_one(ops[0])
+            ended = ops[0][0] == "end"
+            del ops[:n]
+            if ended:
+                return True
+        return False
 
     def _send_one(self, op: tuple) -> None:
         kind = op[0]
