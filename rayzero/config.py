@@ -9,8 +9,9 @@ expected, before any cluster is touched.
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import Field, ValidationError, model_validator
@@ -19,7 +20,7 @@ from rayzero._frozen import Frozen
 from rayzero.checkpoint.config import CheckpointConfig
 from rayzero.cluster.config import ClusterConfig, FailureConfig, TrackingConfig
 from rayzero.data.config import DataConfig
-from rayzero.models.gpt import ModelConfig
+from rayzero.models.config import ModelConfig
 from rayzero.sharding.config import OptimConfig, ShardingConfig
 
 
@@ -49,7 +50,13 @@ class RunConfig(Frozen):
     )
     save_final: str = Field(
         default="",
-        description="Path of a safetensors file to write the final consolidated weights to; empty = none.",
+        description="Where to write the final consolidated weights (local path or URI): a safetensors file, "
+        "or with `save_format=hf` a model directory; empty = none.",
+    )
+    save_format: Literal["safetensors", "hf"] = Field(
+        default="safetensors",
+        description="`safetensors` = one file by `state_dict()` names, fp32; `hf` = a directory that "
+        "`AutoModelForCausalLM.from_pretrained` loads (model.kind=hf), in the pretrained weights' dtype.",
     )
     output_dir: str = Field(
         default="runs",
@@ -113,6 +120,9 @@ class RootConfig(Frozen):
             raise ValueError(
                 f"model.block_size: {self.model.block_size} is shorter than train.seq_len ({t.seq_len})"
             )
+        if t.save_format == "hf" and self.model.kind != "hf":
+            raise ValueError(f"train.save_format: hf needs model.kind=hf (this is model.kind={self.model.kind}); "
+                             "use safetensors")
         if self.optim.min_lr is not None and self.optim.min_lr > self.optim.lr:
             raise ValueError(f"optim.min_lr: {self.optim.min_lr} exceeds optim.lr ({self.optim.lr})")
         return self
@@ -153,8 +163,10 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
-        if isinstance(v, dict):
+        if isinstance(v, dict) and v:
             out.update(_flatten(v, key + "."))
+        elif isinstance(v, dict):
+            out[key] = "{}"
         else:
             out[key] = v
     return out
@@ -222,7 +234,11 @@ def explain(err: ValidationError) -> str:
         else:
             got = e.get("input")
             shown = "" if isinstance(got, dict) else f" (got {got!r})"
-            lines.append(f"{key}: {str(e['msg']).removeprefix('Value error, ')}{shown}")
+            msg = str(e["msg"]).removeprefix("Value error, ")
+            field = re.match(r"([a-z_]+)(, [a-z_]+)*: ", msg)
+            if isinstance(got, dict) and field and "," not in field.group(0):  # "path: ..." in section model
+                key, msg = f"{key}.{field.group(1)}", msg[field.end():]
+            lines.append(f"{key}: {msg}{shown}")
     return "invalid config:\n  " + "\n  ".join(lines)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from pydantic import ValidationError
 
@@ -44,20 +44,30 @@ class TrainConfig(RootConfig):
 
 class Trainer:
     def __init__(self, config: RootConfig | str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
-                 *, progress: bool = True):
+                 *, model: Callable[..., Any] | None = None, progress: bool = True):
         """`config`: a TrainConfig, or the path of a YAML file (None: every default);
-        `overrides`: `key=value` items applied on top, as on the command line."""
+        `overrides`: `key=value` items applied on top, as on the command line; `model`: any
+        callable returning an `nn.Module` (a class, a function, one defined in a notebook
+        cell), called with `model.kwargs` on every rank: the run trains it
+        (`model.kind=module`)."""
         if config is None or isinstance(config, (str, Path)):
             config = load_config(config, overrides)
         elif overrides:
             config = config.override(*overrides)
+        if model is not None:
+            if not callable(model):
+                raise ConfigError(f"model: expected a callable that returns an nn.Module, got {type(model).__name__}")
+            from rayzero.models.module import describe
+
+            config = config.override("model.kind=module", f"model.factory={describe(model)}")
         self.config = config
+        self.model = model
         self.progress = progress
 
     def fit(self) -> "Result":
         from rayzero.jobs.train import train_run
 
-        summary, rows = train_run(self.config, progress=self.progress)
+        summary, rows = train_run(self.config, progress=self.progress, factory=self.model)
         return Result(summary, rows)
 
 

@@ -27,6 +27,10 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used as asked; the message says why and names the files."""
 
 
+class NotCommitted(CheckpointError):
+    """A prefix without a manifest: an upload that never committed, not a checkpoint."""
+
+
 def step_dir(step: int) -> str:
     return f"step-{step:06d}"
 
@@ -59,7 +63,7 @@ def read_manifest(storage: Storage) -> dict:
     try:
         m = json.loads(storage.read_bytes(MANIFEST))
     except FileNotFoundError:
-        raise CheckpointError(f"{storage.uri} is not a checkpoint (no {MANIFEST}: never committed)") from None
+        raise NotCommitted(f"{storage.uri} is not a checkpoint (no {MANIFEST}: never committed)") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{storage.uri}/{MANIFEST} is not valid JSON: {e}") from None
     if m.get("format") != FORMAT or m.get("version") != VERSION:
@@ -76,8 +80,10 @@ def committed(root: Storage) -> list[Committed]:
             continue
         try:
             out.append(Committed(root.child(name), read_manifest(root.child(name))))
-        except CheckpointError:
-            continue  # uncommitted (no manifest): not a checkpoint
+        except NotCommitted:
+            continue  # an upload that never committed: not a checkpoint
+        except CheckpointError as e:  # a manifest that does not parse: damaged, say so
+            log.warning("checkpoint %s is damaged (%s); passing over it", root.child(name).uri, e)
     return sorted(out, key=lambda c: c.step)
 
 
@@ -101,16 +107,29 @@ def check_shards_present(c: Committed) -> None:
                                   f"{size} bytes, the manifest says {s['size']}"))
 
 
-def check_model(manifest: dict, params: dict[str, list[int]], uri: str) -> None:
-    """The checkpoint holds exactly these parameter names and shapes; else a CheckpointError
-    listing every mismatch."""
+def check_model(manifest: dict, params: dict[str, list[int]], uri: str, frozen: list[str] | None = None,
+                model: dict | None = None) -> None:
+    """The checkpoint holds exactly these parameter names and shapes, of the same model kind,
+    with the same parameters frozen; else a CheckpointError listing every mismatch. A model
+    of another config with the same shapes is only warned about."""
     saved = {p["name"]: p["shape"] for p in manifest["params"]}
-    problems = [f"{n}: missing from the checkpoint" for n in params if n not in saved]
+    problems = []
+    was = manifest.get("model_source") or {"kind": "gpt"}
+    if model is not None and was.get("kind") != model.get("kind"):
+        problems.append(f"model.kind: {was.get('kind')} in the checkpoint, {model.get('kind')} here")
+    problems += [f"{n}: missing from the checkpoint" for n in params if n not in saved]
     problems += [f"{n}: not in the model" for n in saved if n not in params]
     problems += [f"{n}: shape {saved[n]} in the checkpoint, {params[n]} in the model"
                  for n in params if n in saved and list(saved[n]) != list(params[n])]
+    if frozen is not None and not problems:
+        before = set(manifest.get("frozen", []))
+        problems += [f"{n}: frozen here, trained in the checkpoint" for n in sorted(set(frozen) - before)]
+        problems += [f"{n}: trained here, frozen in the checkpoint (model.freeze)" for n in sorted(before - set(frozen))]
     if problems:
         raise CheckpointError(f"{uri} holds a different model:\n  " + "\n  ".join(problems))
+    if model is not None and was.get("config_sha256") not in (None, model.get("config_sha256")):
+        log.warning("%s was saved from a model of another config (%s) with the same parameter shapes; "
+                    "resuming from it", uri, was.get("source") or was.get("kind"))
 
 
 def prune(root: Storage, keep_last: int) -> list[str]:

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import posixpath
+from pathlib import Path
+
 import numpy as np
 import torch
 
 from rayzero.checkpoint.config import CheckpointConfig
+from rayzero.checkpoint.export import EXPORT_DTYPES, Tensor, stream_safetensors, write_hf_dir
 from rayzero.checkpoint.manifest import CheckpointError, Committed, committed
 from rayzero.checkpoint.shard_file import ShardReader, verify
 from rayzero.checkpoint.shards import locate_saved, saved_pieces
 from rayzero.checkpoint.storage import Storage
-from rayzero.models.gpt import ModelConfig, build_model
+from rayzero.models import ModelSpec, spec_from_manifest
 
 
 def list_checkpoints(uri: str, cfg: CheckpointConfig | None = None) -> list[dict]:
@@ -31,26 +35,80 @@ def verify_checkpoint(c: Committed) -> int:
     return sum(s["size"] for s in c.manifest["shards"])
 
 
-def consolidated_weights(c: Committed) -> dict[str, torch.Tensor]:
-    """The fp32 main parameters, whole, by the model's `state_dict()` names (a tied weight
-    under each of its names), read from the shards."""
-    m = c.manifest
-    lay = m["layout"]
-    pieces, starts = saved_pieces(m)
-    readers: dict[int, ShardReader] = {}
-    by_name = {}
-    for name, (start, end) in zip(lay["param_order"], lay["param_world"]):
+class CheckpointWeights:
+    """The fp32 main parameters of a committed checkpoint, read one parameter at a time by
+    ranged reads of the shards that hold it; frozen parameters (never in a checkpoint) from
+    the model's own source (its pretrained weights, or its seeded init)."""
+
+    def __init__(self, c: Committed, storage_cfg=None):
+        self.c = c
+        m = c.manifest
+        lay = m["layout"]
+        self.world = dict(zip(lay["param_order"], lay["param_world"]))
+        self.frozen = set(m.get("frozen", []))
+        self.pieces, self.starts = saved_pieces(m)
+        self.readers: dict[int, ShardReader] = {}
+        self.spec = spec_from_manifest(m, storage_cfg)
+        self.model = self.spec.build()
+        self._source = None
+
+    def __call__(self, name: str) -> torch.Tensor:
+        shape = tuple(self.model.get_parameter(name).shape)
+        if name in self.frozen:
+            if self._source is None:
+                self._source = self.spec.source(self.model)
+            out = torch.empty(shape, dtype=torch.float32)
+            self._source.fill(name, out)
+            return out
+        start, end = self.world[name]
+        m = self.c.manifest
         out = np.empty(end - start, dtype=np.float32)
         try:
-            found = locate_saved(start, end, 0, pieces, starts)
+            found = locate_saved(start, end, 0, self.pieces, self.starts)
         except ValueError as e:
-            raise CheckpointError(f"{c.uri}: {name}: {e}") from None
+            raise CheckpointError(f"{self.c.uri}: {name}: {e}") from None
         for f, off, n, dst in found:
-            if f not in readers:
-                readers[f] = ShardReader(c.storage, m["shards"][f]["file"], m["shards"][f])
-            out[dst : dst + n] = readers[f].read("main", off, off + n)
-        by_name[name] = torch.from_numpy(out)
-    model = build_model(ModelConfig(**m["model"]), m["block_size"], seed=0, device="meta")
-    name_of = {id(p): n for n, p in model.named_parameters()}
-    return {k: by_name[name_of[id(v)]].view(v.shape).clone()
-            for k, v in model.state_dict(keep_vars=True).items()}
+            if f not in self.readers:
+                self.readers[f] = ShardReader(self.c.storage, m["shards"][f]["file"], m["shards"][f])
+            out[dst : dst + n] = self.readers[f].read("main", off, off + n)
+        return torch.from_numpy(out).view(shape)
+
+
+def export_checkpoint(c: Committed, out: str, fmt: str = "safetensors", dtype: str = "auto",
+                      max_shard_bytes: int = 5 * 10**9, storage_cfg=None) -> int:
+    """Write a checkpoint's weights to `out`, streaming tensor by tensor (never the whole model
+    in memory): `safetensors` = one file by `state_dict()` names, fp32 unless `dtype` says
+    otherwise; `hf` = a directory `from_pretrained` loads (HF models only). Returns the number
+    of tensors written."""
+    weights = CheckpointWeights(c, storage_cfg)
+    spec = weights.spec
+    dtype = spec.export_dtype(dtype) if fmt == "hf" else ("float32" if dtype == "auto" else dtype)
+    plan = spec.export_plan(weights.model) if fmt == "hf" else ModelSpec.export_plan(spec, weights.model)
+    tensors = []
+    for e in plan:
+        if e.param is not None:
+            produce = (lambda p=e.param: weights(p))
+            kind = EXPORT_DTYPES[dtype]
+        else:
+            produce = (lambda b=e.buffer: b)
+            kind = EXPORT_DTYPES[dtype] if e.buffer.is_floating_point() else e.buffer.dtype
+        tensors.append(Tensor(e.name, e.shape, kind, produce))
+    metadata = {"step": str(c.step), "source": c.uri}
+    if fmt == "hf":
+        write_hf_dir(out, tensors, spec.export_files(dtype), max_shard_bytes, metadata)
+    else:
+        fs, path = _file(out)
+        stream_safetensors(fs, path, tensors, metadata)
+    return len(tensors)
+
+
+def _file(uri: str):
+    import pyarrow.fs as pafs
+
+    if "://" not in uri:
+        path = Path(uri).expanduser().resolve()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return pafs.LocalFileSystem(), str(path)
+    fs, path = pafs.FileSystem.from_uri(uri)
+    fs.create_dir(posixpath.dirname(path), recursive=True)
+    return fs, path

@@ -33,6 +33,8 @@ class Checkpoints:
         self.saving_ranks = 0
         self.layout: dict = {}
         self.params: list[dict] = []
+        self.frozen: list[str] = []
+        self.model: dict | None = None
         self.mlflow_run_id: str | None = None
         self.last_committed: str | None = None
         self.commits = 0
@@ -48,6 +50,8 @@ class Checkpoints:
         self.saving_ranks = sum(1 for i in infos if i["saves_shard"])
         self.layout = infos[0]["layout"]
         self.params = [{"name": n, "shape": s} for n, s in infos[0]["params"].items()]
+        self.frozen = infos[0].get("frozen", [])
+        self.model = infos[0].get("model")
         self.mlflow_run_id = mlflow_run_id
 
     def plan(self, step: int) -> dict | None:
@@ -80,7 +84,9 @@ class Checkpoints:
             "format": FORMAT, "version": VERSION, "step": step,
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "model": cfg.model.model_dump(), "block_size": cfg.block_size,
+            "model_source": self.model,
             "params": self.params,
+            "frozen": self.frozen,
             "layout": self.layout,
             "shards": [{k: u[k] for k in ("rank", "file", "size", "block", "sha256", "pieces")} for u in shards],
             "optimizer": {"name": "adamw", "step_count": shards[0]["adam_steps"]},
@@ -107,7 +113,7 @@ class Checkpoints:
         """`checkpoint.resume`, until this run commits: then `auto` (its own newest commit)."""
         return "auto" if self.commits else self.cfg.checkpoint.resume
 
-    def resume_target(self, params: dict[str, list[int]]) -> list[Committed]:
+    def resume_target(self, params: dict[str, list[int]], frozen: list[str] | None = None) -> list[Committed]:
         """What to resume from, best first (auto: newest commit first, then older ones to fall
         back on). Empty: start from scratch. Once this run has committed, a rebuilt group
         resumes from its newest commit, whatever `checkpoint.resume` named at the start."""
@@ -123,7 +129,8 @@ class Checkpoints:
             found = [open_checkpoint(how, self.cfg.checkpoint)]
         usable = []
         for c in found:
-            check_model(c.manifest, params, c.uri)  # another model: an error, never a fallback
+            # another model: an error, never a fallback
+            check_model(c.manifest, params, c.uri, frozen if frozen is not None else self.frozen, self.model)
             try:
                 check_shards_present(c)
                 usable.append(c)

@@ -17,7 +17,7 @@ from statistics import mean
 import ray
 from tqdm.auto import tqdm  # a widget in Jupyter, a text bar in terminals
 
-from rayzero.checkpoint.export import save_safetensors
+from rayzero.checkpoint.export import save_final
 from rayzero.checkpoint.manifest import CheckpointError
 from rayzero.checkpoint.shard_file import ChecksumError
 from rayzero.checkpoint.storage import StorageError
@@ -46,8 +46,12 @@ STATE_WORDS = {"INIT": "starting", "PLACE": "placing the ranks", "RENDEZVOUS": "
 
 class Controller:
     def __init__(self, cfg: RootConfig, data_path: str, run_dir: str, tracker, progress: bool = True,
-                 actor_cls=RankActor, checkpoints: Checkpoints | None = None):
+                 actor_cls=RankActor, checkpoints: Checkpoints | None = None, factory=None, spec=None):
+        """`factory`: the model's callable when given from Python; `spec`: the model seam, for
+        writing the final weights (built from `cfg` when not given)."""
         self.cfg = cfg
+        self.factory = factory
+        self.spec = spec
         self.actor_cls = actor_cls
         self.data_path = data_path
         self.run_dir = run_dir
@@ -192,9 +196,17 @@ class Controller:
         if cfg.train.save_final:
             self.state = "SAVE"
             weights = ray.get([a.full_state_dict.remote() for a in self.group.actors])[0]
-            save_safetensors(weights, cfg.train.save_final, {"strategy": cfg.sharding.strategy})
+            save_final(self._spec(), weights, cfg.train.save_final, cfg.train.save_format,
+                       {"strategy": cfg.sharding.strategy})
         self.state = "DONE"
         return True, infos[0]
+
+    def _spec(self):
+        if self.spec is None:
+            from rayzero.workers.rank import make_spec
+
+            self.spec = make_spec(self.cfg, self.factory)
+        return self.spec
 
     def _bundle(self) -> dict[str, float]:
         bundle = {"CPU": self.cfg.cluster.cpus_per_worker}
@@ -211,7 +223,7 @@ class Controller:
             cfg_w = self.cfg.at_world_size(w)
             try:
                 group = WorkerGroup.create(
-                    self.actor_cls, w, self._bundle(), lambda rank: (cfg_w, rank, w, self.data_path),
+                    self.actor_cls, w, self._bundle(), lambda rank: (cfg_w, rank, w, self.data_path, self.factory),
                     strategy=c.placement_strategy,
                     # The first try waits for resources to appear; smaller ones only take what is free.
                     placement_timeout_s=c.placement_timeout_s if first_error is None else min(c.placement_timeout_s, 2.0),

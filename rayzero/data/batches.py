@@ -24,6 +24,8 @@ def global_batch_offsets(seed: int, step: int, global_batch: int, num_tokens: in
 class RankBatches:
     """One data-parallel rank's slice of every step's global batch, split into micro-batches."""
 
+    masks_labels = False  # plain text: every target counts (no IGNORE_INDEX labels)
+
     def __init__(
         self,
         dataset: TokenDataset,

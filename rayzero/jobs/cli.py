@@ -16,7 +16,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rayzero", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="run a training job", description=(
-        "Train a GPT over Ray actors. Overrides are dotted key=value pairs, "
+        "Train a model (the built-in GPT, a Hugging Face causal LM, or your own nn.Module) over Ray actors. "
+        "Overrides are dotted key=value pairs, "
         "e.g. train.steps=50 sharding.strategy=no_shard cluster.num_workers=4."))
     t.add_argument("--config", help="YAML config file (defaults apply to what it leaves out)")
     t.add_argument("--summary-json", help="also write the final summary as JSON here")
@@ -39,11 +40,19 @@ def _parser() -> argparse.ArgumentParser:
     csub = c.add_subparsers(dest="ckpt_command", required=True)
     for name, text in (("ls", "committed checkpoints: step, size, world size, strategy"),
                        ("verify", "read every shard and check its checksums"),
-                       ("export", "consolidated fp32 weights as one safetensors file")):
+                       ("export", "consolidated weights: one safetensors file, or a Hugging Face directory")):
         cmd = csub.add_parser(name, help=text)
         cmd.add_argument("uri")
         if name == "export":
-            cmd.add_argument("out", help="output .safetensors (local path or s3://…)")
+            cmd.add_argument("out", help="output .safetensors file, or directory with --format hf (local path or s3://…)")
+            cmd.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                             help="safetensors: one file by state_dict() names (default); hf: a directory "
+                                  "AutoModelForCausalLM.from_pretrained loads (model.kind=hf)")
+            cmd.add_argument("--max-shard-size", default="5GB",
+                             help="hf: the largest safetensors file, e.g. 5GB, 500MB (default 5GB)")
+            cmd.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                             help="dtype of the weights written; auto: hf = the pretrained weights' dtype (else "
+                                  "the config's), safetensors = float32")
         cmd.add_argument("overrides", nargs="*", metavar="key=value")
     k = sub.add_parser("deploy", help="KubeRay deployment tools")
     ksub = k.add_subparsers(dest="deploy_command", required=True)
@@ -59,12 +68,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _ckpt(args) -> int:
-    from rayzero.checkpoint.export import save_safetensors
-    from rayzero.checkpoint.manifest import CheckpointError
+    from rayzero.checkpoint.export import parse_size
+    from rayzero.checkpoint.manifest import CheckpointError, open_checkpoint
     from rayzero.checkpoint.shard_file import ChecksumError
     from rayzero.checkpoint.storage import StorageError
-    from rayzero.checkpoint.manifest import open_checkpoint
-    from rayzero.checkpoint.tools import consolidated_weights, list_checkpoints, verify_checkpoint
+    from rayzero.checkpoint.tools import export_checkpoint, list_checkpoints, verify_checkpoint
+    from rayzero.models import ModelError
 
     cfg = load_config(None, args.overrides).checkpoint
     try:
@@ -81,11 +90,15 @@ def _ckpt(args) -> int:
             n = verify_checkpoint(c)
             print(f"{c.uri}: {len(c.manifest['shards'])} shard(s), {n:,} bytes, every checksum matches")
             return 0
-        weights = consolidated_weights(c)
-        save_safetensors(weights, args.out, {"step": str(c.step), "source": c.uri})
-        print(f"wrote {len(weights)} tensors from {c.uri} (step {c.step}) to {args.out}")
+        try:
+            shard_bytes = parse_size(args.max_shard_size)
+        except ValueError as e:
+            raise _UserError(f"--max-shard-size: {e}") from None
+        n = export_checkpoint(c, args.out, args.format, args.dtype, shard_bytes, cfg)
+        what = "a Hugging Face directory" if args.format == "hf" else "safetensors"
+        print(f"wrote {n} tensors from {c.uri} (step {c.step}) to {args.out} ({what})")
         return 0
-    except (CheckpointError, ChecksumError, StorageError) as e:
+    except (CheckpointError, ChecksumError, StorageError, ModelError) as e:
         raise _UserError(str(e)) from None
 
 

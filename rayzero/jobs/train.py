@@ -19,7 +19,8 @@ from rayzero.checkpoint.export import check_destination
 from rayzero.config import ConfigError, RootConfig
 from rayzero.data.corpus import ensure_default_corpus
 from rayzero.data.tokens import DataError, read_meta
-from rayzero.workers.rank import check_buildable
+from rayzero.models import ModelError, ModelSpec
+from rayzero.workers.rank import check_buildable, make_spec
 
 
 class ClusterUnreachable(RuntimeError):
@@ -37,11 +38,23 @@ def resolve_data(cfg: RootConfig) -> str:
             f"needs (train.global_batch_size {cfg.train.global_batch_size} x "
             f"(train.seq_len {cfg.train.seq_len} + 1) = {need})"
         )
-    if meta["vocab_size"] > cfg.model.vocab_size:
-        raise DataError(
-            f"model.vocab_size: {cfg.model.vocab_size} is smaller than the dataset's {meta['vocab_size']}"
-        )
     return path
+
+
+def check_model(cfg: RootConfig, factory=None, data_vocab: int | None = None) -> ModelSpec:
+    """Everything about the model that can be checked before a cluster starts: that it builds
+    (config.json, the factory), that pretrained weights match it, that it fits the sequence
+    length and the data's vocabulary, the FSDP units, the dtypes. A ConfigError naming the
+    culprit; else the model's spec."""
+    try:
+        spec = make_spec(cfg, factory)
+        spec.check(cfg.train.seq_len, data_vocab)
+        check_buildable(cfg, None if cfg.cluster.use_gpu else torch.device("cpu"), spec)
+    except ModelError as e:
+        raise ConfigError(str(e)) from None
+    except ValueError as e:  # unit classes, dtypes
+        raise ConfigError(str(e)) from None
+    return spec
 
 
 def make_run_dir(cfg: RootConfig) -> Path:
@@ -70,26 +83,27 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
         raise ConnectionError(f"{host}:{port} is not reachable ({e})") from None
 
 
-def plan(cfg: RootConfig) -> dict:
-    """What `run_train(cfg)` would do, checked as far as possible without data, storage or Ray:
-    the config and the model/sharding combination are validated (ConfigError), and the plan
-    says how the ranks split the work and what each holds (Megatron's model-state formula)."""
+def plan(cfg: RootConfig, factory=None) -> dict:
+    """What `run_train(cfg)` would do, checked as far as possible without data or Ray: the
+    config and the model (built on the meta device; its weights' headers read) are validated
+    (ConfigError), and the plan says how the ranks split the work and what each holds
+    (Megatron's model-state formula)."""
     from rayzero.cluster.checkpoints import checkpoint_root
-    from rayzero.models.gpt import build_model
     from rayzero.sharding.memory import formula_bytes_per_param
     from rayzero.sharding.precision import DTYPES
 
-    try:
-        check_buildable(cfg, None if cfg.cluster.use_gpu else torch.device("cpu"))
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    spec = check_model(cfg, factory)
     sh, t, c = cfg.sharding, cfg.train, cfg.cluster
-    num_params = build_model(cfg.model, cfg.block_size, t.seed, device="meta").num_params()
+    num_params, trainable = spec.num_params(spec.build())
     d = c.num_workers // sh.dp_outer  # ranks a shard is split over
     param_bytes = DTYPES[sh.param_dtype].itemsize
     grad_bytes = DTYPES[sh.grad_dtype].itemsize
     d_optim = c.num_workers if sh.dp_outer > 1 and sh.outer_strategy == "optim" else d
     per_param = formula_bytes_per_param(sh.strategy, d, param_bytes, grad_bytes, d_optim)
+    # Frozen parameters hold only their compute copy (sharded under ZeRO-3).
+    frozen_per_param = param_bytes / (d if sh.strategy == "optim_grads_params" else 1)
+    bytes_per_rank = int(per_param * trainable + frozen_per_param * (num_params - trainable))
+    record = spec.record()
     return {
         "world_size": c.num_workers,
         "world_sizes": cfg.world_sizes(),
@@ -100,12 +114,15 @@ def plan(cfg: RootConfig) -> dict:
         "param_dtype": sh.param_dtype,
         "grad_dtype": sh.grad_dtype,
         "num_params": num_params,
+        "trainable_params": trainable,
+        "model": {"kind": record["kind"], "source": record.get("source"), "init": record.get("init"),
+                  "architecture": (record.get("architectures") or [None])[0] if record["kind"] == "hf" else None},
         "global_batch_size": t.global_batch_size,
         "micro_batch_size": t.micro_batch_size,
         "grad_accum": cfg.grad_accum,
         "tokens_per_step": t.global_batch_size * t.seq_len,
         "steps": t.steps,
-        "memory": {"bytes_per_param": per_param, "bytes_per_rank": int(per_param * num_params)},
+        "memory": {"bytes_per_param": bytes_per_rank / num_params, "bytes_per_rank": bytes_per_rank},
         "checkpoint": ({"dir": checkpoint_root(cfg), "every_steps": cfg.checkpoint.every_steps,
                         "resume": cfg.checkpoint.resume} if cfg.checkpoint.dir else None),
         "tracking": (cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite in the run directory")
@@ -115,23 +132,22 @@ def plan(cfg: RootConfig) -> dict:
     }
 
 
-def run_train(cfg: RootConfig, progress: bool = True) -> dict:
+def run_train(cfg: RootConfig, progress: bool = True, factory=None) -> dict:
     """Train; the run's summary (what `rayzero train --summary-json` writes)."""
-    return train_run(cfg, progress)[0]
+    return train_run(cfg, progress, factory)[0]
 
 
-def train_run(cfg: RootConfig, progress: bool = True) -> tuple[dict, list[dict]]:
-    """Train; the run's summary and each step's metrics (one dict per step)."""
+def train_run(cfg: RootConfig, progress: bool = True, factory=None) -> tuple[dict, list[dict]]:
+    """Train; the run's summary and each step's metrics (one dict per step). `factory`: the
+    model's callable, given from Python (`model.kind=module`)."""
     data_path = resolve_data(cfg)
     if cfg.train.save_final:
         try:
             check_destination(cfg.train.save_final)
         except ValueError as e:
             raise ConfigError(f"train.save_final: {cfg.train.save_final!r} cannot be written: {e}") from None
-    try:  # unit classes, dtypes: fail here, before any cluster is touched
-        check_buildable(cfg, None if cfg.cluster.use_gpu else torch.device("cpu"))
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    # The model, its weights, units and dtypes: fail here, before any cluster is touched.
+    spec = check_model(cfg, factory, data_vocab=read_meta(data_path)["vocab_size"])
     checkpoints = None
     if cfg.checkpoint.dir:  # a probe write now, not a failed upload after an hour of training
         try:
@@ -165,7 +181,8 @@ def train_run(cfg: RootConfig, progress: bool = True) -> tuple[dict, list[dict]]
                           artifacts=[str(run_dir / "config.json")], spill_path=str(run_dir / "mlflow-unsent.json"),
                           flush_timeout_s=cfg.tracking.flush_timeout_s)
     try:
-        controller = Controller(cfg, data_path, str(run_dir), tracker, progress=progress, checkpoints=checkpoints)
+        controller = Controller(cfg, data_path, str(run_dir), tracker, progress=progress, checkpoints=checkpoints,
+                                factory=factory, spec=spec)
         return controller.fit(), controller.history.rows
     finally:
         if started_ray:

@@ -9,68 +9,16 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Literal
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from pydantic import Field, model_validator
 
-from rayzero._frozen import Frozen
+from rayzero.models.config import GPT_DEFAULTS, PRESETS, ModelConfig
+from rayzero.models.spec import ModelSpec, config_hash, weights_record
+from rayzero.sharding.flat_buffer import FillSource, ParamSource
 
-PRESETS: dict[str, dict[str, int]] = {
-    "tiny": dict(n_layer=2, n_head=4, n_embd=128),  # ~0.5M parameters: tests, laptops
-    "small": dict(n_layer=6, n_head=6, n_embd=384),  # ~10.8M
-    "medium": dict(n_layer=12, n_head=12, n_embd=768),  # ~85M, GPT-2 small's shape
-    "large": dict(n_layer=24, n_head=16, n_embd=1024),  # ~303M, GPT-2 medium's shape
-}
-
-
-class ModelConfig(Frozen):
-    """The GPT decoder's shape. `preset` fills every dimension that is not given explicitly."""
-
-    preset: Literal["tiny", "small", "medium", "large"] = Field(
-        default="tiny",
-        description="Model size: `tiny` (~0.5M parameters), `small` (~10.8M), `medium` (~85M, GPT-2 small's "
-        "shape), `large` (~303M, GPT-2 medium's shape).",
-    )
-    n_layer: int | None = Field(default=None, description="Transformer blocks; `null` = from `preset`.")
-    n_head: int | None = Field(
-        default=None,
-        description="Attention heads per block; must divide `n_embd`. `null` = from `preset`.",
-    )
-    n_embd: int | None = Field(default=None, description="Embedding width; `null` = from `preset`.")
-    vocab_size: int = Field(
-        default=320,
-        description="Token vocabulary: 257 byte tokens (256 bytes + end-of-text) padded up to a multiple "
-        "of 64; at least the dataset's.",
-    )
-    block_size: int | None = Field(
-        default=None,
-        description="Maximum context length in tokens, at least `train.seq_len`; `null` = `train.seq_len`.",
-    )
-    dropout: float = Field(default=0.0, description="Dropout probability, in [0, 1); 0 disables it.")
-    bias: bool = Field(default=True, description="Biases in the linear layers and layer norms.")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _fill_from_preset(cls, data):
-        if isinstance(data, dict):
-            preset = data.get("preset", "tiny")
-            if preset in PRESETS:
-                data = {**PRESETS[preset], **{k: v for k, v in data.items() if v is not None}}
-        return data
-
-    @model_validator(mode="after")
-    def _check(self):
-        for name in ("n_layer", "n_head", "n_embd", "vocab_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        return self
+__all__ = ["GPT", "GPTSpec", "ModelConfig", "PRESETS", "build_model"]
 
 
 class CausalSelfAttention(nn.Module):
@@ -158,11 +106,6 @@ class GPT(nn.Module):
             x = block(x)
         return self.lm_head(self.ln_f(x))
 
-    @staticmethod
-    def decays(name: str, param: torch.Tensor) -> bool:
-        """Matrices decay; biases and norm gains do not (nanoGPT's and Megatron's rule)."""
-        return param.dim() >= 2
-
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
@@ -182,3 +125,49 @@ def build_model(cfg: ModelConfig, block_size: int, seed: int, device: str = "cpu
         model.lm_head.weight = model.wte.weight  # to_empty gives each module its own tensor
         model.init_parameters(seed)
     return model
+
+
+class GPTSpec(ModelSpec):
+    """The built-in GPT behind the model seam: `init_parameter` as its init, its blocks,
+    embeddings, norms and head as ZeRO-3 units; or, with `model.path`, weights to start from."""
+
+    kind = "gpt"
+    UNITS = ("Block", "Embedding", "LayerNorm", "Linear")
+
+    def __init__(self, cfg: ModelConfig, seed: int, block_size: int, storage_cfg=None):
+        super().__init__(cfg, seed, storage_cfg)
+        self.block_size = block_size
+
+    def _build(self) -> GPT:
+        return build_model(self.cfg, self.block_size, self.seed, device="meta")
+
+    def source(self, model: GPT) -> ParamSource:
+        if self.weights is not None:
+            return self.weights
+        return FillSource(lambda name, out: model.init_parameter(name, out, self.seed))
+
+    def fsdp_units(self, model) -> tuple[str, ...]:
+        return self.UNITS
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    def check(self, seq_len: int, data_vocab: int | None = None) -> None:
+        super().check(seq_len, data_vocab)
+        if self.weights is not None:
+            self.resolve(self.build())
+
+    def resolve(self, model: GPT) -> None:
+        """Match `model.path`'s tensors to the model's parameters (ModelError listing mismatches)."""
+        self.weights.resolve({n: tuple(p.shape) for n, p in model.named_parameters()},
+                             aliases=set(model.state_dict(keep_vars=True)))
+
+    def record(self) -> dict:
+        config = self.cfg.model_dump(include=set(GPT_DEFAULTS))
+        return {"kind": self.kind, "config": config, "block_size": self.block_size, "seed": self.seed,
+                "config_sha256": config_hash({**config, "block_size": self.block_size}),
+                **weights_record(self.weights, self.cfg.path)}
+
+
+

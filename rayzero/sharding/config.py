@@ -40,10 +40,11 @@ class ShardingConfig(Frozen):
         "of for all of them.",
     )
     fsdp_units: tuple[str, ...] = Field(
-        default=("Block", "Embedding", "LayerNorm", "Linear"),
+        default=(),
         description="ZeRO-3: module classes that become FSDP units (outermost wins), comma-separated on the "
-        "command line. The defaults fit the built-in GPT: each block, the two embeddings, the final norm, "
-        "the (tied) output head.",
+        "command line. Empty = the model's own: for the built-in GPT each block, the two embeddings, the final "
+        "norm and the (tied) head; for an HF model the classes in its `_no_split_modules` (its decoder "
+        "layer); for a module the class of its largest `nn.ModuleList`'s layers.",
     )
     dp_outer: int = Field(
         default=1, ge=1,
@@ -96,8 +97,6 @@ class ShardingConfig(Frozen):
             raise ValueError(
                 "loss_scale: fp16 parameters need loss scaling (set sharding.loss_scale=dynamic or a number)"
             )
-        if self.strategy == "optim_grads_params" and not self.fsdp_units:
-            raise ValueError("fsdp_units: optim_grads_params needs at least one module class")
         return self
 
     @property

@@ -5,20 +5,81 @@ becomes a view into it, so a bucket's collective runs on one contiguous slice. A
 storage can be released and restored in place (ZeRO-3 keeps only a shard at rest): views,
 and tensors autograd saved from them, see the restored values.
 
-Gradients reach the strategy through one post-accumulate hook per parameter, counted per
-bucket, so a strategy learns when a bucket's gradients are final during backward.
+Gradients reach the strategy through one post-accumulate hook per trainable parameter,
+counted per bucket, so a strategy learns when a bucket's gradients are final during backward.
+Frozen parameters (`requires_grad=False`) get no hook and never a gradient.
+
+A bucket's initial values come from a `ParamSource`: whole parameters (a seeded init), or
+element ranges of them (pretrained weights read from storage, where a rank reads only its
+shard and the strategy all-gathers the rest).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn as nn
 
-from rayzero.sharding.layout import Bucket, Layout
+from rayzero.sharding.layout import Bucket, Layout, Range
 
 Fill = Callable[[str, torch.Tensor], None]  # fill(name, fp32 out) writes a parameter's values
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements [start, end) of parameter `name` (flattened, of shape `shape`), to be written
+    in fp32 into `out` (1-D, end - start elements)."""
+
+    name: str
+    start: int
+    end: int
+    shape: tuple[int, ...]
+    out: torch.Tensor
+
+
+class ParamSource:
+    """Where parameters' initial fp32 values come from, by `named_parameters()` name.
+
+    `fill(name, out)` writes a whole parameter; `fill_pieces` writes element ranges of several.
+    `partial` says that a range costs less than the whole (weights read from storage): a rank
+    then reads only its shard of each bucket and the others' parts arrive by all-gather."""
+
+    partial = False
+
+    def fill(self, name: str, out: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def fill_pieces(self, pieces: list[Piece]) -> None:
+        for p in pieces:
+            if p.end - p.start == p.out.numel() == _numel(p.shape):
+                self.fill(p.name, p.out.view(p.shape))
+                continue
+            whole = torch.empty(p.shape, dtype=torch.float32)
+            self.fill(p.name, whole)
+            p.out.copy_(whole.view(-1)[p.start : p.end])
+
+
+class FillSource(ParamSource):
+    """A plain `fill(name, out)` function as a source."""
+
+    def __init__(self, fill: Fill):
+        self._fill = fill
+
+    def fill(self, name: str, out: torch.Tensor) -> None:
+        self._fill(name, out)
+
+
+def as_source(source: ParamSource | Fill) -> ParamSource:
+    return source if isinstance(source, ParamSource) else FillSource(source)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
 class FlatBuffer:
@@ -55,17 +116,43 @@ class FlatBuffer:
     def nbytes(self, bucket: Bucket) -> int:
         return self._nbytes[bucket.index]
 
+    def trainable(self, bucket: Bucket) -> bool:
+        """Whether the bucket's parameters train (a bucket holds only trainable or only frozen ones)."""
+        return self.params[bucket.params[0]].requires_grad
+
     # -- storage ---------------------------------------------------------------------
-    def materialize(self, bucket: Bucket, fill: Fill) -> torch.Tensor:
+    def materialize(self, bucket: Bucket, source: ParamSource | Fill) -> torch.Tensor:
         """Allocate `bucket`'s storage, point its parameters at views of it, and fill them.
 
         Returns the bucket's values in fp32 (the compute storage itself when that is fp32),
         padding zeroed, so the caller can take fp32 main parameters before any rounding.
         """
+        return self.install(bucket, self.initial_values(bucket, source))
+
+    def initial_values(self, bucket: Bucket, source: ParamSource | Fill, only: Range | None = None) -> torch.Tensor:
+        """The bucket's initial values in fp32, padding zeroed: every parameter whole, or with
+        `only` (world coordinates) just the elements inside it, the rest left zero."""
+        source = as_source(source)
         full32 = torch.zeros(bucket.world.size, dtype=torch.float32, device=self.device)
+        if only is None:
+            for i in bucket.params:
+                span = self.layout.params[i].world.shift(-bucket.world.start)
+                source.fill(self.names[i], full32[span.slice()].view(self.params[i].shape))
+            return full32
+        pieces = []
         for i in bucket.params:
-            span = self.layout.params[i].world.shift(-bucket.world.start)
-            fill(self.names[i], full32[span.slice()].view(self.params[i].shape))
+            span = self.layout.params[i].world
+            cut = span.intersect(only)
+            if cut is not None:
+                local = cut.shift(-bucket.world.start)
+                pieces.append(Piece(self.names[i], cut.start - span.start, cut.end - span.start,
+                                    tuple(self.params[i].shape), full32[local.slice()]))
+        source.fill_pieces(pieces)
+        return full32
+
+    def install(self, bucket: Bucket, full32: torch.Tensor) -> torch.Tensor:
+        """Make `full32` (or its rounding to the compute dtype) the bucket's storage and its
+        parameters views of it; returns `full32`."""
         data = full32 if self.dtype == torch.float32 else full32.to(self.dtype)
         self.data[bucket.index] = data
         fresh = {}
@@ -73,8 +160,10 @@ class FlatBuffer:
             span = self.layout.params[i].world.shift(-bucket.world.start)
             # `.data` detaches the version counter: in-place writes to the bucket (a gather
             # between forward and backward) must not invalidate tensors autograd saved.
-            new = nn.Parameter(data[span.slice()].view(self.params[i].shape).data)
-            new.register_post_accumulate_grad_hook(self._make_hook(i))
+            old = self.params[i]
+            new = nn.Parameter(data[span.slice()].view(old.shape).data, requires_grad=old.requires_grad)
+            if old.requires_grad:
+                new.register_post_accumulate_grad_hook(self._make_hook(i))
             fresh[id(self.params[i])] = new
             self.params[i] = new
         _swap_parameters(self.model, fresh)
@@ -98,7 +187,7 @@ class FlatBuffer:
         """Call `on_grad(i, param)` as each parameter's gradient becomes final in the next
         backward; `pending(bucket)` counts what is left per bucket."""
         self._on_grad = on_grad
-        self._pending = [len(b.params) for b in self.buckets]
+        self._pending = [sum(self.params[i].requires_grad for i in b.params) for b in self.buckets]
 
     def disarm(self) -> None:
         self._on_grad = None

@@ -1,7 +1,8 @@
 """ZeRO-3 / FSDP: parameters at rest are a shard; each FSDP unit is gathered around its use.
 
 Units are the modules whose class is listed in `sharding.fsdp_units` (the outermost, when
-they nest); each unit's parameters form one bucket of the flat buffer. Parameters outside
+they nest); each unit's parameters form one bucket of the flat buffer (two where the unit
+holds frozen parameters too: those get a bucket without gradients). Parameters outside
 every unit form a root unit, whole from the start of forward to the end of backward. A
 module that uses another unit's parameter (a tied output head) gathers that unit too.
 
@@ -75,7 +76,7 @@ class ShardOptimGradsParams(ShardOptimGrads):
     """ZeRO-3: AdamW on the shard, gradients reduce-scattered per unit, parameters sharded."""
 
     name = "optim_grads_params"
-    _gathers_full_params = False
+    _full_params_at_rest = False
 
     def __init__(self, model: nn.Module, *args, **kwargs):
         sharding = args[1] if len(args) > 1 else kwargs["sharding"]
@@ -88,55 +89,67 @@ class ShardOptimGradsParams(ShardOptimGrads):
         self._bwd_seen: set[str] = set()
         self._bwd_current: frozenset[int] = frozenset()
         super().__init__(model, *args, **kwargs)
-        self._unit_bucket: dict[int, int] = {}  # unit -> its bucket
+        self._unit_buckets: dict[int, list[int]] = {}  # unit -> its buckets (trainable, then frozen)
+        self._bucket_unit: dict[int, int] = {}
         for i, n in enumerate(self.buffer.names):
-            self._unit_bucket[self.units.owner[n]] = self.buffer.bucket_of(i)
-        self._root = self._unit_bucket.get(ROOT)
+            unit, b = self.units.owner[n], self.buffer.bucket_of(i)
+            if b not in self._bucket_unit:
+                self._bucket_unit[b] = unit
+                self._unit_buckets.setdefault(unit, []).append(b)
+        self._root = self._unit_buckets.get(ROOT, [])
         self._register_hooks()
 
     # -- layout: one bucket per unit, in forward order ----------------------------------
     def _buffer_order(self, model):
-        # ROOT (-1) first, then units in module order; a stable sort keeps each unit's order.
-        return sorted(model.named_parameters(), key=lambda item: self.units.owner[item[0]])
+        # ROOT (-1) first, then units in module order, each unit's frozen parameters after its
+        # trainable ones; a stable sort keeps the order within each.
+        return sorted(model.named_parameters(),
+                      key=lambda item: (self.units.owner[item[0]], not item[1].requires_grad))
 
     def _bucket_groups(self, named):
-        return [self.units.owner[n] for n, _ in named]
+        return [(self.units.owner[n], not p.requires_grad) for n, p in named]
 
     def _bucket_numel(self) -> int:
         return 2**62  # a unit is one bucket, whatever its size: it is gathered whole anyway
 
-    def _hold_compute_params(self, b: Bucket, full32: torch.Tensor) -> None:
+    def _hold_params(self, b: Bucket, category: str) -> None:
         shard = self.buffer.data[b.index][self._local(self.inner(b), b)].clone()
-        self.ledger.hold("compute_params", _bytes(shard))
+        self.ledger.hold(category, _bytes(shard))
         self._shards.append(shard)
         self.buffer.release(b)  # materialized one unit at a time: the model is never whole
 
     def _param_view(self, b, r):
         return self._shards[b.index][r.shift(-self.inner(b).start).slice()]
 
+    def _whole_params(self, b):
+        full = torch.empty(b.world.size, dtype=self._shards[b.index].dtype, device=self.buffer.device)
+        wait(self.shard_axis.start_all_gather(full, self._shards[b.index]))
+        return full
+
     # -- gather and release -------------------------------------------------------------
+    def _buckets_of(self, units) -> list[int]:
+        return [i for u in units for i in self._unit_buckets[u]]
+
     def _start_gather(self, units) -> None:
-        for u in units:
-            b = self.buffer.buckets[self._unit_bucket[u]]
-            if b.index in self._resident:
+        for i in self._buckets_of(units):
+            if i in self._resident:
                 continue
+            b = self.buffer.buckets[i]
             self.buffer.restore(b)
             self.ledger.grow(self.buffer.nbytes(b))
-            self._resident.add(b.index)
-            self._gathering[b.index] = self.shard_axis.start_all_gather(
-                self.buffer.data[b.index], self._shards[b.index])
+            self._resident.add(i)
+            self._gathering[i] = self.shard_axis.start_all_gather(self.buffer.data[i], self._shards[i])
 
     def _finish_gather(self, units) -> None:
         self._start_gather(units)
-        for u in units:
-            i = self._unit_bucket[u]
+        for i in self._buckets_of(units):
             if i in self._gathering:
                 wait(self._gathering.pop(i))
 
-    def _release(self, units) -> None:
-        for u in units:
-            i = self._unit_bucket[u]
-            if i not in self._resident or i == self._root:
+    def _release(self, units, root: bool = False) -> None:
+        """Free the gathered parameters of `units` (the root unit's only with `root`)."""
+        for i in self._buckets_of(units):
+            if i not in self._resident or (i in self._root and not root):
                 continue
             if i in self._gathering:
                 wait(self._gathering.pop(i))
@@ -145,8 +158,7 @@ class ShardOptimGradsParams(ShardOptimGrads):
             self._resident.discard(i)
 
     def _units_of_resident(self) -> set[int]:
-        bucket_unit = {b: u for u, b in self._unit_bucket.items()}
-        return {bucket_unit[i] for i in self._resident}
+        return {self._bucket_unit[i] for i in self._resident}
 
     # -- hooks ---------------------------------------------------------------------------
     def _register_hooks(self) -> None:
@@ -161,7 +173,7 @@ class ShardOptimGradsParams(ShardOptimGrads):
             self._last_fwd_order = self._fwd_order
         self._fwd_order = []
         self._bwd_seen = set()
-        if self._root is not None:
+        if self._root:
             self._finish_gather([ROOT])
 
     def _neighbour(self, name: str, step: int) -> frozenset[int]:
@@ -216,12 +228,7 @@ class ShardOptimGradsParams(ShardOptimGrads):
             self._release([self.units.owner[self.buffer.names[i]]])
 
     def _after_backward(self, last_microbatch):
-        self._release(self._units_of_resident())
-        if self._root is not None and self._root in self._resident:
-            b = self.buffer.buckets[self._root]
-            self.buffer.release(b)
-            self.ledger.shrink(self.buffer.nbytes(b))
-            self._resident.discard(self._root)
+        self._release(self._units_of_resident(), root=True)
         super()._after_backward(last_microbatch)
 
     # -- phases ----------------------------------------------------------------------------

@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-CATEGORIES = ("compute_params", "main_params", "optimizer", "grads")
+# frozen_params: parameters with requires_grad=False, which have no gradient, main copy or
+# optimizer state.
+CATEGORIES = ("compute_params", "main_params", "optimizer", "grads", "frozen_params")
 
 
 @dataclass

@@ -33,7 +33,7 @@ import torch.nn as nn
 from rayzero.sharding.adamw import AdamWHyper, FlatAdamW, merge_runs
 from rayzero.sharding.comm import Axis, wait
 from rayzero.sharding.config import OptimConfig, ShardingConfig
-from rayzero.sharding.flat_buffer import Fill, FlatBuffer
+from rayzero.sharding.flat_buffer import Fill, FlatBuffer, ParamSource, as_source
 from rayzero.sharding.layout import Bucket, Range, build_layout
 from rayzero.sharding.memory import MemoryLedger
 from rayzero.sharding.precision import Precision, build_loss_scaler
@@ -49,6 +49,7 @@ class Strategy:
 
     name = "base"
     reduce_every_microbatch = False  # ZeRO-2/3: gradients never stay whole across micro-batches
+    _full_params_at_rest = True  # ZeRO-3: False, a rank keeps only its shard of each unit
 
     def __init__(
         self,
@@ -58,11 +59,13 @@ class Strategy:
         optim: OptimConfig,
         axes: dict[str, Axis],
         decays: Callable[[str, torch.Tensor], bool] = lambda name, p: p.dim() >= 2,
-        fill: Fill | None = None,
+        source: ParamSource | Fill | None = None,
         device: torch.device | str = "cpu",
     ):
-        """`model` may be on the meta device when `fill(name, out)` gives each parameter's
-        initial fp32 values; without `fill` the model's current values are copied."""
+        """`model` may be on the meta device when `source` gives each parameter's initial fp32
+        values (a `ParamSource`, or a `fill(name, out)` function); without it the model's
+        current values are copied. Parameters with `requires_grad=False` stay frozen: they
+        get buckets of their own, with no gradient, main copy or optimizer state."""
         self.model = model
         self.topo = topo
         self.cfg = sharding
@@ -83,27 +86,41 @@ class Strategy:
         layout = build_layout([p.numel() for _, p in named], topo.dp_size, self._bucket_numel(),
                               sharding.shard_align, self._bucket_groups(named))
         self.buffer = FlatBuffer(model, named, layout, self.precision.param, torch.device(device))
-        if fill is None:
+        if source is None:
             values = {n: p.detach() for n, p in named}
-            fill = lambda name, out: out.copy_(values[name])  # noqa: E731
+            source = lambda name, out: out.copy_(values[name])  # noqa: E731
+        source = as_source(source)
         self.grads: list[torch.Tensor] = []
         self.main_params: list[torch.Tensor] = []
         self.main_grads: list[torch.Tensor] = []
         for b in self.buffer.buckets:
-            self._build_bucket(b, self.buffer.materialize(b, fill))
+            self._build_bucket(b, self.buffer.install(b, self._initial_values(b, source)))
         decaying = {i for i, n in enumerate(self.buffer.names) if decays(n, self.buffer.params[i])}
         hyper = AdamWHyper(optim.beta1, optim.beta2, optim.eps, optim.weight_decay)
         self.optimizer = FlatAdamW(self.main_params, hyper, self._decay_runs(decaying))
         self.ledger.hold("optimizer", 2 * _bytes(self.optimizer.exp_avg))
 
+    def _initial_values(self, b: Bucket, source: ParamSource) -> torch.Tensor:
+        """The bucket's fp32 values. From a partial source (weights in storage) each rank reads
+        only its shard; the shards are all-gathered where parameters are whole at rest."""
+        if not source.partial:
+            return self.buffer.initial_values(b, source)
+        full32 = self.buffer.initial_values(b, source, only=self.inner(b))
+        if self._full_params_at_rest:
+            wait(self.shard_axis.start_all_gather(full32, self.shard_axis.chunk(full32)))
+        return full32
+
     # -- layout and ownership ------------------------------------------------------------
     def _buffer_order(self, model: nn.Module) -> list[tuple[str, nn.Parameter]]:
         # Reverse order: backward produces the last layers' gradients first, so the first
-        # bucket fills first and its reduction can start while backward goes on.
-        return list(reversed(list(model.named_parameters())))
+        # bucket fills first and its reduction can start while backward goes on. Frozen
+        # parameters go last, in buckets of their own.
+        named = list(reversed(list(model.named_parameters())))
+        return sorted(named, key=lambda item: not item[1].requires_grad)
 
-    def _bucket_groups(self, named) -> list[int] | None:
-        return None
+    def _bucket_groups(self, named) -> list | None:
+        frozen = [not p.requires_grad for _, p in named]
+        return frozen if any(frozen) else None
 
     def _bucket_numel(self) -> int:
         return self.cfg.bucket_numel
@@ -113,7 +130,12 @@ class Strategy:
         return b.shard(self.topo.shard_rank, self.topo.dp_shard)
 
     def owned(self, b: Bucket) -> Range:
-        """The part of `b` whose optimizer update this rank runs."""
+        """The part of `b` whose optimizer update this rank runs (none of a frozen bucket)."""
+        if not self.buffer.trainable(b):
+            return Range(b.world.start, b.world.start)
+        return self._owned_range(b)
+
+    def _owned_range(self, b: Bucket) -> Range:
         return b.world
 
     @property
@@ -121,13 +143,30 @@ class Strategy:
         """The axis across which owned ranges tile the buffer exactly once (grad norm, export)."""
         return None
 
+    def _trainable_buckets(self) -> list[Bucket]:
+        return [b for b in self.buffer.buckets if self.buffer.trainable(b)]
+
     def _local(self, r: Range, b: Bucket) -> slice:
         return r.shift(-b.world.start).slice()
 
     # -- storage -------------------------------------------------------------------------
     def _build_bucket(self, b: Bucket, full32: torch.Tensor) -> None:
-        self.ledger.hold("compute_params", self.buffer.nbytes(b))
+        if not self.buffer.trainable(b):
+            self._hold_params(b, "frozen_params")
+            empty = torch.zeros(0, device=self.buffer.device)
+            self.grads.append(empty.to(self.precision.grad))
+            self.main_params.append(empty)
+            self.main_grads.append(empty)
+            return
+        self._hold_params(b, "compute_params")
         self._add_main(b, full32)
+        self._add_grads(b)
+
+    def _hold_params(self, b: Bucket, category: str) -> None:
+        """Keep the bucket's compute parameters (whole here; ZeRO-3 keeps only its shard)."""
+        self.ledger.hold(category, self.buffer.nbytes(b))
+
+    def _add_grads(self, b: Bucket) -> None:
         grad = torch.zeros(b.world.size, dtype=self.precision.grad, device=self.buffer.device)
         self.ledger.hold("grads", _bytes(grad))
         self.grads.append(grad)
@@ -181,7 +220,7 @@ class Strategy:
 
     def _start_reduce(self, b: Bucket) -> None:
         """Launch the bucket's gradient reduction; its finisher runs after the wait."""
-        if b.index in self._reduced:
+        if b.index in self._reduced or not self.buffer.trainable(b):
             return
         self._reduced.add(b.index)
         self._inflight[b.index] = self._launch_reduce(b)
@@ -281,7 +320,8 @@ class Strategy:
         if self.precision.main_is_param:
             return
         for b, main in zip(self.buffer.buckets, self.main_params):
-            self._param_view(b, self.owned(b)).copy_(main)
+            if self.buffer.trainable(b):
+                self._param_view(b, self.owned(b)).copy_(main)
 
     def _start_param_sync(self) -> None:
         """After the step: begin making updated parameters whole on every rank."""
@@ -306,10 +346,13 @@ class Strategy:
         self.finish_param_sync()
         by_name: dict[str, torch.Tensor] = {}
         for b, main in zip(self.buffer.buckets, self.main_params):
-            full = torch.zeros(b.world.size, dtype=torch.float32, device=self.buffer.device)
-            full[self._local(self.owned(b), b)] = main
-            if self.owner_axis is not None:
-                wait(self.owner_axis.start_all_reduce(full))
+            if self.buffer.trainable(b):
+                full = torch.zeros(b.world.size, dtype=torch.float32, device=self.buffer.device)
+                full[self._local(self.owned(b), b)] = main
+                if self.owner_axis is not None:
+                    wait(self.owner_axis.start_all_reduce(full))
+            else:  # frozen: no main copy, the compute parameters are the values
+                full = self._whole_params(b).float()
             for i in b.params:
                 span = self.buffer.layout.params[i].world
                 by_name[self.buffer.names[i]] = full[self._local(span, b)].view(
@@ -327,13 +370,18 @@ class Strategy:
             used.add(name)
         return out
 
+    def _whole_params(self, b: Bucket) -> torch.Tensor:
+        """The bucket's compute parameters, whole (every rank must call it where they are sharded)."""
+        return self.buffer.data[b.index]
+
     def memory(self) -> dict[str, int]:
         return self.ledger.report()
 
     # -- checkpoints -----------------------------------------------------------------------
     def owned_pieces(self) -> list[Range]:
-        """The world ranges of `main_params`, in order: this rank's part of a checkpoint."""
-        return [self.owned(b) for b in self.buffer.buckets]
+        """The world ranges of `main_params`, in order: this rank's part of a checkpoint
+        (frozen parameters never change, so no checkpoint holds them)."""
+        return [r for r in map(self.owned, self.buffer.buckets) if r.size]
 
     @property
     def saves_shard(self) -> bool:

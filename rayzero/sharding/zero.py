@@ -27,15 +27,13 @@ class ShardOptim(Strategy):
     def __init__(self, *args, **kwargs):
         self._param_work: dict[int, dist.Work | None] = {}
         super().__init__(*args, **kwargs)
-        self._param_sync_in_forward = self.cfg.overlap_param_gather and self._gathers_full_params
+        self._param_sync_in_forward = self.cfg.overlap_param_gather and self._full_params_at_rest
         if self._param_sync_in_forward:
             bucket_of = {id(p): self.buffer.bucket_of(i) for i, p in enumerate(self.buffer.params)}
             for module in self.model.modules():
                 own = sorted({bucket_of[id(p)] for p in module.parameters(recurse=False)})
                 if own:
                     module.register_forward_pre_hook(self._wait_for(own))
-
-    _gathers_full_params = True
 
     def _wait_for(self, buckets: list[int]):
         def hook(_module, _args) -> None:
@@ -47,7 +45,7 @@ class ShardOptim(Strategy):
     def _hybrid_optim(self) -> bool:
         return self.topo.dp_outer > 1 and self.cfg.outer_strategy == "optim"
 
-    def owned(self, b: Bucket) -> Range:
+    def _owned_range(self, b: Bucket) -> Range:
         inner = self.inner(b)
         if not self._hybrid_optim:
             return inner
@@ -80,22 +78,22 @@ class ShardOptim(Strategy):
         if axis.size == 1:
             return
         start = axis.start_reduce_scatter if self._hybrid_optim else axis.start_all_reduce
-        for work in [start(self._inner_grad(b)) for b in self.buffer.buckets]:
+        for work in [start(self._inner_grad(b)) for b in self._trainable_buckets()]:
             wait(work)
 
     def _start_param_sync(self) -> None:
         if self._hybrid_optim:  # the replicas' pieces first make this rank's inner shard whole
             works = [self.replicate_axis.start_all_gather(self._param_view(b, self.inner(b)),
                                                           self._param_view(b, self.owned(b)).clone())
-                     for b in self.buffer.buckets]
+                     for b in self._trainable_buckets()]
             for work in works:
                 wait(work)
-        if self.shard_axis.size == 1 or not self._gathers_full_params:
+        if self.shard_axis.size == 1 or not self._full_params_at_rest:
             return
         # Forward order: the buffer holds parameters last layer first, so the last bucket is
         # the one the next forward needs first. In place: each rank's shard already sits at
         # its place in the bucket (NCCL and gloo both accept that aliasing).
-        for b in reversed(self.buffer.buckets):
+        for b in reversed(self._trainable_buckets()):  # frozen buckets never change
             full = self.buffer.data[b.index]
             self._param_work[b.index] = self.shard_axis.start_all_gather(full, self.shard_axis.chunk(full))
 
@@ -116,17 +114,12 @@ class ShardOptimGrads(ShardOptim):
         self._landing: dict[int, torch.Tensor] = {}
         super().__init__(*args, **kwargs)
 
-    def _build_bucket(self, b, full32):
-        self._hold_compute_params(b, full32)
-        self._add_main(b, full32)
+    def _add_grads(self, b):
         grad = torch.zeros(self.inner(b).size, dtype=self.precision.grad, device=self.buffer.device)
         self.ledger.hold("grads", _bytes(grad))
         self.grads.append(grad)
         own = self.owned(b).shift(-self.inner(b).start)
         self.main_grads.append(grad[own.slice()])
-
-    def _hold_compute_params(self, b: Bucket, full32: torch.Tensor) -> None:
-        self.ledger.hold("compute_params", self.buffer.nbytes(b))
 
     def _grad_is_view(self, i):
         return False

@@ -11,8 +11,8 @@ from rayzero.workers.rank import Rank
 class RankShim:
     """Forwards every call to a `Rank`; `RankActor` is this as a Ray actor."""
 
-    def __init__(self, cfg: RootConfig, rank: int, world_size: int, data_path: str):
-        self.rank = Rank(cfg, rank, world_size, data_path)
+    def __init__(self, cfg: RootConfig, rank: int, world_size: int, data_path: str, factory=None):
+        self.rank = Rank(cfg, rank, world_size, data_path, factory)
 
     # In its own thread, so the controller's watchdog gets an answer while a phase runs.
     @ray.method(concurrency_group="control")

@@ -13,29 +13,46 @@ import socket
 import time
 from datetime import timedelta
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+import torch.nn as nn
 
 from rayzero.checkpoint.shards import ShardSaver, apply_shard, layout_record, read_shard
 from rayzero.checkpoint.storage import Storage
 from rayzero.config import RootConfig
 from rayzero.data.batches import RankBatches
 from rayzero.data.tokens import TokenDataset
-from rayzero.models.gpt import GPT, build_model
+from rayzero.models import ModelSpec, model_spec
+from rayzero.models.spec import IGNORE_INDEX
 from rayzero.sharding import Topology, build_strategy
-from rayzero.sharding.comm import Axis
+from rayzero.sharding.comm import Axis, wait
 from rayzero.sharding.fsdp import find_units
 from rayzero.sharding.precision import DTYPES, check_device_supports
 
 
-def check_buildable(cfg: RootConfig, device: torch.device | None) -> None:
+def make_spec(cfg: RootConfig, factory: Callable | None = None) -> ModelSpec:
+    """The model seam for this config (`factory`: a callable given from Python); ModelError."""
+    return model_spec(cfg.model, seed=cfg.train.seed, block_size=cfg.block_size, storage_cfg=cfg.checkpoint,
+                      factory=factory)
+
+
+def fsdp_units(cfg: RootConfig, spec: ModelSpec, model: nn.Module) -> tuple[str, ...]:
+    """ZeRO-3's unit classes: `sharding.fsdp_units`, or the model's own."""
+    return tuple(cfg.sharding.fsdp_units) or spec.fsdp_units(model)
+
+
+def check_buildable(cfg: RootConfig, device: torch.device | None, spec: ModelSpec | None = None,
+                    model: nn.Module | None = None) -> None:
     """Raise a ValueError for a model/sharding combination that cannot train on `device`:
     FSDP unit classes that match no module, a dtype the device cannot compute in (not
     checked with `device=None`: the driver of a GPU job may have no GPU)."""
     sh = cfg.sharding
     if sh.strategy == "optim_grads_params":
-        find_units(build_model(cfg.model, cfg.block_size, cfg.train.seed, device="meta"), sh.fsdp_units)
+        spec = spec if spec is not None else make_spec(cfg)
+        model = model if model is not None else spec.build()
+        find_units(model, fsdp_units(cfg, spec, model))
     for key in ("param_dtype", "grad_dtype", "comm_dtype"):
         name = getattr(sh, key)
         if name is not None and device is not None:
@@ -63,8 +80,11 @@ def watched(name: str):
 
 
 class Rank:
-    def __init__(self, cfg: RootConfig, rank: int, world_size: int, data_path: str):
+    def __init__(self, cfg: RootConfig, rank: int, world_size: int, data_path: str,
+                 factory: Callable | None = None):
+        """`factory`: the model's callable when given from Python (`model.kind=module`)."""
         self.cfg = cfg
+        self.factory = factory
         self.topo = Topology(world_size=world_size, rank=rank, dp_outer=cfg.sharding.dp_outer)
         self.data_path = data_path
         self.device = torch.device("cpu")
@@ -110,16 +130,19 @@ class Rank:
             world_size=self.topo.world_size,
             timeout=timedelta(seconds=cfg.cluster.pg_timeout_s),
         )
-        check_buildable(cfg, self.device)
-        self.axes = self._make_axes()
+        self.spec = make_spec(cfg, self.factory)
         # Built on the meta device: the strategy materializes its buckets (ZeRO-3: one unit
         # at a time, keeping only the shard), so no rank ever holds more than it must.
-        self.model: GPT = build_model(cfg.model, cfg.block_size, cfg.train.seed, device="meta")
-        seed = cfg.train.seed
+        self.model = self.spec.build()
+        check_buildable(cfg, self.device, self.spec, self.model)
+        self.axes = self._make_axes()
+        sharding = cfg.sharding
+        if sharding.strategy == "optim_grads_params":
+            sharding = sharding.model_copy(update={"fsdp_units": fsdp_units(cfg, self.spec, self.model)})
+        source = self.spec.source(self.model)
         self.strategy = build_strategy(
-            cfg.sharding.strategy, self.model, self.topo, cfg.sharding, cfg.optim, self.axes,
-            decays=GPT.decays, fill=lambda name, out: self.model.init_parameter(name, out, seed),
-            device=self.device,
+            sharding.strategy, self.model, self.topo, sharding, cfg.optim, self.axes,
+            decays=self.spec.decays, source=source, device=self.device,
         )
         self.data = RankBatches(
             TokenDataset(self.data_path),
@@ -130,12 +153,18 @@ class Rank:
             dp_rank=self.topo.dp_rank,
             dp_size=self.topo.dp_size,
         )
+        self._checked = False
+        num_params, trainable = self.spec.num_params(self.model)
         return {
             "rank": self.topo.rank,
             "pid": os.getpid(),
             "backend": backend,
             "device": str(self.device),
-            "num_params": self.model.num_params(),
+            "num_params": num_params,
+            "trainable_params": trainable,
+            "frozen": sorted(n for n, p in self.model.named_parameters() if not p.requires_grad),
+            "model": self.spec.record(),
+            "source_bytes_read": getattr(source, "bytes_read", None),
             "buffer_numel": self.strategy.buffer.layout.numel,
             "shard_numel": sum(p.numel() for p in self.strategy.main_params),
             "memory": self.strategy.memory(),
@@ -173,20 +202,39 @@ class Rank:
         self._next_micro = 0
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._tokens = 0
+        self._count_valid()
         self._times = {"gather": time.perf_counter() - t0, "forward": 0.0, "backward": 0.0}
         return {}
+
+    def _count_valid(self) -> None:
+        """The step's global count of valid targets (not IGNORE_INDEX), which every rank's loss
+        is divided by: known up front for plain text, else summed across ranks by an
+        all-reduce started here and waited for after the first forward (queued behind any
+        parameter all-gather in flight, so it costs no overlap)."""
+        self._valid_work = None
+        self._valid: float | torch.Tensor = float(self.data.tokens_per_step)
+        if self.data.masks_labels:
+            local = sum(int((y != IGNORE_INDEX).sum()) for _, y in self._micro)
+            self._valid = torch.tensor([float(local)], dtype=torch.float64, device=self.device)
+            self._valid_work = self.axes["world"].start_all_reduce(self._valid)
 
     @watched("forward")
     def forward(self, _prev: dict) -> dict:
         t0 = time.perf_counter()
         x, y = self._micro[self._next_micro]
-        logits = self.model(x)
-        loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum")
-        # Sum over this rank's tokens / tokens in the global batch: summed over micro-batches
-        # and ranks, the gradient is that of the mean loss over the whole global batch.
-        self._loss = loss_sum / self.data.tokens_per_step
+        loss_sum, valid = self.spec.loss(self.model, x, y, check=not self._checked)
+        self._checked = True
+        if self._valid_work is not None:
+            wait(self._valid_work)
+            self._valid_work = None
+        if isinstance(self._valid, torch.Tensor):
+            self._valid = max(float(self._valid.item()), 1.0)
+        # Sum over this rank's valid targets / valid targets in the global batch: summed over
+        # micro-batches and ranks, the gradient is that of the mean loss over the whole
+        # global batch, whatever the world size and however the masked targets fall.
+        self._loss = loss_sum / self._valid
         self._loss_sum += loss_sum.detach()
-        self._tokens += y.numel()
+        self._tokens += int(valid)
         self._times["forward"] += time.perf_counter() - t0
         return {}
 

@@ -29,12 +29,12 @@ def _zero3(rank: int, port: int, data_path: str, out: dict):
     initial = r.full_state_dict()  # materialized shard by shard from the meta device
     s, buf = r.strategy, r.strategy.buffer
     events, resident_counts = [], []
-    unit_of_bucket = {b: u for u, b in s._unit_bucket.items()}
+    unit_of_bucket = dict(s._bucket_unit)
     start, restore = s._start_gather, buf.restore
 
     def start_gather(units):
         for u in units:
-            if s._unit_bucket[u] not in s._resident:
+            if not set(s._unit_buckets[u]) <= s._resident:
                 events.append(("gather", s.units.modules[u]))
         start(units)
 

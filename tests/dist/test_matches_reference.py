@@ -16,7 +16,7 @@ from rayzero.cluster.schedule import lr_at
 from rayzero.config import load_config
 from rayzero.data.batches import global_batch_offsets
 from rayzero.data.tokens import TokenDataset
-from rayzero.models.gpt import GPT, build_model
+from rayzero.models.gpt import build_model
 from rayzero.workers.rank import Rank
 from tests.conftest import free_port
 
@@ -62,8 +62,8 @@ def reference(cfg, data_path: str) -> tuple[dict[str, torch.Tensor], list[float]
     params = list(model.named_parameters())
     o = cfg.optim
     opt = torch.optim.AdamW(
-        [{"params": [p for n, p in params if GPT.decays(n, p)], "weight_decay": o.weight_decay},
-         {"params": [p for n, p in params if not GPT.decays(n, p)], "weight_decay": 0.0}],
+        [{"params": [p for n, p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
+         {"params": [p for n, p in params if not p.dim() >= 2], "weight_decay": 0.0}],
         lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
     )
     ds, t = TokenDataset(data_path), cfg.train

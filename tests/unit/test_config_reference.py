@@ -101,7 +101,7 @@ def test_types_and_defaults_read_as_users_write_them():
     assert rows["cluster.min_workers"]["default"] == "`null`"
     assert rows["cluster.use_gpu"]["default"] == "`false`"
     assert rows["cluster.address"]["default"] == '`""`'
-    assert rows["sharding.fsdp_units"]["default"] == "`Block,Embedding,LayerNorm,Linear`"
+    assert rows["sharding.fsdp_units"]["default"] == '`""`'  # empty: the model's own units
 
     class Inner(BaseModel):
         """Nested."""

@@ -1,0 +1,154 @@
+"""Which model to train: the built-in GPT, a Hugging Face causal LM, or a user's `nn.Module`."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, field_validator, model_validator
+
+from rayzero._frozen import Frozen
+
+PRESETS: dict[str, dict[str, int]] = {
+    "tiny": dict(n_layer=2, n_head=4, n_embd=128),  # ~0.5M parameters: tests, laptops
+    "small": dict(n_layer=6, n_head=6, n_embd=384),  # ~10.8M
+    "medium": dict(n_layer=12, n_head=12, n_embd=768),  # ~85M, GPT-2 small's shape
+    "large": dict(n_layer=24, n_head=16, n_embd=1024),  # ~303M, GPT-2 medium's shape
+}
+# The built-in GPT's keys, and their values when left alone (preset `tiny`): another kind of
+# model must leave them so.
+GPT_DEFAULTS: dict[str, Any] = {"preset": "tiny", **PRESETS["tiny"], "vocab_size": 320, "block_size": None,
+                                "dropout": 0.0, "bias": True}
+
+
+class ModelConfig(Frozen):
+    """The model: `kind` chooses the built-in GPT (shaped by `preset` and the keys after it),
+    a Hugging Face causal LM from a model directory (`path`), or any `nn.Module` a factory
+    returns (`factory`, `kwargs`)."""
+
+    kind: Literal["gpt", "hf", "module"] = Field(
+        default="gpt",
+        description="`gpt` = the built-in GPT; `hf` = a Hugging Face causal LM from the directory `path`; "
+        "`module` = the `nn.Module` that `factory` returns (its forward takes token ids [B, T] and returns "
+        "logits [B, T, V], or an object with `.logits`).",
+    )
+    path: str = Field(
+        default="",
+        description="`hf`: the model directory (local path, `file://` or `s3://`) with `config.json` and "
+        "optionally weights (`model.safetensors`, or `model-*.safetensors` with their index) and tokenizer "
+        "files. `gpt` and `module`: optionally a safetensors file (or a directory with one) of weights by "
+        "`state_dict()` names, e.g. a rayzero export, to start from. `s3://` uses the `checkpoint.s3_*` "
+        "settings.",
+    )
+    init: Literal["auto", "pretrained", "random"] = Field(
+        default="auto",
+        description="`pretrained` = the weights in `path`, each rank reading only its shard; `random` = the "
+        "model's own initialization, seeded by `train.seed` and each module's name; `auto` = `pretrained` "
+        "where `path` holds weights, else `random`.",
+    )
+    factory: str = Field(
+        default="",
+        description="`module`: `package.module:callable` returning the `nn.Module`, called with `kwargs`.",
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="`module`: keyword arguments for `factory`.",
+    )
+    trust_remote_code: bool = Field(
+        default=False,
+        description="`hf`: allow model code shipped in the model directory (`auto_map` in `config.json`).",
+    )
+    freeze: tuple[str, ...] = Field(
+        default=(),
+        description="Parameters to keep frozen (no gradient, no optimizer state), as `fnmatch` patterns of "
+        "their names, comma-separated on the command line, e.g. `model.embed_tokens.*`.",
+    )
+    preset: Literal["tiny", "small", "medium", "large"] = Field(
+        default="tiny",
+        description="`gpt`: model size: `tiny` (~0.5M parameters), `small` (~10.8M), `medium` (~85M, GPT-2 "
+        "small's shape), `large` (~303M, GPT-2 medium's shape).",
+    )
+    n_layer: int | None = Field(default=None, description="`gpt`: transformer blocks; `null` = from `preset`.")
+    n_head: int | None = Field(
+        default=None,
+        description="`gpt`: attention heads per block; must divide `n_embd`. `null` = from `preset`.",
+    )
+    n_embd: int | None = Field(default=None, description="`gpt`: embedding width; `null` = from `preset`.")
+    vocab_size: int = Field(
+        default=320,
+        description="`gpt`: token vocabulary: 257 byte tokens (256 bytes + end-of-text) padded up to a "
+        "multiple of 64; at least the dataset's.",
+    )
+    block_size: int | None = Field(
+        default=None,
+        description="`gpt`: maximum context length in tokens, at least `train.seq_len`; `null` = "
+        "`train.seq_len`.",
+    )
+    dropout: float = Field(default=0.0, description="`gpt`: dropout probability, in [0, 1); 0 disables it.")
+    bias: bool = Field(default=True, description="`gpt`: biases in the linear layers and layer norms.")
+
+    @field_validator("freeze", mode="before")
+    @classmethod
+    def _split(cls, v):
+        return tuple(s.strip() for s in v.split(",") if s.strip()) if isinstance(v, str) else v
+
+    @field_validator("kwargs", mode="before")
+    @classmethod
+    def _parse(cls, v):
+        # From the command line: model.kwargs={"dim": 64} as a whole, or model.kwargs.dim=64
+        # one key at a time; each text value is read as YAML (64 -> int, true -> bool).
+        if isinstance(v, str):
+            try:
+                v = yaml.safe_load(v)
+            except yaml.YAMLError as e:
+                raise ValueError(f"not a mapping: {e}") from None
+            return {} if v is None else v
+        if isinstance(v, dict):
+            return {k: _scalar(x) for k, x in v.items()}
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_from_preset(cls, data):
+        if isinstance(data, dict):
+            preset = data.get("preset", "tiny")
+            if preset in PRESETS:
+                data = {**PRESETS[preset], **{k: v for k, v in data.items() if v is not None}}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self):
+        for name in ("n_layer", "n_head", "n_embd", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.kind != "gpt":
+            changed = [k for k, v in GPT_DEFAULTS.items() if getattr(self, k) != v]
+            if changed:
+                raise ValueError(f"{', '.join(changed)}: only for model.kind=gpt (this is model.kind={self.kind}; "
+                                 "an HF model's shape is in its config.json, a module's in model.kwargs)")
+        if self.kind == "hf" and not self.path:
+            raise ValueError("path: model.kind=hf needs the model directory (config.json, and weights to "
+                             "fine-tune)")
+        if self.kind == "module" and not self.factory:
+            raise ValueError("factory: model.kind=module needs `package.module:callable` (or, from Python, "
+                             "Trainer(config, model=callable))")
+        if self.kind != "module" and (self.factory or self.kwargs):
+            raise ValueError("factory, kwargs: only for model.kind=module")
+        if self.kind != "hf" and self.trust_remote_code:
+            raise ValueError("trust_remote_code: only for model.kind=hf")
+        if self.init == "pretrained" and not self.path:
+            raise ValueError("init: pretrained needs model.path (the weights to start from)")
+        return self
+
+
+def _scalar(v):
+    if not isinstance(v, str):
+        return v
+    try:
+        return yaml.safe_load(v)
+    except yaml.YAMLError:
+        return v

@@ -1,0 +1,242 @@
+"""Hugging Face causal LMs behind the model seam: any model transformers builds from a config.
+
+`model.path` is a model directory (local, `file://` or `s3://`) with `config.json` and
+optionally safetensors weights and tokenizer files. The model is built with
+`AutoModelForCausalLM.from_config` with its parameters on the meta device; it starts from the
+directory's weights (each rank reading only its shard) or from the model's own `_init_weights`,
+module by module, seeded by name. An export is a directory `from_pretrained` loads.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from rayzero.checkpoint.storage import Storage, StorageError
+from rayzero.models.config import ModelConfig
+from rayzero.models.spec import (
+    ExportEntry, ModelError, ModelSpec, SeededInit, params_on_meta, weights_record,
+)
+from rayzero.sharding.flat_buffer import ParamSource
+
+log = logging.getLogger(__name__)
+CONFIG = "config.json"
+# What an export copies from the model directory besides the weights and config.json.
+COMPANIONS = ("generation_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json",
+              "vocab.json", "vocab.txt", "merges.txt", "*.model", "chat_template*", "preprocessor_config.json")
+
+
+def _transformers():
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # its progress bars and notes are not ours to print
+    return transformers
+
+
+class HFSpec(ModelSpec):
+    kind = "hf"
+
+    def __init__(self, cfg: ModelConfig, seed: int, storage_cfg=None, config: dict | None = None):
+        """`config`: the model's config as a dict (a checkpoint's record of it), instead of
+        reading `config.json` from `model.path`."""
+        super().__init__(cfg, seed, storage_cfg)
+        self.path = cfg.path
+        if config is None:
+            self.config_bytes, self.config = load_hf_config(cfg.path, storage_cfg, cfg.trust_remote_code)
+        else:
+            self.config = config_from_dict(config)
+            self.config_bytes = json.dumps(config, sort_keys=True).encode()
+        self._resolved = False
+
+    @property
+    def where(self) -> str:
+        return f"model.path={self.path}"
+
+    @property
+    def text_config(self):
+        return self.config.get_text_config()
+
+    # -- building ------------------------------------------------------------------------
+    def _build(self) -> nn.Module:
+        tf = _transformers()
+        config = copy.deepcopy(self.config)
+        config.use_cache = False  # training: no key/value cache
+        try:
+            with params_on_meta():
+                model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                            trust_remote_code=self.cfg.trust_remote_code)
+        except (ValueError, KeyError, TypeError, ImportError, OSError) as e:
+            raise ModelError(f"{self.where}: transformers cannot build {type(self.config).__name__} "
+                             f"(model_type {getattr(self.config, 'model_type', '?')!r}) as a causal LM: "
+                             f"{str(e).strip().splitlines()[0]}") from None
+        return model
+
+    def source(self, model: nn.Module) -> ParamSource:
+        if self.weights is not None:
+            self.resolve(model)
+            return self.weights
+        tf = _transformers()
+        twin = self._build()
+        fns: dict[str, object] = {}
+        for name, m in twin.named_modules():  # parents first: a sub-model brings its own init
+            fns[name] = m._init_weights if isinstance(m, tf.PreTrainedModel) else fns[name.rpartition(".")[0]]
+
+        def fallback() -> nn.Module:
+            return tf.AutoModelForCausalLM.from_config(self.config, dtype=torch.float32,
+                                                       trust_remote_code=self.cfg.trust_remote_code)
+
+        return SeededInit(twin, self.seed, lambda name, _m: fns[name], fallback)
+
+    def resolve(self, model: nn.Module) -> None:
+        """Match the directory's tensors to the model's parameters (ModelError listing mismatches)."""
+        if self._resolved:
+            return
+        params = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        aliases = set(model.state_dict(keep_vars=True)) - set(params)
+        patterns = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()
+        ignore = {k for k in self.weights.tensors if any(_matches(pat, k) for pat in patterns)}
+        self.weights.resolve(params, prefix=getattr(model, "base_model_prefix", ""), aliases=aliases, ignore=ignore)
+        self._resolved = True
+
+    def fsdp_units(self, model: nn.Module) -> tuple[str, ...]:
+        units = tuple(sorted(getattr(model, "_no_split_modules", None) or ()))
+        if not units:
+            raise ModelError(f"{self.where}: {type(model).__name__} names no _no_split_modules, so ZeRO-3 has no "
+                             "default units; set sharding.fsdp_units to its decoder layer's class")
+        return units
+
+    # -- training ------------------------------------------------------------------------
+    def logits(self, model: nn.Module, x: torch.Tensor):
+        return model(input_ids=x)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.text_config.vocab_size
+
+    @property
+    def max_positions(self) -> int | None:
+        c = self.text_config
+        return getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None)
+
+    def check(self, seq_len: int, data_vocab: int | None = None) -> None:
+        super().check(seq_len, data_vocab)
+        if self.max_positions is not None and seq_len > self.max_positions:
+            raise ModelError(f"train.seq_len: {seq_len} exceeds the model's {self.max_positions} positions "
+                             f"(max_position_embeddings in {self.path}/{CONFIG})")
+        model = self.build()
+        if self.weights is not None:
+            self.resolve(model)
+
+    # -- records and exports -----------------------------------------------------------
+    def record(self) -> dict:
+        return {"kind": self.kind, "config": json.loads(self.config.to_json_string(use_diff=False)),
+                "config_sha256": hashlib.sha256(self.config_bytes).hexdigest()[:16], "seed": self.seed,
+                "architectures": getattr(self.config, "architectures", None),
+                **weights_record(self.weights, self.path)}
+
+    def export_plan(self, model: nn.Module) -> list[ExportEntry]:
+        """As `save_pretrained` writes them: each parameter once (a tied head is not written;
+        transformers ties it again on load), and the persistent buffers."""
+        names = {id(p): n for n, p in model.named_parameters()}
+        plan, seen = [], set()
+        for key, v in model.state_dict(keep_vars=True).items():
+            if id(v) in names:
+                if id(v) not in seen:
+                    plan.append(ExportEntry(key, tuple(v.shape), param=names[id(v)]))
+                    seen.add(id(v))
+            else:
+                plan.append(ExportEntry(key, tuple(v.shape), buffer=v.detach()))
+        return plan
+
+
+    def export_dtype(self, dtype: str = "auto") -> str:
+        """`auto`: the pretrained weights' dtype, else the config's own (`dtype`), else float32."""
+        if dtype != "auto" or self.weights is not None:
+            return super().export_dtype(dtype)
+        own = getattr(self.config, "dtype", None) or getattr(self.config, "torch_dtype", None)
+        own = str(own).removeprefix("torch.") if own is not None else "float32"
+        return own if own in ("float32", "bfloat16", "float16") else "float32"
+
+    def export_files(self, dtype: str) -> dict[str, bytes]:
+        """config.json with the export's dtype, and generation config and tokenizer files
+        copied from `model.path` where it still has them."""
+        files: dict[str, bytes] = {}
+        try:
+            files.update(companion_files(self.path, self.storage_cfg))
+        except (StorageError, OSError) as e:
+            log.warning("model.path %s cannot be read (%s): the export has no tokenizer or generation config",
+                        self.path, e)
+        config = json.loads(self.config.to_json_string(use_diff=False))
+        files["config.json"] = export_config(config, dtype)
+        return files
+
+
+def config_from_dict(config: dict):
+    tf = _transformers()
+    rest = {k: v for k, v in config.items() if k != "model_type"}
+    try:
+        return tf.AutoConfig.for_model(config["model_type"], **rest)
+    except (KeyError, ValueError) as e:
+        raise ModelError(f"transformers cannot rebuild the config of model_type {config.get('model_type')!r}: {e}") from None
+
+
+def _matches(pattern: str, key: str) -> bool:
+    import re
+
+    try:
+        return re.search(pattern, key) is not None
+    except re.error:
+        return False
+
+
+def load_hf_config(path: str, storage_cfg=None, trust_remote_code: bool = False):
+    """(the bytes of `config.json`, the transformers config) of a model directory; ModelError
+    naming the directory when it has none, or transformers cannot read it."""
+    tf = _transformers()
+    try:
+        storage = Storage(path, storage_cfg)
+        raw = storage.read_bytes(CONFIG)
+    except FileNotFoundError:
+        raise ModelError(f"model.path: {path} has no {CONFIG} (expected a Hugging Face model directory, as "
+                         f"save_pretrained writes)") from None
+    except StorageError as e:
+        raise ModelError(f"model.path: cannot read {path}: {e}") from None
+    local = None if "://" in path and not path.startswith("file://") else Path(storage.base)
+    try:
+        if local is not None:
+            config = tf.AutoConfig.from_pretrained(str(local), trust_remote_code=trust_remote_code)
+        else:
+            with tempfile.TemporaryDirectory() as tmp:
+                Path(tmp, CONFIG).write_bytes(raw)
+                config = tf.AutoConfig.from_pretrained(tmp, trust_remote_code=trust_remote_code)
+    except (ValueError, OSError, KeyError, TypeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelError(f"model.path: transformers cannot read {path}/{CONFIG}: {first}") from None
+    return raw, config
+
+
+def companion_files(path: str, storage_cfg=None) -> dict[str, bytes]:
+    """The files an HF export copies from the model directory: generation config, tokenizer."""
+    from rayzero.models.weights import model_files
+
+    storage = Storage(path, storage_cfg)
+    names = [n for n in model_files(storage) if any(fnmatch.fnmatchcase(n, pat) for pat in COMPANIONS)]
+    return {n: storage.read_bytes(n) for n in names}
+
+
+def export_config(config: dict, dtype: str) -> bytes:
+    """`config.json` for an export: the model's config with the dtype its weights are in."""
+    config = dict(config)
+    config["dtype"] = dtype
+    config.pop("torch_dtype", None)
+    config.setdefault("use_cache", True)
+    return (json.dumps(config, indent=2, sort_keys=True) + os.linesep).encode()

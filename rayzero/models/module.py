@@ -1,0 +1,161 @@
+"""A user's own `nn.Module` behind the model seam.
+
+`model.factory` is `package.module:callable` (from Python, any callable: `Trainer(config,
+model=callable)`), called with `model.kwargs`; it returns an `nn.Module` whose forward takes
+token ids [B, T] and returns logits [B, T, V] (or an object with `.logits`). It is called with
+parameters on the meta device; each module's `reset_parameters()` (torch's layers all have
+one) initializes it, seeded by its name. ZeRO-3 units are the classes in
+`sharding.fsdp_units`, or else the class of the largest `nn.ModuleList`'s layers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import logging
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from rayzero.models.config import ModelConfig
+from rayzero.models.spec import (
+    ModelError, ModelSpec, SeededInit, config_hash, params_on_meta, weights_record,
+)
+from rayzero.sharding.flat_buffer import ParamSource
+
+log = logging.getLogger(__name__)
+
+
+def import_factory(path: str) -> Callable[..., nn.Module]:
+    """`package.module:callable` imported; ModelError saying what failed."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ModelError(f"model.factory: {path!r} is not of the form package.module:callable")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # an ImportError, or the module failing as it runs
+        raise ModelError(f"model.factory: cannot import {module_name}: {type(e).__name__}: {e}") from None
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ModelError(f"model.factory: {module_name} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ModelError(f"model.factory: {path} is a {type(obj).__name__}, not a callable")
+    return obj
+
+
+def reset_fn(module: nn.Module):
+    """The module's own initializer: `reset_parameters()` or `_reset_parameters()` (as
+    nn.MultiheadAttention names it), or None."""
+    for attr in ("reset_parameters", "_reset_parameters"):
+        fn = getattr(type(module), attr, None)
+        if callable(fn):
+            return fn
+    return None
+
+
+class ModuleSpec(ModelSpec):
+    kind = "module"
+
+    def __init__(self, cfg: ModelConfig, seed: int, factory: Callable[..., nn.Module] | None = None,
+                 storage_cfg=None):
+        super().__init__(cfg, seed, storage_cfg)
+        self.factory = factory if factory is not None else import_factory(cfg.factory)
+        self.kwargs = dict(cfg.kwargs)
+        self._vocab: int | None = None
+
+    @property
+    def where(self) -> str:
+        return f"model.factory={self.cfg.factory}"
+
+    def _call(self) -> nn.Module:
+        try:
+            model = self.factory(**self.kwargs)
+        except Exception as e:
+            raise ModelError(f"{self.where}: calling it with model.kwargs {self.kwargs} failed: "
+                             f"{type(e).__name__}: {e}") from None
+        if not isinstance(model, nn.Module):
+            raise ModelError(f"{self.where}: returned a {type(model).__name__}, not an nn.Module")
+        return model
+
+    def _build(self) -> nn.Module:
+        with params_on_meta():
+            return self._call()
+
+    def source(self, model: nn.Module) -> ParamSource:
+        if self.weights is not None:
+            self.resolve(model)
+            return self.weights
+        init = SeededInit(self._build(), self.seed, lambda _name, m: reset_fn(m), self._call)
+        missing = [n for n, m in init.modules.items() if reset_fn(m) is None and any(True for _ in m.parameters(False))]
+        if missing:
+            log.warning("%s: module(s) %s have parameters but no reset_parameters(); their parameters come "
+                        "from building the whole model on the CPU once, under train.seed", self.where,
+                        ", ".join(missing[:5]))
+        return init
+
+    def resolve(self, model: nn.Module) -> None:
+        params = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        buffers = {n for n, _ in model.named_buffers()}
+        self.weights.resolve(params, aliases=set(model.state_dict(keep_vars=True)) - set(params), ignore=buffers)
+
+    def fsdp_units(self, model: nn.Module) -> tuple[str, ...]:
+        """The class of the layers in the model's largest `nn.ModuleList` (its blocks)."""
+        best = None
+        for m in model.modules():
+            if isinstance(m, nn.ModuleList) and len(m):
+                size = sum(p.numel() for p in m.parameters())
+                if best is None or size > best[0]:
+                    best = (size, m)
+        classes = {type(m).__name__ for m in best[1]} if best else set()
+        if len(classes) != 1:
+            names = sorted({type(m).__name__ for m in model.modules()})
+            raise ModelError(f"sharding.fsdp_units: {type(model).__name__} has no list of layers of one class to "
+                             f"shard by; name its block class(es), e.g. sharding.fsdp_units=Block (its module "
+                             f"classes are {', '.join(names)})")
+        return tuple(classes)
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self._vocab
+
+    def probe(self, model: nn.Module, seq_len: int) -> None:
+        """Run the forward on the meta device to learn the output's shape without computing:
+        a ModelError for output that is not [B, T, V]. Models whose forward cannot run on meta
+        are checked on the first micro-batch instead."""
+        x = torch.zeros(2, min(seq_len, 8), dtype=torch.long, device="meta")
+        try:
+            with torch.no_grad():
+                out = self.logits(model, x)
+        except Exception:
+            return
+        from rayzero.models.spec import check_logits
+
+        self._vocab = check_logits(out, x, self.where).shape[-1]
+
+    def check(self, seq_len: int, data_vocab: int | None = None) -> None:
+        model = self.build()
+        self.probe(model, seq_len)
+        if self._vocab is not None:
+            super().check(seq_len, data_vocab)
+        if self.weights is not None:
+            self.resolve(model)
+
+    def record(self) -> dict:
+        try:
+            code = hashlib.sha256(inspect.getsource(self.factory).encode()).hexdigest()[:16]
+        except (OSError, TypeError):
+            code = None
+        desc = {"factory": self.cfg.factory, "kwargs": self.kwargs}
+        return {"kind": self.kind, **desc, "config_sha256": config_hash(desc), "factory_source_sha256": code,
+                "seed": self.seed, **weights_record(self.weights, self.cfg.path)}
+
+
+def describe(factory: Callable) -> str:
+    """A callable's `module:qualname`, as model.factory names it."""
+    return f"{getattr(factory, '__module__', '?')}:{getattr(factory, '__qualname__', repr(factory))}"
+
+

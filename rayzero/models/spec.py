@@ -1,0 +1,323 @@
+"""The model seam: everything model-specific the trainer needs, behind one small interface.
+
+One `ModelSpec` per model kind (the built-in GPT, a Hugging Face causal LM, a user's
+`nn.Module`), in the spirit of torchtitan's `TrainSpec`. `Rank`, the strategies, the
+checkpoint tools and the CLI ask it, and never name a model class:
+
+    spec.build()                 the model with parameters on the meta device (buffers real)
+    spec.source(model)           initial values: a seeded init, or pretrained weights by range
+    spec.fsdp_units(model)       the default ZeRO-3 unit classes
+    spec.decays(name, p)         which parameters take weight decay
+    spec.loss(model, x, y)       a micro-batch's summed loss over valid tokens, and their count
+    spec.record()                what a checkpoint notes of the model (kind, source, config hash)
+    spec.export_plan(model)      the names an export writes, and what each one holds
+    spec.check(seq_len, ...)     what can be checked in the driver, before any cluster starts
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import functools
+import hashlib
+import json
+import zlib
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from rayzero.sharding.flat_buffer import ParamSource
+
+IGNORE_INDEX = -100  # labels equal to this take no part in the loss (torch's and HF's convention)
+
+
+class ModelError(ValueError):
+    """A model that cannot be built, loaded or trained as configured; the message names the
+    config key or the file at fault."""
+
+
+@contextlib.contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Build modules with their parameters on the meta device and their buffers real.
+
+    Buffers (RoPE frequencies, masks) are computed by the module's own constructor, so every
+    rank has them right; parameters take no memory until a strategy materializes them, one
+    bucket (or ZeRO-3 unit) at a time. Parameters already on meta (a tied weight assigned
+    again) are kept as they are, so ties survive."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def name_seed(seed: int, name: str) -> int:
+    """A 32-bit seed from the run's seed and a name (torch's CPU generator keeps 32 bits)."""
+    return zlib.crc32(f"{seed}/{name}".encode())
+
+
+InitFn = Callable[[nn.Module], None]
+InitFor = Callable[[str, nn.Module], "InitFn | None"]  # (module name, module) -> the init to run on it
+
+
+class SeededInit(ParamSource):
+    """Initial values of a model built on meta, module by module, seeded by name.
+
+    A parameter belongs to the module that registers it. To initialize it, that module's
+    parameters get real fp32 storage in a twin of the model (built on meta once), the global
+    generator is seeded with (seed, module name), and the model's own init functions run on
+    the module and then on each of its ancestors, innermost first: the order in which
+    `nn.Module.apply` and transformers' `initialize_weights` run them, so an ancestor that
+    rescales a child's weight (GPT-2's residual projections) does so here too. Whatever an init
+    touches on another module is a meta tensor and a no-op. Each value is therefore a function
+    of the seed and names alone: every rank, world size and strategy starts from the same
+    weights, and any rank can initialize any part of the model.
+
+    `init_fn(name, module)` gives the init to run on a module, or None. Parameters that no init
+    writes are taken from `fallback()`, a whole model built on the CPU under the seed
+    (built at most once, and only when needed)."""
+
+    def __init__(self, twin: nn.Module, seed: int, init_fn: InitFor,
+                 fallback: Callable[[], nn.Module] | None = None):
+        self.twin, self.seed, self.init_fn, self._fallback = twin, seed, init_fn, fallback
+        self.modules = dict(twin.named_modules())
+        self.owner: dict[str, tuple[str, str]] = {}  # parameter name -> (module name, attribute)
+        for mname, module in twin.named_modules():
+            for attr, p in module.named_parameters(recurse=False):
+                pname = f"{mname}.{attr}" if mname else attr
+                self.owner.setdefault(pname, (mname, attr))
+        self._ready: dict[str, torch.Tensor] = {}  # computed and not yet handed out
+        self._cpu_model: nn.Module | None = None
+        self.from_fallback: list[str] = []
+
+    def fill(self, name: str, out: torch.Tensor) -> None:
+        if name not in self._ready:
+            self._init_module(self.owner[name][0])
+        out.copy_(self._ready.pop(name))
+
+    def _init_module(self, mname: str) -> None:
+        module = self.modules[mname]
+        direct = dict(module.named_parameters(recurse=False))
+        real = {attr: torch.full(p.shape, float("nan")) for attr, p in direct.items()}
+        chain = _ancestry(mname)  # the module first, then each ancestor
+        try:
+            for attr, t in real.items():
+                module._parameters[attr] = nn.Parameter(t, requires_grad=False)
+            with torch.random.fork_rng(devices=[]), torch.no_grad():
+                torch.manual_seed(name_seed(self.seed, mname))
+                for m in chain:
+                    fn = self.init_fn(m, self.modules[m])
+                    if fn is not None:
+                        fn(self.modules[m])
+        finally:
+            for attr, p in direct.items():
+                module._parameters[attr] = p
+        for attr, t in real.items():
+            pname = f"{mname}.{attr}" if mname else attr
+            if torch.isnan(t).any():  # no init wrote it: the constructor's own value
+                t = self._fallback_value(pname)
+            self._ready[pname] = t
+
+    def _fallback_value(self, pname: str) -> torch.Tensor:
+        if self._fallback is None:
+            raise ModelError(f"no initialization writes parameter {pname}: give its module a reset_parameters()")
+        if self._cpu_model is None:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.seed)
+                self._cpu_model = self._fallback()
+        self.from_fallback.append(pname)
+        return self._cpu_model.get_parameter(pname).detach().float().clone()
+
+
+def _ancestry(mname: str) -> list[str]:
+    """`a.b.c` -> [a.b.c, a.b, a, ""] (the module, then its ancestors up to the root)."""
+    parts = mname.split(".") if mname else []
+    return [".".join(parts[:k]) for k in range(len(parts), -1, -1)]
+
+
+def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy summed over the targets that are not IGNORE_INDEX, in fp32, and their count."""
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+    return loss, (targets != IGNORE_INDEX).sum()
+
+
+def check_logits(logits, x: torch.Tensor, where: str) -> torch.Tensor:
+    """The forward's output as [B, T, V] logits (a tensor, or an object with `.logits`);
+    a ModelError naming the shape otherwise."""
+    out = getattr(logits, "logits", logits)
+    if not isinstance(out, torch.Tensor):
+        raise ModelError(f"{where}: the forward returned {type(logits).__name__}, expected logits "
+                         f"[batch, time, vocab] (a tensor, or an object with .logits)")
+    if out.dim() != 3 or tuple(out.shape[:2]) != tuple(x.shape):
+        raise ModelError(f"{where}: the forward returned shape {list(out.shape)} for input {list(x.shape)}; "
+                         f"expected logits [batch, time, vocab] = [{x.shape[0]}, {x.shape[1]}, vocab]")
+    return out
+
+
+@dataclass(frozen=True)
+class ExportEntry:
+    """One tensor of an export: its name in the file, and the parameter (by checkpoint name)
+    or the buffer (a tensor) it holds."""
+
+    name: str
+    shape: tuple[int, ...]
+    param: str | None = None
+    buffer: torch.Tensor | None = None
+
+
+class ModelSpec:
+    """What the trainer needs to know of one model; see the module docstring."""
+
+    kind = "base"
+
+    def __init__(self, cfg, seed: int, storage_cfg=None):
+        self.cfg = cfg
+        self.seed = seed
+        self.freeze = tuple(cfg.freeze)
+        self.storage_cfg = storage_cfg  # S3 settings for model.path
+
+    @functools.cached_property
+    def weights(self):
+        """The pretrained weights the model starts from (`SafetensorsWeights`), or None."""
+        return pretrained_weights(self.cfg, self.storage_cfg)
+
+    # -- building ----------------------------------------------------------------------
+    def build(self) -> nn.Module:
+        """The model, parameters on the meta device, buffers real, frozen parameters marked."""
+        model = self._build()
+        if self.freeze:
+            names = [n for n, _ in model.named_parameters()]
+            unmatched = [pat for pat in self.freeze if not any(fnmatch.fnmatchcase(n, pat) for n in names)]
+            if unmatched:
+                raise ModelError(f"model.freeze: {', '.join(unmatched)} matches no parameter; the parameters are "
+                                 f"{_short_list(names)}")
+            for n, p in model.named_parameters():
+                if any(fnmatch.fnmatchcase(n, pat) for pat in self.freeze):
+                    p.requires_grad_(False)
+        return model
+
+    def _build(self) -> nn.Module:
+        raise NotImplementedError
+
+    def source(self, model: nn.Module) -> ParamSource:
+        """Where the initial weights come from: pretrained weights or a seeded init."""
+        raise NotImplementedError
+
+    def fsdp_units(self, model: nn.Module) -> tuple[str, ...]:
+        """ZeRO-3 unit classes when `sharding.fsdp_units` is left empty."""
+        raise NotImplementedError
+
+    @staticmethod
+    def decays(name: str, param: torch.Tensor) -> bool:
+        """Matrices decay; biases and norm gains do not (nanoGPT's and Megatron's rule)."""
+        return param.dim() >= 2
+
+    # -- training ------------------------------------------------------------------------
+    def logits(self, model: nn.Module, x: torch.Tensor):
+        return model(x)
+
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, check: bool = False):
+        """(summed cross-entropy over valid targets, their count) for one micro-batch; with
+        `check`, the forward's output is checked to be [B, T, V] logits first."""
+        out = self.logits(model, x)
+        logits = check_logits(out, x, self.where) if check else getattr(out, "logits", out)
+        if check:
+            vocab, top = logits.shape[-1], int(max(x.max(), y.max()))
+            if top >= vocab:
+                raise ModelError(f"{self.where}: its vocabulary of {vocab} tokens is smaller than the data's: "
+                                 f"the batch holds token id {top}")
+        return token_loss(logits, y)
+
+    @property
+    def where(self) -> str:
+        """The config key that names this model, for messages."""
+        return "model"
+
+    @property
+    def vocab_size(self) -> int:
+        raise NotImplementedError
+
+    def check(self, seq_len: int, data_vocab: int | None = None) -> None:
+        """Raise a ModelError for what can be found before the cluster starts."""
+        if data_vocab is not None and data_vocab > self.vocab_size:
+            raise ModelError(f"{self.where}: its vocabulary of {self.vocab_size} tokens is smaller than the "
+                             f"dataset's ({data_vocab})")
+
+    # -- records and exports -----------------------------------------------------------
+    def record(self) -> dict:
+        """What a checkpoint notes of the model: its kind, source and a hash of its config."""
+        raise NotImplementedError
+
+    def export_plan(self, model: nn.Module) -> list[ExportEntry]:
+        """Every tensor a safetensors export writes, by `state_dict()` name: a tied weight under
+        each of its names (file formats refuse shared storage), persistent buffers as they are."""
+        name_of = {id(p): n for n, p in model.named_parameters()}
+        plan = []
+        for key, v in model.state_dict(keep_vars=True).items():
+            if id(v) in name_of:
+                plan.append(ExportEntry(key, tuple(v.shape), param=name_of[id(v)]))
+            else:
+                plan.append(ExportEntry(key, tuple(v.shape), buffer=v.detach()))
+        return plan
+
+    def export_dtype(self, dtype: str = "auto") -> str:
+        """The dtype an export writes floating tensors in: `auto` = the pretrained weights'
+        (so that loading and exporting gives them back bit for bit), else float32."""
+        if dtype != "auto":
+            return dtype
+        return self.weights.dtype() if self.weights is not None else "float32"
+
+    def export_files(self, dtype: str) -> dict[str, bytes]:
+        """The files an export in this model's own format writes beside the weights."""
+        raise ModelError(f"model.kind={self.kind} exports safetensors only (an HF directory needs model.kind=hf)")
+
+    def num_params(self, model: nn.Module) -> tuple[int, int]:
+        """(parameters, of which trainable), each tied weight counted once."""
+        params = list(model.parameters())
+        return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+
+
+def pretrained_weights(cfg, storage_cfg=None):
+    """The weights in `model.path` that the model starts from, or None (`model.init=random`,
+    no path, or an HF directory without weights under `init=auto`). ModelError when
+    `model.init=pretrained` finds none, or the path cannot be read."""
+    if not cfg.path or cfg.init == "random":
+        return None
+    from rayzero.checkpoint.storage import StorageError
+    from rayzero.models.weights import INDEX, SINGLE, SafetensorsWeights
+
+    try:
+        weights = SafetensorsWeights.find(cfg.path, storage_cfg)
+    except StorageError as e:
+        raise ModelError(f"model.path: cannot read {cfg.path}: {e}") from None
+    if weights is None and (cfg.init == "pretrained" or cfg.kind != "hf"):
+        raise ModelError(f"model.path: no weights in {cfg.path} (expected {SINGLE}, or {INDEX} and the files it "
+                         f"lists)" + ("; set model.init=random to train it from scratch" if cfg.kind == "hf" else ""))
+    return weights
+
+
+def weights_record(weights, path: str) -> dict:
+    """The part of `ModelSpec.record()` that says where the initial weights came from."""
+    if weights is None:
+        return {"source": path or None, "init": "random"}
+    return {"source": path, "init": "pretrained", "weights_sha256": weights.fingerprint,
+            "weights_dtype": weights.dtype()}
+
+
+def config_hash(config: dict) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _short_list(names: list[str], n: int = 8) -> str:
+    return ", ".join(names[:n]) + (f", … ({len(names)} in all)" if len(names) > n else "")

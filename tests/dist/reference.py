@@ -1,0 +1,84 @@
+"""A plain single-process torch run, to hold sharded training against: the same model and
+initial weights, the whole global batch of every step (micro-batch by micro-batch, gradients
+accumulated), the loss summed over valid targets / their global count, clipping,
+`torch.optim.AdamW` with weight decay on matrices only, and rayzero's learning-rate schedule."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from rayzero.cluster.schedule import lr_at
+from rayzero.data.batches import global_batch_offsets
+from rayzero.data.tokens import TokenDataset
+
+
+def mask_targets(y: torch.Tensor) -> torch.Tensor:
+    """Padding-like masking, a function of the data alone: targets that are a space, a newline
+    or an underscore do not count (about a fifth of source code)."""
+    return y.masked_fill((y == 32) | (y == 10) | (y == 95), -100)
+
+
+class MaskedBatches:
+    """A rank's batches with `mask_targets` applied: labels of -100, as instruction data has."""
+
+    masks_labels = True
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def microbatches(self, step: int):
+        return [(x, mask_targets(y)) for x, y in self.inner.microbatches(step)]
+
+
+def global_rows(cfg, data_path: str, step: int) -> torch.Tensor:
+    ds, t = TokenDataset(data_path), cfg.train
+    offsets = global_batch_offsets(t.seed, step, t.global_batch_size, ds.num_tokens, t.seq_len)
+    return torch.from_numpy(np.stack([ds.window(int(s), t.seq_len + 1) for s in offsets]))
+
+
+def logits_of(model, x):
+    out = model(x)
+    return getattr(out, "logits", out)
+
+
+def train_reference(model, cfg, data_path: str, steps: int, masked: bool = False,
+                    check_clipping: bool = True) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Train `model` (already holding its initial weights) for `steps`; its final state dict
+    and each step's global loss."""
+    params = list(model.named_parameters())
+    o, t = cfg.optim, cfg.train
+    opt = torch.optim.AdamW(
+        [{"params": [p for n, p in params if p.dim() >= 2 and p.requires_grad], "weight_decay": o.weight_decay},
+         {"params": [p for n, p in params if p.dim() < 2 and p.requires_grad], "weight_decay": 0.0}],
+        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+    )
+    losses = []
+    for step in range(steps):
+        rows = global_rows(cfg, data_path, step)
+        targets = mask_targets(rows[:, 1:]) if masked else rows[:, 1:]
+        valid = int((targets != -100).sum())
+        opt.zero_grad()
+        loss = 0.0
+        for x, y in zip(rows[:, :-1].split(t.micro_batch_size), targets.split(t.micro_batch_size)):
+            mb = F.cross_entropy(logits_of(model, x).flatten(0, 1), y.flatten(), reduction="sum", ignore_index=-100)
+            (mb / valid).backward()
+            loss += mb.item() / valid
+        norm = torch.nn.utils.clip_grad_norm_([p for _, p in params if p.requires_grad], o.grad_clip)
+        if check_clipping:
+            assert norm > o.grad_clip or step > 0, "clipping must engage for the comparison to mean anything"
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, steps, o)
+        opt.step()
+        losses.append(loss)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+
+
+def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """Norm-wise relative error, the usual measure for a whole tensor (elementwise ratios
+    blow up on elements that are near zero in both)."""
+    return ((got.double() - ref.double()).norm() / ref.double().norm()).item()

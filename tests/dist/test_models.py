@@ -1,0 +1,163 @@
+"""Users' own models train sharded exactly as a plain single-process torch run trains them.
+
+For a Hugging Face Llama with a tied and with an untied head (GQA, RoPE), GPT-2 (`Conv1D`
+weights, learned positions, tied head), Qwen2 (biases on q/k/v) and a user's `nn.Module`
+(torch layers, `nn.MultiheadAttention`, a tied head, a non-persistent buffer): every strategy
+at world 2 (with gradient accumulation) and 4, and HSDP and Hybrid-FSDP as 2 x 2, end 10
+steps within 1e-5 of `torch.optim.AdamW` on the same model and batches. The HF models start
+from their `save_pretrained` weights, read shard by shard; the reference loads them with
+`from_pretrained`. With masked targets (labels -100) the loss is normalized by the step's
+global count of valid targets, so world 1, 2 and 4 all equal the reference.
+"""
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from rayzero.cluster.schedule import lr_at
+from rayzero.config import load_config
+from rayzero.workers.rank import Rank, make_spec
+from tests.conftest import free_port
+from tests.dist.reference import MaskedBatches, rel_error, train_reference
+from tests.models import TinyLM, save_hf_model
+
+STEPS = 10
+MICRO = 2
+ARCHS = ["llama", "llama-untied", "gpt2", "qwen2"]
+STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+HYBRID = [("hsdp", ["sharding.strategy=optim_grads_params", "sharding.dp_outer=2"]),
+          ("hfsdp", ["sharding.strategy=optim_grads_params", "sharding.dp_outer=2", "sharding.outer_strategy=optim"])]
+
+
+@pytest.fixture(scope="session")
+def hf_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("hf")
+    return {arch: str(save_hf_model(arch, root / arch, seed=i)) for i, arch in enumerate(ARCHS)}
+
+
+def model_keys(name: str, hf_dirs: dict) -> list[str]:
+    if name == "module":
+        return ["model.kind=module", "model.factory=tests.models:TinyLM"]
+    return ["model.kind=hf", f"model.path={hf_dirs[name]}"]
+
+
+def config(world: int, accum: int, model: list[str], extra=()):
+    return load_config(None, [
+        f"cluster.num_workers={world}", *model,
+        "train.seq_len=32", f"train.global_batch_size={world * MICRO * accum}",
+        f"train.micro_batch_size={MICRO}", f"train.steps={STEPS}", "train.seed=7",
+        "sharding.bucket_numel=3000", "sharding.shard_align=1",  # several buckets, odd cuts
+        "optim.lr=1e-3", "optim.min_lr=1e-4", "optim.warmup_steps=3",
+        "optim.weight_decay=0.1", "optim.grad_clip=0.5", *extra,
+    ])
+
+
+def reference_model(name: str, cfg, hf_dirs: dict):
+    """The same model with the same initial weights, built the plain way."""
+    if name == "module":
+        model = TinyLM()
+        spec = make_spec(cfg)
+        source = spec.source(spec.build())
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                source.fill(n, p)
+        return model
+    import transformers as tf
+
+    return tf.AutoModelForCausalLM.from_pretrained(hf_dirs[name], dtype=torch.float32)
+
+
+def _worker(rank: int, world: int, runs, ports, data_path: str, masked: bool, out: dict):
+    torch.set_num_threads(1)
+    for (label, cfg), port in zip(runs, ports):
+        r = Rank(cfg, rank, world, data_path)
+        info = r.setup("127.0.0.1", port)
+        if masked:
+            r.data = MaskedBatches(r.data)
+        losses = []
+        for step in range(STEPS):
+            res = r.iteration({"step": step, "lr": lr_at(step, STEPS, cfg.optim)})
+            losses.append((res["loss_sum"], res["tokens"]))
+        state = r.full_state_dict()
+        out[(label, rank)] = {"losses": losses, "info": info, **({"state": state} if rank == 0 else {})}
+        r.close()
+
+
+def run_ranks(world: int, runs, data_path: str, masked: bool = False) -> dict:
+    with mp.Manager() as manager:
+        out = manager.dict()
+        ports = [free_port() for _ in runs]
+        mp.spawn(_worker, args=(world, runs, ports, data_path, masked, out), nprocs=world)
+        return dict(out)
+
+
+def key_bias(name: str, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the part held to 1e-5, the attention key bias in it or None).
+
+    A bias added to every key shifts all of a query's scores alike, so softmax cancels it: its
+    gradient is zero up to rounding, and Adam turns that rounding noise (which depends on the
+    summation order) into full +-lr steps either way. So the key bias is held only to staying
+    near its start; everything else to 1e-5."""
+    if name.endswith("k_proj.bias"):
+        return t[:0], t
+    if name.endswith(("attn.c_attn.bias", "in_proj_bias")):  # GPT-2, nn.MultiheadAttention: q, k, v in one
+        q, k, v = t.chunk(3)
+        return torch.cat([q, v]), k
+    return t, None
+
+
+def assert_matches(results, label, world, ref_state, ref_losses):
+    got = results[(label, 0)]
+    assert got["state"].keys() == ref_state.keys(), label
+    for name, ref in ref_state.items():
+        (mine, my_key), (theirs, their_key) = key_bias(name, got["state"][name]), key_bias(name, ref)
+        if mine.numel():
+            err = rel_error(mine, theirs)
+            assert err <= 1e-5, f"{label} world {world}, {name}: {err:.2e}"
+        if my_key is not None:  # at most lr (1e-3) per step from a start of +-0.02-size values
+            assert (my_key - their_key).abs().max() <= 2 * STEPS * 1e-3, f"{label} world {world}, {name}"
+    losses = [sum(results[(label, r)]["losses"][k][0] for r in range(world))
+              / sum(results[(label, r)]["losses"][k][1] for r in range(world)) for k in range(STEPS)]
+    assert losses == pytest.approx(ref_losses, rel=1e-5), label
+
+
+@pytest.mark.parametrize("name", ARCHS + ["module"])
+@pytest.mark.parametrize("world,accum", [(2, 2), (4, 1)])
+def test_every_strategy_equals_plain_torch(name, world, accum, hf_dirs, small_dataset):
+    keys = model_keys(name, hf_dirs)
+    base = config(world, accum, keys)
+    ref_state, ref_losses = train_reference(reference_model(name, base, hf_dirs), base, small_dataset, STEPS)
+    runs = [(s, config(world, accum, keys, [f"sharding.strategy={s}"])) for s in STRATEGIES]
+    if world == 4:
+        runs += [(label, config(world, accum, keys, extra)) for label, extra in HYBRID]
+    results = run_ranks(world, runs, small_dataset)
+    for label, _ in runs:
+        assert_matches(results, label, world, ref_state, ref_losses)
+    info = results[("optim_grads_params", 0)]["info"]
+    assert info["trainable_params"] == info["num_params"] == sum(p.numel() for p in
+                                                                reference_model(name, base, hf_dirs).parameters())
+    if name != "module":  # each rank read about its shard of the weights, not the whole model
+        full = sum(v.numel() for v in ref_state.values()) * 4
+        for r in range(world):
+            read = results[("optim_grads_params", r)]["info"]["source_bytes_read"]
+            assert read < 1.6 * full / world, f"rank {r} read {read} of {full} bytes"
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_masked_targets_normalize_by_the_global_valid_count(world, hf_dirs, small_dataset):
+    """Labels of -100 take no part, and every world size gives the reference's result: each
+    rank divides by the valid targets of the whole step, not of its own rows."""
+    keys = model_keys("llama", hf_dirs)
+    base = config(world, 2 if world < 4 else 1, keys)
+    ref_state, ref_losses = train_reference(reference_model("llama", base, hf_dirs), base, small_dataset, STEPS,
+                                            masked=True)
+    _, unmasked = train_reference(reference_model("llama", base, hf_dirs), base, small_dataset, 1)
+    assert abs(ref_losses[0] - unmasked[0]) > 1e-3, "the mask must change the loss for the test to mean anything"
+    strategies = ["no_shard", "optim_grads_params"] if world > 1 else ["no_shard"]
+    runs = [(s, base.override(f"sharding.strategy={s}")) for s in strategies]
+    results = run_ranks(world, runs, small_dataset, masked=True)
+    for label, _ in runs:
+        assert_matches(results, label, world, ref_state, ref_losses)
+    if world > 1:  # the ranks' own counts differ: a per-rank mean would not match
+        counts = {results[("no_shard", r)]["losses"][0][1] for r in range(world)}
+        assert len(counts) > 1

@@ -1,0 +1,129 @@
+"""Tiny real models for the tests: Hugging Face causal LMs built from their config classes and
+saved with `save_pretrained` (no hub), and a user's own `nn.Module`, importable as
+`tests.models:TinyLM` for `model.factory`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB = 320  # the byte datasets use 257 ids
+
+
+def hf_config(arch: str, **extra):
+    """A tiny config of each architecture the tests cover."""
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=None)
+    if arch in ("llama", "llama-untied"):
+        return tf.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, max_position_embeddings=128,
+                              tie_word_embeddings=arch == "llama", **common, **extra)
+    if arch == "gpt2":
+        return tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0,
+                             attn_pdrop=0.0, **common, **extra)
+    if arch == "qwen2":
+        return tf.Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+                              **common, **extra)
+    if arch == "mistral":
+        return tf.MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, max_position_embeddings=128, sliding_window=None,
+                                **common, **extra)
+    raise ValueError(arch)
+
+
+def save_hf_model(arch: str, path: str | Path, dtype: torch.dtype = torch.float32, seed: int = 0,
+                  max_shard_size: str | None = None, **extra) -> Path:
+    """A model of `arch` with random weights (under `seed`) saved to `path` as a model directory."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(hf_config(arch, **extra), dtype=torch.float32)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.to(dtype).save_pretrained(str(path), **kwargs)
+    return Path(path)
+
+
+def save_tokenizer(path: str | Path, texts: list[str], vocab: int = 300) -> None:
+    """A byte-level BPE tokenizer trained on `texts`, saved as tokenizer.json in `path`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<s>", "</s>"]))
+    tok.save(str(Path(path) / "tokenizer.json"))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, 4 * dim)
+        self.proj = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        mask = torch.triu(torch.ones(t, t, dtype=torch.bool, device=x.device), 1)
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.proj(F.gelu(self.fc(self.ln2(x))))
+
+
+class TinyLM(nn.Module):
+    """A user's own decoder: torch layers only, a non-persistent position buffer, optionally a
+    tied head. Forward: token ids [B, T] -> logits [B, T, V]."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = 32, heads: int = 4, n_layer: int = 2, max_len: int = 128,
+                 tie: bool = True):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(max_len, dim)
+        self.register_buffer("positions", torch.arange(max_len), persistent=False)
+        self.layers = nn.ModuleList(Block(dim, heads) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        if tie:
+            self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx) + self.pos(self.positions[: idx.shape[1]])
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.ln_f(x))
+
+
+class Scaled(nn.Module):
+    """A module with a parameter no `reset_parameters` initializes (its value comes from its
+    constructor)."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.gain = nn.Parameter(torch.full((dim,), 0.5))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx):
+        return self.head(self.emb(idx) * self.gain)
+
+
+class WrongShape(nn.Module):
+    """A forward that returns [B, V] (the last position only), not [B, T, V]."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx):
+        return self.head(self.emb(idx))[:, -1]
+
+
+def not_a_module(**_):
+    return "a string"
