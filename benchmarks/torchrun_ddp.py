@@ -1,12 +1,14 @@
 """The torchrun baselines (DDP, or FSDP2 with `--fsdp2`; gloo) that `vs_torchrun.py` compares rayzero against.
 
-A plain torchrun training script doing what a rayzero rank does, without Ray: the same GPT
-(`build_model` under the config's seed), the same rows of every step's global batch
+A plain torchrun training script doing what a rayzero rank does, without Ray: the same model
+(the GPT from `build_model` under the config's seed, or with `model.kind=hf` the HF model
+loaded by `from_pretrained` from `model.path`), the same rows of every step's global batch
 (`RankBatches` with dp_rank = this rank), the same loss scaling, AdamW with weight decay on
 matrices only, gradient clipping and learning-rate schedule. Gradients are all-reduced by
 DDP once per step (`no_sync()` on every micro-batch but the last). With `--fsdp2`, torch's
-FSDP2 instead: `fully_shard` on each transformer block, then on the whole model (the
-embeddings, final norm and tied head as the root unit), which reduce-scatters gradients on
+FSDP2 instead: `fully_shard` on each transformer block (an HF model's `_no_split_modules`
+class, its decoder layer), then on the whole model (the embeddings, final norm and head as
+the root unit), which reduce-scatters gradients on
 every micro-batch, as rayzero's ZeRO-3 does. Rank 0 times every
 iteration; each rank records its peak RSS. Rank 0 writes a JSON file with the step times,
 the per-step losses and the peak RSS of every rank.
@@ -38,6 +40,18 @@ from rayzero.jobs.train import resolve_data
 from rayzero.models.gpt import build_model
 
 
+def plain_model(cfg):
+    """The model as a user builds it without rayzero, and its transformer blocks."""
+    if cfg.model.kind == "hf":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
+        units = set(model._no_split_modules)
+        return model, [m for m in model.modules() if type(m).__name__ in units]
+    model = build_model(cfg.model, cfg.block_size, cfg.train.seed)
+    return model, list(model.blocks)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="JSON file rank 0 writes the results to")
@@ -52,13 +66,13 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != cfg.dp_size:
         raise SystemExit(f"torchrun started {world} ranks but cluster.num_workers is {cfg.dp_size}")
-    model = build_model(cfg.model, cfg.block_size, cfg.train.seed)
+    model, blocks = plain_model(cfg)
     if args.fsdp2:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (world,))
-        for block in model.blocks:
+        for block in blocks:
             fully_shard(block, mesh=mesh)
         ddp = fully_shard(model, mesh=mesh)
     else:
@@ -93,7 +107,8 @@ def main() -> None:
             last = i == len(micro) - 1
             sync = contextlib.nullcontext() if last or args.fsdp2 else ddp.no_sync()
             with sync:
-                logits = ddp(x)
+                out = ddp(x)
+                logits = getattr(out, "logits", out)  # an HF model's output object
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum")
                 (loss * loss_scale).backward()
             loss_sum += loss.detach()

@@ -1,4 +1,10 @@
-"""rayzero against torchrun + DDP and torch FSDP2: step time and peak memory per rank, same GPT and batch.
+"""rayzero against torchrun + DDP and torch FSDP2: step time and peak memory per rank, same model and batch.
+
+The model is the built-in GPT (`small`, 10.8M parameters), or with `--model llama` a Hugging
+Face Llama of the same size (9.7M parameters: 6 decoder layers of width 384, GQA with 2 key
+and value heads, untied head) made here with `save_pretrained`, which the baselines load with
+`from_pretrained` and rayzero reads shard by shard (FSDP2 wraps each `LlamaDecoderLayer`,
+rayzero's ZeRO-3 units are the same class).
 
 Runs, one after the other, at 2 ranks on one config:
   1. `benchmarks/torchrun_ddp.py` under `torchrun --standalone --nproc_per_node 2` (gloo), with
@@ -29,7 +35,8 @@ Targets (informational; the exit code is 0 either way): rayzero / DDP median ste
 <= 1.05 for no_shard and optim; rayzero optim_grads_params / FSDP2 median step time <= 0.95,
 and its peak RSS per rank <= FSDP2's. optim_grads is reported against both.
 
-    python benchmarks/vs_torchrun.py [--quick] [--rounds N] [--json PATH] [--dispatch compiled|pipelined]
+    python benchmarks/vs_torchrun.py [--model gpt|llama] [--quick] [--rounds N] [--json PATH]
+                                     [--dispatch compiled|pipelined]
 """
 
 from __future__ import annotations
@@ -80,6 +87,18 @@ LOSS_RTOL = 1e-4
 LOSS_STEPS = 5
 LOSSES_SHOWN = 5
 SETTLE_S = 3.0  # let the processes of the run before exit before timing the next
+
+
+def make_llama(path: Path) -> str:
+    """A Llama the size of the GPT `small`, saved as an HF model directory."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=320, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
+                         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(str(path))
+    return str(path)
 
 
 def run_ddp(overrides: list[str], warmup: int, fsdp2: bool = False) -> dict:
@@ -228,13 +247,18 @@ def main() -> None:
     ap.add_argument("--json", metavar="PATH", help="also write the results here as JSON")
     ap.add_argument("--dispatch", choices=("compiled", "pipelined"), default="compiled",
                     help="how rayzero's controller drives each iteration (cluster.dispatch)")
+    ap.add_argument("--model", choices=("gpt", "llama"), default="gpt",
+                    help="the built-in GPT (small), or an HF Llama of the same size")
     args = ap.parse_args()
     steps, warmup, rounds = (10, 2, 1) if args.quick else (30, 10, args.rounds)
 
     data_path = ensure_default_corpus("~/.cache/rayzero/datasets")
-    overrides = CONFIG + [f"train.steps={steps}", f"data.path={data_path}"]
+    tmp = tempfile.TemporaryDirectory()
+    config = CONFIG if args.model == "gpt" else [c for c in CONFIG if not c.startswith("model.")] + \
+        ["model.kind=hf", f"model.path={make_llama(Path(tmp.name) / 'llama')}"]
+    overrides = config + [f"train.steps={steps}", f"data.path={data_path}"]
     resolve_data(load_config(None, overrides))
-    print(f"config: {' '.join(CONFIG)} train.steps={steps}; rayzero cluster.dispatch={args.dispatch}; "
+    print(f"config: {' '.join(config)} train.steps={steps}; rayzero cluster.dispatch={args.dispatch}; "
           f"{warmup} warmup steps untimed; {rounds} round(s)\n")
 
     all_rounds = []
@@ -276,7 +300,8 @@ def main() -> None:
     if args.json:
         result = {
             "benchmark": "vs_torchrun",
-            "config": CONFIG,
+            "model": args.model,
+            "config": config,
             "dispatch": args.dispatch,
             "steps": steps,
             "warmup": warmup,

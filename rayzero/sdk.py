@@ -50,16 +50,16 @@ class Trainer:
         callable returning an `nn.Module` (a class, a function, one defined in a notebook
         cell), called with `model.kwargs` on every rank: the run trains it
         (`model.kind=module`)."""
-        if config is None or isinstance(config, (str, Path)):
-            config = load_config(config, overrides)
-        elif overrides:
-            config = config.override(*overrides)
         if model is not None:
             if not callable(model):
                 raise ConfigError(f"model: expected a callable that returns an nn.Module, got {type(model).__name__}")
             from rayzero.models.module import describe
 
-            config = config.override("model.kind=module", f"model.factory={describe(model)}")
+            overrides = ["model.kind=module", f"model.factory={describe(model)}", *overrides]
+        if config is None or isinstance(config, (str, Path)):
+            config = load_config(config, overrides)
+        elif overrides:
+            config = config.override(*overrides)
         self.config = config
         self.model = model
         self.progress = progress

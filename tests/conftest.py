@@ -6,6 +6,8 @@ from pathlib import Path
 # The e2e clusters use Ray's token authentication (what `ray start` turns on); Ray reads the
 # mode when it is first imported, so it is set before any test module imports ray.
 os.environ.setdefault("RAY_AUTH_MODE", "token")
+# No test may reach a model hub: transformers and huggingface_hub fail at once instead of retrying.
+os.environ["HF_HUB_OFFLINE"] = "1"
 
 import pytest
 

@@ -18,22 +18,17 @@ def hf_config(arch: str, **extra):
     import transformers as tf
 
     common = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=None)
-    if arch in ("llama", "llama-untied"):
-        return tf.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                              num_key_value_heads=2, max_position_embeddings=128,
-                              tie_word_embeddings=arch == "llama", **common, **extra)
-    if arch == "gpt2":
-        return tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0,
-                             attn_pdrop=0.0, **common, **extra)
-    if arch == "qwen2":
-        return tf.Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                              num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
-                              **common, **extra)
-    if arch == "mistral":
-        return tf.MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                num_key_value_heads=2, max_position_embeddings=128, sliding_window=None,
-                                **common, **extra)
-    raise ValueError(arch)
+    decoder = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=128)
+    cls, kw = {
+        "llama": (tf.LlamaConfig, {**decoder, "tie_word_embeddings": True}),
+        "llama-untied": (tf.LlamaConfig, {**decoder, "tie_word_embeddings": False}),
+        "qwen2": (tf.Qwen2Config, {**decoder, "tie_word_embeddings": False}),
+        "mistral": (tf.MistralConfig, {**decoder, "sliding_window": None}),
+        "gpt2": (tf.GPT2Config, dict(n_embd=32, n_layer=2, n_head=4, n_positions=128, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0)),
+    }[arch]
+    return cls(**{**common, **kw, **extra})
 
 
 def save_hf_model(arch: str, path: str | Path, dtype: torch.dtype = torch.float32, seed: int = 0,

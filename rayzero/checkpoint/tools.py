@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import posixpath
 from pathlib import Path
 
@@ -14,7 +15,10 @@ from rayzero.checkpoint.manifest import CheckpointError, Committed, committed
 from rayzero.checkpoint.shard_file import ShardReader, verify
 from rayzero.checkpoint.shards import locate_saved, saved_pieces
 from rayzero.checkpoint.storage import Storage
-from rayzero.models import ModelSpec, spec_from_manifest
+from rayzero.models import ModelError, ModelSpec, spec_from_manifest
+from rayzero.models.spec import ExportEntry
+
+log = logging.getLogger(__name__)
 
 
 def list_checkpoints(uri: str, cfg: CheckpointConfig | None = None) -> list[dict]:
@@ -48,12 +52,31 @@ class CheckpointWeights:
         self.frozen = set(m.get("frozen", []))
         self.pieces, self.starts = saved_pieces(m)
         self.readers: dict[int, ShardReader] = {}
-        self.spec = spec_from_manifest(m, storage_cfg)
-        self.model = self.spec.build()
+        self.shapes = {p["name"]: tuple(p["shape"]) for p in m["params"]}
         self._source = None
+        try:
+            self.spec = spec_from_manifest(m, storage_cfg)
+            self.model = self.spec.build()
+        except ModelError as e:
+            # A module whose factory this process cannot import (one defined in a notebook):
+            # its parameters by their names, without buffers or tied aliases.
+            if m["model"].get("kind") != "module" or self.frozen:
+                raise CheckpointError(f"{c.uri}: cannot rebuild the model to export it: {e}") from None
+            log.warning("%s; exporting the parameters by their names only", e)
+            self.spec = self.model = None
+
+    def plan(self, fmt: str) -> list[ExportEntry]:
+        """What the export writes: the model's own plan, or its parameters by name."""
+        if self.spec is None:
+            if fmt == "hf":
+                raise CheckpointError(f"{self.c.uri}: an HF directory needs model.kind=hf")
+            return [ExportEntry(n, shape, param=n) for n, shape in self.shapes.items()]
+        if fmt == "hf":
+            return self.spec.export_plan(self.model)
+        return ModelSpec.export_plan(self.spec, self.model)
 
     def __call__(self, name: str) -> torch.Tensor:
-        shape = tuple(self.model.get_parameter(name).shape)
+        shape = self.shapes[name]
         if name in self.frozen:
             if self._source is None:
                 self._source = self.spec.source(self.model)
@@ -74,6 +97,14 @@ class CheckpointWeights:
         return torch.from_numpy(out).view(shape)
 
 
+def consolidated_weights(c: Committed, storage_cfg=None) -> dict[str, torch.Tensor]:
+    """The fp32 weights, whole, by the model's `state_dict()` names (a tied weight under each
+    of its names), all in memory: for a small model in a notebook. `export_checkpoint`
+    streams instead."""
+    weights = CheckpointWeights(c, storage_cfg)
+    return {e.name: weights(e.param) if e.param is not None else e.buffer.clone() for e in weights.plan("safetensors")}
+
+
 def export_checkpoint(c: Committed, out: str, fmt: str = "safetensors", dtype: str = "auto",
                       max_shard_bytes: int = 5 * 10**9, storage_cfg=None) -> int:
     """Write a checkpoint's weights to `out`, streaming tensor by tensor (never the whole model
@@ -82,8 +113,8 @@ def export_checkpoint(c: Committed, out: str, fmt: str = "safetensors", dtype: s
     of tensors written."""
     weights = CheckpointWeights(c, storage_cfg)
     spec = weights.spec
+    plan = weights.plan(fmt)
     dtype = spec.export_dtype(dtype) if fmt == "hf" else ("float32" if dtype == "auto" else dtype)
-    plan = spec.export_plan(weights.model) if fmt == "hf" else ModelSpec.export_plan(spec, weights.model)
     tensors = []
     for e in plan:
         if e.param is not None:

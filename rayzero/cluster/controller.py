@@ -482,6 +482,7 @@ class Controller:
             "strategy": cfg.sharding.strategy,
             "grad_accum": cfg.grad_accum,
             "num_params": rank0_info["num_params"],
+            "trainable_params": rank0_info["trainable_params"],
             "backend": rank0_info["backend"],
             "dispatch": cfg.cluster.dispatch,
             "mlflow_run_id": self.tracker.run_id,

@@ -141,9 +141,12 @@ def _print_plan(p: dict) -> None:
         f"plan (dry run: nothing started)\n"
         f"  {p['world_size']} ranks{elastic} of {bundle} each, on {p['cluster']}\n"
         f"  strategy {p['strategy']}{hybrid}; params {p['param_dtype']}, grads {p['grad_dtype']}\n"
-        f"  {p['num_params']:,} parameters; model state per rank {mem['bytes_per_param']:.2f} bytes/parameter "
-        f"= {mem['bytes_per_rank'] / 2**20:,.1f} MiB (Megatron's formula, before padding and activations)\n"
-        f"  {p['global_batch_size']} sequences per step = {p['world_size']} ranks x {p['grad_accum']} "
+        f"  model {_model_line(p)}\n"
+        + (f"  {_params_line(p['num_params'], p['trainable_params'])}; model state per rank "
+           f"{mem['bytes_per_param']:.2f} bytes/parameter = {mem['bytes_per_rank'] / 2**20:,.1f} MiB (Megatron's "
+           f"formula, before padding and activations)\n" if p["num_params"] else
+           f"  model state per rank {mem['bytes_per_param']:.2f} bytes/parameter (Megatron's formula)\n")
+        + f"  {p['global_batch_size']} sequences per step = {p['world_size']} ranks x {p['grad_accum']} "
         f"micro-batches x {p['micro_batch_size']}; {p['tokens_per_step']:,} tokens per step, {p['steps']} steps\n"
         f"  data {p['data']}\n"
         + (f"  checkpoints every {ck['every_steps']} steps to {ck['dir']} (resume {ck['resume']})\n" if ck
@@ -154,6 +157,22 @@ def _print_plan(p: dict) -> None:
     )
 
 
+def _model_line(p: dict) -> str:
+    m = p["model"]
+    if m["note"]:
+        return f"{m['kind']} from {m['source']}: {m['note']}"
+    if m["kind"] == "gpt":
+        return "the built-in GPT" + (f", from {m['source']}" if m["source"] else "")
+    what = m["architecture"] or m["kind"]
+    source = f" from {m['source']}" if m["source"] else ""
+    return f"{what}{source} ({'pretrained weights' if m['init'] == 'pretrained' else 'random init'})"
+
+
+def _params_line(total: int, trainable: int) -> str:
+    frozen = total - trainable
+    return f"{total:,} parameters" + (f" ({frozen:,} frozen)" if frozen else "")
+
+
 def _print_summary(s: dict) -> None:
     if s["steps"] == 0:
         print(f"\nnothing to train: resumed from {s['resumed_from']} at step {s['start_step']} "
@@ -161,12 +180,13 @@ def _print_summary(s: dict) -> None:
         return
     phases = "  ".join(f"{k} {v:.1f}" for k, v in s["phase_ms"].items())
     mem = s["memory"]
-    per_param = "  ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in mem["bytes_per_param"].items())
+    per_param = "  ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in mem["bytes_per_param"].items()
+                          if k != "frozen_params" or v)
     resumed = f" (resumed at step {s['start_step']})" if s["resumed_from"] else ""
     ranks = f"{s['world_size']} ranks" + ("" if s["world_size"] == s["num_workers"] else f" (of {s['num_workers']})")
     print(
         f"\ntrained {s['steps']} steps{resumed}: loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}\n"
-        f"  {ranks}, strategy {s['strategy']}, {s['num_params']:,} parameters, "
+        f"  {ranks}, strategy {s['strategy']}, {_params_line(s['num_params'], s['trainable_params'])}, "
         f"{s['grad_accum']} micro-batches/step\n"
         f"  {s['tokens_per_s']:,.0f} tokens/s, {s['step_ms']:.1f} ms/step ({phases} ms)\n"
         f"  memory per rank, bytes/parameter: {per_param}; transient peak "
@@ -186,7 +206,7 @@ def _print_summary(s: dict) -> None:
 
 
 def _deploy(args) -> int:
-    from rayzero.jobs.deploy import DeployError, check_manifest, crds_folder
+    from rayzero.jobs.deploy import DeployError, Note, check_manifest, crds_folder
 
     try:
         crds = crds_folder(args.crds)
@@ -196,12 +216,15 @@ def _deploy(args) -> int:
     if crds is None:
         print("rayzero: note: no KubeRay CRDs (--crds or $RAYZERO_KUBERAY_CRDS): the schema is not checked",
               file=sys.stderr)
+    failed = False
     for f, problems in results:
+        errors = [p for p in problems if not isinstance(p, Note)]
         for problem in problems:
-            print(f"rayzero: error: {f}: {problem}", file=sys.stderr)
-        if not problems:
+            print(f"rayzero: {'note' if isinstance(problem, Note) else 'error'}: {f}: {problem}", file=sys.stderr)
+        if not errors:
             print(f"{f}: ok" + ("" if crds else " (schema not checked)"))
-    return 2 if any(problems for _, problems in results) else 0
+        failed = failed or bool(errors)
+    return 2 if failed else 0
 
 
 def _prepare(args) -> int:

@@ -76,7 +76,7 @@ def check_manifest(path: str | Path, crds_dir: str | Path | None = None,
     problems = []
     for i, doc in enumerate(docs, 1):
         prefix = f"document {i}: " if len(docs) > 1 else ""
-        problems += [prefix + p for p in check_document(doc, crds, Path(workdir))]
+        problems += [type(p)(prefix + p) for p in check_document(doc, crds, Path(workdir))]
     return problems
 
 
@@ -357,11 +357,17 @@ def _entrypoint_problems(doc: dict, workdir: Path) -> list[str]:
         args = _parse_train(train_argv(entrypoint, env))
         if args.dry_run:
             return problems + ["spec.entrypoint: has --dry-run: the job would print the plan and train nothing"]
-        cfg, _ = dry_run(args.config, args.overrides, workdir)
+        cfg, p = dry_run(args.config, args.overrides, workdir)
     except DeployError as e:
         return problems + [f"spec.entrypoint: {line}" for line in str(e).splitlines()]
+    if p["model"]["note"]:
+        problems.append(Note(f"spec.entrypoint: the model is not checked: {p['model']['note']}"))
     where, cluster = _cluster_spec(doc)
     return problems + ([] if cluster is None else _gpu_problems(cfg, where, cluster))
+
+
+class Note(str):
+    """Something the check could not look at: said, but not a problem."""
 
 
 def _parse_train(argv: list[str]):
@@ -393,7 +399,12 @@ def dry_run(config: str | None, overrides: list[str], workdir: str | Path = ".")
                               f"image has the repository root at /app: check from there, or pass --workdir)")
     try:
         cfg = load_config(path, overrides)
-        return cfg, plan(cfg)
+        model_path, read_model = cfg.model.path, True
+        if model_path and "://" not in model_path:  # a path in the image: resolve it as the job will
+            local = Path(model_path) if Path(model_path).is_absolute() else Path(workdir) / model_path
+            read_model = local.exists()  # else on a volume of the cluster's, say
+            cfg = cfg.override(f"model.path={local}") if read_model else cfg
+        return cfg, plan(cfg, read_model=read_model)
     except ConfigError as e:
         header, *items = [line.strip() for line in str(e).splitlines()]
         items = [i for i in items if i != header]  # "invalid config:" heads the list of keys

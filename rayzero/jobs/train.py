@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -19,12 +20,16 @@ from rayzero.checkpoint.export import check_destination
 from rayzero.config import ConfigError, RootConfig
 from rayzero.data.corpus import ensure_default_corpus
 from rayzero.data.tokens import DataError, read_meta
-from rayzero.models import ModelError, ModelSpec
+from rayzero.models import ModelError, ModelSpec, ModelUnavailable
 from rayzero.workers.rank import check_buildable, make_spec
 
 
 class ClusterUnreachable(RuntimeError):
     """cluster.address names no reachable Ray cluster."""
+
+
+class ModelUnreachable(ConfigError):
+    """model.path names storage this machine cannot reach."""
 
 
 def resolve_data(cfg: RootConfig) -> str:
@@ -41,6 +46,35 @@ def resolve_data(cfg: RootConfig) -> str:
     return path
 
 
+def resolve_factory(cfg: RootConfig, factory=None):
+    """The model's callable for `model.kind=module`: `factory` if given from Python, else
+    `model.factory` imported here, with the working directory importable (as `python -m`
+    has it), so that `model.factory=mymodels:TinyLM` finds `./mymodels.py`. A callable from
+    the user's own files (not an installed package) is sent to the ranks by value, so their
+    machines need not have the file."""
+    if cfg.model.kind != "module":
+        return None
+    if factory is None:
+        from rayzero.models.module import import_factory
+
+        if not cfg.model.factory:
+            raise ConfigError("model.factory: model.kind=module needs `package.module:callable` (or, from Python, "
+                              "Trainer(config, model=callable))")
+        if "" not in sys.path and os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            factory = import_factory(cfg.model.factory)
+        except ModelError as e:
+            raise ConfigError(str(e)) from None
+    module = sys.modules.get(getattr(factory, "__module__", "") or "")
+    where = getattr(module, "__file__", None) or ""
+    if module is not None and module.__name__ != "__main__" and not any(
+            part in where for part in ("site-packages", "dist-packages")):
+        # The whole top-level package: the factory's module may import its siblings.
+        ray.cloudpickle.register_pickle_by_value(sys.modules[module.__name__.partition(".")[0]])
+    return factory
+
+
 def check_model(cfg: RootConfig, factory=None, data_vocab: int | None = None) -> ModelSpec:
     """Everything about the model that can be checked before a cluster starts: that it builds
     (config.json, the factory), that pretrained weights match it, that it fits the sequence
@@ -50,11 +84,22 @@ def check_model(cfg: RootConfig, factory=None, data_vocab: int | None = None) ->
         spec = make_spec(cfg, factory)
         spec.check(cfg.train.seq_len, data_vocab)
         check_buildable(cfg, None if cfg.cluster.use_gpu else torch.device("cpu"), spec)
+    except ModelUnavailable as e:
+        raise ModelUnreachable(str(e)) from None
     except ModelError as e:
         raise ConfigError(str(e)) from None
     except ValueError as e:  # unit classes, dtypes
         raise ConfigError(str(e)) from None
     return spec
+
+
+def absolute_model_path(cfg: RootConfig) -> RootConfig:
+    """`model.path` made absolute where it is a relative local path: the ranks' processes need
+    not share the driver's working directory."""
+    path = cfg.model.path
+    if not path or "://" in path or Path(path).expanduser().is_absolute():
+        return cfg
+    return cfg.override(f"model.path={Path(path).resolve()}")
 
 
 def make_run_dir(cfg: RootConfig) -> Path:
@@ -83,18 +128,27 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
         raise ConnectionError(f"{host}:{port} is not reachable ({e})") from None
 
 
-def plan(cfg: RootConfig, factory=None) -> dict:
+def plan(cfg: RootConfig, factory=None, read_model: bool = True) -> dict:
     """What `run_train(cfg)` would do, checked as far as possible without data or Ray: the
     config and the model (built on the meta device; its weights' headers read) are validated
     (ConfigError), and the plan says how the ranks split the work and what each holds
-    (Megatron's model-state formula)."""
+    (Megatron's model-state formula). A model whose storage this machine cannot reach (an
+    S3 endpoint only the cluster sees; with `read_model=False`, any) is left out of the plan,
+    with a note saying so."""
     from rayzero.cluster.checkpoints import checkpoint_root
     from rayzero.sharding.memory import formula_bytes_per_param
     from rayzero.sharding.precision import DTYPES
 
-    spec = check_model(cfg, factory)
+    try:
+        if not read_model:
+            raise ModelUnreachable(f"model.path {cfg.model.path} is on the cluster's machines")
+        spec, note = check_model(cfg, resolve_factory(cfg, factory)), None
+        num_params, trainable = spec.num_params(spec.build())
+        record = spec.record()
+    except ModelUnreachable as e:
+        spec, note, num_params, trainable = None, f"not read from here: {e}", None, None
+        record = {"kind": cfg.model.kind, "source": cfg.model.path, "init": cfg.model.init}
     sh, t, c = cfg.sharding, cfg.train, cfg.cluster
-    num_params, trainable = spec.num_params(spec.build())
     d = c.num_workers // sh.dp_outer  # ranks a shard is split over
     param_bytes = DTYPES[sh.param_dtype].itemsize
     grad_bytes = DTYPES[sh.grad_dtype].itemsize
@@ -102,8 +156,8 @@ def plan(cfg: RootConfig, factory=None) -> dict:
     per_param = formula_bytes_per_param(sh.strategy, d, param_bytes, grad_bytes, d_optim)
     # Frozen parameters hold only their compute copy (sharded under ZeRO-3).
     frozen_per_param = param_bytes / (d if sh.strategy == "optim_grads_params" else 1)
-    bytes_per_rank = int(per_param * trainable + frozen_per_param * (num_params - trainable))
-    record = spec.record()
+    bytes_per_rank = (int(per_param * trainable + frozen_per_param * (num_params - trainable))
+                      if num_params else None)
     return {
         "world_size": c.num_workers,
         "world_sizes": cfg.world_sizes(),
@@ -116,13 +170,15 @@ def plan(cfg: RootConfig, factory=None) -> dict:
         "num_params": num_params,
         "trainable_params": trainable,
         "model": {"kind": record["kind"], "source": record.get("source"), "init": record.get("init"),
-                  "architecture": (record.get("architectures") or [None])[0] if record["kind"] == "hf" else None},
+                  "architecture": (record.get("architectures") or [None])[0] if record["kind"] == "hf" else None,
+                  "note": note},
         "global_batch_size": t.global_batch_size,
         "micro_batch_size": t.micro_batch_size,
         "grad_accum": cfg.grad_accum,
         "tokens_per_step": t.global_batch_size * t.seq_len,
         "steps": t.steps,
-        "memory": {"bytes_per_param": bytes_per_rank / num_params, "bytes_per_rank": bytes_per_rank},
+        "memory": {"bytes_per_param": bytes_per_rank / num_params if num_params else per_param,
+                   "bytes_per_rank": bytes_per_rank},
         "checkpoint": ({"dir": checkpoint_root(cfg), "every_steps": cfg.checkpoint.every_steps,
                         "resume": cfg.checkpoint.resume} if cfg.checkpoint.dir else None),
         "tracking": (cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite in the run directory")
@@ -141,12 +197,14 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None) -> tuple[dic
     """Train; the run's summary and each step's metrics (one dict per step). `factory`: the
     model's callable, given from Python (`model.kind=module`)."""
     data_path = resolve_data(cfg)
+    cfg = absolute_model_path(cfg)
     if cfg.train.save_final:
         try:
             check_destination(cfg.train.save_final)
         except ValueError as e:
             raise ConfigError(f"train.save_final: {cfg.train.save_final!r} cannot be written: {e}") from None
     # The model, its weights, units and dtypes: fail here, before any cluster is touched.
+    factory = resolve_factory(cfg, factory)
     spec = check_model(cfg, factory, data_vocab=read_meta(data_path)["vocab_size"])
     checkpoints = None
     if cfg.checkpoint.dir:  # a probe write now, not a failed upload after an hour of training

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Callable
 
 from rayzero.models.config import PRESETS, ModelConfig
-from rayzero.models.spec import ModelError, ModelSpec
+from rayzero.models.spec import ModelError, ModelSpec, ModelUnavailable
 
 
 def model_spec(cfg: ModelConfig, *, seed: int, block_size: int, storage_cfg=None,
@@ -40,4 +40,5 @@ def spec_from_manifest(manifest: dict, storage_cfg=None) -> ModelSpec:
     return model_spec(cfg, seed=seed, block_size=manifest["block_size"], storage_cfg=storage_cfg)
 
 
-__all__ = ["ModelConfig", "ModelError", "ModelSpec", "PRESETS", "model_spec", "spec_from_manifest"]
+__all__ = ["ModelConfig", "ModelError", "ModelSpec", "ModelUnavailable", "PRESETS", "model_spec",
+           "spec_from_manifest"]

@@ -133,9 +133,6 @@ class ModelConfig(Frozen):
         if self.kind == "hf" and not self.path:
             raise ValueError("path: model.kind=hf needs the model directory (config.json, and weights to "
                              "fine-tune)")
-        if self.kind == "module" and not self.factory:
-            raise ValueError("factory: model.kind=module needs `package.module:callable` (or, from Python, "
-                             "Trainer(config, model=callable))")
         if self.kind != "module" and (self.factory or self.kwargs):
             raise ValueError("factory, kwargs: only for model.kind=module")
         if self.kind != "hf" and self.trust_remote_code:

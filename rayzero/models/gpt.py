@@ -143,6 +143,7 @@ class GPTSpec(ModelSpec):
 
     def source(self, model: GPT) -> ParamSource:
         if self.weights is not None:
+            self.resolve(model)
             return self.weights
         return FillSource(lambda name, out: model.init_parameter(name, out, self.seed))
 
@@ -157,11 +158,6 @@ class GPTSpec(ModelSpec):
         super().check(seq_len, data_vocab)
         if self.weights is not None:
             self.resolve(self.build())
-
-    def resolve(self, model: GPT) -> None:
-        """Match `model.path`'s tensors to the model's parameters (ModelError listing mismatches)."""
-        self.weights.resolve({n: tuple(p.shape) for n, p in model.named_parameters()},
-                             aliases=set(model.state_dict(keep_vars=True)))
 
     def record(self) -> dict:
         config = self.cfg.model_dump(include=set(GPT_DEFAULTS))

@@ -24,7 +24,7 @@ import torch.nn as nn
 from rayzero.checkpoint.storage import Storage, StorageError
 from rayzero.models.config import ModelConfig
 from rayzero.models.spec import (
-    ExportEntry, ModelError, ModelSpec, SeededInit, params_on_meta, weights_record,
+    ExportEntry, ModelError, ModelSpec, ModelUnavailable, SeededInit, params_on_meta, weights_record,
 )
 from rayzero.sharding.flat_buffer import ParamSource
 
@@ -55,7 +55,6 @@ class HFSpec(ModelSpec):
         else:
             self.config = config_from_dict(config)
             self.config_bytes = json.dumps(config, sort_keys=True).encode()
-        self._resolved = False
 
     @property
     def where(self) -> str:
@@ -96,16 +95,13 @@ class HFSpec(ModelSpec):
 
         return SeededInit(twin, self.seed, lambda name, _m: fns[name], fallback)
 
-    def resolve(self, model: nn.Module) -> None:
-        """Match the directory's tensors to the model's parameters (ModelError listing mismatches)."""
-        if self._resolved:
-            return
-        params = {n: tuple(p.shape) for n, p in model.named_parameters()}
-        aliases = set(model.state_dict(keep_vars=True)) - set(params)
+    def _prefix(self, model: nn.Module) -> str:
+        """A checkpoint of the base model (GPT-2's `h.0...`) lacks the causal LM's prefix."""
+        return getattr(model, "base_model_prefix", "")
+
+    def _ignored(self, model: nn.Module) -> set[str]:
         patterns = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()
-        ignore = {k for k in self.weights.tensors if any(_matches(pat, k) for pat in patterns)}
-        self.weights.resolve(params, prefix=getattr(model, "base_model_prefix", ""), aliases=aliases, ignore=ignore)
-        self._resolved = True
+        return super()._ignored(model) | {k for k in self.weights.tensors if any(_matches(p, k) for p in patterns)}
 
     def fsdp_units(self, model: nn.Module) -> tuple[str, ...]:
         units = tuple(sorted(getattr(model, "_no_split_modules", None) or ()))
@@ -209,7 +205,7 @@ def load_hf_config(path: str, storage_cfg=None, trust_remote_code: bool = False)
         raise ModelError(f"model.path: {path} has no {CONFIG} (expected a Hugging Face model directory, as "
                          f"save_pretrained writes)") from None
     except StorageError as e:
-        raise ModelError(f"model.path: cannot read {path}: {e}") from None
+        raise ModelUnavailable(f"model.path: cannot read {path}: {e}") from None
     local = None if "://" in path and not path.startswith("file://") else Path(storage.base)
     try:
         if local is not None:

@@ -97,11 +97,6 @@ class ModuleSpec(ModelSpec):
                         ", ".join(missing[:5]))
         return init
 
-    def resolve(self, model: nn.Module) -> None:
-        params = {n: tuple(p.shape) for n, p in model.named_parameters()}
-        buffers = {n for n, _ in model.named_buffers()}
-        self.weights.resolve(params, aliases=set(model.state_dict(keep_vars=True)) - set(params), ignore=buffers)
-
     def fsdp_units(self, model: nn.Module) -> tuple[str, ...]:
         """The class of the layers in the model's largest `nn.ModuleList` (its blocks)."""
         best = None

@@ -39,6 +39,11 @@ class ModelError(ValueError):
     config key or the file at fault."""
 
 
+class ModelUnavailable(ModelError):
+    """The storage `model.path` names cannot be reached from this machine (an S3 endpoint that
+    only the cluster sees, say): a dry run notes it, a training run fails on it."""
+
+
 @contextlib.contextmanager
 def params_on_meta() -> Iterator[None]:
     """Build modules with their parameters on the meta device and their buffers real.
@@ -214,6 +219,24 @@ class ModelSpec:
         """Where the initial weights come from: pretrained weights or a seeded init."""
         raise NotImplementedError
 
+    def resolve(self, model: nn.Module) -> None:
+        """Match the pretrained weights' tensors to the model's parameters: ModelError listing
+        every mismatch. Other names of a parameter (a tied head) and persistent buffers may be
+        in the files; they are not read."""
+        if getattr(self, "_resolved", False):
+            return
+        params = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        aliases = set(model.state_dict(keep_vars=True)) - set(params)
+        self.weights.resolve(params, prefix=self._prefix(model), aliases=aliases, ignore=self._ignored(model))
+        self._resolved = True
+
+    def _prefix(self, model: nn.Module) -> str:
+        return ""
+
+    def _ignored(self, model: nn.Module) -> set[str]:
+        """Tensors in the weights that are no parameter and may be passed over."""
+        return {n for n, _ in model.named_buffers()}
+
     def fsdp_units(self, model: nn.Module) -> tuple[str, ...]:
         """ZeRO-3 unit classes when `sharding.fsdp_units` is left empty."""
         raise NotImplementedError
@@ -230,13 +253,19 @@ class ModelSpec:
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, check: bool = False):
         """(summed cross-entropy over valid targets, their count) for one micro-batch; with
         `check`, the forward's output is checked to be [B, T, V] logits first."""
-        out = self.logits(model, x)
-        logits = check_logits(out, x, self.where) if check else getattr(out, "logits", out)
-        if check:
-            vocab, top = logits.shape[-1], int(max(x.max(), y.max()))
-            if top >= vocab:
-                raise ModelError(f"{self.where}: its vocabulary of {vocab} tokens is smaller than the data's: "
-                                 f"the batch holds token id {top}")
+        if not check:
+            out = self.logits(model, x)
+            return token_loss(getattr(out, "logits", out), y)
+        try:
+            out = self.logits(model, x)
+        except IndexError as e:  # an embedding lookup past the table
+            raise ModelError(f"{self.where}: the forward failed on token ids up to {int(x.max())} "
+                             f"(IndexError: {e}): is its vocabulary smaller than the data's?") from None
+        logits = check_logits(out, x, self.where)
+        vocab, top = logits.shape[-1], int(max(x.max(), y.max()))
+        if top >= vocab:
+            raise ModelError(f"{self.where}: its vocabulary of {vocab} tokens is smaller than the data's: "
+                             f"the batch holds token id {top}")
         return token_loss(logits, y)
 
     @property
@@ -300,7 +329,7 @@ def pretrained_weights(cfg, storage_cfg=None):
     try:
         weights = SafetensorsWeights.find(cfg.path, storage_cfg)
     except StorageError as e:
-        raise ModelError(f"model.path: cannot read {cfg.path}: {e}") from None
+        raise ModelUnavailable(f"model.path: cannot read {cfg.path}: {e}") from None
     if weights is None and (cfg.init == "pretrained" or cfg.kind != "hf"):
         raise ModelError(f"model.path: no weights in {cfg.path} (expected {SINGLE}, or {INDEX} and the files it "
                          f"lists)" + ("; set model.init=random to train it from scratch" if cfg.kind == "hf" else ""))

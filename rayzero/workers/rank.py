@@ -134,6 +134,10 @@ class Rank:
         # Built on the meta device: the strategy materializes its buckets (ZeRO-3: one unit
         # at a time, keeping only the shard), so no rank ever holds more than it must.
         self.model = self.spec.build()
+        for module in self.model.modules():  # buffers (RoPE frequencies, masks) are real: move them
+            for name, b in module._buffers.items():
+                if b is not None:
+                    module._buffers[name] = b.to(self.device)
         check_buildable(cfg, self.device, self.spec, self.model)
         self.axes = self._make_axes()
         sharding = cfg.sharding

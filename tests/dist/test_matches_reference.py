@@ -6,19 +6,16 @@ strategy (and, at world 4, HSDP and Hybrid-FSDP as 2 x 2) matches `torch.optim.A
 whole global batch within 1e-5 relative, and so matches `no_shard` within 2e-5.
 """
 
-import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 
 from rayzero.cluster.schedule import lr_at
 from rayzero.config import load_config
-from rayzero.data.batches import global_batch_offsets
-from rayzero.data.tokens import TokenDataset
 from rayzero.models.gpt import build_model
 from rayzero.workers.rank import Rank
 from tests.conftest import free_port
+from tests.dist.reference import rel_error, train_reference
 
 STEPS = 10
 MICRO = 2
@@ -51,40 +48,8 @@ def config(world: int, accum: int, extra: list[str] = ()):
     ])
 
 
-def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
-    """Norm-wise relative error, the usual measure for a whole tensor (elementwise ratios
-    blow up on elements that are near zero in both)."""
-    return ((got.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
 def reference(cfg, data_path: str) -> tuple[dict[str, torch.Tensor], list[float]]:
-    model = build_model(cfg.model, cfg.block_size, cfg.train.seed)
-    params = list(model.named_parameters())
-    o = cfg.optim
-    opt = torch.optim.AdamW(
-        [{"params": [p for n, p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
-         {"params": [p for n, p in params if not p.dim() >= 2], "weight_decay": 0.0}],
-        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-    )
-    ds, t = TokenDataset(data_path), cfg.train
-    losses = []
-    for step in range(STEPS):
-        offsets = global_batch_offsets(t.seed, step, t.global_batch_size, ds.num_tokens, t.seq_len)
-        rows = torch.from_numpy(np.stack([ds.window(int(s), t.seq_len + 1) for s in offsets]))
-        opt.zero_grad()
-        loss = 0.0
-        for mb in rows.split(t.micro_batch_size):  # gradient accumulation, as one would write it
-            logits = model(mb[:, :-1])
-            mb_loss = F.cross_entropy(logits.flatten(0, 1), mb[:, 1:].flatten(), reduction="sum")
-            (mb_loss / rows[:, 1:].numel()).backward()
-            loss += mb_loss.item() / rows[:, 1:].numel()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
-        assert norm > o.grad_clip or step > 0, "clipping must engage for this test to mean anything"
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, STEPS, o)
-        opt.step()
-        losses.append(loss)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+    return train_reference(build_model(cfg.model, cfg.block_size, cfg.train.seed), cfg, data_path, STEPS)
 
 
 def _worker(rank: int, world: int, accum: int, runs, ports: list[int], data_path: str, out: dict):

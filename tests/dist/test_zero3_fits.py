@@ -36,7 +36,7 @@ def vm_data() -> int:
     raise RuntimeError("no VmData in /proc/self/status")
 
 
-def _worker(rank: int, ports, data_path: str, out: dict):
+def _worker(rank: int, ports, data_path: str, model: list[str], out: dict):
     torch.set_num_threads(1)
     results = {}
     warm = Rank(load_config(None, [f"cluster.num_workers={WORLD}", "train.global_batch_size=4",
@@ -48,7 +48,7 @@ def _worker(rank: int, ports, data_path: str, out: dict):
     del warm
     for strategy, port in zip(("no_shard", "optim_grads_params"), ports):
         cfg = load_config(None, [
-            f"cluster.num_workers={WORLD}", *MODEL, "train.seq_len=64",
+            f"cluster.num_workers={WORLD}", *model, "train.seq_len=64",
             "train.global_batch_size=4", "train.micro_batch_size=1", "train.steps=5",
             f"sharding.strategy={strategy}", "optim.warmup_steps=0",
         ])
@@ -66,20 +66,24 @@ def _worker(rank: int, ports, data_path: str, out: dict):
                 continue
             losses = [r.iteration({"step": k, "lr": 3e-3})["loss_sum"] for k in range(5)]
             results[strategy] = {"losses": losses, "num_params": info["num_params"],
-                                 "total": info["memory"]["total"]}
+                                 "total": info["memory"]["total"], "read": info["source_bytes_read"]}
         finally:
             resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
         r.close()
     out[rank] = results
 
 
-def test_zero3_trains_a_model_whose_fp32_state_exceeds_the_budget(small_dataset, monkeypatch):
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))  # read by each rank's glibc
+def run(model: list[str], data_path: str) -> dict:
     with mp.Manager() as manager:
         out = manager.dict()
         ports = [free_port() for _ in range(3)]
-        mp.spawn(_worker, args=(ports, small_dataset, out), nprocs=WORLD)
-        results = dict(out)
+        mp.spawn(_worker, args=(ports, data_path, model, out), nprocs=WORLD)
+        return dict(out)
+
+
+def test_zero3_trains_a_model_whose_fp32_state_exceeds_the_budget(small_dataset, monkeypatch):
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))  # read by each rank's glibc
+    results = run(MODEL, small_dataset)
     for rank in range(WORLD):
         z3 = results[rank]["optim_grads_params"]
         assert "error" not in z3, f"rank {rank}: {z3.get('error')}"
@@ -88,3 +92,24 @@ def test_zero3_trains_a_model_whose_fp32_state_exceeds_the_budget(small_dataset,
         assert "error" in results[rank]["no_shard"], "the cap must stop an unsharded model"
     curve = [sum(results[r]["optim_grads_params"]["losses"][k] for r in range(WORLD)) for k in range(5)]
     assert curve[-1] < curve[0] * 0.9, f"the global loss should fall: {curve}"
+
+
+def test_zero3_loads_pretrained_weights_larger_than_the_budget(small_dataset, monkeypatch, tmp_path):
+    """The same cap with an HF Llama whose saved weights (fp32) alone are 0.44x the budget and
+    whose training state is 1.8x it: ZeRO-3 at d = 4 reads each rank's quarter of the
+    safetensors files straight into its shard, one unit at a time, and trains."""
+    from tests.models import save_hf_model
+
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))
+    d = save_hf_model("llama-untied", tmp_path / "llama", hidden_size=512, intermediate_size=1536,
+                      num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4)
+    weights = (d / "model.safetensors").stat().st_size
+    results = run(["model.kind=hf", f"model.path={d}"], small_dataset)
+    for rank in range(WORLD):
+        z3 = results[rank]["optim_grads_params"]
+        assert "error" not in z3, f"rank {rank}: {z3.get('error')}"
+        assert 16 * z3["num_params"] > 1.6 * BUDGET, "the full state must clearly exceed the budget"
+        assert z3["read"] < 0.3 * weights, f"rank {rank} read {z3['read']} of {weights} bytes"
+        assert "error" in results[rank]["no_shard"], "the cap must stop an unsharded model"
+    curve = [sum(results[r]["optim_grads_params"]["losses"][k] for r in range(WORLD)) for k in range(5)]
+    assert curve[-1] < curve[0] * 0.95, f"the global loss should fall: {curve}"

@@ -37,3 +37,49 @@ def test_corpus_too_small_for_one_global_batch(tmp_path):
     assert r.returncode == 2
     assert "data.path" in r.stderr and "fewer than one global batch" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """Model directories a user might get wrong: none at all, weights of another shape, a
+    vocabulary smaller than the data's; and a module file with a forward of the wrong shape."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.models import save_hf_model
+
+    root = tmp_path_factory.mktemp("models")
+    (root / "empty").mkdir()
+    good = save_hf_model("llama", root / "good")
+    mismatch = save_hf_model("llama", root / "mismatch")
+    weights = load_file(str(mismatch / "model.safetensors"))
+    weights["model.layers.0.mlp.up_proj.weight"] = weights["model.layers.0.mlp.up_proj.weight"][:10]
+    del weights["model.norm.weight"]
+    save_file(weights, str(mismatch / "model.safetensors"))
+    save_hf_model("llama", root / "small_vocab", vocab_size=200)
+    (root / "shapes.py").write_text(
+        "import torch.nn as nn\n\n\nclass LastOnly(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.emb = nn.Embedding(320, 8)\n        self.head = nn.Linear(8, 320)\n\n"
+        "    def forward(self, idx):\n        return self.head(self.emb(idx))[:, -1]\n")
+    return {"root": root, "good": good}
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["model.kind=hf", "model.path=ROOT/empty"], "model.path: ROOT/empty has no config.json"),
+    (["model.kind=hf", "model.path=ROOT/mismatch"],
+     "model.layers.0.mlp.up_proj.weight: shape [10, 32] in the weights, [64, 32] in the model"),
+    (["model.kind=hf", "model.path=ROOT/mismatch"], "model.norm.weight: missing from the weights"),
+    (["model.kind=hf", "model.path=ROOT/small_vocab"], "its vocabulary of 200 tokens is smaller than the dataset's (257)"),
+    (["model.kind=hf", "model.path=ROOT/good", "train.seq_len=1024"], "train.seq_len: 1024 exceeds the model's 128 positions"),
+    (["model.kind=module", "model.factory=nowhere:Model"], "model.factory: cannot import nowhere: ModuleNotFoundError"),
+    (["model.kind=module", "model.factory=shapes:LastOnly"],
+     "the forward returned shape [2, 320] for input [2, 8]; expected logits [batch, time, vocab]"),
+    (["model.kind=hf", "model.path=ROOT/good", "model.n_layer=4"], "model.n_layer: only for model.kind=gpt"),
+])
+def test_a_bad_model_is_one_clear_message(model_dirs, small_dataset, args, expected):
+    root = str(model_dirs["root"])
+    args = [a.replace("ROOT", root) for a in args]
+    r = run_cli("train", "train.seq_len=32", *args, f"data.path={small_dataset}", cwd=model_dirs["root"], timeout=180)
+    assert r.returncode == 2, r.stderr
+    assert expected.replace("ROOT", root) in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (model_dirs["root"] / "runs").exists()

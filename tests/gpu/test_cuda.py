@@ -53,3 +53,33 @@ def test_device_memory_at_rest_is_the_ledger(strategy, dtype, pbytes, small_data
     formula = formula_bytes_per_param(strategy, 1, param_bytes=pbytes)
     assert info["memory"]["total"] / info["num_params"] == pytest.approx(formula, rel=0.02)
     rank.close()
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+def test_an_hf_llama_loads_its_weights_onto_the_gpu_and_trains(strategy, small_dataset, tmp_path):
+    """Pretrained weights read by range straight into CUDA buckets; bf16 compute: the first
+    loss is the HF model's own (within bf16's rounding) and training lowers it."""
+    import transformers as tf
+
+    from tests.dist.reference import global_rows
+    from tests.models import save_hf_model
+
+    d = save_hf_model("llama", tmp_path / "llama")
+    cfg = load_config(None, ["cluster.num_workers=1", "cluster.use_gpu=true", "model.kind=hf", f"model.path={d}",
+                             f"sharding.strategy={strategy}", "sharding.param_dtype=bf16", "train.seq_len=64",
+                             "train.steps=20", "optim.warmup_steps=2", "optim.lr=3e-3"])
+    rank = Rank(cfg, 0, 1, small_dataset)
+    info = rank.setup("127.0.0.1", free_port())
+    assert info["backend"] == "nccl" and info["model"]["init"] == "pretrained"
+    losses = []
+    for step in range(cfg.train.steps):
+        out = rank.iteration({"step": step, "lr": lr_at(step, cfg.train.steps, cfg.optim)})
+        losses.append(out["loss_sum"] / out["tokens"])
+    rank.close()
+    rows = global_rows(cfg, small_dataset, 0).cuda()
+    model = tf.AutoModelForCausalLM.from_pretrained(str(d)).cuda()
+    with torch.no_grad():
+        own = torch.nn.functional.cross_entropy(model(input_ids=rows[:, :-1]).logits.flatten(0, 1),
+                                                rows[:, 1:].flatten()).item()
+    assert losses[0] == pytest.approx(own, rel=2e-2)
+    assert losses[-1] < losses[0] - 0.5

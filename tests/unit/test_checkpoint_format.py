@@ -89,6 +89,30 @@ def test_another_model_lists_every_mismatch():
     assert "w: shape [2, 3] in the checkpoint, [2, 4] in the model" in text
 
 
+def test_a_manifest_that_does_not_parse_is_passed_over_with_a_warning(tmp_path, caplog):
+    root = Storage(str(tmp_path))
+    for step in (2, 4):
+        write_manifest(root.child(step_dir(step)), manifest(step))
+    (tmp_path / step_dir(4) / "manifest.json").write_text('{"format": "rayzero-checkpoint", "ver')
+    (tmp_path / step_dir(6)).mkdir()  # never committed: passed over without a word
+    assert [c.step for c in committed(root)] == [2]
+    assert f"checkpoint {tmp_path / step_dir(4)} is damaged" in caplog.text and "is not valid JSON" in caplog.text
+    assert step_dir(6) not in caplog.text
+
+
+def test_another_kind_of_model_or_other_frozen_parameters_are_refused(caplog):
+    m = {**manifest(1), "model_source": {"kind": "gpt", "config_sha256": "aaa"}, "frozen": ["b"]}
+    params = {p["name"]: p["shape"] for p in m["params"]}
+    with pytest.raises(CheckpointError, match="model.kind: gpt in the checkpoint, hf here"):
+        check_model(m, params, "x", frozen=["b"], model={"kind": "hf"})
+    with pytest.raises(CheckpointError) as e:
+        check_model(m, params, "x", frozen=["w"], model={"kind": "gpt", "config_sha256": "aaa"})
+    assert "w: frozen here, trained in the checkpoint" in str(e.value)
+    assert "b: trained here, frozen in the checkpoint" in str(e.value)
+    check_model(m, params, "x", frozen=["b"], model={"kind": "gpt", "config_sha256": "bbb"})
+    assert "saved from a model of another config" in caplog.text
+
+
 def test_storage_names_the_uri_and_refuses_unknown_schemes(tmp_path):
     with pytest.raises(StorageError, match="unsupported scheme"):
         Storage("gs://bucket/x")

@@ -118,6 +118,36 @@ def test_a_missing_entrypoint_fails(tmp_path):
     assert problem.startswith("spec.entrypoint: missing")
 
 
+def test_a_fine_tuning_entrypoint_passes_with_its_model_where_the_cluster_has_it(tmp_path):
+    """An HF model on the cluster's S3 (or a volume): checked as far as this machine can see,
+    with a note for the model itself; a model directory in the image is read and checked."""
+    from rayzero.jobs.deploy import Note
+
+    job = load("rayjob.yaml")
+    base = ("rayzero train --config examples/configs/finetune_llama.yaml cluster.address=auto "
+            "cluster.use_gpu=true checkpoint.s3_endpoint=$(AWS_ENDPOINT_URL) checkpoint.retries=0 ")
+    job["spec"]["entrypoint"] = base + "model.path=s3://models/Llama-3.2-1B"
+    problems = check_manifest(write(tmp_path, job), None, workdir=ROOT)
+    assert len(problems) == 1 and isinstance(problems[0], Note), problems
+    assert problems[0].startswith("spec.entrypoint: the model is not checked: not read from here: model.path: "
+                                  "cannot read s3://models/Llama-3.2-1B")
+    job["spec"]["entrypoint"] = base + "model.path=/mnt/models/llama"
+    assert check_manifest(write(tmp_path, job), None, workdir=ROOT) == [
+        "spec.entrypoint: the model is not checked: not read from here: model.path /mnt/models/llama is on the "
+        "cluster's machines"]
+    from tests.models import save_hf_model
+
+    save_hf_model("llama", tmp_path / "image" / "models" / "tiny")
+    (tmp_path / "image" / "examples").symlink_to(ROOT / "examples")
+    job["spec"]["entrypoint"] = base + "model.path=models/tiny"  # relative: under /app, the workdir
+    assert check_manifest(write(tmp_path, job), None, workdir=tmp_path / "image") == []
+    job["spec"]["entrypoint"] = base + "model.path=models/tiny sharding.fsdp_units=Block"
+    assert check_manifest(write(tmp_path, job), None, workdir=tmp_path / "image") == [
+        "spec.entrypoint: sharding.fsdp_units: no module of LlamaForCausalLM has class Block; its module classes "
+        "are Embedding, Linear, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel, "
+        "LlamaRMSNorm, LlamaRotaryEmbedding, ModuleList, SiLUActivation"]
+
+
 def test_a_bad_override_fails_with_rayzeros_own_config_message(tmp_path):
     job = load("rayjob.yaml")
     job["spec"]["entrypoint"] += " sharding.strategy=zero9"

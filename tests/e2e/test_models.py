@@ -1,0 +1,137 @@
+"""Users' own models through the CLI and the SDK on real Ray: an HF Llama fine-tuned from its
+pretrained weights and exported back to a directory transformers loads; a module from the
+user's working directory; a class defined where `Trainer` is called."""
+
+import json
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file
+
+from rayzero import TrainConfig, Trainer
+from rayzero.config import load_config
+from tests.dist.reference import global_rows
+from tests.e2e.conftest import leftovers, run_cli
+from tests.models import save_hf_model, save_tokenizer
+
+pytestmark = pytest.mark.e2e
+FAST = ["train.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2", "optim.warmup_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    d = save_hf_model("llama", tmp_path_factory.mktemp("models") / "tiny-llama")
+    save_tokenizer(d, ["import os\nprint(os.getcwd())\n" * 10])
+    return d
+
+
+def logits(directory, x):
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(str(directory))
+    with torch.no_grad():
+        return model(input_ids=x).logits
+
+
+def test_fine_tune_an_hf_llama_export_and_load_it_back(tmp_path, small_dataset, llama):
+    import transformers as tf
+
+    model = ["model.kind=hf", f"model.path={llama}"]
+    plan = run_cli("train", "--dry-run", *model, cwd=tmp_path)
+    assert plan.returncode == 0, plan.stderr
+    assert f"model LlamaForCausalLM from {llama} (pretrained weights)" in plan.stdout
+    assert "28,832 parameters" in plan.stdout
+
+    final, summary = tmp_path / "final", tmp_path / "summary.json"
+    r = run_cli("train", *model, *FAST, f"data.path={small_dataset}", "train.steps=6", "checkpoint.every_steps=3",
+                "sharding.strategy=optim_grads_params", f"train.save_final={final}", "train.save_format=hf",
+                "--summary-json", str(summary), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads(summary.read_text())
+    assert s["num_params"] == 28_832 and s["steps"] == 6
+
+    # The first reported loss is the pretrained model's own loss on that batch.
+    cfg = load_config(None, [*model, *FAST, f"data.path={small_dataset}"])
+    rows = global_rows(cfg, small_dataset, 0)
+    own = torch.nn.functional.cross_entropy(logits(llama, rows[:, :-1]).flatten(0, 1), rows[:, 1:].flatten())
+    assert s["first_loss"] == pytest.approx(own.item(), rel=1e-5)
+
+    # The final weights as a directory, and the checkpoint exported as one: both load with
+    # from_pretrained, with the tokenizer, and give the same logits as rayzero's own weights.
+    exported = tmp_path / "exported"
+    e = run_cli("ckpt", "export", str(tmp_path / "runs" / "checkpoints"), str(exported), "--format", "hf",
+                "--max-shard-size", "50KB", cwd=tmp_path)
+    assert e.returncode == 0, e.stderr
+    assert len(list(exported.glob("model-*.safetensors"))) > 1
+    flat = tmp_path / "flat.safetensors"
+    assert run_cli("ckpt", "export", str(tmp_path / "runs" / "checkpoints"), str(flat), cwd=tmp_path).returncode == 0
+    plain = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.from_pretrained(str(llama)))
+    plain.load_state_dict(load_file(str(flat)))
+    with torch.no_grad():
+        want = plain(input_ids=rows[:, :-1]).logits
+    for directory in (final, exported):
+        assert torch.equal(logits(directory, rows[:, :-1]), want), directory
+        assert (directory / "tokenizer.json").read_bytes() == (llama / "tokenizer.json").read_bytes()
+        tf.AutoTokenizer.from_pretrained(str(directory))
+    assert not torch.equal(want, logits(llama, rows[:, :-1])), "training changed the model"
+
+
+MYMODEL = '''
+import torch.nn as nn
+
+
+class Bigram(nn.Module):
+    """The smallest language model: each token's logits from an embedding of it."""
+
+    def __init__(self, vocab=320, dim=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(nn.Linear(dim, dim) for _ in range(2))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = x + block(x).relu()
+        return self.head(x)
+'''
+
+
+def test_a_module_from_the_working_directory_trains_on_a_cluster(tmp_path, ray_cluster, small_dataset):
+    (tmp_path / "mymodel.py").write_text(textwrap.dedent(MYMODEL))
+    weights = tmp_path / "final.safetensors"
+    r = run_cli("train", "model.kind=module", "model.factory=mymodel:Bigram", "model.kwargs.dim=24", *FAST,
+                f"data.path={small_dataset}", f"cluster.address={ray_cluster}", "train.steps=20",
+                "optim.lr=1e-2", "sharding.strategy=optim_grads_params", f"train.save_final={weights}",
+                "--summary-json", str(tmp_path / "s.json"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert s["final_loss"] < s["first_loss"] - 0.5
+    assert s["num_params"] == 320 * 24 + 2 * (24 * 24 + 24) + 24 * 320 + 320
+    state = load_file(str(weights))
+    assert state["emb.weight"].shape == (320, 24) and set(state) == {
+        "emb.weight", "blocks.0.weight", "blocks.0.bias", "blocks.1.weight", "blocks.1.bias", "head.weight",
+        "head.bias"}
+    assert leftovers(ray_cluster) == ([], [])
+
+
+def test_trainer_takes_a_model_defined_in_the_caller(tmp_path, ray_cluster, small_dataset):
+    class Local(nn.Module):  # as in a notebook cell: importable by no name
+        def __init__(self, vocab: int = 320, dim: int = 16):
+            super().__init__()
+            self.emb = nn.Embedding(vocab, dim)
+            self.head = nn.Linear(dim, vocab)
+
+        def forward(self, idx):
+            return self.head(self.emb(idx))
+
+    cfg = TrainConfig(data={"path": small_dataset}, cluster={"address": ray_cluster},
+                      train={"steps": 8, "seq_len": 32, "global_batch_size": 8, "micro_batch_size": 2,
+                             "output_dir": str(tmp_path / "runs")},
+                      model={"kind": "module", "kwargs": {"dim": 8}}, optim={"warmup_steps": 2, "lr": 1e-2})
+    result = Trainer(cfg, model=Local, progress=False).fit()
+    assert result.summary["num_params"] == 320 * 8 + 8 * 320 + 320
+    assert result.metrics["final_loss"] < result.metrics["first_loss"]
+    assert leftovers(ray_cluster) == ([], [])
