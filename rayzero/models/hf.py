@@ -104,11 +104,17 @@ class HFSpec(ModelSpec):
         return super()._ignored(model) | {k for k in self.weights.tensors if any(_matches(p, k) for p in patterns)}
 
     def fsdp_units(self, model: nn.Module) -> tuple[str, ...]:
-        units = tuple(sorted(getattr(model, "_no_split_modules", None) or ()))
-        if not units:
+        """The classes in the model's `_no_split_modules` (its decoder layer), and those of its
+        input embedding and output head: units of their own, gathered only where they are used,
+        rather than held whole from the first forward to the last backward in the root unit
+        (with a large vocabulary they are the largest tensors of the model)."""
+        layers = set(getattr(model, "_no_split_modules", None) or ())
+        if not layers:
             raise ModelError(f"{self.where}: {type(model).__name__} names no _no_split_modules, so ZeRO-3 has no "
                              "default units; set sharding.fsdp_units to its decoder layer's class")
-        return units
+        ends = {type(m).__name__ for m in (model.get_input_embeddings(), model.get_output_embeddings())
+                if m is not None}
+        return tuple(sorted(layers)) + tuple(sorted(ends - layers))
 
     # -- training ------------------------------------------------------------------------
     def logits(self, model: nn.Module, x: torch.Tensor):

@@ -15,6 +15,7 @@ import json
 import posixpath
 import struct
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -192,9 +193,12 @@ class SafetensorsWeights(ParamSource):
             data = self.storage.read_range(f, start, n)
             with self._lock:
                 self.bytes_read += n
-            for off, (_, _, size, out, first, dtype) in parts:
-                vals = torch.frombuffer(bytearray(data[off : off + size]), dtype=DTYPES[dtype])
-                out[first : first + vals.numel()].copy_(vals)
+            view = memoryview(data)
+            with warnings.catch_warnings():  # read-only bytes: the values are copied out at once
+                warnings.simplefilter("ignore", UserWarning)
+                for off, (_, _, size, out, first, dtype) in parts:
+                    vals = torch.frombuffer(view[off : off + size], dtype=DTYPES[dtype])
+                    out[first : first + vals.numel()].copy_(vals)
 
         if len(jobs) == 1:
             run(jobs[0])

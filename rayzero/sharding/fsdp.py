@@ -97,6 +97,7 @@ class ShardOptimGradsParams(ShardOptimGrads):
                 self._bucket_unit[b] = unit
                 self._unit_buckets.setdefault(unit, []).append(b)
         self._root = self._unit_buckets.get(ROOT, [])
+        self._unit_index = {name: k for k, name in enumerate(self.units.modules)}
         self._register_hooks()
 
     # -- layout: one bucket per unit, in forward order ----------------------------------
@@ -218,8 +219,28 @@ class ShardOptimGradsParams(ShardOptimGrads):
             self._release(self._units_of_resident() - needs - ahead)
             self._finish_gather(needs)
             self._start_gather(ahead)
+            if name in self._unit_index:
+                self._grads_in_place(self._unit_index[name])
 
         return hook
+
+    def _grads_in_place(self, unit: int) -> None:
+        """Before a unit's backward: its gradient landing buffer, with each of its parameters'
+        `.grad` a view into it, so that autograd accumulates there in place instead of
+        allocating a gradient per parameter first (when gradients are kept in the parameters'
+        dtype). A unit's own parameters only: a weight it borrows (a tied head) gets its
+        gradient when the owner's backward comes."""
+        if self.precision.grad != self.precision.param:
+            return
+        for i in self._unit_buckets.get(unit, []):
+            b = self.buffer.buckets[i]
+            if not self.buffer.trainable(b) or i in self._reduced:
+                continue
+            full = self._grad_landing(b)
+            for j in b.params:
+                p = self.buffer.params[j]
+                if p.grad is None:
+                    p.grad = full[self._local(self.buffer.layout.params[j].world, b)].view(p.shape)
 
     def _on_grad(self, i, param):
         super()._on_grad(i, param)

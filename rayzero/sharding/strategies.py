@@ -206,7 +206,9 @@ class Strategy:
         b = self.buffer.buckets[self.buffer.bucket_of(i)]
         if param.grad is not None and not self._grad_is_view(i):
             span = self.buffer.layout.params[i].world
-            self._grad_landing(b)[self._local(span, b)].add_(param.grad.view(-1))
+            landing = self._grad_landing(b)[self._local(span, b)]
+            if param.grad.data_ptr() != landing.data_ptr():  # else autograd accumulated in place
+                landing.add_(param.grad.view(-1))
             param.grad = None
         if self._reduce_in_backward and self.buffer.pending(b) == 0:
             self._start_reduce(b)

@@ -140,6 +140,8 @@ class ShardOptimGrads(ShardOptim):
 
     def _launch_reduce(self, b):
         full = self._grad_landing(b)
+        for i in b.params:  # no view of the landing outlives it (a parameter that got no gradient)
+            self.buffer.params[i].grad = None
         comm = self._to_comm(full)
         work = self.shard_axis.start_reduce_scatter(comm)
 

@@ -62,9 +62,9 @@ def test_hf_build_on_meta_keeps_buffers_real_and_the_tie(llama_dir):
 
 def test_default_fsdp_units_come_from_the_model(llama_dir, gpt2_dir):
     llama = spec_of("model.kind=hf", f"model.path={llama_dir}")
-    assert llama.fsdp_units(llama.build()) == ("LlamaDecoderLayer",)
+    assert llama.fsdp_units(llama.build()) == ("LlamaDecoderLayer", "Embedding", "Linear")
     gpt2 = spec_of("model.kind=hf", f"model.path={gpt2_dir}")
-    assert gpt2.fsdp_units(gpt2.build()) == ("GPT2Block",)
+    assert gpt2.fsdp_units(gpt2.build()) == ("GPT2Block", "Embedding", "Linear")
     module = spec_of("model.kind=module", "model.factory=tests.models:TinyLM")
     assert module.fsdp_units(module.build()) == ("Block",)
     gpt = spec_of()
