@@ -33,6 +33,7 @@ from rayzero.cluster.worker_group import PlacementError, WorkerGroup, free_bundl
 from rayzero.config import RootConfig
 from rayzero.sharding.memory import bytes_per_param
 from rayzero.workers.actor import RankActor
+from rayzero.workers.rank import make_spec
 
 log = logging.getLogger(__name__)
 
@@ -196,17 +197,10 @@ class Controller:
         if cfg.train.save_final:
             self.state = "SAVE"
             weights = ray.get([a.full_state_dict.remote() for a in self.group.actors])[0]
-            save_final(self._spec(), weights, cfg.train.save_final, cfg.train.save_format,
+            save_final(self.spec or make_spec(cfg, self.factory), weights, cfg.train.save_final, cfg.train.save_format,
                        {"strategy": cfg.sharding.strategy})
         self.state = "DONE"
         return True, infos[0]
-
-    def _spec(self):
-        if self.spec is None:
-            from rayzero.workers.rank import make_spec
-
-            self.spec = make_spec(self.cfg, self.factory)
-        return self.spec
 
     def _bundle(self) -> dict[str, float]:
         bundle = {"CPU": self.cfg.cluster.cpus_per_worker}
