@@ -38,7 +38,6 @@ from rayzero.workers.rank import make_spec
 log = logging.getLogger(__name__)
 
 
-
 STATE_WORDS = {"INIT": "starting", "PLACE": "placing the ranks", "RENDEZVOUS": "the rendezvous",
                "BUILD": "resuming from the checkpoint", "TRAIN": "training",
                "CHECKPOINT": "finishing the checkpoint uploads", "SAVE": "writing the final weights",
