@@ -100,7 +100,8 @@ class FailureConfig(Frozen):
         default=60.0, gt=0,
         description="Watchdog, in seconds: the longest one rank may spend in one phase or checkpoint load "
         "(waiting on its upload: since the upload last moved a block) before the run counts it as hung "
-        "and restarts.",
+        "and restarts. A rank still starting (its actor's constructor, then `setup`: joining the group, "
+        "building the model, reading its weights) gets at least 60 s.",
     )
     backoff_s: float = Field(
         default=1.0, ge=0,

@@ -24,7 +24,11 @@ from ray.dag import InputNode, MultiOutputNode
 # Waiting on a compiled graph's output spins a core in the driver (measured: ~100% of one
 # core for the whole iteration). For iterations longer than NAP_MIN_S the driver first
 # sleeps NAP_FRACTION of the shortest recent iteration, so on a machine with few cores the
-# ranks keep theirs and the spin covers only the remainder.
+# ranks keep theirs and the spin covers only the remainder. An iteration's length is what
+# the slowest rank reports of its phases (`phase_s`): the driver's own clock cannot tell how
+# long ago a result that was ready when it woke had been ready, and a guess made from it
+# kept the nap too long for several iterations after a slow one (the ranks then idled with
+# nothing queued).
 NAP_MIN_S = 0.005
 NAP_FRACTION = 0.97
 UNTIMED_ITERATIONS = 1  # the first one compiles and warms up: no guide to the next
@@ -104,9 +108,12 @@ class CompiledDispatch(_Dispatch):
         done = time.perf_counter()
         self._iterations += 1
         if self._iterations > UNTIMED_ITERATIONS:
-            # Waiting at all means the work took until `done`. No wait means it finished during
-            # the nap, some unknown time earlier: assume well earlier, to adapt fast.
-            self._recent_s.append(done - start if done - woke > 1e-3 else 0.8 * (woke - start))
+            work = _work_s(out)
+            if work is None:  # ranks that report no phase times: the driver's clock
+                # Waiting at all means the work took until `done`. No wait means it finished
+                # during the nap, some unknown time earlier: assume well earlier, to adapt fast.
+                work = done - start if done - woke > 1e-3 else 0.5 * (woke - start)
+            self._recent_s.append(work)
         self._last_done = done
         return out
 
@@ -114,6 +121,12 @@ class CompiledDispatch(_Dispatch):
         if self.graph is not None:
             self.graph.teardown()
             self.graph = None
+
+
+def _work_s(results: list) -> float | None:
+    """How long the slowest rank worked on this iteration, from the phase times it reports."""
+    times = [sum(r["phase_s"].values()) for r in results if isinstance(r, dict) and "phase_s" in r]
+    return max(times) if times and len(times) == len(results) else None
 
 
 class PipelinedDispatch(_Dispatch):

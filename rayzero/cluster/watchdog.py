@@ -21,6 +21,13 @@ from rayzero.cluster.failure import HANG, Failure
 
 log = logging.getLogger(__name__)
 
+# A rank still starting, one that has never answered (its actor's constructor imports torch,
+# transformers and the model code) or is in `setup` (joining the group, building the model,
+# reading its weights), counts as hung only after at least this long: with several ranks per
+# core, or a large model, starting takes longer than a `phase_timeout_s` sized for a step.
+STARTUP_GRACE_S = 60.0
+STARTING = ("setup",)
+
 
 class Watchdog:
     def __init__(self, actors: list, timeout_s: float, on_fire: Callable[[], None], interval_s: float = 1.0):
@@ -78,7 +85,8 @@ class Watchdog:
         """If any rank is past the timeout: the one furthest behind in the run's order (step,
         then phase) is the cause; the others are waiting for it inside a collective. Ranks are
         only loosely in step, so the cause need not be the one stuck longest."""
-        silent = [(now - t, r) for r, t in self._silent_since.items() if now - t > self.timeout_s]
+        silent = [(now - t, r) for r, t in self._silent_since.items()
+                  if now - t > (self.timeout_s if r in self.last else max(self.timeout_s, STARTUP_GRACE_S))]
         if silent:
             secs, r = max(silent)
             p = self.last.get(r, {})
@@ -86,13 +94,17 @@ class Watchdog:
                                  f"{self.timeout_s:g}), last seen in phase {p.get('phase')} of step {p.get('step')}",
                            rank=r, phase=p.get("phase"), step=p.get("step"))
         busy = {r: p for r, p in self.last.items() if p.get("phase") and r not in self._silent_since}
-        if not any(p["elapsed_s"] > self.timeout_s for p in busy.values()):
+        if not any(p["elapsed_s"] > self._limit(p["phase"]) for p in busy.values()):
             return None
         r = min(busy, key=lambda r: (_position(busy[r]), -busy[r]["elapsed_s"]))
         p = busy[r]
         return Failure(HANG, f"rank {r} spent {p['elapsed_s']:.0f}s in phase {p['phase']} of step {p['step']}"
                              f" (failure.phase_timeout_s={self.timeout_s:g})",
                        rank=r, phase=p["phase"], step=p["step"])
+
+
+    def _limit(self, phase: str) -> float:
+        return max(self.timeout_s, STARTUP_GRACE_S) if phase in STARTING else self.timeout_s
 
 
 # The order a rank goes through its calls, to tell who is behind.

@@ -146,6 +146,7 @@ def _print_plan(p: dict) -> None:
            f"{mem['bytes_per_param']:.2f} bytes/parameter = {mem['bytes_per_rank'] / 2**20:,.1f} MiB (Megatron's "
            f"formula, before padding and activations)\n" if p["num_params"] else
            f"  model state per rank {mem['bytes_per_param']:.2f} bytes/parameter (Megatron's formula)\n")
+        + (f"  {_buckets_line(p['buckets'])}\n" if p["buckets"]["numel"] else "")
         + f"  {p['global_batch_size']} sequences per step = {p['world_size']} ranks x {p['grad_accum']} "
         f"micro-batches x {p['micro_batch_size']}; {p['tokens_per_step']:,} tokens per step, {p['steps']} steps\n"
         f"  data {p['data']}\n"
@@ -155,6 +156,18 @@ def _print_plan(p: dict) -> None:
         f"  restarts up to {p['failure']['max_restarts']} (-1: unlimited), phase watchdog "
         f"{p['failure']['phase_timeout_s']:g} s"
     )
+
+
+def _buckets_line(b: dict) -> str:
+    n = b["numel"]
+    if b["per_unit"]:
+        rule = "one per FSDP unit"
+    elif b["bucket_numel"] == "auto":
+        rule = "bucket_numel auto"
+    else:
+        rule = f"bucket_numel {b['bucket_numel']:,}"
+    return (f"{len(n)} communication bucket{'s' if len(n) > 1 else ''} ({rule}), {min(n):,} to {max(n):,} "
+            f"elements, reduced in the order backward fills them")
 
 
 def _model_line(p: dict) -> str:

@@ -21,7 +21,7 @@ from rayzero.config import ConfigError, RootConfig
 from rayzero.data.corpus import ensure_default_corpus
 from rayzero.data.tokens import DataError, read_meta
 from rayzero.models import ModelError, ModelSpec, ModelUnavailable
-from rayzero.workers.rank import check_buildable, make_spec
+from rayzero.workers.rank import bucket_layout, check_buildable, make_spec
 
 
 class ClusterUnreachable(RuntimeError):
@@ -143,10 +143,12 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True) -> dict:
         if not read_model:
             raise ModelUnreachable(f"model.path {cfg.model.path} is on the cluster's machines")
         spec, note = check_model(cfg, resolve_factory(cfg, factory)), None
-        num_params, trainable = spec.num_params(spec.build())
+        model = spec.build()
+        num_params, trainable = spec.num_params(model)
+        buckets = [b.world.size for b in bucket_layout(cfg, spec, model).buckets]
         record = spec.record()
     except ModelUnreachable as e:
-        spec, note, num_params, trainable = None, f"not read from here: {e}", None, None
+        spec, note, num_params, trainable, buckets = None, f"not read from here: {e}", None, None, None
         record = {"kind": cfg.model.kind, "source": cfg.model.path, "init": cfg.model.init}
     sh, t, c = cfg.sharding, cfg.train, cfg.cluster
     d = c.num_workers // sh.dp_outer  # ranks a shard is split over
@@ -177,6 +179,8 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True) -> dict:
         "grad_accum": cfg.grad_accum,
         "tokens_per_step": t.global_batch_size * t.seq_len,
         "steps": t.steps,
+        "buckets": {"numel": buckets, "bucket_numel": sh.bucket_numel,
+                    "per_unit": sh.strategy == "optim_grads_params"},
         "memory": {"bytes_per_param": bytes_per_rank / num_params if num_params else per_param,
                    "bytes_per_rank": bytes_per_rank},
         "checkpoint": ({"dir": checkpoint_root(cfg), "every_steps": cfg.checkpoint.every_steps,

@@ -22,9 +22,12 @@ class ShardingConfig(Frozen):
         description="What is sharded: `no_shard` = DDP, `optim` = ZeRO-1 (optimizer state), `optim_grads` "
         "= ZeRO-2 (and gradients), `optim_grads_params` = ZeRO-3 / FSDP (and parameters).",
     )
-    bucket_numel: int = Field(
-        default=2**22, ge=1,
-        description="Elements per communication bucket before padding (4M).",
+    bucket_numel: int | Literal["auto"] = Field(
+        default="auto",
+        description="Elements per communication bucket before padding. `auto`: about 8 buckets over the "
+        "trainable parameters, at least 32K elements per rank and at most 4M (1M per rank in a larger group), "
+        "so gradient reduction overlaps backward for small models as for large ones. ZeRO-3 makes each FSDP "
+        "unit a bucket instead.",
     )
     shard_align: int = Field(
         default=64, ge=1,
@@ -91,6 +94,8 @@ class ShardingConfig(Frozen):
 
     @model_validator(mode="after")
     def _check(self):
+        if self.bucket_numel != "auto" and self.bucket_numel < 1:
+            raise ValueError(f"bucket_numel: must be `auto` or at least 1, got {self.bucket_numel}")
         if self.dp_outer > 1 and self.strategy == "no_shard":
             raise ValueError("dp_outer: hybrid sharding needs a sharded strategy, got no_shard")
         if self.param_dtype == "fp16" and self.loss_scale == "none":

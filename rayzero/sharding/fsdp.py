@@ -101,16 +101,20 @@ class ShardOptimGradsParams(ShardOptimGrads):
         self._register_hooks()
 
     # -- layout: one bucket per unit, in forward order ----------------------------------
-    def _buffer_order(self, model):
+    @classmethod
+    def _buffer_order(cls, model, sharding):
         # ROOT (-1) first, then units in module order, each unit's frozen parameters after its
         # trainable ones; a stable sort keeps the order within each.
-        return sorted(model.named_parameters(),
-                      key=lambda item: (self.units.owner[item[0]], not item[1].requires_grad))
+        owner = find_units(model, tuple(sharding.fsdp_units)).owner
+        return sorted(model.named_parameters(), key=lambda item: (owner[item[0]], not item[1].requires_grad))
 
-    def _bucket_groups(self, named):
-        return [(self.units.owner[n], not p.requires_grad) for n, p in named]
+    @classmethod
+    def _bucket_groups(cls, model, named, sharding):
+        owner = find_units(model, tuple(sharding.fsdp_units)).owner
+        return [(owner[n], not p.requires_grad) for n, p in named]
 
-    def _bucket_numel(self) -> int:
+    @classmethod
+    def _bucket_numel(cls, sharding, trainable_numel, dp_size) -> int:
         return 2**62  # a unit is one bucket, whatever its size: it is gathered whole anyway
 
     def _hold_params(self, b: Bucket, category: str) -> None:

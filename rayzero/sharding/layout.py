@@ -143,6 +143,25 @@ class Layout:
         return pieces
 
 
+# `sharding.bucket_numel=auto`: about AUTO_BUCKETS buckets over the trainable parameters, so
+# that the first ones are reduced while backward still runs even for a model of a few hundred
+# thousand parameters (one fixed 4M-element bucket gave a small model a single bucket, reduced
+# only after backward); each rank's shard of a bucket at least FLOOR_PER_RANK elements (a
+# message smaller than that costs more in latency than it gains in overlap); and at most
+# CAP elements, or CAP_PER_RANK per rank where the group is large (Megatron's rule: a bucket
+# grows with the data-parallel size so every rank's shard stays large enough).
+AUTO_BUCKETS = 8
+FLOOR_PER_RANK = 2**15
+CAP = 2**22
+CAP_PER_RANK = 2**20
+
+
+def auto_bucket_numel(trainable_numel: int, dp_size: int) -> int:
+    """The bucket size `bucket_numel=auto` gives a model of this many trainable elements."""
+    cap = max(CAP, CAP_PER_RANK * dp_size)
+    return min(max(-(-trainable_numel // AUTO_BUCKETS), FLOOR_PER_RANK * dp_size), cap)
+
+
 def build_layout(
     numels: Sequence[int],
     dp_size: int,

@@ -34,7 +34,7 @@ from rayzero.sharding.adamw import AdamWHyper, FlatAdamW, merge_runs
 from rayzero.sharding.comm import Axis, wait
 from rayzero.sharding.config import OptimConfig, ShardingConfig
 from rayzero.sharding.flat_buffer import Fill, FlatBuffer, ParamSource, as_source
-from rayzero.sharding.layout import Bucket, Range, build_layout
+from rayzero.sharding.layout import Bucket, Layout, Range, auto_bucket_numel, build_layout
 from rayzero.sharding.memory import MemoryLedger
 from rayzero.sharding.precision import Precision, build_loss_scaler
 from rayzero.sharding.topology import Topology
@@ -82,9 +82,7 @@ class Strategy:
         self._reduced: set[int] = set()
         self._reduce_in_backward = False
 
-        named = self._buffer_order(model)
-        layout = build_layout([p.numel() for _, p in named], topo.dp_size, self._bucket_numel(),
-                              sharding.shard_align, self._bucket_groups(named))
+        named, layout = self.layout(model, sharding, topo.dp_size)
         self.buffer = FlatBuffer(model, named, layout, self.precision.param, torch.device(device))
         if source is None:
             values = {n: p.detach() for n, p in named}
@@ -111,19 +109,34 @@ class Strategy:
         return full32
 
     # -- layout and ownership ------------------------------------------------------------
-    def _buffer_order(self, model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    @classmethod
+    def layout(cls, model: nn.Module, sharding: ShardingConfig, dp_size: int) -> tuple[list, Layout]:
+        """The parameters in buffer order and the buckets they fall in: what the strategy
+        builds (the dry run asks it of a model on the meta device)."""
+        named = cls._buffer_order(model, sharding)
+        trainable = sum(p.numel() for _, p in named if p.requires_grad)
+        return named, build_layout([p.numel() for _, p in named], dp_size,
+                                   cls._bucket_numel(sharding, trainable, dp_size), sharding.shard_align,
+                                   cls._bucket_groups(model, named, sharding))
+
+    @classmethod
+    def _buffer_order(cls, model: nn.Module, sharding: ShardingConfig) -> list[tuple[str, nn.Parameter]]:
         # Reverse order: backward produces the last layers' gradients first, so the first
         # bucket fills first and its reduction can start while backward goes on. Frozen
         # parameters go last, in buckets of their own.
         named = list(reversed(list(model.named_parameters())))
         return sorted(named, key=lambda item: not item[1].requires_grad)
 
-    def _bucket_groups(self, named) -> list | None:
+    @classmethod
+    def _bucket_groups(cls, model: nn.Module, named, sharding: ShardingConfig) -> list | None:
         frozen = [not p.requires_grad for _, p in named]
         return frozen if any(frozen) else None
 
-    def _bucket_numel(self) -> int:
-        return self.cfg.bucket_numel
+    @classmethod
+    def _bucket_numel(cls, sharding: ShardingConfig, trainable_numel: int, dp_size: int) -> int:
+        if sharding.bucket_numel == "auto":
+            return auto_bucket_numel(trainable_numel, dp_size)
+        return sharding.bucket_numel
 
     def inner(self, b: Bucket) -> Range:
         """The part of `b` this rank's shard group assigns to it (world coordinates)."""
@@ -309,10 +322,7 @@ class Strategy:
         clip = self.optim_cfg.grad_clip
         if clip > 0:
             coef *= min(clip / (norm + 1e-6), 1.0)  # as torch.nn.utils.clip_grad_norm_
-        if coef != 1.0:
-            for g in self.main_grads:
-                g.mul_(coef)
-        self.optimizer.step(self.main_grads, lr)
+        self.optimizer.step(self.main_grads, lr, grad_scale=coef)
         self._write_back()
         self._start_param_sync()
         return norm

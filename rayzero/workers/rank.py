@@ -26,7 +26,7 @@ from rayzero.data.batches import RankBatches
 from rayzero.data.tokens import TokenDataset
 from rayzero.models import ModelSpec, model_spec
 from rayzero.models.spec import IGNORE_INDEX
-from rayzero.sharding import Topology, build_strategy
+from rayzero.sharding import STRATEGY_CLASSES, Layout, ShardingConfig, Topology, build_strategy
 from rayzero.sharding.comm import Axis, wait
 from rayzero.sharding.fsdp import find_units
 from rayzero.sharding.precision import DTYPES, check_device_supports
@@ -41,6 +41,19 @@ def make_spec(cfg: RootConfig, factory: Callable | None = None) -> ModelSpec:
 def fsdp_units(cfg: RootConfig, spec: ModelSpec, model: nn.Module) -> tuple[str, ...]:
     """ZeRO-3's unit classes: `sharding.fsdp_units`, or the model's own."""
     return tuple(cfg.sharding.fsdp_units) or spec.fsdp_units(model)
+
+
+def resolved_sharding(cfg: RootConfig, spec: ModelSpec, model: nn.Module) -> ShardingConfig:
+    """`cfg.sharding` with ZeRO-3's unit classes filled in from the model where left open."""
+    if cfg.sharding.strategy != "optim_grads_params":
+        return cfg.sharding
+    return cfg.sharding.model_copy(update={"fsdp_units": fsdp_units(cfg, spec, model)})
+
+
+def bucket_layout(cfg: RootConfig, spec: ModelSpec, model: nn.Module) -> Layout:
+    """The buckets the ranks will build for `model` (on the meta device is enough)."""
+    sharding = resolved_sharding(cfg, spec, model)
+    return STRATEGY_CLASSES[sharding.strategy].layout(model, sharding, cfg.cluster.num_workers)[1]
 
 
 def check_buildable(cfg: RootConfig, device: torch.device | None, spec: ModelSpec | None = None,
@@ -140,9 +153,7 @@ class Rank:
                     module._buffers[name] = b.to(self.device)
         check_buildable(cfg, self.device, self.spec, self.model)
         self.axes = self._make_axes()
-        sharding = cfg.sharding
-        if sharding.strategy == "optim_grads_params":
-            sharding = sharding.model_copy(update={"fsdp_units": fsdp_units(cfg, self.spec, self.model)})
+        sharding = resolved_sharding(cfg, self.spec, self.model)
         source = self.spec.source(self.model)
         self.strategy = build_strategy(
             sharding.strategy, self.model, self.topo, sharding, cfg.optim, self.axes,

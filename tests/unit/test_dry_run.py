@@ -64,3 +64,19 @@ def test_overrides_may_come_before_and_after_the_options(tmp_path, capsys):
         assert e.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
     else:
         raise AssertionError("an unknown option must be refused")
+
+
+def test_the_plan_shows_the_buckets_the_ranks_will_build(tmp_path, capsys):
+    # The small preset (10.8M parameters) at 2 ranks: `auto` cuts it into about 8 buckets.
+    code, out, plan = dry_run(tmp_path, capsys, "model.preset=small", "sharding.strategy=optim")
+    assert code == 0, out.err
+    sizes = plan["buckets"]["numel"]
+    assert plan["buckets"]["bucket_numel"] == "auto" and 6 <= len(sizes) <= 10
+    assert sum(sizes) >= plan["num_params"] and all(s % 2 == 0 for s in sizes)  # padded for 2 ranks
+    assert f"{len(sizes)} communication buckets (bucket_numel auto)" in out.out
+    code, out, plan = dry_run(tmp_path, capsys, "model.preset=small", "sharding.bucket_numel=100000000")
+    assert plan["buckets"]["numel"] == [sum(sizes)] or len(plan["buckets"]["numel"]) == 1
+    assert "1 communication bucket (bucket_numel 100,000,000)" in out.out
+    # ZeRO-3: one bucket per FSDP unit (the GPT's 6 blocks, 2 embeddings, final norm and head).
+    code, out, plan = dry_run(tmp_path, capsys, "model.preset=small", "sharding.strategy=optim_grads_params")
+    assert plan["buckets"]["per_unit"] and "(one per FSDP unit)" in out.out

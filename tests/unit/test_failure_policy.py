@@ -138,6 +138,20 @@ def test_a_rank_that_stops_answering_counts_as_hung():
     assert (f.rank, f.phase, f.step) == (1, "step", 3) and "has not answered for 15s" in f.message
 
 
+def test_a_rank_still_starting_gets_the_startup_grace():
+    # Rank 3 has never answered: its actor is still importing. Not hung within the grace.
+    from rayzero.cluster.watchdog import STARTUP_GRACE_S
+
+    assert verdict({}, silent_since={3: 85.0}) is None
+    f = verdict({}, silent_since={3: 100.0 - STARTUP_GRACE_S - 1})
+    assert f.rank == 3 and f.phase is None and "has not answered" in f.message
+    # In setup (building the model, reading its weights): the same grace; in a step, none.
+    assert verdict({3: {"step": None, "phase": "setup", "elapsed_s": 15.0}}) is None
+    f = verdict({3: {"step": None, "phase": "setup", "elapsed_s": STARTUP_GRACE_S + 1}})
+    assert (f.rank, f.phase) == (3, "setup")
+    assert verdict({3: {"step": 0, "phase": "gather", "elapsed_s": 15.0}}).rank == 3
+
+
 def test_world_sizes_and_bad_min_workers():
     assert load_config(None, ELASTIC).world_sizes() == [4, 3, 2]
     assert load_config(None, [*ELASTIC, "sharding.dp_outer=2"]).world_sizes() == [4, 2]

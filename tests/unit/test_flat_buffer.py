@@ -341,3 +341,45 @@ def test_merge_runs_sorts_and_joins_touching_runs_keeping_the_same_elements(runs
     for a, b in zip(merged, merged[1:]):
         assert a.end < b.start  # sorted, and anything that touched was joined
     assert len(merged) <= len(runs)
+
+
+def test_flat_adamw_applies_the_clip_coefficient_as_torch_clips_the_gradients():
+    # `grad_scale` multiplies the gradients inside the update: the same as clipping them first.
+    n, cuts, runs = 50, [20, 33], [Range(5, 40)]
+    hyper = AdamWHyper(weight_decay=0.1)
+    g = torch.Generator().manual_seed(1)
+    start, grads = torch.randn(n, generator=g), [torch.randn(n, generator=g) for _ in range(3)]
+    scaled, clipped = start.clone(), start.clone()
+    a = FlatAdamW(split(scaled, cuts), hyper, runs)
+    b = FlatAdamW(split(clipped, cuts), hyper, runs)
+    for grad in grads:
+        a.step(split(grad.clone(), cuts), lr=0.01, grad_scale=0.3)
+        b.step(split(grad * 0.3, cuts), lr=0.01)
+    torch.testing.assert_close(scaled, clipped, atol=1e-7, rtol=1e-6)
+
+
+def test_flat_adamw_takes_low_precision_gradients_and_long_shards(monkeypatch):
+    # bf16 gradients are updated in fp32 segment by segment; a shard longer than CHUNK is cut.
+    import rayzero.sharding.adamw as adamw
+
+    monkeypatch.setattr(adamw, "CHUNK", 16)
+    n = 100
+    g = torch.Generator().manual_seed(2)
+    start, grad = torch.randn(n, generator=g), torch.randn(n, generator=g).bfloat16()
+    low, full = start.clone(), start.clone()
+    a = FlatAdamW(split(low, [60]), AdamWHyper(), [Range(10, 70)])
+    assert max(s.hi - s.lo for s in a._segments) == 16
+    a.step(split(grad, [60]), lr=0.01)
+    FlatAdamW(split(full, [60]), AdamWHyper(), [Range(10, 70)]).step(split(grad.float(), [60]), lr=0.01)
+    assert torch.equal(low, full) and not torch.equal(low, start)
+
+
+def test_a_step_allocates_no_new_segment_views_for_the_same_gradients():
+    flat, grads = torch.zeros(30), torch.ones(30)
+    opt = FlatAdamW(split(flat, [10]), AdamWHyper(), [Range(0, 30)])
+    opt.step(split(grads, [10]), lr=0.1)
+    views = opt._grad_views
+    opt.step(split(grads, [10]), lr=0.1)  # new view objects of the same memory: the cache holds
+    assert opt._grad_views is views
+    opt.step(split(torch.ones(30), [10]), lr=0.1)  # other memory: cut again
+    assert opt._grad_views is not views

@@ -303,3 +303,32 @@ def test_range_rejects_negative_or_reversed_bounds():
     assert Range(3, 3).size == 0
     assert Range(0, 5).intersect(Range(5, 9)) is None
     assert Range(0, 5).intersect(Range(2, 9)) == Range(2, 5)
+
+
+# -- sharding.bucket_numel=auto ---------------------------------------------------------
+
+from rayzero.sharding.layout import AUTO_BUCKETS, CAP, CAP_PER_RANK, FLOOR_PER_RANK, auto_bucket_numel  # noqa: E402
+
+
+@FAST
+@given(st.integers(1, 10**11), st.integers(1, 1024))
+def test_auto_buckets_stay_between_the_floor_and_the_cap(numel, dp):
+    b = auto_bucket_numel(numel, dp)
+    cap = max(CAP, CAP_PER_RANK * dp)
+    assert FLOOR_PER_RANK * dp <= b <= cap or b == cap  # the cap wins over the floor
+    if FLOOR_PER_RANK * dp <= -(-numel // AUTO_BUCKETS) <= cap:  # in between: about 8 buckets
+        assert len(build_layout([numel // 1000 + 1] * 1000, dp, b).buckets) in range(AUTO_BUCKETS - 1,
+                                                                                    AUTO_BUCKETS + 2)
+
+
+def test_auto_buckets_of_the_benchmark_models_at_two_ranks():
+    # 0.45M, 3.3M, 10.8M parameters: every model gets several buckets (one fixed 4M bucket gave
+    # the first two a single bucket, reduced only after backward)
+    assert auto_bucket_numel(454_144, 2) == 2 * FLOOR_PER_RANK
+    assert auto_bucket_numel(3_300_000, 2) == 412_500
+    assert auto_bucket_numel(10_819_584, 2) == 1_352_448
+    # large models keep the 4M of before, and Megatron's 1M elements per rank in large groups
+    assert auto_bucket_numel(7 * 10**9, 4) == CAP == 2**22
+    assert auto_bucket_numel(7 * 10**9, 64) == 64 * CAP_PER_RANK
+    # a tiny model at many ranks: each rank's piece of a bucket stays at least the floor
+    assert auto_bucket_numel(1000, 16) == 16 * FLOOR_PER_RANK

@@ -1,0 +1,461 @@
+"""Step time and peak memory at 2 ranks over a grid of shapes: rayzero against what a user
+would pick instead, side by side in one invocation.
+
+The grid (gloo, one CPU and one torch thread per rank): three GPT sizes (`0.5M`: 2 layers of
+width 128; `3M`: 4 of width 256; `10M`: the `small` preset, 10.8M), micro-batches of 128,
+1,024 and 4,096 tokens (2 x 64, 8 x 128, 16 x 256), and gradient accumulation 1 and 4; and,
+with `--llama`, an HF Llama of 9.7M parameters at 1,024 tokens. At each point, every run:
+
+    DDP               plain torch: DDP over gloo, AdamW (what torchrun runs; `plain.py`)
+    FSDP2             plain torch: `fully_shard` on each block and on the root
+    Ray Train DDP     `TorchTrainer` with `prepare_model` (DDP), the same training step
+    Ray Train FSDP2   `TorchTrainer` with `fully_shard` per block and root
+    rayzero <s>       every sharding.strategy, in Ray actors driven by one compiled graph
+                      per iteration, as `rayzero train` drives them
+
+Each run keeps its processes (and process group) for the whole grid and takes the points one
+by one when told, so that all runs of a point execute back to back, one at a time, and start
+up only once. Per point: the median step time after warmup, its ratio to DDP's and to
+FSDP2's, and each rank's peak RSS during that point (VmHWM, reset before the point; points go
+smallest first, so what a process kept from an earlier point is at most this point's own
+size). For rayzero also the time in each phase (the slowest rank). The whole grid runs in
+rounds (default 2, the order of the runs rotating), and the figure reported for a point is
+the median over rounds of each round's ratio.
+
+Targets, at every point: rayzero no_shard and optim <= 1.03x DDP and below Ray Train DDP;
+optim_grads <= 1.10x DDP; optim_grads_params <= 0.90x FSDP2 and below Ray Train FSDP2; peak
+RSS per rank at most the corresponding peer's (DDP's; FSDP2's for optim_grads_params). A
+summary line per strategy gives its worst and its median point.
+
+    python benchmarks/step_time.py [--rounds 2] [--points SUBSTR ...] [--llama] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import queue
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import plain  # noqa: E402
+
+from rayzero.cluster.dispatch import CompiledDispatch  # noqa: E402
+from rayzero.cluster.schedule import lr_at  # noqa: E402
+from rayzero.cluster.worker_group import WorkerGroup  # noqa: E402
+from rayzero.config import load_config  # noqa: E402
+from rayzero.data.corpus import ensure_default_corpus  # noqa: E402
+from rayzero.workers.actor import RankShim, rank_actor  # noqa: E402
+from rayzero.workers.rank import Rank  # noqa: E402
+
+WORLD = 2
+SIZES = {"0.5M": ["model.n_layer=2", "model.n_embd=128", "model.n_head=4"],
+         "3M": ["model.n_layer=4", "model.n_embd=256", "model.n_head=4"],
+         "10M": ["model.preset=small"]}
+PARAMS = {"0.5M": 0.45e6, "3M": 3.3e6, "10M": 10.8e6, "llama": 9.7e6}
+MICRO = {128: (2, 64), 1024: (8, 128), 4096: (16, 256)}  # tokens: (sequences, seq_len)
+TIMED_S, FLOPS = 3.0, 4e10
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+BASELINES = ("DDP", "FSDP2", "Ray Train DDP", "Ray Train FSDP2")
+RUNS = BASELINES + tuple(f"rayzero {s}" for s in STRATEGIES)
+TARGETS = {"no_shard": ("DDP", 1.03, "Ray Train DDP"), "optim": ("DDP", 1.03, "Ray Train DDP"),
+           "optim_grads": ("DDP", 1.10, None), "optim_grads_params": ("FSDP2", 0.90, "Ray Train FSDP2")}
+
+
+@dataclass
+class Point:
+    name: str
+    overrides: list[str]
+    params: float
+    tokens: int  # per rank per step
+    steps: int = 0
+    warmup: int = 0
+
+    def __post_init__(self):
+        # About TIMED_S of timed steps per run (a step of a few ms is noise on its own), at
+        # least 3 at the costly points; the estimate is 6 flops per parameter and token at
+        # FLOPS per rank, plus a fixed cost per step.
+        est = 6 * self.params * self.tokens / FLOPS + 0.01
+        self.warmup = 2 if est < 2 else 1
+        self.steps = self.warmup + min(max(math.ceil(TIMED_S / est), 2 if est > 5 else 3), 60)
+
+    def config(self, *extra: str):
+        return load_config(None, [*self.overrides, f"train.steps={self.steps}", *extra])
+
+
+def grid(data_path: str, llama: str | None) -> list[Point]:
+    points = []
+    models = [(size, SIZES[size]) for size in SIZES] + ([("llama", ["model.kind=hf", f"model.path={llama}"])]
+                                                        if llama else [])
+    for size, model in models:
+        for tokens, (mb, seq) in MICRO.items():
+            for accum in (1, 4):
+                if size == "llama" and (tokens != 1024):
+                    continue
+                points.append(Point(f"{size}/mb{tokens}/acc{accum}", [
+                    *model, f"train.seq_len={seq}", f"train.micro_batch_size={mb}",
+                    f"train.global_batch_size={mb * WORLD * accum}", f"cluster.num_workers={WORLD}",
+                    "cluster.cpus_per_worker=1", "tracking.enabled=false", f"data.path={data_path}"],
+                    PARAMS[size], tokens * accum))
+    return sorted(points, key=lambda p: (p.params, p.tokens))
+
+
+# -- peak RSS of one point ---------------------------------------------------------------
+
+def reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # resets VmHWM to the current RSS
+        f.write("5")
+    global _base
+    _base = _status("VmRSS:")
+
+
+_base = 0.0
+
+
+def _status(key: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {key}")
+
+
+def peak_mib() -> tuple[float, float]:
+    """The peak RSS since `reset_peak`, and its growth over the RSS then (what the point
+    itself took: the process's runtime, torch's and Ray's, is left out)."""
+    peak = _status("VmHWM:")
+    return peak, peak - _base
+
+
+def run_plain_point(cfg, data_path: str, fsdp2: bool, warmup: int, wrap=None) -> dict:
+    """One point on this rank of a plain run; rank 0's step times, every rank's peak RSS."""
+    import torch.distributed as dist
+
+    reset_peak()
+    trainer = plain.PlainTrainer(cfg, data_path, fsdp2=fsdp2, wrap=wrap)
+    times, losses = [], []
+    for k in range(cfg.train.steps):
+        dt, loss = trainer.step(k)
+        times.append(dt)
+        losses.append(loss)
+    total = torch.stack(losses)
+    dist.all_reduce(total)
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, peak_mib())
+    trainer.close()
+    return {"step_s": times, "losses": (total / trainer.data.tokens_per_step).tolist(),
+            "peak_rss_mib": [p[0] for p in peaks], "growth_mib": [p[1] for p in peaks]}
+
+
+# -- plain torch in spawned processes --------------------------------------------------------
+
+def _plain_worker(rank: int, fsdp2: bool, port: int, data_path: str, inbox, outbox) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    while (cmd := inbox[rank].get()) is not None:
+        cfg = load_config(None, cmd["overrides"])
+        result = run_plain_point(cfg, data_path, fsdp2, cmd["warmup"])
+        if rank == 0:
+            outbox.put(result)
+    dist.destroy_process_group()
+
+
+class PlainRun:
+    def __init__(self, fsdp2: bool, data_path: str):
+        ctx = mp.get_context("spawn")
+        self.inbox = [ctx.Queue() for _ in range(WORLD)]
+        self.outbox = ctx.Queue()
+        port = free_port()
+        self.procs = [ctx.Process(target=_plain_worker, args=(r, fsdp2, port, data_path, self.inbox, self.outbox))
+                      for r in range(WORLD)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, point: Point) -> dict:
+        for q in self.inbox:
+            q.put({"overrides": _overrides(point), "warmup": point.warmup})
+        return self.outbox.get(timeout=3600)
+
+    def close(self) -> None:
+        for q in self.inbox:
+            q.put(None)
+        for p in self.procs:
+            p.join(60)
+
+
+def _overrides(point: Point) -> list[str]:
+    return [*point.overrides, f"train.steps={point.steps}"]
+
+
+# -- Ray Train ---------------------------------------------------------------------------
+
+def _ray_train_loop(config: dict) -> None:
+    import torch.distributed as dist
+    import ray.train.torch
+
+    torch.set_num_threads(1)
+    inbox, outbox, fsdp2 = config["inbox"], config["outbox"], config["fsdp2"]
+    wrap = None if fsdp2 else ray.train.torch.prepare_model
+    while True:
+        cmd = [inbox.get() if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(cmd, src=0)
+        if cmd[0] is None:
+            return
+        cfg = load_config(None, cmd[0]["overrides"])
+        result = run_plain_point(cfg, config["data_path"], fsdp2, cmd[0]["warmup"], wrap=wrap)
+        if dist.get_rank() == 0:
+            outbox.put(result)
+
+
+class RayTrainRun:
+    """A `TorchTrainer` whose training function takes the points one by one from a queue."""
+
+    def __init__(self, fsdp2: bool, data_path: str, storage: str):
+        from ray.train import RunConfig, ScalingConfig
+        from ray.train.torch import TorchTrainer
+        from ray.util.queue import Queue
+
+        self.inbox, self.outbox = Queue(), Queue()
+        trainer = TorchTrainer(
+            _ray_train_loop,
+            train_loop_config={"inbox": self.inbox, "outbox": self.outbox, "fsdp2": fsdp2, "data_path": data_path},
+            scaling_config=ScalingConfig(num_workers=WORLD, use_gpu=False, resources_per_worker={"CPU": 1}),
+            run_config=RunConfig(storage_path=storage, name=f"ray-train-{'fsdp2' if fsdp2 else 'ddp'}"),
+        )
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._fit, args=(trainer,), daemon=True)
+        self.thread.start()
+
+    def _fit(self, trainer) -> None:
+        try:
+            trainer.fit()
+        except BaseException as e:  # reported by the next run()
+            self.error = e
+
+    def run(self, point: Point) -> dict:
+        self.inbox.put({"overrides": _overrides(point), "warmup": point.warmup})
+        deadline = time.monotonic() + 3600
+        while time.monotonic() < deadline:
+            if self.error is not None:
+                raise RuntimeError(f"Ray Train failed: {self.error}")
+            try:
+                return self.outbox.get(timeout=1)
+            except Exception:
+                continue
+        raise TimeoutError("Ray Train point")
+
+    def close(self) -> None:
+        self.inbox.put(None)
+        self.thread.join(120)
+
+
+# -- rayzero -----------------------------------------------------------------------------
+
+class BenchShim(RankShim):
+    """A rank actor that builds a new `Rank` (and process group) for each point."""
+
+    def reset(self, cfg, rank: int, world: int, data_path: str) -> None:
+        if getattr(self.rank, "strategy", None) is not None:
+            self.rank.close()
+        self.rank = Rank(cfg, rank, world, data_path)
+        reset_peak()
+
+    def peak(self) -> tuple[float, float]:
+        return peak_mib()
+
+
+class RayzeroRun:
+    def __init__(self, strategy: str, data_path: str, first: Point):
+        self.strategy, self.data_path = strategy, data_path
+        cfg = first.config(f"sharding.strategy={strategy}")
+        self.group = WorkerGroup.create(rank_actor(BenchShim), WORLD, {"CPU": 1},
+                                        lambda rank: (cfg, rank, WORLD, data_path))
+        self.fresh = True
+
+    def run(self, point: Point) -> dict:
+        cfg = point.config(f"sharding.strategy={self.strategy}")
+        actors = self.group.actors
+        ray.get([a.reset.remote(cfg, r, WORLD, self.data_path) for r, a in enumerate(actors)])
+        self.group.rendezvous()
+        dispatch = CompiledDispatch(actors, cfg.grad_accum, timeout_s=3600)
+        try:
+            times, losses, phases = [], [], []
+            # As the Controller drives it: the next iteration is queued before this one is read.
+            plan = lambda k: {"step": k, "lr": lr_at(k, cfg.train.steps, cfg.optim)}  # noqa: E731
+            pending, last = dispatch.submit(plan(0)), time.perf_counter()
+            for k in range(cfg.train.steps):
+                queued = dispatch.submit(plan(k + 1)) if k + 1 < cfg.train.steps else None
+                results = dispatch.collect(pending)
+                now = time.perf_counter()
+                times.append(now - last)
+                last, pending = now, queued
+                phases.append({p: max(r["phase_s"][p] for r in results) for p in results[0]["phase_s"]})
+                losses.append(sum(r["loss_sum"] for r in results) / sum(r["tokens"] for r in results))
+        finally:
+            dispatch.close()
+        peaks = ray.get([a.peak.remote() for a in actors])
+        return {"step_s": times, "losses": losses, "peak_rss_mib": [p[0] for p in peaks],
+                "growth_mib": [p[1] for p in peaks], "phase_s": phases}
+
+    def close(self) -> None:
+        self.group.shutdown()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- the grid ------------------------------------------------------------------------------
+
+@dataclass
+class Cell:
+    ratio_ddp: list[float] = field(default_factory=list)  # one per round
+    ratio_fsdp2: list[float] = field(default_factory=list)
+    median_ms: list[float] = field(default_factory=list)
+    peak_rss_mib: float = 0.0
+    growth_mib: float = 0.0  # the peak over the RSS before the point: the run's own memory
+    phase_ms: dict[str, list[float]] = field(default_factory=dict)
+    losses: list[float] = field(default_factory=list)
+
+
+def median_after(values: list[float], warmup: int) -> float:
+    return statistics.median(values[warmup:] or values)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--points", nargs="*", default=[], help="only the points whose name holds one of these")
+    ap.add_argument("--runs", nargs="*", default=[], help="only these runs (names as in the table), and DDP/FSDP2")
+    ap.add_argument("--llama", action="store_true", help="add an HF Llama point (9.7M parameters)")
+    ap.add_argument("--json", metavar="PATH")
+    args = ap.parse_args()
+    data_path = ensure_default_corpus("~/.cache/rayzero/datasets")
+    tmp = tempfile.TemporaryDirectory()
+    llama = None
+    if args.llama:
+        from vs_torchrun import make_llama
+
+        llama = make_llama(Path(tmp.name) / "llama")
+    points = [p for p in grid(data_path, llama) if not args.points or any(s in p.name for s in args.points)]
+    runs = [r for r in RUNS if not args.runs or r in ("DDP", "FSDP2") or r in args.runs]
+    print(f"{len(points)} points x {len(runs)} runs x {args.rounds} round(s), {WORLD} ranks, gloo\n")
+
+    ray.init(num_cpus=2 * len(runs) + 2, logging_level="WARNING",
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    ray.cloudpickle.register_pickle_by_value(plain)
+    cells: dict[tuple[str, str], Cell] = {(p.name, r): Cell() for p in points for r in runs}
+    workers = {}
+    try:
+        for r in runs:
+            if r in ("DDP", "FSDP2"):
+                workers[r] = PlainRun(r == "FSDP2", data_path)
+            elif r.startswith("Ray Train"):
+                workers[r] = RayTrainRun(r.endswith("FSDP2"), data_path, str(Path(tmp.name) / "ray-train"))
+            else:
+                workers[r] = RayzeroRun(r.removeprefix("rayzero "), data_path, points[0])
+        for rnd in range(args.rounds):
+            for p in points:
+                order = runs[rnd % len(runs):] + runs[: rnd % len(runs)]
+                got = {}
+                for r in order:
+                    got[r] = workers[r].run(p)
+                ms = {r: median_after(v["step_s"], p.warmup) * 1e3 for r, v in got.items()}
+                line = []
+                for r, v in got.items():
+                    c = cells[(p.name, r)]
+                    c.median_ms.append(ms[r])
+                    c.ratio_ddp.append(ms[r] / ms["DDP"])
+                    c.ratio_fsdp2.append(ms[r] / ms["FSDP2"])
+                    c.peak_rss_mib = max(c.peak_rss_mib, max(v["peak_rss_mib"]))
+                    c.growth_mib = max(c.growth_mib, max(v["growth_mib"]))
+                    c.losses = v["losses"][:3]
+                    for name, _ in (v.get("phase_s") or [{}])[0].items():
+                        c.phase_ms.setdefault(name, []).append(
+                            median_after([s[name] for s in v["phase_s"]], p.warmup) * 1e3)
+                    line.append(f"{r} {ms[r]:.0f}")
+                print(f"round {rnd + 1} {p.name:<18} " + "  ".join(line) + " ms", flush=True)
+    finally:
+        for w in workers.values():
+            try:
+                w.close()
+            except Exception as e:
+                print(f"closing: {e}")
+        ray.shutdown()
+    report(points, runs, cells, args)
+
+
+def report(points, runs, cells, args) -> None:
+    print("\nper point: median over rounds of the step-time ratio to DDP (to FSDP2, in brackets), and the max "
+          "over ranks and rounds of the peak RSS per rank / of its growth during the point, in MiB")
+    print(f"{'point':<18} " + " ".join(f"{r:>24}" for r in runs))
+    for p in points:
+        row = []
+        for r in runs:
+            c = cells[(p.name, r)]
+            ratio = statistics.median(c.ratio_ddp)
+            extra = f"[{statistics.median(c.ratio_fsdp2):.2f}]" if r.endswith(("FSDP2", "optim_grads_params")) else ""
+            row.append(f"{ratio:6.3f}{extra:>7} {c.peak_rss_mib:4.0f}/{c.growth_mib:<4.0f}")
+        print(f"{p.name:<18} " + " ".join(f"{x:>24}" for x in row))
+    print("\nrayzero per-phase times (ms, median over rounds, slowest rank):")
+    for p in points:
+        for r in runs:
+            c = cells[(p.name, r)]
+            if c.phase_ms:
+                print(f"  {p.name:<18} {r:<28} " + "  ".join(
+                    f"{k} {statistics.median(v):.1f}" for k, v in c.phase_ms.items()))
+    checks = []
+    for s, (peer, target, ray_peer) in TARGETS.items():
+        r = f"rayzero {s}"
+        if r not in runs:
+            continue
+        key = "ratio_fsdp2" if peer == "FSDP2" else "ratio_ddp"
+        per_point = []
+        for p in points:
+            c = cells[(p.name, r)]
+            ratio = statistics.median(getattr(c, key))
+            ray_ratio = statistics.median(getattr(cells[(p.name, ray_peer)], key)) if ray_peer in runs else None
+            # Memory: what the point itself took, the process's runtime (Ray's in an actor) left out.
+            rss = c.growth_mib / max(cells[(p.name, peer)].growth_mib, 1.0)
+            ok = ratio <= target and (ray_ratio is None or ratio < ray_ratio) and rss <= 1.0
+            per_point.append((ratio, p.name, ok, ray_ratio, rss))
+        worst = max(per_point)
+        med = sorted(per_point)[len(per_point) // 2]
+        fails = [x for x in per_point if not x[2]]
+        checks.append({"strategy": s, "peer": peer, "target": target, "worst": worst[:2], "median": med[:2],
+                       "failing_points": [{"point": x[1], "ratio": x[0], "ray_train": x[3], "rss_ratio": x[4]}
+                                          for x in fails]})
+        print(f"{'PASS' if not fails else 'FAIL'}  {s} / {peer}: worst {worst[0]:.3f} at {worst[1]}, median "
+              f"{med[0]:.3f} at {med[1]} (target <= {target}" + (f", below {ray_peer}" if ray_peer else "")
+              + f", RSS growth <= {peer}'s); {len(fails)} point(s) miss")
+        for x in fails:
+            print(f"        {x[1]}: {x[0]:.3f}" + (f", {ray_peer} {x[3]:.3f}" if x[3] is not None else "")
+                  + f", RSS {x[4]:.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "benchmark": "step_time", "world_size": WORLD, "rounds": args.rounds, "torch": torch.__version__,
+            "ray": ray.__version__, "points": [p.__dict__ for p in points],
+            "cells": {f"{k[0]}|{k[1]}": c.__dict__ for k, c in cells.items()}, "checks": checks}, indent=1))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
