@@ -364,6 +364,7 @@ def main() -> None:
     ray.cloudpickle.register_pickle_by_value(plain)
     cells: dict[tuple[str, str], Cell] = {(p.name, r): Cell() for p in points for r in runs}
     workers = {}
+    done: list[Point] = []  # Ctrl-C reports the points measured so far
     try:
         for r in runs:
             if r in ("DDP", "FSDP2"):
@@ -393,6 +394,10 @@ def main() -> None:
                             median_after([s[name] for s in v["phase_s"]], p.warmup) * 1e3)
                     line.append(f"{r} {ms[r]:.0f}")
                 print(f"round {rnd + 1} {p.name:<18} " + "  ".join(line) + " ms", flush=True)
+                if p not in done:
+                    done.append(p)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: reporting the {len(done)} point(s) measured")
     finally:
         for w in workers.values():
             try:
@@ -400,7 +405,7 @@ def main() -> None:
             except Exception as e:
                 print(f"closing: {e}")
         ray.shutdown()
-    report(points, runs, cells, args)
+    report(done, runs, cells, args)
 
 
 def report(points, runs, cells, args) -> None:

@@ -1,6 +1,5 @@
 import os
 import random
-import socket
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import pytest
 
 from rayzero.data.tokens import prepare
+from rayzero.workers.rank import rendezvous_port
 from tests.s3server import SeaweedS3
 
 
@@ -20,24 +20,15 @@ _taken: set[int] = set()
 
 
 def free_port() -> int:
-    """A port to rendezvous on, free now, and below the ephemeral range: the kernel hands
-    ephemeral ports to every outgoing connection and to gloo's own listeners, so a port taken
-    from that range (bind to 0) can be in use again by the time a process group binds it, and
-    its ranks then wait on the wrong listener. Never the same port twice in one session."""
-    low, _ = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    """A port to rendezvous on, free now and below the ephemeral range (as rank 0 picks
+    its own, `rendezvous_port`); never the same port twice in one session."""
     rng = random.Random()
     for _ in range(1000):
-        port = rng.randrange(max(1024, low - 12000), low)
-        if port in _taken:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _taken.add(port)
-        return port
-    raise RuntimeError("no free port below the ephemeral range")
+        port = rendezvous_port("127.0.0.1", rng)
+        if port not in _taken:
+            _taken.add(port)
+            return port
+    raise RuntimeError("no free port")
 
 
 @pytest.fixture(scope="session")

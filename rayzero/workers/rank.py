@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import functools
 import os
+import random
 import socket
 import time
 from datetime import timedelta
+from pathlib import Path
 
 from typing import Callable
 
@@ -41,6 +43,29 @@ def make_spec(cfg: RootConfig, factory: Callable | None = None) -> ModelSpec:
 def fsdp_units(cfg: RootConfig, spec: ModelSpec, model: nn.Module) -> tuple[str, ...]:
     """ZeRO-3's unit classes: `sharding.fsdp_units`, or the model's own."""
     return tuple(cfg.sharding.fsdp_units) or spec.fsdp_units(model)
+
+
+def rendezvous_port(ip: str, rng: random.Random | None = None) -> int:
+    """A port free on `ip` now, below the ephemeral range where the system allows it. The
+    kernel hands ephemeral ports to every outgoing connection and to gloo's own listeners, so
+    a port taken from that range (bind to 0) can be in use again by the time the process
+    group's store listens on it (EADDRINUSE, seen with several groups on one machine)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    rng = rng or random.Random()
+    for _ in range(200 if low > 2048 else 0):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((ip, port))
+            except OSError:
+                continue
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no range known: any free port
+        s.bind((ip, 0))
+        return s.getsockname()[1]
 
 
 def resolved_sharding(cfg: RootConfig, spec: ModelSpec, model: nn.Module) -> ShardingConfig:
@@ -123,9 +148,7 @@ class Rank:
     @staticmethod
     def address(ip: str = "127.0.0.1") -> tuple[str, int]:
         """`ip` and a free port on it, for rank 0 to host the rendezvous."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((ip, 0))
-            return ip, s.getsockname()[1]
+        return ip, rendezvous_port(ip)
 
     @watched("setup")
     def setup(self, master_addr: str, master_port: int) -> dict:

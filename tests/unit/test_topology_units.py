@@ -66,3 +66,17 @@ def test_groups_close_buckets_where_the_unit_changes():
     assert all(b.world.size % 2 == 0 for b in layout.buckets)
     with pytest.raises(ValueError, match="consecutive"):
         build_layout([1, 1, 1], 1, 10, groups=[0, 1, 0])
+
+
+def test_rank_zero_rendezvous_port_is_free_and_below_the_ephemeral_range():
+    import socket
+    from pathlib import Path
+
+    from rayzero.workers.rank import Rank
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(20):
+        ip, port = Rank.address("127.0.0.1")
+        assert ip == "127.0.0.1" and max(1024, low - 12000) <= port < low
+        with socket.socket() as s:
+            s.bind((ip, port))  # free when handed out
