@@ -93,6 +93,19 @@ class PlainTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         return time.perf_counter() - t0, loss_sum
 
+    def run(self, steps: int) -> tuple[list[float], torch.Tensor]:
+        """Iterations 0 .. steps-1: each one's wall time in seconds, and each one's mean loss
+        over the global batch (reduced once, after the timed loop, so that no extra collective
+        runs per step). Every rank must call it."""
+        step_s, loss_sums = [], []
+        for k in range(steps):
+            dt, loss = self.step(k)
+            step_s.append(dt)
+            loss_sums.append(loss)
+        losses = torch.stack(loss_sums)
+        dist.all_reduce(losses)
+        return step_s, losses / self.data.tokens_per_step
+
     def close(self) -> None:
         """Drop everything holding tensors or the mesh before the group goes: otherwise gloo's
         threads can still be running at interpreter exit and the process aborts."""

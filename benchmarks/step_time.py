@@ -145,17 +145,11 @@ def run_plain_point(cfg, data_path: str, fsdp2: bool, warmup: int, wrap=None) ->
 
     reset_peak()
     trainer = plain.PlainTrainer(cfg, data_path, fsdp2=fsdp2, wrap=wrap)
-    times, losses = [], []
-    for k in range(cfg.train.steps):
-        dt, loss = trainer.step(k)
-        times.append(dt)
-        losses.append(loss)
-    total = torch.stack(losses)
-    dist.all_reduce(total)
+    times, losses = trainer.run(cfg.train.steps)
     peaks = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, peak_mib())
     trainer.close()
-    return {"step_s": times, "losses": (total / trainer.data.tokens_per_step).tolist(),
+    return {"step_s": times, "losses": losses.tolist(),
             "peak_rss_mib": [p[0] for p in peaks], "growth_mib": [p[1] for p in peaks]}
 
 

@@ -43,16 +43,7 @@ def main() -> None:
     if world != cfg.dp_size:
         raise SystemExit(f"torchrun started {world} ranks but cluster.num_workers is {cfg.dp_size}")
     trainer = PlainTrainer(cfg, data_path, fsdp2=args.fsdp2)
-    step_s, loss_sums = [], []
-    for step in range(cfg.train.steps):
-        dt, loss = trainer.step(step)
-        step_s.append(dt)
-        loss_sums.append(loss)
-
-    # Losses are reduced once, after the timed loop, so that no extra collective runs per step.
-    losses = torch.stack(loss_sums)
-    dist.all_reduce(losses)
-    losses /= trainer.data.tokens_per_step
+    step_s, losses = trainer.run(cfg.train.steps)
     peak_rss = [None] * world
     dist.all_gather_object(peak_rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     if rank == 0:

@@ -112,7 +112,7 @@ class CompiledDispatch(_Dispatch):
             if work is None:  # ranks that report no phase times: the driver's clock
                 # Waiting at all means the work took until `done`. No wait means it finished
                 # during the nap, some unknown time earlier: assume well earlier, to adapt fast.
-                work = done - start if done - woke > 1e-3 else 0.5 * (woke - start)
+                work = done - start if done - woke > 1e-3 else 0.8 * (woke - start)
             self._recent_s.append(work)
         self._last_done = done
         return out

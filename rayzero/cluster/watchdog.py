@@ -85,8 +85,7 @@ class Watchdog:
         """If any rank is past the timeout: the one furthest behind in the run's order (step,
         then phase) is the cause; the others are waiting for it inside a collective. Ranks are
         only loosely in step, so the cause need not be the one stuck longest."""
-        silent = [(now - t, r) for r, t in self._silent_since.items()
-                  if now - t > (self.timeout_s if r in self.last else max(self.timeout_s, STARTUP_GRACE_S))]
+        silent = [(now - t, r) for r, t in self._silent_since.items() if now - t > self._limit(r not in self.last)]
         if silent:
             secs, r = max(silent)
             p = self.last.get(r, {})
@@ -94,7 +93,7 @@ class Watchdog:
                                  f"{self.timeout_s:g}), last seen in phase {p.get('phase')} of step {p.get('step')}",
                            rank=r, phase=p.get("phase"), step=p.get("step"))
         busy = {r: p for r, p in self.last.items() if p.get("phase") and r not in self._silent_since}
-        if not any(p["elapsed_s"] > self._limit(p["phase"]) for p in busy.values()):
+        if not any(p["elapsed_s"] > self._limit(p["phase"] in STARTING) for p in busy.values()):
             return None
         r = min(busy, key=lambda r: (_position(busy[r]), -busy[r]["elapsed_s"]))
         p = busy[r]
@@ -102,9 +101,8 @@ class Watchdog:
                              f" (failure.phase_timeout_s={self.timeout_s:g})",
                        rank=r, phase=p["phase"], step=p["step"])
 
-
-    def _limit(self, phase: str) -> float:
-        return max(self.timeout_s, STARTUP_GRACE_S) if phase in STARTING else self.timeout_s
+    def _limit(self, starting: bool) -> float:
+        return max(self.timeout_s, STARTUP_GRACE_S) if starting else self.timeout_s
 
 
 # The order a rank goes through its calls, to tell who is behind.
