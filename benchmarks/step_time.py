@@ -163,6 +163,8 @@ def run_plain_point(cfg, data_path: str, fsdp2: bool, warmup: int, wrap=None) ->
     peaks = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, peak_mib())
     trainer.close()
+    del trainer
+    trim()  # idle until the next point: 16 processes of a few GiB each do not fit this machine
     return {"step_s": times, "losses": losses.tolist(),
             "peak_rss_mib": [p[0] for p in peaks], "growth_mib": [p[1] for p in peaks]}
 
@@ -277,15 +279,19 @@ class BenchShim(RankShim):
     """A rank actor that builds a new `Rank` (and process group) for each point."""
 
     def reset(self, cfg, rank: int, world: int, data_path: str) -> None:
-        if getattr(self.rank, "strategy", None) is not None:
-            self.rank.close()
-            self.rank = None
-            trim()
+        self.release()
         self.rank = Rank(cfg, rank, world, data_path)
         reset_peak()
 
     def peak(self) -> tuple[float, float]:
         return peak_mib()
+
+    def release(self) -> None:
+        """After a point: free the rank's state while the other runs take theirs."""
+        if getattr(self.rank, "strategy", None) is not None:
+            self.rank.close()
+        self.rank = None
+        trim()
 
 
 class RayzeroRun:
@@ -318,6 +324,7 @@ class RayzeroRun:
         finally:
             dispatch.close()
         peaks = ray.get([a.peak.remote() for a in actors])
+        ray.get([a.release.remote() for a in actors])
         return {"step_s": times, "losses": losses, "peak_rss_mib": [p[0] for p in peaks],
                 "growth_mib": [p[1] for p in peaks], "phase_s": phases}
 
@@ -375,6 +382,7 @@ def main() -> None:
     cells: dict[tuple[str, str], Cell] = {(p.name, r): Cell() for p in points for r in runs}
     workers = {}
     done: list[Point] = []  # Ctrl-C reports the points measured so far
+    failed: list[tuple[str, str]] = []  # (point, run) that raised
     try:
         for r in runs:
             if r in ("DDP", "FSDP2"):
@@ -388,7 +396,14 @@ def main() -> None:
                 order = runs[rnd % len(runs):] + runs[: rnd % len(runs)]
                 got = {}
                 for r in order:
-                    got[r] = workers[r].run(p)
+                    try:
+                        got[r] = workers[r].run(p)
+                    except Exception as e:  # the other runs and points go on; the report says so
+                        print(f"round {rnd + 1} {p.name}: {r} failed: {str(e).strip().splitlines()[0][:300]}",
+                              flush=True)
+                        failed.append((p.name, r))
+                        if r in ("DDP", "FSDP2"):
+                            raise
                 ms = {r: median_after(v["step_s"], p.warmup) * 1e3 for r, v in got.items()}
                 line = []
                 for r, v in got.items():
@@ -408,6 +423,8 @@ def main() -> None:
                     done.append(p)
     except KeyboardInterrupt:
         print(f"\ninterrupted: reporting the {len(done)} point(s) measured")
+    except Exception as e:
+        print(f"\nstopped by {type(e).__name__}: {e}\nreporting the {len(done)} point(s) measured")
     finally:
         for w in workers.values():
             try:
@@ -426,6 +443,9 @@ def report(points, runs, cells, args) -> None:
         row = []
         for r in runs:
             c = cells[(p.name, r)]
+            if not c.ratio_ddp:
+                row.append("failed")
+                continue
             ratio = statistics.median(c.ratio_ddp)
             extra = f"[{statistics.median(c.ratio_fsdp2):.2f}]" if r.endswith(("FSDP2", "optim_grads_params")) else ""
             row.append(f"{ratio:6.3f}{extra:>7} {c.peak_rss_mib:4.0f}/{c.growth_mib:<4.0f}")
@@ -446,8 +466,13 @@ def report(points, runs, cells, args) -> None:
         per_point = []
         for p in points:
             c = cells[(p.name, r)]
+            if not getattr(c, key):
+                per_point.append((math.inf, p.name, False, None, math.inf))
+                continue
+            ray_cell = cells.get((p.name, ray_peer))
+            ray_ratio = (statistics.median(getattr(ray_cell, key)) if ray_peer in runs and getattr(ray_cell, key)
+                         else None)
             ratio = statistics.median(getattr(c, key))
-            ray_ratio = statistics.median(getattr(cells[(p.name, ray_peer)], key)) if ray_peer in runs else None
             # Memory: the peak RSS per rank, the process's runtime (Ray's in an actor) included.
             rss = c.peak_rss_mib / max(cells[(p.name, peer)].peak_rss_mib, 1.0)
             ok = ratio <= target and (ray_ratio is None or ratio < ray_ratio) and rss <= 1.0

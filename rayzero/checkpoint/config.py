@@ -39,7 +39,8 @@ class CheckpointConfig(Frozen):
     )
     s3_endpoint: str = Field(
         default="",
-        description="S3 endpoint, `host:port` (https) or a URL, e.g. `http://127.0.0.1:8333`; empty = AWS.",
+        description="S3 endpoint, `host:port` (https) or a URL, e.g. `http://127.0.0.1:8333`; empty = "
+        "`$AWS_ENDPOINT_URL_S3` or `$AWS_ENDPOINT_URL` if set, else AWS.",
     )
     s3_region: str = Field(
         default="",

@@ -7,6 +7,7 @@ message: errors name the URI, never the keys.
 from __future__ import annotations
 
 import logging
+import os
 import posixpath
 import time
 from contextlib import contextmanager
@@ -131,7 +132,8 @@ class Storage:
 
 def _s3(cfg: CheckpointConfig) -> pafs.S3FileSystem:
     kw: dict = {}
-    endpoint = cfg.s3_endpoint
+    # pyarrow itself ignores the standard variable for S3-compatible stores (MinIO, SeaweedFS).
+    endpoint = cfg.s3_endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     if endpoint:
         scheme, sep, rest = endpoint.partition("://")
         kw["endpoint_override"] = rest if sep else endpoint

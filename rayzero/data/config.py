@@ -4,7 +4,8 @@ from rayzero._frozen import Frozen
 
 
 class DataConfig(Frozen):
-    """The training text, tokenized into bytes; `rayzero data prepare SRC OUT` prepares a dataset."""
+    """The training data: token shards `rayzero data prepare SRC OUT` makes from text (documents) or
+    from instruction records (examples with the loss on their responses)."""
 
     path: str = Field(
         default="",
@@ -14,4 +15,10 @@ class DataConfig(Frozen):
     cache_dir: str = Field(
         default="~/.cache/rayzero/datasets",
         description="Where the default corpus is prepared once and kept; `~` is expanded.",
+    )
+    epochs: float = Field(
+        default=0, ge=0,
+        description="Passes over the data before training stops, if that comes before `train.steps` (which the "
+        "learning-rate schedule then follows); 0 = `train.steps` alone. Instruction data: every example once "
+        "per epoch, packed in an order drawn from the seed; text: as many tokens as the dataset holds.",
     )

@@ -1,9 +1,12 @@
-"""Byte-level token shards in Parquet: preparing them from text and reading windows back.
+"""Token shards in Parquet: preparing them from text and reading windows back.
 
 A dataset is a folder (local path or any URI `pyarrow.fs` understands) holding
-``shard-NNNNN.parquet`` files, each one uint16 column ``tokens`` split into row groups, and a
-``meta.json`` written last: a folder without it is not a dataset (an interrupted prepare).
-Documents are separated by the end-of-text token 256, after their 256 byte values.
+``shard-NNNNN.parquet`` files, each one column ``tokens`` (uint16, or uint32 for a vocabulary
+above 65,536 ids) split into row groups, and a ``meta.json`` written last: a folder without it
+is not a dataset (an interrupted prepare). Each document is followed by the tokenizer's
+end-of-sequence id (and starts with its BOS where it adds one): see tokenizer.py; the default
+tokenizer is bytes, end-of-text 256. meta.json records the tokenizer (its hash, vocabulary
+size and special tokens) so that training can check the dataset against the model.
 """
 
 from __future__ import annotations
@@ -11,9 +14,10 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
+import sys
 import threading
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Iterable
 
@@ -22,14 +26,16 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-EOT = 256
-VOCAB_SIZE = 257
+from rayzero.data.errors import DataError
+from rayzero.data.sources import Fields, each_document, list_sources
+from rayzero.data.tokenizer import BYTE_EOT, BYTE_VOCAB, ByteTokenizer, Tokenizer, load_tokenizer, token_dtype
+
+EOT = BYTE_EOT
+VOCAB_SIZE = BYTE_VOCAB
 FORMAT = "rayzero-tokens"
-FORMAT_VERSION = 1
-
-
-class DataError(ValueError):
-    """A dataset that is missing, malformed, or too small for the job."""
+FORMAT_VERSION = 2  # 1: bytes only, uint16, no tokenizer record (still read)
+DOCUMENTS = "documents.parquet"  # each document's (example's) length in tokens, in order
+ENCODE_BATCH = 256  # documents per call into the tokenizer
 
 
 def encode(text: str) -> np.ndarray:
@@ -40,26 +46,78 @@ def decode(tokens: Iterable[int]) -> str:
     return bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")
 
 
-def _filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
-    if "://" not in uri:
-        uri = str(Path(uri).expanduser().resolve())
-        return pafs.LocalFileSystem(), uri
-    return pafs.FileSystem.from_uri(uri)
+def _filesystem(uri: str, storage_cfg=None) -> tuple[pafs.FileSystem, str]:
+    """Local paths, file:// and s3:// (with the checkpoint.s3_* settings or the AWS variables)."""
+    from rayzero.data.sources import _split
 
-
-def _source_files(src: Path, pattern: str, exclude: tuple[str, ...]) -> list[Path]:
-    if src.is_file():
-        return [src]
-    if not src.is_dir():
-        raise DataError(f"data source {src} does not exist")
-    return sorted(
-        p for p in src.rglob(pattern)
-        if p.is_file() and not exclude_hit(p.relative_to(src).parts, exclude)
-    )
+    fs, path, _ = _split(uri, storage_cfg)
+    return fs, path
 
 
 def exclude_hit(parts: tuple[str, ...], exclude: tuple[str, ...]) -> bool:
     return any(part in exclude for part in parts[:-1])
+
+
+class ShardWriter:
+    """Token arrays in, Parquet shards of about `shard_tokens` out; meta.json last."""
+
+    def __init__(self, out: str, dtype: np.dtype, shard_tokens: int, row_group_tokens: int, storage_cfg=None,
+                 with_mask: bool = False):
+        self.fs, self.root = _filesystem(out, storage_cfg)
+        self.fs.create_dir(self.root, recursive=True)
+        meta = posixpath.join(self.root, "meta.json")
+        if self.fs.get_file_info(meta).type == pafs.FileType.File:
+            self.fs.delete_file(meta)  # from now on the folder is not a dataset until we commit
+        self.dtype, self.shard_tokens, self.row_group_tokens = dtype, shard_tokens, row_group_tokens
+        self.arrow_type = pa.uint16() if dtype == np.uint16 else pa.uint32()
+        self.shards: list[dict] = []
+        self.pending: list[np.ndarray] = []
+        self.masks: list[np.ndarray] | None = [] if with_mask else None
+        self.lengths: list[int] = []
+        self.target_tokens = 0
+        self.pending_len = 0
+        self.digest = hashlib.sha256()
+        self.documents = 0
+
+    def add(self, doc: np.ndarray, mask: np.ndarray | None = None) -> None:
+        doc = doc.astype(self.dtype, copy=False)
+        self.digest.update(doc.tobytes())
+        self.pending.append(doc)
+        self.lengths.append(int(doc.size))
+        if self.masks is not None:
+            mask = mask.astype(np.uint8, copy=False)
+            self.digest.update(mask.tobytes())
+            self.masks.append(mask)
+            self.target_tokens += int(mask.sum())
+        self.pending_len += doc.size
+        self.documents += 1
+        if self.pending_len >= self.shard_tokens:
+            self.flush()
+
+    def flush(self) -> None:
+        tokens = np.concatenate(self.pending) if self.pending else np.zeros(0, self.dtype)
+        name = f"shard-{len(self.shards):05d}.parquet"
+        columns = {"tokens": pa.array(tokens, type=self.arrow_type)}
+        if self.masks is not None:
+            columns["mask"] = pa.array(np.concatenate(self.masks) if self.masks else np.zeros(0, np.uint8))
+            self.masks = []
+        table = pa.table(columns)
+        with self.fs.open_output_stream(posixpath.join(self.root, name)) as f:
+            pq.write_table(table, f, row_group_size=self.row_group_tokens, compression="zstd")
+        self.shards.append({"file": name, "num_tokens": int(tokens.size)})
+        self.pending, self.pending_len = [], 0
+
+    def commit(self, meta: dict) -> dict:
+        if self.pending:
+            self.flush()
+        with self.fs.open_output_stream(posixpath.join(self.root, DOCUMENTS)) as f:  # where each one ends
+            pq.write_table(pa.table({"length": pa.array(self.lengths, type=pa.int64())}), f, compression="zstd")
+        meta = {"format": FORMAT, "version": FORMAT_VERSION, **meta, "dtype": self.dtype.name,
+                "num_tokens": sum(s["num_tokens"] for s in self.shards), "num_documents": self.documents,
+                "shards": self.shards, "fingerprint": self.digest.hexdigest()[:16]}
+        with self.fs.open_output_stream(posixpath.join(self.root, "meta.json")) as f:  # the commit
+            f.write(json.dumps(meta, indent=2).encode())
+        return meta
 
 
 def prepare(
@@ -69,70 +127,95 @@ def prepare(
     shard_tokens: int = 1 << 24,
     row_group_tokens: int = 1 << 16,
     exclude: tuple[str, ...] = (),
+    *,
+    tokenizer: str | Tokenizer | None = "byte",
+    fields: Fields = Fields(),
+    strict_utf8: bool = False,
+    progress: bool = False,
+    storage_cfg=None,
+    instructions: bool = False,
 ) -> dict:
-    """Tokenize every UTF-8 text file under `src` (matching `pattern`) into shards at `out`.
+    """Tokenize the documents under `src` (see sources.py) into shards at `out`; with
+    `instructions`, JSON records of prompt/response or messages (see instruct.py).
 
-    Files that are not valid UTF-8 are skipped, and so are files below a directory named
-    in `exclude`. Returns the written metadata.
+    What is not UTF-8 is skipped and named (refused with `strict_utf8`), and so are files below a
+    directory named in `exclude`. Returns the written metadata.
     """
-    files = _source_files(Path(src).expanduser(), pattern, exclude)
-    fs, root = _filesystem(out)
-    fs.create_dir(root, recursive=True)
-    shards, pending, pending_len, used = [], [], 0, 0
-    digest = hashlib.sha256()
+    tok = load_tokenizer(tokenizer)
+    files = list_sources(str(src), pattern, exclude, storage_cfg)
+    writer = ShardWriter(out, token_dtype(tok.vocab_size), shard_tokens, row_group_tokens, storage_cfg,
+                         with_mask=instructions)
+    skipped: list[str] | None = None if strict_utf8 else []
+    bar = _progress(files, progress)
+    if instructions:
+        _add_instructions(files, tok, writer, skipped, bar)
+        bar.close()
+        if not writer.documents:
+            raise DataError(f"no instruction records in {src}")
+        return writer.commit({"kind": "instructions", "vocab_size": tok.vocab_size, "eot": tok.eos_id,
+                              "tokenizer": tok.record(), "source": str(src), "skipped": (skipped or [])[:100],
+                              "num_skipped": len(skipped or []),
+                              "num_target_tokens": writer.target_tokens})
+    batch: list[str] = []
 
-    def flush():
-        nonlocal pending, pending_len
-        tokens = np.concatenate(pending) if pending else np.zeros(0, np.uint16)
-        name = f"shard-{len(shards):05d}.parquet"
-        table = pa.table({"tokens": pa.array(tokens, type=pa.uint16())})
-        with fs.open_output_stream(posixpath.join(root, name)) as f:
-            pq.write_table(table, f, row_group_size=row_group_tokens, compression="zstd")
-        shards.append({"file": name, "num_tokens": int(tokens.size)})
-        pending, pending_len = [], 0
+    def encode_batch():
+        for doc in tok.documents(batch, writer.dtype):
+            writer.add(doc)
+        batch.clear()
 
-    for path in files:
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        doc = np.append(encode(text), np.uint16(EOT))
-        digest.update(doc.tobytes())
-        pending.append(doc)
-        pending_len += doc.size
-        used += 1
-        if pending_len >= shard_tokens:
-            flush()
-    if pending:
-        flush()
-    if not shards:
-        raise DataError(f"no UTF-8 text files matching {pattern!r} under {src}")
-    meta = {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
-        "vocab_size": VOCAB_SIZE,
-        "eot": EOT,
-        "num_tokens": sum(s["num_tokens"] for s in shards),
-        "num_documents": used,
-        "shards": shards,
-        "fingerprint": digest.hexdigest()[:16],
+    for text in each_document(files, fields, skipped, on_file=lambda f: bar.update(f.size)):
+        batch.append(text)
+        if len(batch) >= ENCODE_BATCH:
+            encode_batch()
+    encode_batch()
+    bar.close()
+    if not writer.documents:
+        raise DataError(f"no UTF-8 documents in {src}" + (f" (matching {pattern!r})" if pattern != "*" else ""))
+    return writer.commit({
+        "kind": "text",
+        "vocab_size": tok.vocab_size,
+        "eot": tok.eos_id,
+        "tokenizer": tok.record(),
         "source": str(src),
-    }
-    with fs.open_output_stream(posixpath.join(root, "meta.json")) as f:  # the commit
-        f.write(json.dumps(meta, indent=2).encode())
-    return meta
+        "skipped": (skipped or [])[:100],
+        "num_skipped": len(skipped or []),
+    })
 
 
-def read_meta(uri: str) -> dict:
-    fs, root = _filesystem(uri)
+def _add_instructions(files, tok, writer: ShardWriter, skipped, bar) -> None:
+    from rayzero.data.instruct import example_of
+    from rayzero.data.sources import json_records
+
+    for f in files:
+        if f.format != "json":
+            raise DataError(f"{f.uri}: instruction data is JSON lines (.jsonl) of prompt/response or messages records")
+        for where, rec in json_records(f, skipped):
+            ids, mask = example_of(tok, rec, where)
+            writer.add(ids, mask)
+        bar.update(f.size)
+
+
+def _progress(files, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=sum(f.size for f in files), unit="B", unit_scale=True, desc="tokenizing",
+                disable=not enabled, file=sys.stderr, dynamic_ncols=True)
+
+
+def read_meta(uri: str, storage_cfg=None) -> dict:
+    """The dataset's meta.json (a v1 dataset's in today's terms: bytes, uint16)."""
+    fs, root = _filesystem(uri, storage_cfg)
     path = posixpath.join(root, "meta.json")
     if fs.get_file_info(path).type != pafs.FileType.File:
         raise DataError(
             f"no dataset at {uri}: expected {path} (make one with `rayzero data prepare SRC {uri}`)"
         )
-    meta = json.loads(fs.open_input_stream(path).read())
-    if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
-        raise DataError(f"{path} is not a {FORMAT} v{FORMAT_VERSION} dataset")
+    with fs.open_input_stream(path) as f:
+        meta = json.loads(f.read())
+    if meta.get("format") != FORMAT or meta.get("version") not in (1, FORMAT_VERSION):
+        raise DataError(f"{path} is not a {FORMAT} dataset of version 1 or {FORMAT_VERSION}")
+    if meta["version"] == 1:
+        meta = {**meta, "dtype": "uint16", "tokenizer": ByteTokenizer().record()}
     return meta
 
 
@@ -147,12 +230,12 @@ class _RowGroup:
 class TokenDataset:
     """Random access to token windows; reads (and caches) only the row groups a window touches."""
 
-    def __init__(self, uri: str, cache_row_groups: int = 1024):
+    def __init__(self, uri: str, cache_row_groups: int = 1024, storage_cfg=None):
         self.uri = uri
-        self.meta = read_meta(uri)
+        self.meta = read_meta(uri, storage_cfg)
         self.num_tokens = int(self.meta["num_tokens"])
         self.fingerprint = self.meta["fingerprint"]
-        self._fs, self._root = _filesystem(uri)
+        self._fs, self._root = _filesystem(uri, storage_cfg)
         self._files = [pq.ParquetFile(self._open(s["file"])) for s in self.meta["shards"]]
         groups, offset = [], 0
         for si, f in enumerate(self._files):
@@ -170,23 +253,64 @@ class TokenDataset:
     def _open(self, name: str):
         return self._fs.open_input_file(posixpath.join(self._root, name))
 
+    @property
+    def kind(self) -> str:
+        """`text` (documents) or `instructions` (examples with a loss mask)."""
+        return self.meta.get("kind", "text")
+
+    @cached_property
+    def document_lengths(self) -> np.ndarray:
+        """Each document's (instruction example's) length in tokens, in order: from
+        documents.parquet, or for a dataset older than it from where the end-of-text ids are."""
+        path = posixpath.join(self._root, DOCUMENTS)
+        if self._fs.get_file_info(path).type == pafs.FileType.File:
+            with self._fs.open_input_file(path) as f:
+                lengths = pq.read_table(f).column("length").to_numpy().astype(np.int64)
+        else:
+            eot = self.meta["eot"]
+            ends = np.concatenate([np.flatnonzero(self._read_group(i) == eot) + g.start
+                                   for i, g in enumerate(self._groups)] or [np.zeros(0, np.int64)])
+            lengths = np.diff(np.concatenate([[0], ends + 1]))
+            if ends.size == 0 or ends[-1] + 1 != self.num_tokens:  # text after the last end-of-text
+                lengths = np.append(lengths, self.num_tokens - (ends[-1] + 1 if ends.size else 0))
+        if int(lengths.sum()) != self.num_tokens:
+            raise DataError(f"{self.uri}: {DOCUMENTS} covers {int(lengths.sum())} tokens, meta.json says "
+                            f"{self.num_tokens}")
+        return lengths
+
     def _read_group_uncached(self, i: int) -> np.ndarray:
         g = self._groups[i]
+        columns = ["tokens", "mask"] if self.kind == "instructions" else ["tokens"]
         with self._lock:  # a ParquetFile is not safe to read from two threads at once
-            col = self._files[g.shard].read_row_group(g.index, columns=["tokens"]).column(0)
-        return col.to_numpy()
+            table = self._files[g.shard].read_row_group(g.index, columns=columns)
+        if len(columns) == 1:
+            return table.column(0).to_numpy()
+        return np.stack([table.column(0).to_numpy().astype(np.int64), table.column(1).to_numpy().astype(np.int64)])
 
-    def window(self, start: int, length: int) -> np.ndarray:
-        """Tokens ``[start, start + length)`` of the concatenated corpus."""
+    def _gather(self, start: int, length: int, rows: int) -> np.ndarray:
         if start < 0 or length < 0 or start + length > self.num_tokens:
             raise IndexError(f"window [{start}, {start + length}) outside {self.num_tokens} tokens")
-        out = np.empty(length, dtype=np.int64)
+        out = np.empty((rows, length), dtype=np.int64)
         pos = start
         i = int(np.searchsorted(self._starts, start, side="right")) - 1
         while pos < start + length:
             g = self._groups[i]
             take = min(g.end, start + length) - pos
-            out[pos - start : pos - start + take] = self._read_group(i)[pos - g.start : pos - g.start + take]
+            group = self._read_group(i)
+            out[:, pos - start : pos - start + take] = group[..., pos - g.start : pos - g.start + take]
             pos += take
             i += 1
         return out
+
+    def window(self, start: int, length: int) -> np.ndarray:
+        """Tokens ``[start, start + length)`` of the concatenated corpus."""
+        if self.kind == "instructions":
+            return self._gather(start, length, 2)[0]
+        return self._gather(start, length, 1)[0]
+
+    def window_with_mask(self, start: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens ``[start, start + length)`` and their loss mask (all ones for text)."""
+        if self.kind != "instructions":
+            return self.window(start, length), np.ones(length, np.int64)
+        both = self._gather(start, length, 2)
+        return both[0], both[1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -28,11 +29,24 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", metavar="key=value")
     d = sub.add_parser("data", help="dataset tools")
     dsub = d.add_subparsers(dest="data_command", required=True)
-    prep = dsub.add_parser("prepare", help="tokenize text files into Parquet shards")
-    prep.add_argument("src", help="a text file or a directory of them")
+    prep = dsub.add_parser("prepare", help="tokenize text, JSON lines or Parquet into token shards", description=(
+        "Tokenize documents into Parquet token shards training reads (data.path). SRC: a file, a folder or a "
+        "glob, local or s3:// (endpoint from $AWS_ENDPOINT_URL). .jsonl/.json: a document per record "
+        "(--text-field); .parquet: per row (--text-column); any other file is one document."))
+    prep.add_argument("src", help="a file, a folder, or a glob such as 'docs/**.jsonl' (quote it)")
     prep.add_argument("out", help="output folder (local path or URI)")
-    prep.add_argument("--glob", default="*", help="which files under SRC (default: all)")
+    prep.add_argument("--tokenizer", default="byte", help="`byte` (default), or a local directory with a Hugging "
+                      "Face tokenizer (tokenizer.json, or what AutoTokenizer loads: e.g. the model's directory)")
+    prep.add_argument("--glob", default="*", help="which files under a SRC folder, by name (default: all)")
+    prep.add_argument("--text-field", default="text", help="JSON lines: the field holding the text (default: text)")
+    prep.add_argument("--text-column", default="text", help="Parquet: the column holding the text (default: text)")
+    prep.add_argument("--instructions", action="store_true",
+                      help="JSON lines of instruction examples: {prompt, response} or {messages} (rendered with the "
+                      "tokenizer's chat template); the loss is on the responses only")
+    prep.add_argument("--strict-utf8", action="store_true",
+                      help="refuse input that is not UTF-8 (default: skip it, naming each file or line)")
     prep.add_argument("--shard-tokens", type=int, default=1 << 24, help="tokens per shard file")
+    prep.add_argument("--no-progress", action="store_true", help="no progress bar")
     c = sub.add_parser("ckpt", help="checkpoint tools", description=(
         "Inspect committed checkpoints. URI is a checkpoint directory (ls; the others take its "
         "newest commit) or one step-… prefix. Storage options as overrides, e.g. "
@@ -241,11 +255,19 @@ def _deploy(args) -> int:
 
 
 def _prepare(args) -> int:
+    from rayzero.data.sources import Fields
     from rayzero.data.tokens import prepare
 
-    meta = prepare(args.src, args.out, pattern=args.glob, shard_tokens=args.shard_tokens)
-    print(f"wrote {meta['num_tokens']:,} tokens from {meta['num_documents']} files "
-          f"in {len(meta['shards'])} shard(s) to {args.out}")
+    logging.basicConfig(format="rayzero: warning: %(message)s", level=logging.WARNING)
+    meta = prepare(args.src, args.out, pattern=args.glob, shard_tokens=args.shard_tokens, tokenizer=args.tokenizer,
+                   fields=Fields(args.text_field, args.text_column), strict_utf8=args.strict_utf8,
+                   progress=not args.no_progress, instructions=args.instructions)
+    tok = meta["tokenizer"]
+    what = "examples" if args.instructions else "documents"
+    print(f"wrote {meta['num_tokens']:,} tokens ({meta['dtype']}) from {meta['num_documents']:,} {what} "
+          f"in {len(meta['shards'])} shard(s) to {args.out}; tokenizer {tok.get('name', tok['kind'])} "
+          f"({tok['vocab_size']:,} ids, {tok['sha256']})"
+          + (f"; skipped {meta['num_skipped']} not UTF-8" if meta["num_skipped"] else ""))
     return 0
 
 

@@ -35,15 +35,76 @@ class ModelUnreachable(ConfigError):
 def resolve_data(cfg: RootConfig) -> str:
     """The dataset path, prepared on first use if it is the default corpus, checked for size."""
     path = cfg.data.path or ensure_default_corpus(cfg.data.cache_dir)
-    meta = read_meta(path)
+    meta = read_meta(path, cfg.checkpoint)
     need = cfg.train.global_batch_size * (cfg.train.seq_len + 1)
-    if meta["num_tokens"] < need:
+    if meta.get("kind") != "instructions" and meta["num_tokens"] < need:  # examples are padded out
         raise DataError(
             f"data.path: {path} holds {meta['num_tokens']} tokens, fewer than one global batch "
             f"needs (train.global_batch_size {cfg.train.global_batch_size} x "
             f"(train.seq_len {cfg.train.seq_len} + 1) = {need})"
         )
     return path
+
+
+def steps_in_epochs(cfg: RootConfig, data_path: str) -> int:
+    """The steps `data.epochs` passes over the data take."""
+    import math
+
+    from rayzero.data.tokens import TokenDataset
+
+    t = cfg.train
+    ds = TokenDataset(data_path, storage_cfg=cfg.checkpoint)
+    if ds.kind == "instructions":
+        from rayzero.data.instruct import Epochs
+
+        epochs = Epochs(ds.document_lengths, t.seed, t.global_batch_size, t.seq_len + 1)
+        whole = int(cfg.data.epochs)
+        steps = epochs.steps(whole)
+        if cfg.data.epochs > whole:
+            steps += math.ceil((cfg.data.epochs - whole) * epochs.steps_in(whole))
+        return steps
+    return math.ceil(cfg.data.epochs * ds.num_tokens / (t.global_batch_size * t.seq_len))
+
+
+def limit_to_epochs(cfg: RootConfig, data_path: str) -> RootConfig:
+    """`train.steps`, or fewer when `data.epochs` ends first."""
+    if not cfg.data.epochs:
+        return cfg
+    steps = steps_in_epochs(cfg, data_path)
+    if steps >= cfg.train.steps:
+        return cfg
+    print(f"rayzero: data.epochs={cfg.data.epochs:g} ends after {steps} steps, before train.steps="
+          f"{cfg.train.steps}", file=sys.stderr)
+    return cfg.override(f"train.steps={max(steps, 1)}")
+
+
+def check_data_tokenizer(cfg: RootConfig, meta: dict, data_path: str) -> None:
+    """A dataset made with another tokenizer than the one in the model's directory is refused:
+    its ids would mean other tokens to the model."""
+    if cfg.model.kind != "hf":
+        return
+    import tempfile
+
+    from rayzero.data.tokenizer import HFTokenizer, is_tokenizer_file
+    from rayzero.models.hf import companion_files
+
+    files = {n: b for n, b in companion_files(cfg.model.path, cfg.checkpoint).items() if is_tokenizer_file(n)}
+    if not files:
+        return
+    with tempfile.TemporaryDirectory() as d:
+        for name, data in files.items():
+            (Path(d) / name).write_bytes(data)
+        try:
+            mine = HFTokenizer(d)
+        except DataError as e:
+            raise DataError(f"model.path: {cfg.model.path} has tokenizer files, but {str(e).split(': ', 1)[-1]}") from None
+    theirs = meta["tokenizer"]
+    if theirs["sha256"] != mine.sha256:
+        made = "bytes" if theirs["kind"] == "byte" else f"tokenizer {theirs.get('name', '?')} ({theirs['sha256']})"
+        raise DataError(
+            f"data.path: {data_path} was tokenized with {made}, not with the tokenizer in model.path "
+            f"{cfg.model.path} ({mine.sha256}): prepare it with `rayzero data prepare SRC OUT --tokenizer "
+            f"{cfg.model.path}`")
 
 
 def resolve_factory(cfg: RootConfig, factory=None):
@@ -209,7 +270,10 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None) -> tuple[dic
             raise ConfigError(f"train.save_final: {cfg.train.save_final!r} cannot be written: {e}") from None
     # The model, its weights, units and dtypes: fail here, before any cluster is touched.
     factory = resolve_factory(cfg, factory)
-    spec = check_model(cfg, factory, data_vocab=read_meta(data_path)["vocab_size"])
+    meta = read_meta(data_path, cfg.checkpoint)
+    check_data_tokenizer(cfg, meta, data_path)
+    cfg = limit_to_epochs(cfg, data_path)
+    spec = check_model(cfg, factory, data_vocab=meta["vocab_size"])
     checkpoints = None
     if cfg.checkpoint.dir:  # a probe write now, not a failed upload after an hour of training
         try:

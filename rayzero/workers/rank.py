@@ -45,6 +45,15 @@ def fsdp_units(cfg: RootConfig, spec: ModelSpec, model: nn.Module) -> tuple[str,
     return tuple(cfg.sharding.fsdp_units) or spec.fsdp_units(model)
 
 
+def batches_for(dataset: TokenDataset) -> type:
+    """Text: windows at seeded offsets; instruction examples: packed windows with masked labels."""
+    if dataset.kind == "instructions":
+        from rayzero.data.instruct import InstructionBatches
+
+        return InstructionBatches
+    return RankBatches
+
+
 def rendezvous_port(ip: str, rng: random.Random | None = None) -> int:
     """A port free on `ip` now, below the ephemeral range where the system allows it. The
     kernel hands ephemeral ports to every outgoing connection and to gloo's own listeners, so
@@ -182,8 +191,9 @@ class Rank:
             sharding.strategy, self.model, self.topo, sharding, cfg.optim, self.axes,
             decays=self.spec.decays, source=source, device=self.device,
         )
-        self.data = RankBatches(
-            TokenDataset(self.data_path),
+        dataset = TokenDataset(self.data_path, storage_cfg=cfg.checkpoint)
+        self.data = batches_for(dataset)(
+            dataset,
             seed=cfg.train.seed,
             global_batch=cfg.train.global_batch_size,
             micro_batch=cfg.train.micro_batch_size,

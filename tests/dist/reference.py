@@ -47,9 +47,10 @@ def logits_of(model, x):
 
 
 def train_reference(model, cfg, data_path: str, steps: int, masked: bool = False,
-                    check_clipping: bool = True) -> tuple[dict[str, torch.Tensor], list[float]]:
+                    check_clipping: bool = True, batch=None) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Train `model` (already holding its initial weights) for `steps`; its final state dict
-    and each step's global loss."""
+    and each step's global loss. `batch(step) -> (inputs, targets)`: the global batch, when it
+    is not text windows at `global_rows`."""
     params = list(model.named_parameters())
     o, t = cfg.optim, cfg.train
     opt = torch.optim.AdamW(
@@ -59,12 +60,15 @@ def train_reference(model, cfg, data_path: str, steps: int, masked: bool = False
     )
     losses = []
     for step in range(steps):
-        rows = global_rows(cfg, data_path, step)
-        targets = mask_targets(rows[:, 1:]) if masked else rows[:, 1:]
+        if batch is not None:
+            inputs, targets = batch(step)
+        else:
+            rows = global_rows(cfg, data_path, step)
+            inputs, targets = rows[:, :-1], mask_targets(rows[:, 1:]) if masked else rows[:, 1:]
         valid = int((targets != -100).sum())
         opt.zero_grad()
         loss = 0.0
-        for x, y in zip(rows[:, :-1].split(t.micro_batch_size), targets.split(t.micro_batch_size)):
+        for x, y in zip(inputs.split(t.micro_batch_size), targets.split(t.micro_batch_size)):
             mb = F.cross_entropy(logits_of(model, x).flatten(0, 1), y.flatten(), reduction="sum", ignore_index=-100)
             (mb / valid).backward()
             loss += mb.item() / valid

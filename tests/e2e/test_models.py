@@ -27,6 +27,23 @@ def llama(tmp_path_factory):
     return d
 
 
+@pytest.fixture(scope="module")
+def llama_data(tmp_path_factory, llama):
+    """The stdlib's `json` and `email` sources, tokenized with the model's own tokenizer through the CLI."""
+    import sys
+    from pathlib import Path
+
+    texts = tmp_path_factory.mktemp("texts")
+    for pkg in ("json", "email"):
+        for f in sorted((Path(sys.modules["json"].__file__).parent.parent / pkg).glob("*.py")):
+            (texts / f"{pkg}_{f.name}").write_text(f.read_text())
+    out = tmp_path_factory.mktemp("data") / "llama-tokens"
+    r = run_cli("data", "prepare", str(texts), str(out), "--tokenizer", str(llama), "--glob", "*.py", cwd=texts)
+    assert r.returncode == 0, r.stderr
+    assert "tokenizer tiny-llama" in r.stdout
+    return str(out)
+
+
 def logits(directory, x):
     import transformers as tf
 
@@ -35,7 +52,7 @@ def logits(directory, x):
         return model(input_ids=x).logits
 
 
-def test_fine_tune_an_hf_llama_export_and_load_it_back(tmp_path, small_dataset, llama):
+def test_fine_tune_an_hf_llama_export_and_load_it_back(tmp_path, small_dataset, llama, llama_data):
     import transformers as tf
 
     model = ["model.kind=hf", f"model.path={llama}"]
@@ -44,8 +61,12 @@ def test_fine_tune_an_hf_llama_export_and_load_it_back(tmp_path, small_dataset, 
     assert f"model LlamaForCausalLM from {llama} (pretrained weights)" in plan.stdout
     assert "28,832 parameters" in plan.stdout
 
+    # bytes are not this model's tokens
+    r = run_cli("train", *model, *FAST, f"data.path={small_dataset}", cwd=tmp_path)
+    assert r.returncode == 2 and "was tokenized with bytes, not with the tokenizer in model.path" in r.stderr
+
     final, summary = tmp_path / "final", tmp_path / "summary.json"
-    r = run_cli("train", *model, *FAST, f"data.path={small_dataset}", "train.steps=6", "checkpoint.every_steps=3",
+    r = run_cli("train", *model, *FAST, f"data.path={llama_data}", "train.steps=6", "checkpoint.every_steps=3",
                 "sharding.strategy=optim_grads_params", f"train.save_final={final}", "train.save_format=hf",
                 "--summary-json", str(summary), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -53,8 +74,8 @@ def test_fine_tune_an_hf_llama_export_and_load_it_back(tmp_path, small_dataset, 
     assert s["num_params"] == 28_832 and s["steps"] == 6
 
     # The first reported loss is the pretrained model's own loss on that batch.
-    cfg = load_config(None, [*model, *FAST, f"data.path={small_dataset}"])
-    rows = global_rows(cfg, small_dataset, 0)
+    cfg = load_config(None, [*model, *FAST, f"data.path={llama_data}"])
+    rows = global_rows(cfg, llama_data, 0)
     own = torch.nn.functional.cross_entropy(logits(llama, rows[:, :-1]).flatten(0, 1), rows[:, 1:].flatten())
     assert s["first_loss"] == pytest.approx(own.item(), rel=1e-5)
 

@@ -1,0 +1,228 @@
+"""Instruction data: examples whose loss is on the response only, packed into windows.
+
+Preparing (`rayzero data prepare SRC OUT --instructions`): each JSON record is either
+
+    {"prompt": "...", "response": "..."}              [BOS] prompt response EOS
+    {"messages": [{"role": ..., "content": ...}, ...]}  rendered with the tokenizer's chat template
+
+and becomes an example: its token ids, and a mask that is 1 on the tokens the model learns to
+produce (the response and its EOS; each assistant turn as the template renders it, its
+end-of-turn marker included) and 0 elsewhere. The dataset is the examples' ids in order, a
+`mask` column beside `tokens`; `documents.parquet` holds each example's length.
+
+Training (`InstructionBatches`): in epoch e the examples are taken in a permutation drawn from
+(seed, e) and packed in that order into windows of `seq_len + 1` tokens: an example goes into
+the current window if it fits, else starts the next one (an example longer than a window is
+cut to it); the rest of a window is padding. A target counts only if its token is masked in
+and belongs to the same example as the token before it, so no label crosses an example
+boundary. Step k takes windows [k·B, (k+1)·B) of its epoch; the last step of an epoch is
+filled up with empty windows (no valid target), so every example is seen exactly once per
+epoch. All of this is a function of (seed, k) alone: the same step sees the same examples at
+any world size.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from rayzero.data.errors import DataError
+from rayzero.data.tokenizer import Tokenizer
+
+IGNORE_INDEX = -100
+
+
+# -- preparing -------------------------------------------------------------------------------
+
+def _encode(tok: Tokenizer, text: str) -> np.ndarray:
+    return tok.encode_batch([text])[0].astype(np.int64)
+
+
+def prompt_response(tok: Tokenizer, prompt: str, response: str) -> tuple[np.ndarray, np.ndarray]:
+    p, r = tok.encode_batch([prompt, response])
+    head = [] if tok.bos_id is None else [tok.bos_id]
+    ids = np.concatenate([np.asarray(head, np.int64), p, r, [tok.eos_id]]).astype(np.int64)
+    mask = np.zeros(ids.size, np.uint8)
+    mask[len(head) + p.size:] = 1
+    return ids, mask
+
+
+def chat(tok: Tokenizer, messages: list, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """The conversation as the chat template renders it; the mask covers each assistant turn:
+    the tokens between the rendering of the turns before it (with the generation prompt) and
+    the rendering through it."""
+    template = tok.chat_template
+    if not template:
+        raise DataError(f"{where}: `messages` need a tokenizer with a chat template (this one has none); "
+                        "use `prompt`/`response` records, or a tokenizer with `chat_template`")
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                 for m in messages):
+        raise DataError(f"{where}: `messages` is a list of {{\"role\", \"content\"}} objects")
+
+    def render(upto: int, generation_prompt: bool) -> np.ndarray:
+        text = tok.tok.apply_chat_template(messages[:upto], tokenize=False, add_generation_prompt=generation_prompt)
+        return _encode(tok, text)
+
+    ids = render(len(messages), False)
+    mask = np.zeros(ids.size, np.uint8)
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before, through = render(i, True), render(i + 1, False)
+        if not (np.array_equal(ids[: through.size], through) and np.array_equal(through[: before.size], before)):
+            raise DataError(f"{where}: the chat template does not render the conversation turn by turn (the text "
+                            f"through message {i} is not a prefix of the whole), so the response tokens cannot be "
+                            "told apart")
+        mask[before.size: through.size] = 1
+    if not mask.any():
+        raise DataError(f"{where}: no assistant message: nothing to learn from")
+    return ids, mask
+
+
+def example_of(tok: Tokenizer, rec, where: str) -> tuple[np.ndarray, np.ndarray]:
+    if isinstance(rec, dict) and "messages" in rec:
+        return chat(tok, rec["messages"], where)
+    if isinstance(rec, dict) and "prompt" in rec and "response" in rec:
+        p, r = rec["prompt"], rec["response"]
+        if not isinstance(p, str) or not isinstance(r, str):
+            raise DataError(f"{where}: `prompt` and `response` must be strings")
+        return prompt_response(tok, p, r)
+    have = ", ".join(sorted(rec)[:8]) if isinstance(rec, dict) else type(rec).__name__
+    raise DataError(f"{where}: an instruction record has `prompt` and `response`, or `messages` (it has: {have})")
+
+
+# -- packing ---------------------------------------------------------------------------------
+
+def pack(lengths: np.ndarray, order: np.ndarray, window: int) -> list[list[int]]:
+    """Examples (in `order`) into windows of `window` tokens, first fit in order."""
+    windows: list[list[int]] = []
+    used = window
+    for i in order.tolist():
+        n = min(int(lengths[i]), window)
+        if used + n > window:
+            windows.append([])
+            used = 0
+        windows[-1].append(i)
+        used += n
+    return windows
+
+
+class Epochs:
+    """Which windows each step of each epoch holds: a function of (seed, step)."""
+
+    def __init__(self, lengths: np.ndarray, seed: int, global_batch: int, window: int):
+        self.lengths, self.seed, self.global_batch, self.window = lengths, seed, global_batch, window
+        self.truncated = int((lengths > window).sum())
+        self._starts = [0]  # first step of each epoch packed so far
+
+    @lru_cache(maxsize=4)
+    def windows(self, epoch: int) -> list[list[int]]:
+        order = np.random.default_rng([self.seed, 1, epoch]).permutation(self.lengths.size)
+        return pack(self.lengths, order, self.window)
+
+    def steps_in(self, epoch: int) -> int:
+        return -(-len(self.windows(epoch)) // self.global_batch)
+
+    def locate(self, step: int) -> tuple[int, int]:
+        """(epoch, step within it)."""
+        while self._starts[-1] <= step:
+            self._starts.append(self._starts[-1] + self.steps_in(len(self._starts) - 1))
+        epoch = int(np.searchsorted(self._starts, step, side="right")) - 1
+        return epoch, step - self._starts[epoch]
+
+    def steps(self, epochs: int) -> int:
+        """The number of steps in the first `epochs` epochs."""
+        return sum(self.steps_in(e) for e in range(epochs))
+
+    def step_windows(self, step: int) -> list[list[int]]:
+        """The B windows of `step` (empty lists fill the last step of an epoch)."""
+        epoch, k = self.locate(step)
+        ws = self.windows(epoch)[k * self.global_batch: (k + 1) * self.global_batch]
+        return ws + [[] for _ in range(self.global_batch - len(ws))]
+
+
+def window_rows(dataset, offsets: np.ndarray, windows: list[list[int]], seq_len: int,
+                pad: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, labels) of shape (len(windows), seq_len + 1) for windows of examples (indices
+    into `offsets`): labels[t] is the target of position t - 1, IGNORE_INDEX where it takes no
+    part in the loss: masked out, padding, or the first token of an example."""
+    n = seq_len + 1
+    tokens = np.full((len(windows), n), pad, np.int64)
+    labels = np.full((len(windows), n), IGNORE_INDEX, np.int64)
+    for row, examples in enumerate(windows):
+        at = 0
+        for i in examples:
+            start, length = int(offsets[i]), min(int(offsets[i + 1] - offsets[i]), n)
+            ids, mask = dataset.window_with_mask(start, length)
+            tokens[row, at: at + length] = ids
+            keep = mask.astype(bool)
+            keep[0] = False  # the first token of an example is never predicted from the one before
+            labels[row, at: at + length] = np.where(keep, ids, IGNORE_INDEX)
+            at += length
+    return tokens, labels
+
+
+class InstructionBatches:
+    """One rank's rows of every step's packed windows: inputs and labels (-100 where no loss)."""
+
+    masks_labels = True
+
+    def __init__(self, dataset, *, seed: int, global_batch: int, micro_batch: int, seq_len: int,
+                 dp_rank: int, dp_size: int):
+        if global_batch % (micro_batch * dp_size):
+            raise ValueError(f"global batch {global_batch} is not divisible by micro batch {micro_batch} "
+                             f"x data-parallel size {dp_size}")
+        self.dataset = dataset
+        self.seed, self.global_batch, self.micro_batch = seed, global_batch, micro_batch
+        self.seq_len, self.dp_rank, self.dp_size = seq_len, dp_rank, dp_size
+        self.rows_per_rank = global_batch // dp_size
+        if dataset.kind != "instructions":
+            raise DataError(f"{dataset.uri} holds text, not instruction examples")
+        lengths = dataset.document_lengths
+        self.offsets = np.concatenate([[0], np.cumsum(lengths)])
+        self.epochs = Epochs(lengths, seed, global_batch, seq_len + 1)
+        self.pad = int(dataset.meta["eot"])
+        self.next_step = 0
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="rayzero-data")
+        self._ahead: tuple[int, Future] | None = None
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.rows_per_rank // self.micro_batch
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+    def window_rows(self, windows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        return window_rows(self.dataset, self.offsets, windows, self.seq_len, self.pad)
+
+    def rank_rows(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        windows = self.epochs.step_windows(step)
+        mine = windows[self.dp_rank * self.rows_per_rank: (self.dp_rank + 1) * self.rows_per_rank]
+        tokens, labels = self.window_rows(mine)
+        return torch.from_numpy(tokens), torch.from_numpy(labels)
+
+    def microbatches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if self._ahead is not None and self._ahead[0] == step:
+            tokens, labels = self._ahead[1].result()
+        else:
+            tokens, labels = self.rank_rows(step)
+        self._ahead = (step + 1, self._reader.submit(self.rank_rows, step + 1))
+        self.next_step = step + 1
+        return [(t[:, :-1], lab[:, 1:]) for t, lab in zip(tokens.split(self.micro_batch),
+                                                           labels.split(self.micro_batch))]
+
+    def state_dict(self) -> dict:
+        return {"next_step": self.next_step, "seed": self.seed, "global_batch": self.global_batch,
+                "dataset": self.dataset.fingerprint}
+
+    def load_state_dict(self, state: dict) -> None:
+        mine = self.state_dict()
+        for key in ("dataset", "seed", "global_batch"):
+            if state[key] != mine[key]:
+                raise ValueError(f"data state was saved with {key}={state[key]!r}, this job has {mine[key]!r}")
+        self.next_step = int(state["next_step"])
