@@ -54,6 +54,9 @@ class NoopRank:
     def step(self, prev: dict) -> dict:
         return {"phase": "step"}
 
+    def evaluate(self, prev: dict) -> dict:  # a step without evaluation passes the step's result on
+        return prev
+
 
 def time_dispatch(dispatch, warmup: int, iters: int, world: int) -> list[float]:
     """Milliseconds per iteration, `iters` of them after `warmup` untimed ones."""

@@ -58,6 +58,16 @@ class RunConfig(Frozen):
         description="`safetensors` = one file by `state_dict()` names, fp32; `hf` = a directory that "
         "`AutoModelForCausalLM.from_pretrained` loads (model.kind=hf), in the pretrained weights' dtype.",
     )
+    eval_every: int = Field(
+        default=0, ge=0,
+        description="With validation data (`data.val_path` or `data.val_fraction`): evaluate every this many "
+        "steps, and after the last; 0 = after the last step only.",
+    )
+    eval_batches: int = Field(
+        default=8, ge=1,
+        description="Global batches of validation rows each evaluation reads (the same rows every time; fewer if "
+        "the validation data holds fewer).",
+    )
     output_dir: str = Field(
         default="runs",
         description="Each run gets a directory below it, named by `tracking.run_name`; a relative "
@@ -123,6 +133,8 @@ class RootConfig(Frozen):
         if t.save_format == "hf" and self.model.kind != "hf":
             raise ValueError(f"train.save_format: hf needs model.kind=hf (this is model.kind={self.model.kind}); "
                              "use safetensors")
+        if self.data.val_path and self.data.val_fraction:
+            raise ValueError("data.val_fraction: give either it or data.val_path, not both")
         if self.optim.min_lr is not None and self.optim.min_lr > self.optim.lr:
             raise ValueError(f"optim.min_lr: {self.optim.min_lr} exceeds optim.lr ({self.optim.lr})")
         return self

@@ -68,18 +68,20 @@ class Trainer:
         from rayzero.jobs.train import train_run
 
         summary, rows = train_run(self.config, progress=self.progress, factory=self.model)
-        return Result(summary, rows)
+        return Result(summary, rows, self.config)
 
 
 @dataclass
 class Result:
     summary: dict  # what `rayzero train --summary-json` writes
     rows: list[dict]  # each step's metrics
+    config: RootConfig | None = None  # the job's
 
     @property
     def history(self):
         """Per-step metrics as a pandas DataFrame indexed by step: loss, lr, grad_norm,
-        tokens_per_s, step_ms, phase_<name>_ms, world_size, and what else was logged."""
+        tokens_per_s, step_ms, phase_<name>_ms, world_size, val_loss and val_perplexity (at the
+        steps that evaluated, NaN elsewhere), and what else was logged."""
         import pandas as pd
 
         frame = pd.DataFrame(self.rows)
@@ -89,9 +91,9 @@ class Result:
     def metrics(self) -> dict[str, Any]:
         """The final figures: losses, throughput, steps, restarts."""
         s = self.summary
-        keys = ("final_loss", "first_loss", "steps", "start_step", "total_steps", "tokens_per_s", "step_ms",
+        keys = ("final_loss", "first_loss", "final_val_loss", "steps", "start_step", "total_steps", "tokens_per_s", "step_ms",
                 "world_size", "restarts", "skipped_steps")
-        return {k: s[k] for k in keys}
+        return {k: s.get(k) for k in keys}
 
     @property
     def checkpoint(self) -> str | None:
@@ -105,6 +107,20 @@ class Result:
     @property
     def final_weights(self) -> str | None:
         return self.summary["final_weights"]
+
+    def generate(self, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+                 seed: int = 0, tokenizer: str | None = None) -> str:
+        """The prompt's continuation by the trained model (greedy at temperature 0), on this
+        machine: from the final weights (`train.save_final`), else the last checkpoint."""
+        from rayzero.jobs.generate import load_generator
+
+        weights = self.final_weights or self.checkpoint
+        if weights is None:
+            raise ConfigError("nothing to generate with: train with train.save_final or checkpoint.dir set")
+        key = (weights, tokenizer)
+        if getattr(self, "_generator", (None,))[0] != key:
+            self._generator = (key, load_generator(weights, self.config, tokenizer))
+        return self._generator[1](prompt, max_new_tokens, temperature, top_k, seed)
 
     def plot(self, path: str | Path | None = None):
         """Loss, tokens/s and per-phase time against the step, as one matplotlib figure
@@ -124,7 +140,11 @@ class Result:
         axes = fig.subplots(1, 3)
         loss, speed, phases = axes
         if not h.empty:
-            loss.plot(h.index, h["loss"])
+            loss.plot(h.index, h["loss"], label="train")
+            if "val_loss" in h:
+                val = h["val_loss"].dropna()
+                loss.plot(val.index, val, "o-", label="validation")
+                loss.legend(loc="upper right", fontsize="small")
             speed.plot(h.index, h["tokens_per_s"])
             cols = [f"phase_{p}_ms" for p in PHASES if f"phase_{p}_ms" in h]
             phases.stackplot(h.index, *(h[c] for c in cols), labels=[c[6:-3] for c in cols])

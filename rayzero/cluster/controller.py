@@ -9,6 +9,7 @@ PLACE, resuming from the newest commit), with how many ranks, or to give up.
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import threading
 import time
@@ -271,7 +272,8 @@ class Controller:
             where = ckpt.plan(k) if ckpt is not None else None
             if where and grow_at is None and k + 1 < cfg.train.steps and self._can_grow():
                 grow_at = k  # resources are back: stop after this checkpoint and regroup
-            return {"step": k, "lr": lr_at(k, cfg.train.steps, cfg.optim), "checkpoint": where}
+            return {"step": k, "lr": lr_at(k, cfg.train.steps, cfg.optim), "checkpoint": where,
+                    "evaluate": self._evaluates(cfg, k)}
 
         last = time.perf_counter()
         pending = dispatch.submit(plan(first))
@@ -298,10 +300,17 @@ class Controller:
                 "step_ms": dt * 1e3,
                 # Wall time outside the slowest rank's phases: dispatch, transfer, waiting.
                 "dispatch_overhead_ms": max(0.0, dt - sum(phase.values())) * 1e3,
+                # The ranks' reading of their rows (a step ahead, in a thread): part of gather.
+                "data_ms": max(r["phase_s"].get("data", 0.0) for r in results) * 1e3,
                 **{f"phase_{p}_ms": v * 1e3 for p, v in phase.items()},
             }
             if results[0]["loss_scale"] is not None:
                 metrics["loss_scale"] = results[0]["loss_scale"]
+            if "val_loss_sum" in results[0]:
+                val = sum(r["val_loss_sum"] for r in results) / max(sum(r["val_tokens"] for r in results), 1)
+                metrics.update(val_loss=val, val_perplexity=math.exp(min(val, 700.0)))
+                h.val_steps.append(step)
+                h.val_losses.append(val)
             h.skipped += int(skipped)
             h.memory = [r["memory"] for r in results]
             if step == first:
@@ -324,6 +333,14 @@ class Controller:
                 bar.close()
                 return True
         return False
+
+    @staticmethod
+    def _evaluates(cfg: RootConfig, k: int) -> bool:
+        """Whether step `k` ends with an evaluation: every `train.eval_every` steps and after the last."""
+        if not (cfg.data.val_path or cfg.data.val_fraction):
+            return False
+        every = cfg.train.eval_every
+        return k + 1 == cfg.train.steps or (every > 0 and (k + 1) % every == 0)
 
     def _can_grow(self) -> bool:
         """Below the configured world and the cluster now holds a bigger valid one."""
@@ -464,12 +481,15 @@ class Controller:
         return {
             "first_loss": h.losses[0] if trained else None,
             "final_loss": h.losses[-1] if trained else None,
+            "final_val_loss": h.val_losses[-1] if h.val_losses else None,
+            "val_losses": [[s, v] for s, v in zip(h.val_steps, h.val_losses)],
             "steps": len(h.losses),
             "start_step": self.first_start[0],
             "total_steps": cfg.train.steps,
             "tokens_per_s": cfg.train.global_batch_size * cfg.train.seq_len / step_s if trained else None,
             "step_ms": step_s * 1e3 if trained else None,
             "phase_ms": {p: mean(h.timed(v)) * 1e3 for p, v in h.phase_s.items()} if trained else {},
+            "data_ms": mean(h.timed([r["data_ms"] for r in h.rows])) if h.rows else None,
             "world_size": self.world,
             "num_workers": self.cfg.cluster.num_workers,
             "strategy": cfg.sharding.strategy,

@@ -31,7 +31,8 @@ from ray.dag import InputNode, MultiOutputNode
 # nothing queued).
 NAP_MIN_S = 0.005
 NAP_FRACTION = 0.97
-UNTIMED_ITERATIONS = 1  # the first one compiles and warms up: no guide to the next
+UNTIMED_ITERATIONS = 1
+PARTS = ("data",)  # times a rank reports that are part of a phase's (gather's), not after it  # the first one compiles and warms up: no guide to the next
 
 
 class _DeadActorCancel(logging.Filter):
@@ -48,7 +49,7 @@ logging.getLogger("ray.dag.compiled_dag_node").addFilter(_DeadActorCancel())
 
 
 def phase_names(num_microbatches: int) -> list[str]:
-    return ["gather"] + ["forward", "backward"] * num_microbatches + ["reduce_scatter", "step"]
+    return ["gather"] + ["forward", "backward"] * num_microbatches + ["reduce_scatter", "step", "evaluate"]
 
 
 @dataclass
@@ -125,7 +126,8 @@ class CompiledDispatch(_Dispatch):
 
 def _work_s(results: list) -> float | None:
     """How long the slowest rank worked on this iteration, from the phase times it reports."""
-    times = [sum(r["phase_s"].values()) for r in results if isinstance(r, dict) and "phase_s" in r]
+    times = [sum(v for k, v in r["phase_s"].items() if k not in PARTS)
+             for r in results if isinstance(r, dict) and "phase_s" in r]
     return max(times) if times and len(times) == len(results) else None
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from rayzero.sharding.memory import bytes_per_param
 
-PHASES = ("gather", "forward", "backward", "reduce_scatter", "step")
+PHASES = ("gather", "forward", "backward", "reduce_scatter", "step", "evaluate")
 WARMUP_STEPS = 1  # the first iteration compiles the graph and faults in memory: not timed
 
 
@@ -20,6 +20,8 @@ class History:
     skipped: int = 0
     memory: list[dict[str, int]] = field(default_factory=list)  # each rank's ledger, latest
     rows: list[dict] = field(default_factory=list)  # each step's metrics, as logged to MLflow
+    val_steps: list[int] = field(default_factory=list)
+    val_losses: list[float] = field(default_factory=list)
 
     def record(self, step: int, loss: float, step_s: float, phase_s: dict[str, float]) -> None:
         self.steps.append(step)
@@ -33,6 +35,8 @@ class History:
         keep = sum(1 for s in self.steps if s < step)
         for values in (self.steps, self.losses, self.step_s, self.rows, *self.phase_s.values()):
             del values[keep:]
+        keep = sum(1 for s in self.val_steps if s < step)
+        del self.val_steps[keep:], self.val_losses[keep:]
 
     def timed(self, values: list[float]) -> list[float]:
         return values[WARMUP_STEPS:] or values

@@ -16,6 +16,16 @@ class DataConfig(Frozen):
         default="~/.cache/rayzero/datasets",
         description="Where the default corpus is prepared once and kept; `~` is expanded.",
     )
+    val_path: str = Field(
+        default="",
+        description="A prepared dataset to validate on (made with the training data's tokenizer); see "
+        "`train.eval_every`. Empty = no validation unless `val_fraction`.",
+    )
+    val_fraction: float = Field(
+        default=0.0, ge=0, lt=1,
+        description="Hold out this share of the training data's documents (instruction examples), whole, "
+        "for validation: the same ones for every seed and world size; 0 = none.",
+    )
     epochs: float = Field(
         default=0, ge=0,
         description="Passes over the data before training stops, if that comes before `train.steps` (which the "

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import posixpath
 import sys
 import threading
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 import pyarrow as pa
@@ -32,6 +33,7 @@ from rayzero.data.tokenizer import BYTE_EOT, BYTE_VOCAB, ByteTokenizer, Tokenize
 
 EOT = BYTE_EOT
 VOCAB_SIZE = BYTE_VOCAB
+log = logging.getLogger(__name__)
 FORMAT = "rayzero-tokens"
 FORMAT_VERSION = 2  # 1: bytes only, uint16, no tokenizer record (still read)
 DOCUMENTS = "documents.parquet"  # each document's (example's) length in tokens, in order
@@ -134,9 +136,12 @@ def prepare(
     progress: bool = False,
     storage_cfg=None,
     instructions: bool = False,
+    tokenize_with: Callable | None = None,
 ) -> dict:
     """Tokenize the documents under `src` (see sources.py) into shards at `out`; with
     `instructions`, JSON records of prompt/response or messages (see instruct.py).
+    `tokenize_with(src, writer, tok, ...)`: fills the writer in place of this process, in the
+    same order, and returns what it skipped (Ray Data: `rayzero.jobs.ray_prepare`).
 
     What is not UTF-8 is skipped and named (refused with `strict_utf8`), and so are files below a
     directory named in `exclude`. Returns the written metadata.
@@ -147,15 +152,29 @@ def prepare(
                          with_mask=instructions)
     skipped: list[str] | None = None if strict_utf8 else []
     bar = _progress(files, progress)
-    if instructions:
+    if tokenize_with is not None:
+        skipped = tokenize_with(str(src), writer, tok, pattern=pattern, exclude=exclude, fields=fields,
+                                strict_utf8=strict_utf8, instructions=instructions, storage_cfg=storage_cfg,
+                                bar=bar, batch_docs=ENCODE_BATCH)
+        for where in skipped:
+            log.warning("skipped %s: not UTF-8", where)
+    elif instructions:
         _add_instructions(files, tok, writer, skipped, bar)
-        bar.close()
-        if not writer.documents:
-            raise DataError(f"no instruction records in {src}")
-        return writer.commit({"kind": "instructions", "vocab_size": tok.vocab_size, "eot": tok.eos_id,
-                              "tokenizer": tok.record(), "source": str(src), "skipped": (skipped or [])[:100],
-                              "num_skipped": len(skipped or []),
-                              "num_target_tokens": writer.target_tokens})
+    else:
+        _add_documents(files, tok, writer, fields, skipped, bar)
+    bar.close()
+    if not writer.documents:
+        what = "instruction records" if instructions else "UTF-8 documents"
+        raise DataError(f"no {what} in {src}" + (f" (matching {pattern!r})" if pattern != "*" else ""))
+    meta = {"kind": "instructions" if instructions else "text", "vocab_size": tok.vocab_size, "eot": tok.eos_id,
+            "tokenizer": tok.record(), "source": str(src), "skipped": (skipped or [])[:100],
+            "num_skipped": len(skipped or [])}
+    if instructions:
+        meta["num_target_tokens"] = writer.target_tokens
+    return writer.commit(meta)
+
+
+def _add_documents(files, tok, writer: ShardWriter, fields: Fields, skipped, bar) -> None:
     batch: list[str] = []
 
     def encode_batch():
@@ -168,18 +187,6 @@ def prepare(
         if len(batch) >= ENCODE_BATCH:
             encode_batch()
     encode_batch()
-    bar.close()
-    if not writer.documents:
-        raise DataError(f"no UTF-8 documents in {src}" + (f" (matching {pattern!r})" if pattern != "*" else ""))
-    return writer.commit({
-        "kind": "text",
-        "vocab_size": tok.vocab_size,
-        "eot": tok.eos_id,
-        "tokenizer": tok.record(),
-        "source": str(src),
-        "skipped": (skipped or [])[:100],
-        "num_skipped": len(skipped or []),
-    })
 
 
 def _add_instructions(files, tok, writer: ShardWriter, skipped, bar) -> None:
@@ -268,7 +275,7 @@ class TokenDataset:
                 lengths = pq.read_table(f).column("length").to_numpy().astype(np.int64)
         else:
             eot = self.meta["eot"]
-            ends = np.concatenate([np.flatnonzero(self._read_group(i) == eot) + g.start
+            ends = np.concatenate([np.flatnonzero(self._read_group_uncached(i) == eot) + g.start
                                    for i, g in enumerate(self._groups)] or [np.zeros(0, np.int64)])
             lengths = np.diff(np.concatenate([[0], ends + 1]))
             if ends.size == 0 or ends[-1] + 1 != self.num_tokens:  # text after the last end-of-text

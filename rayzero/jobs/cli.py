@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 
@@ -47,6 +48,25 @@ def _parser() -> argparse.ArgumentParser:
                       help="refuse input that is not UTF-8 (default: skip it, naming each file or line)")
     prep.add_argument("--shard-tokens", type=int, default=1 << 24, help="tokens per shard file")
     prep.add_argument("--no-progress", action="store_true", help="no progress bar")
+    prep.add_argument("--ray", action="store_true",
+                      help="tokenize with Ray Data across a Ray cluster (same output); SRC must be readable from "
+                      "every node (s3://, or a shared filesystem)")
+    prep.add_argument("--address", default="", help="with --ray: the cluster (`auto`, host:port); empty = a local Ray")
+    prep.add_argument("--workers", type=int, default=None, help="with --ray: tokenizing workers (default: the "
+                      "cluster's CPUs)")
+    g = sub.add_parser("generate", help="text from a prompt with trained weights", description=(
+        "Continue a prompt with a checkpoint (its newest commit, or one step-... prefix), a Hugging Face "
+        "directory (an hf export) or a safetensors export (with the model's config: --config or model.* "
+        "overrides). The tokenizer: --tokenizer, else the model directory's own, else bytes."))
+    g.add_argument("weights")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens only (0 = all)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--tokenizer", default=None, help="`byte` or a tokenizer directory")
+    g.add_argument("--config", default=None, help="the training job's YAML (a safetensors export's model)")
+    g.add_argument("overrides", nargs="*", metavar="key=value")
     c = sub.add_parser("ckpt", help="checkpoint tools", description=(
         "Inspect committed checkpoints. URI is a checkpoint directory (ls; the others take its "
         "newest commit) or one step-… prefix. Storage options as overrides, e.g. "
@@ -212,7 +232,9 @@ def _print_summary(s: dict) -> None:
     resumed = f" (resumed at step {s['start_step']})" if s["resumed_from"] else ""
     ranks = f"{s['world_size']} ranks" + ("" if s["world_size"] == s["num_workers"] else f" (of {s['num_workers']})")
     print(
-        f"\ntrained {s['steps']} steps{resumed}: loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}\n"
+        f"\ntrained {s['steps']} steps{resumed}: loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}"
+        + (f", validation loss {s['final_val_loss']:.4f} (perplexity {math.exp(min(s['final_val_loss'], 700)):.2f})"
+           if s.get("final_val_loss") is not None else "") + "\n"
         f"  {ranks}, strategy {s['strategy']}, {_params_line(s['num_params'], s['trainable_params'])}, "
         f"{s['grad_accum']} micro-batches/step\n"
         f"  {s['tokens_per_s']:,.0f} tokens/s, {s['step_ms']:.1f} ms/step ({phases} ms)\n"
@@ -259,15 +281,48 @@ def _prepare(args) -> int:
     from rayzero.data.tokens import prepare
 
     logging.basicConfig(format="rayzero: warning: %(message)s", level=logging.WARNING)
-    meta = prepare(args.src, args.out, pattern=args.glob, shard_tokens=args.shard_tokens, tokenizer=args.tokenizer,
-                   fields=Fields(args.text_field, args.text_column), strict_utf8=args.strict_utf8,
-                   progress=not args.no_progress, instructions=args.instructions)
+    if args.ray:
+        import ray
+
+        from rayzero.jobs.train import _check_reachable
+
+        if not ray.is_initialized():
+            try:
+                _check_reachable(args.address)
+                ray.init(address=args.address or None, logging_level="WARNING", log_to_driver=False)
+            except ConnectionError as e:
+                raise _UserError(f"--address: cannot connect to a Ray cluster at {args.address!r}: {e}") from None
+    how = prepare
+    if args.ray:
+        from functools import partial
+
+        from rayzero.jobs.ray_prepare import prepare_on_ray
+
+        how = partial(prepare_on_ray, workers=args.workers)
+    meta = how(args.src, args.out, pattern=args.glob, shard_tokens=args.shard_tokens, tokenizer=args.tokenizer,
+               fields=Fields(args.text_field, args.text_column), strict_utf8=args.strict_utf8,
+               progress=not args.no_progress, instructions=args.instructions)
     tok = meta["tokenizer"]
     what = "examples" if args.instructions else "documents"
     print(f"wrote {meta['num_tokens']:,} tokens ({meta['dtype']}) from {meta['num_documents']:,} {what} "
           f"in {len(meta['shards'])} shard(s) to {args.out}; tokenizer {tok.get('name', tok['kind'])} "
           f"({tok['vocab_size']:,} ids, {tok['sha256']})"
           + (f"; skipped {meta['num_skipped']} not UTF-8" if meta["num_skipped"] else ""))
+    return 0
+
+
+def _generate(args) -> int:
+    from rayzero.checkpoint.manifest import CheckpointError
+    from rayzero.checkpoint.storage import StorageError
+    from rayzero.jobs.generate import load_generator
+    from rayzero.models import ModelError
+
+    try:
+        gen = load_generator(args.weights, load_config(args.config, args.overrides), args.tokenizer)
+    except (CheckpointError, StorageError, ModelError) as e:
+        raise _UserError(str(e)) from None
+    text = gen(args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
+    print(args.prompt + text)
     return 0
 
 
@@ -296,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args)
         if args.command == "ckpt":
             return _ckpt(args)
+        if args.command == "generate":
+            return _generate(args)
         if args.command == "deploy":
             return _deploy(args)
         return _prepare(args)

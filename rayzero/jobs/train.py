@@ -52,8 +52,10 @@ def steps_in_epochs(cfg: RootConfig, data_path: str) -> int:
 
     from rayzero.data.tokens import TokenDataset
 
+    from rayzero.workers.rank import validation_split
+
     t = cfg.train
-    ds = TokenDataset(data_path, storage_cfg=cfg.checkpoint)
+    ds, _ = validation_split(cfg, TokenDataset(data_path, storage_cfg=cfg.checkpoint))
     if ds.kind == "instructions":
         from rayzero.data.instruct import Epochs
 
@@ -76,6 +78,25 @@ def limit_to_epochs(cfg: RootConfig, data_path: str) -> RootConfig:
     print(f"rayzero: data.epochs={cfg.data.epochs:g} ends after {steps} steps, before train.steps="
           f"{cfg.train.steps}", file=sys.stderr)
     return cfg.override(f"train.steps={max(steps, 1)}")
+
+
+def check_validation(cfg: RootConfig, meta: dict, data_path: str) -> None:
+    """Validation data that exists, is made with the training data's tokenizer, and holds a row."""
+    if not (cfg.data.val_path or cfg.data.val_fraction):
+        return
+    from rayzero.data.tokens import TokenDataset
+    from rayzero.data.validation import ValidationRows
+    from rayzero.workers.rank import validation_split
+
+    if cfg.data.val_path:
+        val = read_meta(cfg.data.val_path, cfg.checkpoint)
+        if val["tokenizer"]["sha256"] != meta["tokenizer"]["sha256"]:
+            raise DataError(f"data.val_path: {cfg.data.val_path} was tokenized with another tokenizer "
+                            f"({val['tokenizer']['sha256']}) than data.path {data_path} "
+                            f"({meta['tokenizer']['sha256']})")
+    _, rows = validation_split(cfg, TokenDataset(data_path, storage_cfg=cfg.checkpoint))
+    ValidationRows(rows, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch_size,
+                   micro_batch=cfg.train.micro_batch_size, dp_rank=0, dp_size=1, max_batches=cfg.train.eval_batches)
 
 
 def check_data_tokenizer(cfg: RootConfig, meta: dict, data_path: str) -> None:
@@ -272,6 +293,7 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None) -> tuple[dic
     factory = resolve_factory(cfg, factory)
     meta = read_meta(data_path, cfg.checkpoint)
     check_data_tokenizer(cfg, meta, data_path)
+    check_validation(cfg, meta, data_path)
     cfg = limit_to_epochs(cfg, data_path)
     spec = check_model(cfg, factory, data_vocab=meta["vocab_size"])
     checkpoints = None

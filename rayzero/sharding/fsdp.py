@@ -256,6 +256,9 @@ class ShardOptimGradsParams(ShardOptimGrads):
         self._release(self._units_of_resident(), root=True)
         super()._after_backward(last_microbatch)
 
+    def after_forward_only(self) -> None:
+        self._release(self._units_of_resident(), root=True)
+
     # -- phases ----------------------------------------------------------------------------
     def begin_step(self) -> None:
         for g in self.grads:

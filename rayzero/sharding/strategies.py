@@ -341,6 +341,9 @@ class Strategy:
     def finish_param_sync(self, buckets: list[int] | None = None) -> None:
         """Wait until every rank holds the updated parameters of `buckets` (default: all)."""
 
+    def after_forward_only(self) -> None:
+        """After forwards without backward (evaluation): nothing is left gathered."""
+
     def grad_norm(self) -> float:
         """The L2 norm of the full gradient; each element counted once across the group."""
         sq = torch.zeros((), dtype=torch.float64, device=self.buffer.device)

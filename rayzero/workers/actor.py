@@ -40,6 +40,9 @@ class RankShim:
     def step(self, prev: dict) -> dict:
         return self.rank.step(prev)
 
+    def evaluate(self, prev: dict) -> dict:
+        return self.rank.evaluate(prev)
+
     def finish_checkpoints(self) -> list[dict]:
         return self.rank.finish_checkpoints()
 

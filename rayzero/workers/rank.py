@@ -26,6 +26,7 @@ from rayzero.checkpoint.storage import Storage
 from rayzero.config import RootConfig
 from rayzero.data.batches import RankBatches
 from rayzero.data.tokens import TokenDataset
+from rayzero.data.validation import ValidationRows, split
 from rayzero.models import ModelSpec, model_spec
 from rayzero.models.spec import IGNORE_INDEX
 from rayzero.sharding import STRATEGY_CLASSES, Layout, ShardingConfig, Topology, build_strategy
@@ -43,6 +44,16 @@ def make_spec(cfg: RootConfig, factory: Callable | None = None) -> ModelSpec:
 def fsdp_units(cfg: RootConfig, spec: ModelSpec, model: nn.Module) -> tuple[str, ...]:
     """ZeRO-3's unit classes: `sharding.fsdp_units`, or the model's own."""
     return tuple(cfg.sharding.fsdp_units) or spec.fsdp_units(model)
+
+
+def validation_split(cfg: RootConfig, dataset: TokenDataset):
+    """(what training reads, what evaluation reads or None): documents held out of `dataset`
+    by `data.val_fraction`, or the dataset at `data.val_path`."""
+    if cfg.data.val_fraction:
+        return split(dataset, cfg.data.val_fraction)
+    if cfg.data.val_path:
+        return dataset, TokenDataset(cfg.data.val_path, storage_cfg=cfg.checkpoint)
+    return dataset, None
 
 
 def batches_for(dataset: TokenDataset) -> type:
@@ -191,7 +202,11 @@ class Rank:
             sharding.strategy, self.model, self.topo, sharding, cfg.optim, self.axes,
             decays=self.spec.decays, source=source, device=self.device,
         )
-        dataset = TokenDataset(self.data_path, storage_cfg=cfg.checkpoint)
+        dataset, val = validation_split(cfg, TokenDataset(self.data_path, storage_cfg=cfg.checkpoint))
+        self.val = None if val is None else ValidationRows(
+            val, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch_size,
+            micro_batch=cfg.train.micro_batch_size, dp_rank=self.topo.dp_rank, dp_size=self.topo.dp_size,
+            max_batches=cfg.train.eval_batches)
         self.data = batches_for(dataset)(
             dataset,
             seed=cfg.train.seed,
@@ -243,15 +258,18 @@ class Rank:
         t0 = time.perf_counter()
         self.plan = plan
         self.strategy.begin_step()
+        t_data = time.perf_counter()
         self._micro = [
             (x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
             for x, y in self.data.microbatches(plan["step"])
         ]
+        t_data = time.perf_counter() - t_data
         self._next_micro = 0
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._tokens = 0
         self._count_valid()
-        self._times = {"gather": time.perf_counter() - t0, "forward": 0.0, "backward": 0.0}
+        # "data": the part of gather spent on this step's rows (read a step ahead, in a thread)
+        self._times = {"gather": time.perf_counter() - t0, "data": t_data, "forward": 0.0, "backward": 0.0}
         return {}
 
     def _count_valid(self) -> None:
@@ -326,13 +344,36 @@ class Rank:
             "rng": torch.get_rng_state().tolist() if self.plan.get("checkpoint") else None,
         }
 
+    @watched("evaluate")
+    def evaluate(self, result: dict) -> dict:
+        """After the step, when the plan asks for it: the validation loss, forward only (ZeRO-3
+        gathers each unit as in training, and frees it after), summed over the valid targets
+        of this rank's validation rows; the controller divides by their global count."""
+        t0 = time.perf_counter()
+        if self.plan.get("evaluate") and self.val is not None:
+            loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+            count = 0
+            self.model.eval()
+            try:
+                with torch.no_grad():
+                    for batch in range(self.val.num_batches):
+                        for x, y in self.val.microbatches(batch):
+                            part, valid = self.spec.loss(self.model, x.to(self.device), y.to(self.device))
+                            loss_sum += part.double()
+                            count += int(valid)
+            finally:
+                self.model.train()
+                self.strategy.after_forward_only()
+            result = {**result, "val_loss_sum": float(loss_sum), "val_tokens": count}
+        return {**result, "phase_s": {**result["phase_s"], "evaluate": time.perf_counter() - t0}}
+
     def iteration(self, plan: dict) -> dict:
         """Every phase of one iteration, in order, in this process: what the controller's
         graph runs on each rank, for use without Ray."""
         out = self.gather(plan)
         for _ in range(len(self._micro)):
             out = self.backward(self.forward(out))
-        return self.step(self.reduce_scatter(out))
+        return self.evaluate(self.step(self.reduce_scatter(out)))
 
     # -- checkpoints ------------------------------------------------------------------
     def _checkpoint(self, where: dict | None) -> float:

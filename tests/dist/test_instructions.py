@@ -110,3 +110,61 @@ def test_masked_tokens_take_no_part(setup):
             p = tok.encode_batch([recs[i]["prompt"]])[0].size + (tok.bos_id is not None)
             want.append(r[: max(0, SEQ + 1 - p)])  # what survives an example cut to the window
         assert got.tolist() == np.concatenate(want).tolist(), row
+
+
+def _eval_worker(rank: int, world: int, cfg, port: int, data: str, out: dict):
+    from rayzero.cluster.controller import Controller
+    from rayzero.cluster.schedule import lr_at
+    from rayzero.workers.rank import Rank
+
+    torch.set_num_threads(1)
+    r = Rank(cfg, rank, world, data)
+    r.setup("127.0.0.1", port)
+    vals = {}
+    for step in range(STEPS):
+        res = r.iteration({"step": step, "lr": lr_at(step, STEPS, cfg.optim),
+                           "evaluate": Controller._evaluates(cfg, step)})
+        if "val_loss_sum" in res:
+            vals[step] = (res["val_loss_sum"], res["val_tokens"])
+            assert r.strategy.ledger.transient == 0, "evaluation left parameters gathered"
+    out[rank] = vals
+    r.close()
+
+
+@pytest.mark.parametrize("world,strategy", [(2, "optim"), (4, "optim_grads_params")])
+def test_the_validation_loss_equals_a_single_process_computation(world, strategy, setup):
+    """Held-out examples, evaluated every 4 steps and after the last, forward only: the loss the
+    controller computes from the ranks' sums equals the reference model's on the same rows."""
+    import torch.multiprocessing as mp
+    import transformers as tf
+
+    from rayzero.data.validation import ValidationRows
+    from rayzero.workers.rank import validation_split
+    from tests.conftest import free_port
+
+    model, data, meta = setup
+    cfg = config(world, 1, model, [f"sharding.strategy={strategy}", "data.val_fraction=0.25", "train.eval_every=4",
+                                   "train.eval_batches=3"])
+    train, val = validation_split(cfg, TokenDataset(data))
+    b = InstructionBatches(train, seed=cfg.train.seed, global_batch=4, micro_batch=4, seq_len=SEQ, dp_rank=0,
+                           dp_size=1)
+    ref = tf.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    ref_state, _ = train_reference(ref, cfg, data, STEPS,
+                                   batch=lambda k: (b.rank_rows(k)[0][:, :-1], b.rank_rows(k)[1][:, 1:]))
+    rows = ValidationRows(val, seq_len=SEQ, global_batch=4, micro_batch=4, dp_rank=0, dp_size=1, max_batches=3)
+    assert rows.num_batches == 3
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for k in range(rows.num_batches):
+            (x, y), = rows.microbatches(k)
+            total += torch.nn.functional.cross_entropy(ref(x).logits.flatten(0, 1), y.flatten(), reduction="sum",
+                                                       ignore_index=IGNORE_INDEX).item()
+            count += int((y != IGNORE_INDEX).sum())
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_eval_worker, args=(world, cfg, free_port(), data, out), nprocs=world)
+        out = dict(out)
+    assert sorted(out[0]) == [3, 7, STEPS - 1]
+    got = sum(out[r][STEPS - 1][0] for r in range(world)) / sum(out[r][STEPS - 1][1] for r in range(world))
+    assert sum(out[r][STEPS - 1][1] for r in range(world)) == count
+    assert got == pytest.approx(total / count, rel=1e-5)

@@ -28,7 +28,7 @@ def test_train_on_a_local_ray_with_defaults(tmp_path, small_dataset):
     s = json.loads(summary_path.read_text())
     assert s["steps"] == steps and s["world_size"] == 2 and s["strategy"] == "optim"
     assert s["final_loss"] < s["first_loss"] - 0.3, "the model must learn"
-    assert s["tokens_per_s"] > 0 and set(s["phase_ms"]) == {"gather", "forward", "backward", "reduce_scatter", "step"}
+    assert s["tokens_per_s"] > 0 and set(s["phase_ms"]) == {"gather", "forward", "backward", "reduce_scatter", "step", "evaluate"}
     assert s["run_dir"].startswith(str(tmp_path / "runs"))
     assert s["mlflow_tracking_uri"] == f"sqlite:///{s['run_dir']}/mlflow.db"
 

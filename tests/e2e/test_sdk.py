@@ -87,6 +87,6 @@ def test_the_quickstart_notebook_runs_headless(tmp_path):
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
-    assert "loss on a line of Python" in text
+    assert "loss on a line of Python" in text and "sample: " in text
     assert any("image/png" in o.get("data", {}) for o in outputs), "the plot is drawn"
     assert (tmp_path / "runs" / "quickstart" / "checkpoints" / "step-000060" / "manifest.json").exists()

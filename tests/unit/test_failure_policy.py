@@ -168,11 +168,15 @@ def test_world_sizes_and_bad_min_workers():
 
 def test_history_rewinds_to_the_resumed_step():
     h = History()
-    phases = {p: 0.1 for p in ("gather", "forward", "backward", "reduce_scatter", "step")}
+    phases = {p: 0.1 for p in ("gather", "forward", "backward", "reduce_scatter", "step", "evaluate")}
     for step in range(6):
         h.record(step, 5.0 - step, 0.2, phases)
+        if step % 2:
+            h.val_steps.append(step)
+            h.val_losses.append(9.0 - step)
     h.rewind(4)
     assert h.steps == [0, 1, 2, 3] and h.losses == [5.0, 4.0, 3.0, 2.0] and len(h.phase_s["step"]) == 4
+    assert h.val_steps == [1, 3] and h.val_losses == [8.0, 6.0]
     h.record(4, 1.0, 0.2, phases)
     assert h.steps[-1] == 4 and len(h.step_s) == 5
 

@@ -356,3 +356,79 @@ def test_chat_messages_learn_the_assistant_turns_only(tmp_path, bpe_dir):
         instruct_dataset(tmp_path, "byte", [{"messages": conv}])
     with pytest.raises(DataError, match=r"chat\.jsonl:1: an instruction record has `prompt` and `response`"):
         instruct_dataset(tmp_path, "byte", [{"question": "x"}])
+
+
+# --------------------------------------------------------------------------- validation
+
+from rayzero.data.batches import RankBatches  # noqa: E402
+from rayzero.data.validation import Subset, ValidationRows, held_out, split  # noqa: E402
+
+
+def numbered_docs(tmp_path, n: int, length: int) -> str:
+    """`n` documents of `length` bytes, document i made of byte 32 + i only: a token tells its document."""
+    src = tmp_path / "numbered"
+    src.mkdir()
+    for i in range(n):
+        (src / f"{i:03d}.txt").write_text(chr(32 + i) * length)
+    prepare(src, str(tmp_path / "ds"), row_group_tokens=32)
+    return str(tmp_path / "ds")
+
+
+def test_whole_documents_are_held_out_the_same_for_every_seed(tmp_path):
+    ds = TokenDataset(numbered_docs(tmp_path, 40, 50))
+    assert ds.document_lengths.tolist() == [51] * 40
+    train, val = split(ds, 0.2)
+    held = held_out(40, 0.2, "x")
+    assert held.sum() == 8 and np.array_equal(held, held_out(40, 0.2, "y"))
+    val_docs = {chr(32 + i) for i in np.flatnonzero(held)}
+    text = ByteTokenizer().decode(val.window(0, val.num_tokens))
+    assert set(text) == val_docs and val.num_tokens == 8 * 51
+    # training windows, at any seed and step, hold no token of a held-out document
+    for seed in range(3):
+        b = RankBatches(train, seed=seed, global_batch=8, micro_batch=8, seq_len=60, dp_rank=0, dp_size=1)
+        for step in range(5):
+            seen = {chr(t) for t in b.rank_rows(step).flatten().tolist() if t < 256}
+            assert not seen & val_docs
+    assert train.fingerprint != ds.fingerprint  # a resume with another split is refused
+    with pytest.raises(DataError, match=r"val_fraction=0.01 of the 40 documents .* holds out none"):
+        split(ds, 0.01)
+    with pytest.raises(DataError, match="leaves none to train on"):
+        split(ds, 0.999)
+
+
+def test_a_v1_dataset_finds_its_documents_by_end_of_text(tmp_path):
+    data = numbered_docs(tmp_path, 5, 30)
+    (Path(data) / "documents.parquet").unlink()
+    assert TokenDataset(data).document_lengths.tolist() == [31] * 5
+
+
+def test_validation_rows_are_the_same_at_any_world_size(tmp_path):
+    ds = TokenDataset(numbered_docs(tmp_path, 10, 100))
+    rows = {}
+    for d in (1, 2, 4):
+        parts = [ValidationRows(ds, seq_len=15, global_batch=8, micro_batch=2 if d < 4 else 1, dp_rank=r, dp_size=d,
+                                max_batches=9) for r in range(d)]
+        assert parts[0].num_rows == 1010 // 16 and parts[0].num_batches == 8  # 63 rows: the last batch half padding
+        rows[d] = [torch.cat([torch.cat([y for _, y in p.microbatches(b)]) for p in parts]) for b in range(8)]
+    for b in range(8):
+        assert torch.equal(rows[1][b], rows[2][b]) and torch.equal(rows[1][b], rows[4][b])
+    last = rows[1][7]
+    assert (last[7] == IGNORE_INDEX).all() and (last[6] != IGNORE_INDEX).all()
+
+
+def test_data_epochs_end_the_run_when_they_come_first(tmp_path):
+    from rayzero.jobs.train import limit_to_epochs, steps_in_epochs
+
+    recs = [{"prompt": f"p{i} " * (i % 4 + 1), "response": f"r{i} " * (i % 5 + 1)} for i in range(30)]
+    data = instruct_dataset(tmp_path, "byte", recs)
+    cfg = load_config(None, ["train.seq_len=31", "train.global_batch_size=4", "train.micro_batch_size=2",
+                             "train.steps=100", "data.epochs=2"])
+    ep = Epochs(TokenDataset(data).document_lengths, 0, 4, 32)
+    assert steps_in_epochs(cfg, data) == ep.steps_in(0) + ep.steps_in(1) < 100
+    assert limit_to_epochs(cfg, data).train.steps == steps_in_epochs(cfg, data)
+    assert limit_to_epochs(cfg.override("train.steps=3"), data).train.steps == 3  # the steps come first
+    assert limit_to_epochs(cfg.override("data.epochs=0"), data).train.steps == 100
+    # text: as many tokens as the dataset holds
+    text = prepare(write_docs(tmp_path / "src"), str(tmp_path / "text"))
+    steps = steps_in_epochs(cfg.override("data.epochs=1"), str(tmp_path / "text"))
+    assert steps == -(-text["num_tokens"] // (4 * 31))

@@ -1,0 +1,115 @@
+"""Real text through the CLI: a tiny HF Llama with its own BPE tokenizer, fine-tuned on JSONL
+instruction data with held-out validation, then `rayzero generate` on the export and on the
+checkpoint, and from Python with `Result.generate`."""
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tests.e2e.conftest import run_cli
+from tests.models import save_hf_model, save_tokenizer
+
+pytestmark = pytest.mark.e2e
+
+
+def instruction_records(n: int) -> list[dict]:
+    words = Path(sys.modules["json"].__file__).read_text().split()
+    rng = random.Random(0)
+    out = []
+    for i in range(n):
+        a = rng.randrange(len(words) - 40)
+        out.append({"prompt": f"Continue: {' '.join(words[a:a + 3])}\n", "response": " ".join(words[a + 3:a + 12])})
+    return out
+
+
+def test_fine_tune_on_instructions_with_validation_then_generate(tmp_path):
+    model = save_hf_model("llama", tmp_path / "tiny-llama")
+    save_tokenizer(model, [Path(sys.modules["json"].__file__).read_text()], vocab=300)
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in instruction_records(200)))
+    p = run_cli("data", "prepare", str(tmp_path / "chat.jsonl"), str(tmp_path / "data"), "--tokenizer", str(model),
+                "--instructions", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert "from 200 examples" in p.stdout and "tokenizer tiny-llama (300 ids" in p.stdout
+
+    summary = tmp_path / "summary.json"
+    r = run_cli("train", "model.kind=hf", f"model.path={model}", f"data.path={tmp_path / 'data'}",
+                "data.val_fraction=0.1", "train.eval_every=4", "train.eval_batches=2", "train.steps=10",
+                "train.seq_len=48", "train.global_batch_size=8", "train.micro_batch_size=2", "optim.lr=3e-3",
+                "optim.warmup_steps=2", "checkpoint.every_steps=5", f"train.save_final={tmp_path / 'final'}",
+                "train.save_format=hf", "--summary-json", str(summary), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads(summary.read_text())
+    assert [v[0] for v in s["val_losses"]] == [3, 7, 9]  # every 4 steps and after the last
+    assert s["final_val_loss"] == s["val_losses"][-1][1] < s["val_losses"][0][1]
+    client = MlflowClient(s["mlflow_tracking_uri"])
+    val = client.get_metric_history(s["mlflow_run_id"], "val_loss")
+    ppl = client.get_metric_history(s["mlflow_run_id"], "val_perplexity")
+    assert sorted(m.step for m in val) == [3, 7, 9] and len(ppl) == 3
+    assert max(val, key=lambda m: m.step).value == pytest.approx(s["final_val_loss"])
+
+    # what the model says, from the export and from the checkpoint (the same weights: step 10)
+    prompt = instruction_records(1)[0]["prompt"]
+    outs = []
+    for weights in (tmp_path / "final", tmp_path / "runs" / "checkpoints"):
+        g = run_cli("generate", str(weights), "--prompt", prompt, "--max-new-tokens", "12", cwd=tmp_path)
+        assert g.returncode == 0, g.stderr[-2000:]
+        assert g.stdout.startswith(prompt)
+        outs.append(g.stdout)
+    assert outs[0] == outs[1]
+    sampled = run_cli("generate", str(tmp_path / "final"), "--prompt", prompt, "--temperature", "1.0", "--top-k",
+                      "20", "--seed", "3", cwd=tmp_path)
+    assert sampled.returncode == 0 and sampled.stdout.startswith(prompt)
+
+    bad = run_cli("generate", str(tmp_path / "nothing"), "--prompt", "x", cwd=tmp_path)
+    assert bad.returncode == 2 and "not a checkpoint, a model directory or a safetensors file" in bad.stderr
+
+
+def test_bad_text_input_is_one_clear_message(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": "fine"}\n{"body": "no text"}\n')
+    r = run_cli("data", "prepare", str(tmp_path / "a.jsonl"), str(tmp_path / "d"), cwd=tmp_path)
+    assert r.returncode == 2 and f"{tmp_path / 'a.jsonl'}:2: no field 'text'" in r.stderr
+    (tmp_path / "empty").mkdir()
+    r = run_cli("data", "prepare", str(tmp_path / "a.jsonl"), str(tmp_path / "d"), "--tokenizer",
+                str(tmp_path / "empty"), cwd=tmp_path)
+    assert r.returncode == 2 and "holds no tokenizer files" in r.stderr
+    (tmp_path / "t.txt").write_text("one two three\n" * 400)
+    assert run_cli("data", "prepare", str(tmp_path / "t.txt"), str(tmp_path / "d"), cwd=tmp_path).returncode == 0
+    r = run_cli("train", f"data.path={tmp_path / 'd'}", "data.val_fraction=0.4", cwd=tmp_path)
+    assert r.returncode == 2 and "holds out none" in r.stderr  # one document: nothing to hold out
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_ray_data_preparation_gives_the_same_shards(tmp_path, ray_cluster):
+    """Text (a folder with a file that is not UTF-8) and instruction records, each prepared by
+    one process and by Ray Data on the cluster with 2 workers: the same tokens, shards,
+    fingerprint and document index."""
+    import pyarrow.parquet as pq
+
+    model = tmp_path / "tok"
+    model.mkdir()
+    save_tokenizer(model, [Path(sys.modules["json"].__file__).read_text()], vocab=300)
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for f in sorted(Path(sys.modules["json"].__file__).parent.glob("*.py")):
+        (texts / f.name).write_text(f.read_text())
+    (texts / "latin1.py").write_bytes("caf\xe9".encode("latin-1"))
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in instruction_records(300)))
+    for name, src, extra in (("text", texts, []), ("instructions", tmp_path / "chat.jsonl", ["--instructions"])):
+        outs = []
+        for how in ([], ["--ray", "--address", ray_cluster, "--workers", "2"]):
+            out = tmp_path / f"{name}-{'ray' if how else 'one'}"
+            r = run_cli("data", "prepare", str(src), str(out), "--tokenizer", str(model), "--shard-tokens", "5000",
+                        *extra, *how, cwd=tmp_path)
+            assert r.returncode == 0, r.stderr[-3000:]
+            outs.append(out)
+        one, ray_ = (json.loads((o / "meta.json").read_text()) for o in outs)
+        assert len(one["shards"]) > 2, "several shards, for the comparison to mean anything"
+        for key in ("fingerprint", "num_tokens", "num_documents", "shards", "dtype", "tokenizer", "skipped"):
+            assert one[key] == ray_[key], (name, key)
+        for f in [s["file"] for s in one["shards"]] + ["documents.parquet"]:
+            assert pq.read_table(outs[0] / f).equals(pq.read_table(outs[1] / f)), (name, f)
+    assert one["num_target_tokens"] == ray_["num_target_tokens"]
