@@ -31,12 +31,13 @@ def _read(row: dict, fields: Fields, strict_utf8: bool, instructions: bool, stor
         if f.format != "json":
             raise DataError(f"{f.uri}: instruction data is JSON lines (.jsonl) of prompt/response or messages records")
         for where, rec in json_records(f, skipped):
-            yield {"doc": json.dumps(rec), "where": where, "skipped": ""}
+            yield {"kind": "doc", "doc": json.dumps(rec), "where": where, "read": 0}
     else:
         for text in documents(f, fields, skipped):
-            yield {"doc": text, "where": "", "skipped": ""}
+            yield {"kind": "doc", "doc": text, "where": "", "read": 0}
     for where in skipped or []:
-        yield {"doc": "", "where": "", "skipped": where}
+        yield {"kind": "skipped", "doc": "", "where": where, "read": 0}
+    yield {"kind": "done", "doc": "", "where": "", "read": row["size"]}  # for the progress bar
 
 
 class _Tokenize:
@@ -46,8 +47,8 @@ class _Tokenize:
         self.tok, self.instructions, self.dtype = tok, instructions, np.dtype(dtype)
 
     def __call__(self, batch: dict) -> dict:
-        docs, wheres, skipped = list(batch["doc"]), list(batch["where"]), list(batch["skipped"])
-        keep = [i for i, s in enumerate(skipped) if not s]
+        kinds, docs, wheres = list(batch["kind"]), list(batch["doc"]), list(batch["where"])
+        keep = [i for i, k in enumerate(kinds) if k == "doc"]
         ids = [b""] * len(docs)
         masks = [b""] * len(docs)
         if self.instructions:
@@ -59,7 +60,7 @@ class _Tokenize:
         else:
             for i, doc in zip(keep, self.tok.documents([docs[i] for i in keep], self.dtype)):
                 ids[i] = doc.tobytes()
-        return {"ids": ids, "mask": masks, "skipped": skipped}
+        return {"kind": kinds, "ids": ids, "mask": masks, "where": wheres, "read": list(batch["read"])}
 
 
 def prepare_on_ray(src, out: str, workers: int | None = None, **kwargs) -> dict:
@@ -84,28 +85,33 @@ def _fill(files_src: str, writer, tok: Tokenizer, *, pattern: str, exclude: tupl
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False  # ours, in bytes of text, is the one bar
     logging.getLogger("ray.data").setLevel(logging.ERROR)  # its notes on plans and progress bars are not ours
-    ds = ray.data.from_items([{"uri": f.uri, "size": f.size} for f in files], override_num_blocks=len(files))
+    workers = workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
+    # A few blocks of files per worker: a task per file would cost more than reading most files.
+    blocks = min(len(files), 4 * workers)
+    ds = ray.data.from_items([{"uri": f.uri, "size": f.size} for f in files], override_num_blocks=blocks)
     ds = ds.flat_map(_read, num_cpus=0.25, fn_kwargs={"fields": fields, "strict_utf8": strict_utf8, "instructions": instructions,
                                        "storage_cfg": storage_cfg})
-    workers = workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
     # Reading is mostly waiting on storage: a quarter of a CPU, so that the tokenizers, three
     # quarters each, leave room for it on a machine with as many CPUs as workers.
-    ds = ds.map_batches(_Tokenize, fn_constructor_args=(tok, instructions, writer.dtype.name), batch_size=batch_docs,
+    # Documents need only the Rust tokenizer (quick to ship and load); chat templates need transformers'.
+    sent = tok if instructions else tok.for_documents()
+    ds = ds.map_batches(_Tokenize, fn_constructor_args=(sent, instructions, writer.dtype.name), batch_size=batch_docs,
                         batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=workers), num_cpus=0.75)
     skipped: list[str] = []
     try:
         for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
-            for ids, mask, where in zip(batch["ids"], batch["mask"], batch["skipped"]):
-                if where:
+            for kind, ids, mask, where, read in zip(batch["kind"], batch["ids"], batch["mask"], batch["where"],
+                                                    batch["read"]):
+                if kind == "done":
+                    bar.update(int(read))
+                elif kind == "skipped":
                     skipped.append(str(where))
-                    continue
-                tokens = np.frombuffer(ids, dtype=writer.dtype)
-                writer.add(tokens, np.frombuffer(mask, dtype=np.uint8) if instructions else None)
-                bar.update(0)
+                else:
+                    writer.add(np.frombuffer(ids, dtype=writer.dtype),
+                               np.frombuffer(mask, dtype=np.uint8) if instructions else None)
     except ray.exceptions.RayTaskError as e:
         cause = e.cause if isinstance(getattr(e, "cause", None), DataError) else None
         if cause is not None:
             raise DataError(str(cause)) from None
         raise
-    bar.update(sum(f.size for f in files))
     return skipped

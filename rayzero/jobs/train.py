@@ -68,6 +68,19 @@ def steps_in_epochs(cfg: RootConfig, data_path: str) -> int:
     return math.ceil(cfg.data.epochs * ds.num_tokens / (t.global_batch_size * t.seq_len))
 
 
+def note_cut_examples(cfg: RootConfig, meta: dict, data_path: str) -> None:
+    """Instruction examples longer than a window are cut to it: say how many."""
+    if meta.get("kind") != "instructions":
+        return
+    from rayzero.data.tokens import TokenDataset
+
+    lengths = TokenDataset(data_path, storage_cfg=cfg.checkpoint).document_lengths
+    cut = int((lengths > cfg.train.seq_len + 1).sum())
+    if cut:
+        print(f"rayzero: note: {cut} of {lengths.size} instruction examples are longer than train.seq_len + 1 = "
+              f"{cfg.train.seq_len + 1} tokens and are cut to it (the longest: {int(lengths.max())})", file=sys.stderr)
+
+
 def limit_to_epochs(cfg: RootConfig, data_path: str) -> RootConfig:
     """`train.steps`, or fewer when `data.epochs` ends first."""
     if not cfg.data.epochs:
@@ -294,6 +307,7 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None) -> tuple[dic
     meta = read_meta(data_path, cfg.checkpoint)
     check_data_tokenizer(cfg, meta, data_path)
     check_validation(cfg, meta, data_path)
+    note_cut_examples(cfg, meta, data_path)
     cfg = limit_to_epochs(cfg, data_path)
     spec = check_model(cfg, factory, data_vocab=meta["vocab_size"])
     checkpoints = None
