@@ -77,6 +77,9 @@ class RankBatches:
             rows = self.rank_rows(step)
         self._ahead = (step + 1, self._reader.submit(self.rank_rows, step + 1))
         self.next_step = step + 1
+        return self._split(rows)
+
+    def _split(self, rows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(mb[:, :-1], mb[:, 1:]) for mb in rows.split(self.micro_batch)]
 
     def state_dict(self) -> dict:

@@ -23,12 +23,12 @@ any world size.
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache
 
 import numpy as np
 import torch
 
+from rayzero.data.batches import RankBatches
 from rayzero.data.errors import DataError
 from rayzero.data.tokenizer import Tokenizer
 
@@ -165,37 +165,20 @@ def window_rows(dataset, offsets: np.ndarray, windows: list[list[int]], seq_len:
     return tokens, labels
 
 
-class InstructionBatches:
-    """One rank's rows of every step's packed windows: inputs and labels (-100 where no loss)."""
+class InstructionBatches(RankBatches):
+    """One rank's rows of every step's packed windows: inputs and labels (-100 where no loss);
+    reading ahead, checking and resuming as `RankBatches` does."""
 
     masks_labels = True
 
-    def __init__(self, dataset, *, seed: int, global_batch: int, micro_batch: int, seq_len: int,
-                 dp_rank: int, dp_size: int):
-        if global_batch % (micro_batch * dp_size):
-            raise ValueError(f"global batch {global_batch} is not divisible by micro batch {micro_batch} "
-                             f"x data-parallel size {dp_size}")
-        self.dataset = dataset
-        self.seed, self.global_batch, self.micro_batch = seed, global_batch, micro_batch
-        self.seq_len, self.dp_rank, self.dp_size = seq_len, dp_rank, dp_size
-        self.rows_per_rank = global_batch // dp_size
+    def __init__(self, dataset, **kwargs):
+        super().__init__(dataset, **kwargs)
         if dataset.kind != "instructions":
             raise DataError(f"{dataset.uri} holds text, not instruction examples")
         lengths = dataset.document_lengths
         self.offsets = np.concatenate([[0], np.cumsum(lengths)])
-        self.epochs = Epochs(lengths, seed, global_batch, seq_len + 1)
+        self.epochs = Epochs(lengths, self.seed, self.global_batch, self.seq_len + 1)
         self.pad = int(dataset.meta["eot"])
-        self.next_step = 0
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="rayzero-data")
-        self._ahead: tuple[int, Future] | None = None
-
-    @property
-    def num_microbatches(self) -> int:
-        return self.rows_per_rank // self.micro_batch
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.global_batch * self.seq_len
 
     def window_rows(self, windows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
         return window_rows(self.dataset, self.offsets, windows, self.seq_len, self.pad)
@@ -206,23 +189,6 @@ class InstructionBatches:
         tokens, labels = self.window_rows(mine)
         return torch.from_numpy(tokens), torch.from_numpy(labels)
 
-    def microbatches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        if self._ahead is not None and self._ahead[0] == step:
-            tokens, labels = self._ahead[1].result()
-        else:
-            tokens, labels = self.rank_rows(step)
-        self._ahead = (step + 1, self._reader.submit(self.rank_rows, step + 1))
-        self.next_step = step + 1
-        return [(t[:, :-1], lab[:, 1:]) for t, lab in zip(tokens.split(self.micro_batch),
-                                                           labels.split(self.micro_batch))]
-
-    def state_dict(self) -> dict:
-        return {"next_step": self.next_step, "seed": self.seed, "global_batch": self.global_batch,
-                "dataset": self.dataset.fingerprint}
-
-    def load_state_dict(self, state: dict) -> None:
-        mine = self.state_dict()
-        for key in ("dataset", "seed", "global_batch"):
-            if state[key] != mine[key]:
-                raise ValueError(f"data state was saved with {key}={state[key]!r}, this job has {mine[key]!r}")
-        self.next_step = int(state["next_step"])
+    def _split(self, rows):
+        tokens, labels = rows
+        return [(t[:, :-1], lab[:, 1:]) for t, lab in zip(tokens.split(self.micro_batch), labels.split(self.micro_batch))]
