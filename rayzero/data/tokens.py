@@ -56,10 +56,6 @@ def _filesystem(uri: str, storage_cfg=None) -> tuple[pafs.FileSystem, str]:
     return fs, path
 
 
-def exclude_hit(parts: tuple[str, ...], exclude: tuple[str, ...]) -> bool:
-    return any(part in exclude for part in parts[:-1])
-
-
 class ShardWriter:
     """Token arrays in, Parquet shards of about `shard_tokens` out; meta.json last."""
 

@@ -46,16 +46,22 @@ def resolve_data(cfg: RootConfig) -> str:
     return path
 
 
-def steps_in_epochs(cfg: RootConfig, data_path: str) -> int:
+def open_dataset(cfg: RootConfig, data):
+    """`data` as a TokenDataset: a path is opened, a dataset already open is used as it is (the
+    driver opens the training data once for all its checks)."""
+    from rayzero.data.tokens import TokenDataset
+
+    return data if isinstance(data, TokenDataset) else TokenDataset(data, storage_cfg=cfg.checkpoint)
+
+
+def steps_in_epochs(cfg: RootConfig, data_path) -> int:
     """The steps `data.epochs` passes over the data take."""
     import math
-
-    from rayzero.data.tokens import TokenDataset
 
     from rayzero.workers.rank import validation_split
 
     t = cfg.train
-    ds, _ = validation_split(cfg, TokenDataset(data_path, storage_cfg=cfg.checkpoint))
+    ds, _ = validation_split(cfg, open_dataset(cfg, data_path))
     if ds.kind == "instructions":
         from rayzero.data.instruct import Epochs
 
@@ -68,20 +74,18 @@ def steps_in_epochs(cfg: RootConfig, data_path: str) -> int:
     return math.ceil(cfg.data.epochs * ds.num_tokens / (t.global_batch_size * t.seq_len))
 
 
-def note_cut_examples(cfg: RootConfig, meta: dict, data_path: str) -> None:
+def note_cut_examples(cfg: RootConfig, meta: dict, data_path) -> None:
     """Instruction examples longer than a window are cut to it: say how many."""
     if meta.get("kind") != "instructions":
         return
-    from rayzero.data.tokens import TokenDataset
-
-    lengths = TokenDataset(data_path, storage_cfg=cfg.checkpoint).document_lengths
+    lengths = open_dataset(cfg, data_path).document_lengths
     cut = int((lengths > cfg.train.seq_len + 1).sum())
     if cut:
         print(f"rayzero: note: {cut} of {lengths.size} instruction examples are longer than train.seq_len + 1 = "
               f"{cfg.train.seq_len + 1} tokens and are cut to it (the longest: {int(lengths.max())})", file=sys.stderr)
 
 
-def limit_to_epochs(cfg: RootConfig, data_path: str) -> RootConfig:
+def limit_to_epochs(cfg: RootConfig, data_path) -> RootConfig:
     """`train.steps`, or fewer when `data.epochs` ends first."""
     if not cfg.data.epochs:
         return cfg
@@ -93,11 +97,10 @@ def limit_to_epochs(cfg: RootConfig, data_path: str) -> RootConfig:
     return cfg.override(f"train.steps={max(steps, 1)}")
 
 
-def check_validation(cfg: RootConfig, meta: dict, data_path: str) -> None:
+def check_validation(cfg: RootConfig, meta: dict, data_path) -> None:
     """Validation data that exists, is made with the training data's tokenizer, and holds a row."""
     if not (cfg.data.val_path or cfg.data.val_fraction):
         return
-    from rayzero.data.tokens import TokenDataset
     from rayzero.data.validation import ValidationRows
     from rayzero.workers.rank import validation_split
 
@@ -105,9 +108,9 @@ def check_validation(cfg: RootConfig, meta: dict, data_path: str) -> None:
         val = read_meta(cfg.data.val_path, cfg.checkpoint)
         if val["tokenizer"]["sha256"] != meta["tokenizer"]["sha256"]:
             raise DataError(f"data.val_path: {cfg.data.val_path} was tokenized with another tokenizer "
-                            f"({val['tokenizer']['sha256']}) than data.path {data_path} "
+                            f"({val['tokenizer']['sha256']}) than data.path {getattr(data_path, 'uri', data_path)} "
                             f"({meta['tokenizer']['sha256']})")
-    _, rows = validation_split(cfg, TokenDataset(data_path, storage_cfg=cfg.checkpoint))
+    _, rows = validation_split(cfg, open_dataset(cfg, data_path))
     ValidationRows(rows, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch_size,
                    micro_batch=cfg.train.micro_batch_size, dp_rank=0, dp_size=1, max_batches=cfg.train.eval_batches)
 
@@ -306,9 +309,11 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None) -> tuple[dic
     factory = resolve_factory(cfg, factory)
     meta = read_meta(data_path, cfg.checkpoint)
     check_data_tokenizer(cfg, meta, data_path)
-    check_validation(cfg, meta, data_path)
-    note_cut_examples(cfg, meta, data_path)
-    cfg = limit_to_epochs(cfg, data_path)
+    dataset = open_dataset(cfg, data_path) if (cfg.data.epochs or cfg.data.val_path or cfg.data.val_fraction
+                                                or meta.get("kind") == "instructions") else None
+    check_validation(cfg, meta, dataset)
+    note_cut_examples(cfg, meta, dataset)
+    cfg = limit_to_epochs(cfg, dataset)
     spec = check_model(cfg, factory, data_vocab=meta["vocab_size"])
     checkpoints = None
     if cfg.checkpoint.dir:  # a probe write now, not a failed upload after an hour of training
