@@ -13,12 +13,14 @@ with `--llama`, an HF Llama of 9.7M parameters at 1,024 tokens. At each point, e
     rayzero <s>       every sharding.strategy, in Ray actors driven by one compiled graph
                       per iteration, as `rayzero train` drives them
 
-Each run keeps its processes (and process group) for the whole grid and takes the points one
-by one when told, so that all runs of a point execute back to back, one at a time, and start
-up only once. Per point: the median step time after warmup, its ratio to DDP's and to
-FSDP2's, and each rank's peak RSS during that point (VmHWM, reset before the point; points go
-smallest first, so what a process kept from an earlier point is at most this point's own
-size). For rayzero also the time in each phase (the slowest rank). The whole grid runs in
+Plain torch and rayzero start fresh processes (actors) at each point, as a user's job does;
+Ray Train's two trainers start once, before anything is measured, and take the points one by
+one from a queue (a trainer takes ~15 s to start). All runs of a point execute back to back,
+one at a time. Per point: the median step time after warmup (for rayzero, the ranks' pace: from
+the end of one iteration to the end of the next on the slowest rank, as the plain runs time
+their steps, not when the driver read the result), its ratio to DDP's and to FSDP2's, and each
+rank's peak RSS during that point (VmHWM, reset when the point begins). For rayzero also the
+time in each phase (the slowest rank). The whole grid runs in
 rounds (default 2, the order of the runs rotating), and the figure reported for a point is
 the median over rounds of each round's ratio.
 
@@ -177,6 +179,10 @@ def _plain_worker(rank: int, fsdp2: bool, port: int, data_path: str, inbox, outb
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     while (cmd := inbox[rank].get()) is not None:
+        if cmd == "ping":
+            if rank == 0:
+                outbox.put("ready")
+            continue
         cfg = load_config(None, cmd["overrides"])
         result = run_plain_point(cfg, data_path, fsdp2, cmd["warmup"])
         if rank == 0:
@@ -195,6 +201,11 @@ class PlainRun:
         for p in self.procs:
             p.start()
 
+    def ready(self) -> None:
+        for q in self.inbox:
+            q.put("ping")
+        assert self.outbox.get(timeout=600) == "ready"
+
     def run(self, point: Point) -> dict:
         for q in self.inbox:
             q.put({"overrides": _overrides(point), "warmup": point.warmup})
@@ -205,6 +216,8 @@ class PlainRun:
             q.put(None)
         for p in self.procs:
             p.join(60)
+            if p.is_alive():
+                p.kill()
 
 
 def _overrides(point: Point) -> list[str]:
@@ -225,6 +238,10 @@ def _ray_train_loop(config: dict) -> None:
         dist.broadcast_object_list(cmd, src=0)
         if cmd[0] is None:
             return
+        if cmd[0] == "ping":
+            if dist.get_rank() == 0:
+                outbox.put("ready")
+            continue
         cfg = load_config(None, cmd[0]["overrides"])
         result = run_plain_point(cfg, config["data_path"], fsdp2, cmd[0]["warmup"], wrap=wrap)
         if dist.get_rank() == 0:
@@ -256,9 +273,16 @@ class RayTrainRun:
         except BaseException as e:  # reported by the next run()
             self.error = e
 
+    def ready(self) -> None:
+        self.inbox.put("ping")
+        assert self._reply(600) == "ready"
+
     def run(self, point: Point) -> dict:
         self.inbox.put({"overrides": _overrides(point), "warmup": point.warmup})
-        deadline = time.monotonic() + 3600
+        return self._reply(3600)
+
+    def _reply(self, timeout_s: float):
+        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.error is not None:
                 raise RuntimeError(f"Ray Train failed: {self.error}")
@@ -276,7 +300,10 @@ class RayTrainRun:
 # -- rayzero -----------------------------------------------------------------------------
 
 class BenchShim(RankShim):
-    """A rank actor that builds a new `Rank` (and process group) for each point."""
+    """A rank actor whose `Rank` (and process group) is built when the point begins."""
+
+    def __init__(self, *_args):
+        self.rank = None
 
     def reset(self, cfg, rank: int, world: int, data_path: str) -> None:
         self.release()
@@ -285,6 +312,12 @@ class BenchShim(RankShim):
 
     def peak(self) -> tuple[float, float]:
         return peak_mib()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def close(self) -> None:
+        self.release()
 
     def release(self) -> None:
         """After a point: free the rank's state while the other runs take theirs."""
@@ -295,12 +328,12 @@ class BenchShim(RankShim):
 
 
 class RayzeroRun:
-    def __init__(self, strategy: str, data_path: str, first: Point):
+    def __init__(self, strategy: str, data_path: str):
         self.strategy, self.data_path = strategy, data_path
-        cfg = first.config(f"sharding.strategy={strategy}")
-        self.group = WorkerGroup.create(rank_actor(BenchShim), WORLD, {"CPU": 1},
-                                        lambda rank: (cfg, rank, WORLD, data_path))
-        self.fresh = True
+        self.group = WorkerGroup.create(rank_actor(BenchShim), WORLD, {"CPU": 1}, lambda rank: ())
+
+    def ready(self) -> None:
+        ray.get([a.peak.remote() for a in self.group.actors])
 
     def run(self, point: Point) -> dict:
         cfg = point.config(f"sharding.strategy={self.strategy}")
@@ -311,14 +344,17 @@ class RayzeroRun:
         try:
             times, losses, phases = [], [], []
             # As the Controller drives it: the next iteration is queued before this one is read.
+            # A step's time is the ranks' pace, as the plain runs time theirs: from the end of
+            # one iteration to the end of the next on the slowest rank (`done_at`, a wall clock
+            # on this one machine), not when the driver got round to reading it.
             plan = lambda k: {"step": k, "lr": lr_at(k, cfg.train.steps, cfg.optim)}  # noqa: E731
-            pending, last = dispatch.submit(plan(0)), time.perf_counter()
+            pending, last = dispatch.submit(plan(0)), time.time()
             for k in range(cfg.train.steps):
                 queued = dispatch.submit(plan(k + 1)) if k + 1 < cfg.train.steps else None
                 results = dispatch.collect(pending)
-                now = time.perf_counter()
-                times.append(now - last)
-                last, pending = now, queued
+                end = max(r["done_at"] for r in results)
+                times.append(end - last)
+                last, pending = end, queued
                 phases.append({p: max(r["phase_s"][p] for r in results) for p in results[0]["phase_s"]})
                 losses.append(sum(r["loss_sum"] for r in results) / sum(r["tokens"] for r in results))
         finally:
@@ -329,7 +365,16 @@ class RayzeroRun:
                 "growth_mib": [p[1] for p in peaks], "phase_s": phases}
 
     def close(self) -> None:
+        pids = ray.get([a.pid.remote() for a in self.group.actors])
         self.group.shutdown()
+        wait_gone(pids)
+
+
+def wait_gone(pids: list[int], timeout_s: float = 30.0) -> None:
+    """Until these processes have exited: a run's teardown is not measured with the next."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids):
+        time.sleep(0.05)
 
 
 def free_port() -> int:
@@ -380,24 +425,39 @@ def main() -> None:
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     ray.cloudpickle.register_pickle_by_value(plain)
     cells: dict[tuple[str, str], Cell] = {(p.name, r): Cell() for p in points for r in runs}
-    workers = {}
+    workers = {}  # Ray Train's runs: one TorchTrainer each for the whole grid
+
+    def start(r: str):
+        """A run's processes, up and idle. Plain torch and rayzero start fresh at each point,
+        as a user's job does, so that a point's peak RSS is its own and not what earlier,
+        smaller points left in the process; Ray Train starts once (a trainer takes ~15 s)."""
+        if r in ("DDP", "FSDP2"):
+            w = PlainRun(r == "FSDP2", data_path)
+        elif r.startswith("Ray Train"):
+            w = RayTrainRun(r.endswith("FSDP2"), data_path, str(Path(tmp.name) / "ray-train"))
+        else:
+            w = RayzeroRun(r.removeprefix("rayzero "), data_path)
+        w.ready()
+        return w
+
     done: list[Point] = []  # Ctrl-C reports the points measured so far
     failed: list[tuple[str, str]] = []  # (point, run) that raised
     try:
         for r in runs:
-            if r in ("DDP", "FSDP2"):
-                workers[r] = PlainRun(r == "FSDP2", data_path)
-            elif r.startswith("Ray Train"):
-                workers[r] = RayTrainRun(r.endswith("FSDP2"), data_path, str(Path(tmp.name) / "ray-train"))
-            else:
-                workers[r] = RayzeroRun(r.removeprefix("rayzero "), data_path, points[0])
+            if r.startswith("Ray Train"):
+                workers[r] = start(r)  # up before anything is measured
         for rnd in range(args.rounds):
             for p in points:
                 order = runs[rnd % len(runs):] + runs[: rnd % len(runs)]
                 got = {}
                 for r in order:
                     try:
-                        got[r] = workers[r].run(p)
+                        w = workers.get(r) or start(r)
+                        try:
+                            got[r] = w.run(p)
+                        finally:
+                            if r not in workers:
+                                w.close()
                     except Exception as e:  # the other runs and points go on; the report says so
                         print(f"round {rnd + 1} {p.name}: {r} failed: {str(e).strip().splitlines()[0][:300]}",
                               flush=True)

@@ -13,6 +13,7 @@ at once. All three give the same result; they differ in what one iteration costs
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -22,17 +23,51 @@ import ray
 from ray.dag import InputNode, MultiOutputNode
 
 # Waiting on a compiled graph's output spins a core in the driver (measured: ~100% of one
-# core for the whole iteration). For iterations longer than NAP_MIN_S the driver first
-# sleeps NAP_FRACTION of the shortest recent iteration, so on a machine with few cores the
-# ranks keep theirs and the spin covers only the remainder. An iteration's length is what
-# the slowest rank reports of its phases (`phase_s`): the driver's own clock cannot tell how
-# long ago a result that was ready when it woke had been ready, and a guess made from it
-# kept the nap too long for several iterations after a slow one (the ranks then idled with
-# nothing queued).
+# core for the whole iteration), and on a machine with few cores that core is taken from the
+# ranks. So the driver first sleeps until the iteration should be done: it began when the
+# iteration before it ended (each rank reports when it finished, `done_at`, on its clock) or
+# when it was submitted, whichever is later, and lasts about as long as recent ones (the
+# median of what the slowest rank reports of its phases, `phase_s`). Waking late costs the
+# ranks nothing: the controller keeps the next iteration queued, so they work on it while the
+# driver sleeps; waking early spins for the rest. The driver's own clock cannot anchor it: a
+# result that was ready when the driver woke may have been ready for a while, and a guess
+# made from that drifts later each iteration until the ranks run out of queued work.
 NAP_MIN_S = 0.005
-NAP_FRACTION = 0.97
-UNTIMED_ITERATIONS = 1
-PARTS = ("data",)  # times a rank reports that are part of a phase's (gather's), not after it  # the first one compiles and warms up: no guide to the next
+RECENT = 3
+PARTS = ("data",)  # times a rank reports that are part of a phase's (gather's), not after it
+
+
+class Nap:
+    """When the driver should start reading an iteration's results, from the iterations
+    before it (pure bookkeeping: no Ray, no sleeping)."""
+
+    def __init__(self):
+        self.recent: deque[float] = deque(maxlen=RECENT)  # how long recent iterations' work took
+        self.last_end: float | None = None  # when the last one collected ended (wall clock)
+
+    def wake_at(self, submitted: float, now: float) -> float | None:
+        """The wall-clock time to sleep until before reading the iteration submitted at
+        `submitted`, or None to read at once. Never more than one iteration from `now`: a
+        rank whose clock runs ahead of the driver's cannot make it oversleep by more."""
+        if not self.recent or self.last_end is None:
+            return None
+        expected = statistics.median(self.recent)
+        if expected <= NAP_MIN_S:
+            return None
+        return min(max(submitted, self.last_end) + expected, now + expected)
+
+    def observe(self, results: list, submitted: float, woke: float, done: float) -> None:
+        """An iteration's results, read at `done` after sleeping until `woke` (wall clock)."""
+        start = max(submitted, self.last_end) if self.last_end is not None else submitted
+        ends = [r.get("done_at") for r in results if isinstance(r, dict)]
+        end = max(ends) if ends and len(ends) == len(results) and None not in ends else None
+        work = _work_s(results)
+        if work is None:  # ranks that report no phase times: the driver's clock
+            # Waiting at all means the work took until `done`. No wait means it finished
+            # during the nap, some unknown time earlier: assume well earlier, to adapt fast.
+            work = done - start if done - woke > 1e-3 else 0.8 * (woke - start)
+        self.recent.append(work)
+        self.last_end = end if end is not None else min(done, start + work)
 
 
 class _DeadActorCancel(logging.Filter):
@@ -57,7 +92,7 @@ class Pending:
     """An iteration submitted to the ranks and not yet collected."""
 
     handle: Any  # the dispatcher's own: refs, or the plan itself
-    submitted: float
+    submitted_at: float  # wall clock (time.time()), comparable with the ranks' `done_at`
 
 
 class _Dispatch:
@@ -67,7 +102,7 @@ class _Dispatch:
         return self.collect(self.submit(plan))
 
     def submit(self, plan: dict) -> Pending:
-        return Pending(self._submit(plan), time.perf_counter())
+        return Pending(self._submit(plan), time.time())
 
     def collect(self, pending: Pending) -> list[dict]:
         return ray.get(pending.handle, timeout=self.timeout_s)
@@ -91,31 +126,18 @@ class CompiledDispatch(_Dispatch):
                     node = getattr(actor, name).bind(node)
                 outputs.append(node)
         self.graph = MultiOutputNode(outputs).experimental_compile()
-        self._iterations = 0
-        self._recent_s: deque[float] = deque(maxlen=3)  # how long recent iterations' work took
-        self._last_done = 0.0
+        self.nap = Nap()
 
     def _submit(self, plan: dict):
         return self.graph.execute(plan)
 
     def collect(self, pending: Pending) -> list[dict]:
-        # The iteration began when it was submitted or when the one before it finished.
-        start = max(pending.submitted, self._last_done)
-        expected = min(self._recent_s, default=0.0)
-        if expected > NAP_MIN_S:
-            time.sleep(max(0.0, start + NAP_FRACTION * expected - time.perf_counter()))
-        woke = time.perf_counter()
+        wake = self.nap.wake_at(pending.submitted_at, time.time())
+        if wake is not None:
+            time.sleep(max(0.0, wake - time.time()))
+        woke = time.time()
         out = ray.get(pending.handle, timeout=self.timeout_s)
-        done = time.perf_counter()
-        self._iterations += 1
-        if self._iterations > UNTIMED_ITERATIONS:
-            work = _work_s(out)
-            if work is None:  # ranks that report no phase times: the driver's clock
-                # Waiting at all means the work took until `done`. No wait means it finished
-                # during the nap, some unknown time earlier: assume well earlier, to adapt fast.
-                work = done - start if done - woke > 1e-3 else 0.8 * (woke - start)
-            self._recent_s.append(work)
-        self._last_done = done
+        self.nap.observe(out, pending.submitted_at, woke, time.time())
         return out
 
     def close(self) -> None:

@@ -365,7 +365,10 @@ class Rank:
                 self.model.train()
                 self.strategy.after_forward_only()
             result = {**result, "val_loss_sum": float(loss_sum), "val_tokens": count}
-        return {**result, "phase_s": {**result["phase_s"], "evaluate": time.perf_counter() - t0}}
+        # done_at: when this rank finished the iteration, on its wall clock (the driver sleeps
+        # until the next one should be done, counting from here)
+        return {**result, "phase_s": {**result["phase_s"], "evaluate": time.perf_counter() - t0},
+                "done_at": time.time()}
 
     def iteration(self, plan: dict) -> dict:
         """Every phase of one iteration, in order, in this process: what the controller's

@@ -1,10 +1,15 @@
 """The compiled-graph dispatcher's nap: how long the driver sleeps before it spins on a result."""
 
-from rayzero.cluster.dispatch import _work_s
+import pytest
+
+from rayzero.cluster.dispatch import NAP_MIN_S, Nap, _work_s
 
 
-def result(*phases: float) -> dict:
-    return {"phase_s": dict(zip(["gather", "forward", "backward", "step"], phases))}
+def result(*phases: float, done_at: float | None = None) -> dict:
+    out = {"phase_s": dict(zip(["gather", "forward", "backward", "step"], phases))}
+    if done_at is not None:
+        out["done_at"] = done_at
+    return out
 
 
 def test_an_iteration_lasts_as_long_as_its_slowest_rank_worked():
@@ -15,3 +20,52 @@ def test_results_without_phase_times_leave_it_to_the_driver_clock():
     assert _work_s([{"rank": 0}, {"rank": 1}]) is None
     assert _work_s([result(0.1), {"rank": 1}]) is None
     assert _work_s([]) is None
+
+
+def test_no_nap_before_anything_is_known():
+    assert Nap().wake_at(submitted=100.0, now=100.0) is None
+
+
+def test_the_second_iteration_already_sleeps():
+    # The first iteration's times guide the second (a slow first one makes the driver wake
+    # late, which costs nothing while the next iteration is queued).
+    nap = Nap()
+    nap.observe([result(1.0, done_at=101.0), result(1.0, done_at=101.2)], submitted=100.0, woke=100.0, done=101.3)
+    assert nap.wake_at(submitted=100.05, now=101.3) == pytest.approx(101.2 + 1.0)
+
+
+def test_an_iteration_starts_when_the_slowest_rank_ended_the_one_before():
+    nap = Nap()
+    for k, end in enumerate([11.0, 12.0, 13.0]):
+        nap.observe([result(0.5, 0.5, done_at=end - 0.1), result(0.5, 0.5, done_at=end)],
+                    submitted=10.0 + k, woke=end, done=end + 0.4)
+    # Submitted long before the last one ended: it began when that ended, not when the driver
+    # read it (0.4 s later, a nap's overshoot that would otherwise add up iteration by iteration).
+    assert nap.wake_at(submitted=12.5, now=13.4) == pytest.approx(13.0 + 1.0)
+    # Submitted after the last one ended (nothing was queued): it began when submitted.
+    assert nap.wake_at(submitted=13.7, now=13.7) == pytest.approx(13.7 + 1.0)
+
+
+def test_the_median_of_recent_iterations_ignores_one_slow_iteration():
+    nap = Nap()
+    for k, work in enumerate([1.0, 5.0, 1.2]):  # e.g. a checkpoint or validation step
+        nap.observe([result(work, done_at=10.0 * (k + 1))], submitted=0.0, woke=0.0, done=10.0 * (k + 1))
+    assert nap.wake_at(submitted=29.0, now=30.0) == pytest.approx(30.0 + 1.2)
+
+
+def test_a_rank_clock_ahead_of_the_driver_cannot_make_it_sleep_past_one_iteration():
+    nap = Nap()
+    nap.observe([result(2.0, done_at=1000.0)], submitted=0.0, woke=0.0, done=10.0)  # clock 990 s ahead
+    assert nap.wake_at(submitted=9.0, now=10.0) == pytest.approx(12.0)
+
+
+def test_short_iterations_are_not_slept_on():
+    nap = Nap()
+    nap.observe([result(NAP_MIN_S / 2, done_at=1.0)], submitted=0.0, woke=0.0, done=1.0)
+    assert nap.wake_at(submitted=1.0, now=1.0) is None
+
+
+def test_without_phase_times_or_end_times_the_driver_clock_guides_it():
+    nap = Nap()
+    nap.observe([{"rank": 0}], submitted=0.0, woke=0.0, done=2.0)  # waited 2 s: the work took 2 s
+    assert nap.wake_at(submitted=1.0, now=2.0) == pytest.approx(2.0 + 2.0)
