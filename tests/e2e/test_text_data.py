@@ -51,21 +51,22 @@ def test_fine_tune_on_instructions_with_validation_then_generate(tmp_path):
     assert sorted(m.step for m in val) == [3, 7, 9] and len(ppl) == 3
     assert max(val, key=lambda m: m.step).value == pytest.approx(s["final_val_loss"])
 
-    # what the model says, from the export and from the checkpoint (the same weights: step 10)
-    prompt = instruction_records(1)[0]["prompt"]
-    outs = []
-    for weights in (tmp_path / "final", tmp_path / "runs" / "checkpoints"):
-        g = run_cli("generate", str(weights), "--prompt", prompt, "--max-new-tokens", "12", cwd=tmp_path)
-        assert g.returncode == 0, g.stderr[-2000:]
-        assert g.stdout.startswith(prompt)
-        outs.append(g.stdout)
-    assert outs[0] == outs[1]
-    sampled = run_cli("generate", str(tmp_path / "final"), "--prompt", prompt, "--temperature", "1.0", "--top-k",
-                      "20", "--seed", "3", cwd=tmp_path)
-    assert sampled.returncode == 0 and sampled.stdout.startswith(prompt)
+    # What the model says: `rayzero generate` on the checkpoint; the same from the export (the
+    # same weights, step 10), loaded in this process as `generate` loads it.
+    from rayzero.config import ConfigError
+    from rayzero.jobs.generate import load_generator
 
-    bad = run_cli("generate", str(tmp_path / "nothing"), "--prompt", "x", cwd=tmp_path)
-    assert bad.returncode == 2 and "not a checkpoint, a model directory or a safetensors file" in bad.stderr
+    prompt = instruction_records(1)[0]["prompt"]
+    g = run_cli("generate", str(tmp_path / "runs" / "checkpoints"), "--prompt", prompt, "--max-new-tokens", "12",
+                cwd=tmp_path)
+    assert g.returncode == 0, g.stderr[-2000:]
+    assert g.stdout.startswith(prompt) and len(g.stdout) > len(prompt)
+    export = load_generator(str(tmp_path / "final"))
+    assert g.stdout == prompt + export(prompt, max_new_tokens=12) + "\n"
+    sampled = [export(prompt, max_new_tokens=12, temperature=1.0, top_k=20, seed=3) for _ in range(2)]
+    assert sampled[0] == sampled[1]  # seeded
+    with pytest.raises(ConfigError, match="not a checkpoint, a model directory or a safetensors file"):
+        load_generator(str(tmp_path / "nothing"))
 
 
 def test_bad_text_input_is_one_clear_message(tmp_path):
