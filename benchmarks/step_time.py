@@ -29,7 +29,8 @@ optim_grads <= 1.10x DDP; optim_grads_params <= 0.90x FSDP2 and below Ray Train 
 RSS per rank at most the corresponding peer's (DDP's; FSDP2's for optim_grads_params). A
 summary line per strategy gives its worst and its median point.
 
-    python benchmarks/step_time.py [--rounds 2] [--points SUBSTR ...] [--llama] [--json PATH]
+    python benchmarks/step_time.py [--rounds 2] [--points SUBSTR ...] [--runs NAME ...] [--llama]
+                                   [--set KEY=VALUE ...] [--json PATH]
 """
 
 from __future__ import annotations
@@ -328,15 +329,15 @@ class BenchShim(RankShim):
 
 
 class RayzeroRun:
-    def __init__(self, strategy: str, data_path: str):
-        self.strategy, self.data_path = strategy, data_path
+    def __init__(self, strategy: str, data_path: str, extra: list[str]):
+        self.strategy, self.data_path, self.extra = strategy, data_path, extra
         self.group = WorkerGroup.create(rank_actor(BenchShim), WORLD, {"CPU": 1}, lambda rank: ())
 
     def ready(self) -> None:
         ray.get([a.peak.remote() for a in self.group.actors])
 
     def run(self, point: Point) -> dict:
-        cfg = point.config(f"sharding.strategy={self.strategy}")
+        cfg = point.config(f"sharding.strategy={self.strategy}", *self.extra)
         actors = self.group.actors
         ray.get([a.reset.remote(cfg, r, WORLD, self.data_path) for r, a in enumerate(actors)])
         self.group.rendezvous()
@@ -409,6 +410,8 @@ def main() -> None:
     ap.add_argument("--runs", nargs="*", default=[], help="only these runs (names as in the table), and DDP/FSDP2")
     ap.add_argument("--llama", action="store_true", help="add an HF Llama point (9.7M parameters)")
     ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="config overrides for the rayzero runs only, e.g. sharding.bucket_numel=262144")
     args = ap.parse_args()
     data_path = ensure_default_corpus("~/.cache/rayzero/datasets")
     tmp = tempfile.TemporaryDirectory()
@@ -436,7 +439,7 @@ def main() -> None:
         elif r.startswith("Ray Train"):
             w = RayTrainRun(r.endswith("FSDP2"), data_path, str(Path(tmp.name) / "ray-train"))
         else:
-            w = RayzeroRun(r.removeprefix("rayzero "), data_path)
+            w = RayzeroRun(r.removeprefix("rayzero "), data_path, args.set)
         w.ready()
         return w
 

@@ -370,15 +370,22 @@ class Controller:
                 rank = self.pids.get(getattr(exc, "pid", None)) if hasattr(self, "pids") else None
                 phase = (getattr(exc, "function_name", "") or "").rpartition(".")[2] or None
             dead = self._dead_ranks()
+            seen = None
             if dead:
                 kind, rank = RANK_DIED, dead[0][0]
-                phase = last.get(rank, {}).get("phase") or phase
+                # Where a dead rank was is only what the watchdog last saw (it asks every
+                # second): said as such, and not at all if it has not asked since the start.
+                seen = last.get(rank, {}).get("phase")
+                phase = seen or phase
                 exc = dead[0][1]
             step = self._step if self.state == "TRAIN" else None
             who = (f"rank{'s' if len(dead) > 1 else ''} {', '.join(str(r) for r, _ in dead)} died" if dead
                    else f"rank {rank} failed" if rank is not None else f"{STATE_WORDS[self.state]} failed")
-            where = (f" in phase {phase}" if phase else "") + (
-                "" if step is None else f" of step {step}" if phase else f" at step {step}")
+            if dead:
+                where = ("" if step is None else f" at step {step}") + (f" (last seen in phase {seen})" if seen else "")
+            else:
+                where = (f" in phase {phase}" if phase else "") + (
+                    "" if step is None else f" of step {step}" if phase else f" at step {step}")
             failure = Failure(kind, f"{who}{where}: {first_line(exc)}", rank=rank, phase=phase, step=step,
                               detail=str(unwrap(exc)).strip())
         failure.detected_at = detected

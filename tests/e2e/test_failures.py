@@ -227,7 +227,7 @@ def test_giving_up_after_max_restarts_names_the_cause_and_leaves_nothing(tmp_pat
     assert isinstance(error, TrainingFailed), error
     text = str(error)
     assert "training stopped after 2 restarts (failure.max_restarts=2 reached)" in text
-    assert "rank 3 died" in text and "of step 50" in text
+    assert "rank 3 died at step 50" in text
     assert "step-000040" in text and "run the same command again" in text.lower()
     assert len(controller.failures) == 3 and controller.tracker.status == "FAILED"
     assert [f.decision for f in controller.failures] == ["restart", "restart", "give_up"]

@@ -204,7 +204,7 @@ def test_a_given_up_run_exits_1_with_the_cause(monkeypatch, capsys):
     from rayzero.jobs import cli, train
 
     def fails(cfg, progress):
-        raise TrainingFailed("training stopped after 3 restarts (…): rank 1 died in phase step of step 9")
+        raise TrainingFailed("training stopped after 3 restarts (…): rank 1 died at step 9 (last seen in phase step)")
 
     monkeypatch.setattr(train, "run_train", fails)
     assert cli.main(["train", "train.steps=2"]) == 1
