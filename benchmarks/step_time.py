@@ -39,21 +39,20 @@ import argparse
 import json
 import math
 import os
-import queue
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import peers  # noqa: E402
 import plain  # noqa: E402
+from peers import PlainRun, RayTrainRun, peak_mib, reset_peak, trim  # noqa: E402
 
 from rayzero.cluster.dispatch import CompiledDispatch  # noqa: E402
 from rayzero.cluster.schedule import lr_at  # noqa: E402
@@ -113,189 +112,6 @@ def grid(data_path: str, llama: str | None) -> list[Point]:
                     "cluster.cpus_per_worker=1", "tracking.enabled=false", f"data.path={data_path}"],
                     PARAMS[size], tokens * accum))
     return sorted(points, key=lambda p: (p.params, p.tokens))
-
-
-# -- peak RSS of one point ---------------------------------------------------------------
-
-def trim() -> None:
-    """Give the heap an earlier point freed back to the system, so that a point's peak RSS is
-    its own (every run, plain or in Ray, keeps its process across points)."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
-def reset_peak() -> None:
-    trim()
-    with open("/proc/self/clear_refs", "w") as f:  # resets VmHWM to the current RSS
-        f.write("5")
-    global _base
-    _base = _status("VmRSS:")
-
-
-_base = 0.0
-
-
-def _status(key: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no {key}")
-
-
-def peak_mib() -> tuple[float, float]:
-    """The peak RSS since `reset_peak`, and its growth over the RSS then (what the point
-    itself took: the process's runtime, torch's and Ray's, is left out)."""
-    peak = _status("VmHWM:")
-    return peak, peak - _base
-
-
-def run_plain_point(cfg, data_path: str, fsdp2: bool, warmup: int, wrap=None) -> dict:
-    """One point on this rank of a plain run; rank 0's step times, every rank's peak RSS."""
-    import torch.distributed as dist
-
-    reset_peak()
-    trainer = plain.PlainTrainer(cfg, data_path, fsdp2=fsdp2, wrap=wrap)
-    times, losses = trainer.run(cfg.train.steps)
-    peaks = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, peak_mib())
-    trainer.close()
-    del trainer
-    trim()  # idle until the next point: 16 processes of a few GiB each do not fit this machine
-    return {"step_s": times, "losses": losses.tolist(),
-            "peak_rss_mib": [p[0] for p in peaks], "growth_mib": [p[1] for p in peaks]}
-
-
-# -- plain torch in spawned processes --------------------------------------------------------
-
-def _plain_worker(rank: int, fsdp2: bool, port: int, data_path: str, inbox, outbox) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    while (cmd := inbox[rank].get()) is not None:
-        if cmd == "ping":
-            if rank == 0:
-                outbox.put("ready")
-            continue
-        cfg = load_config(None, cmd["overrides"])
-        result = run_plain_point(cfg, data_path, fsdp2, cmd["warmup"])
-        if rank == 0:
-            outbox.put(result)
-    dist.destroy_process_group()
-
-
-class PlainRun:
-    def __init__(self, fsdp2: bool, data_path: str):
-        ctx = mp.get_context("spawn")
-        self.inbox = [ctx.Queue() for _ in range(WORLD)]
-        self.outbox = ctx.Queue()
-        port = free_port()
-        self.procs = [ctx.Process(target=_plain_worker, args=(r, fsdp2, port, data_path, self.inbox, self.outbox))
-                      for r in range(WORLD)]
-        for p in self.procs:
-            p.start()
-
-    def ready(self) -> None:
-        for q in self.inbox:
-            q.put("ping")
-        assert self.outbox.get(timeout=600) == "ready"
-
-    def run(self, point: Point) -> dict:
-        for q in self.inbox:
-            q.put({"overrides": _overrides(point), "warmup": point.warmup})
-        return self.outbox.get(timeout=3600)
-
-    def close(self) -> None:
-        for q in self.inbox:
-            q.put(None)
-        for p in self.procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
-
-
-def _overrides(point: Point) -> list[str]:
-    return [*point.overrides, f"train.steps={point.steps}"]
-
-
-# -- Ray Train ---------------------------------------------------------------------------
-
-def _ray_train_loop(config: dict) -> None:
-    import torch.distributed as dist
-    import ray.train.torch
-
-    torch.set_num_threads(1)
-    inbox, outbox, fsdp2 = config["inbox"], config["outbox"], config["fsdp2"]
-    wrap = None if fsdp2 else ray.train.torch.prepare_model
-    while True:
-        cmd = [inbox.get() if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(cmd, src=0)
-        if cmd[0] is None:
-            return
-        if cmd[0] == "ping":
-            if dist.get_rank() == 0:
-                outbox.put("ready")
-            continue
-        cfg = load_config(None, cmd[0]["overrides"])
-        result = run_plain_point(cfg, config["data_path"], fsdp2, cmd[0]["warmup"], wrap=wrap)
-        if dist.get_rank() == 0:
-            outbox.put(result)
-
-
-class RayTrainRun:
-    """A `TorchTrainer` whose training function takes the points one by one from a queue."""
-
-    def __init__(self, fsdp2: bool, data_path: str, storage: str):
-        from ray.train import RunConfig, ScalingConfig
-        from ray.train.torch import TorchTrainer
-        from ray.util.queue import Queue
-
-        self.inbox, self.outbox = Queue(), Queue()
-        trainer = TorchTrainer(
-            _ray_train_loop,
-            train_loop_config={"inbox": self.inbox, "outbox": self.outbox, "fsdp2": fsdp2, "data_path": data_path},
-            scaling_config=ScalingConfig(num_workers=WORLD, use_gpu=False, resources_per_worker={"CPU": 1}),
-            run_config=RunConfig(storage_path=storage, name=f"ray-train-{'fsdp2' if fsdp2 else 'ddp'}"),
-        )
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._fit, args=(trainer,), daemon=True)
-        self.thread.start()
-
-    def _fit(self, trainer) -> None:
-        try:
-            trainer.fit()
-        except BaseException as e:  # reported by the next run()
-            self.error = e
-
-    def ready(self) -> None:
-        self.inbox.put("ping")
-        assert self._reply(600) == "ready"
-
-    def run(self, point: Point) -> dict:
-        self.inbox.put({"overrides": _overrides(point), "warmup": point.warmup})
-        return self._reply(3600)
-
-    def _reply(self, timeout_s: float):
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.error is not None:
-                raise RuntimeError(f"Ray Train failed: {self.error}")
-            try:
-                return self.outbox.get(timeout=1)
-            except Exception:
-                continue
-        raise TimeoutError("Ray Train point")
-
-    def close(self) -> None:
-        self.inbox.put(None)
-        self.thread.join(120)
 
 
 # -- rayzero -----------------------------------------------------------------------------
@@ -378,14 +194,6 @@ def wait_gone(pids: list[int], timeout_s: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # -- the grid ------------------------------------------------------------------------------
 
 @dataclass
@@ -427,6 +235,7 @@ def main() -> None:
     ray.init(num_cpus=2 * len(runs) + 2, logging_level="WARNING",
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     ray.cloudpickle.register_pickle_by_value(plain)
+    ray.cloudpickle.register_pickle_by_value(peers)
     cells: dict[tuple[str, str], Cell] = {(p.name, r): Cell() for p in points for r in runs}
     workers = {}  # Ray Train's runs: one TorchTrainer each for the whole grid
 
@@ -435,9 +244,9 @@ def main() -> None:
         as a user's job does, so that a point's peak RSS is its own and not what earlier,
         smaller points left in the process; Ray Train starts once (a trainer takes ~15 s)."""
         if r in ("DDP", "FSDP2"):
-            w = PlainRun(r == "FSDP2", data_path)
+            w = PlainRun(WORLD, r == "FSDP2", data_path)
         elif r.startswith("Ray Train"):
-            w = RayTrainRun(r.endswith("FSDP2"), data_path, str(Path(tmp.name) / "ray-train"))
+            w = RayTrainRun(WORLD, r.endswith("FSDP2"), data_path, str(Path(tmp.name) / "ray-train"))
         else:
             w = RayzeroRun(r.removeprefix("rayzero "), data_path, args.set)
         w.ready()
