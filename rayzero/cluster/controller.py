@@ -25,7 +25,7 @@ from rayzero.checkpoint.storage import StorageError
 from rayzero.cluster.checkpoints import Checkpoints
 from rayzero.cluster.dispatch import DISPATCHERS
 from rayzero.cluster.failure import (
-    ERROR, PLACEMENT, RANK_DIED, Decision, Failure, FailurePolicy, TrainingFailed, classify, first_line, unwrap,
+    ERROR, PLACEMENT, Decision, Failure, FailurePolicy, TrainingFailed, diagnose, unwrap,
 )
 from rayzero.cluster.schedule import lr_at
 from rayzero.cluster.watchdog import Watchdog
@@ -354,9 +354,8 @@ class Controller:
 
     # -- failures ---------------------------------------------------------------------
     def _diagnose(self, exc: BaseException) -> Failure:
-        """Who failed, where, and how: the watchdog's finding if it fired, else a dead rank if
-        any (a lost member makes the others' collectives fail too: the dead one is the cause),
-        else the exception."""
+        """Who failed, where, and how: the watchdog's finding if it fired, else `diagnose` of
+        the dead ranks and the exception."""
         detected = time.time()
         wd, self.watchdog = self.watchdog, None
         if wd is not None:
@@ -365,29 +364,12 @@ class Controller:
         if wd is not None and wd.fired is not None:
             failure = wd.fired
         else:
-            kind, rank, phase = classify(exc), None, None
+            rank = phase = None
             if isinstance(exc, ray.exceptions.RayTaskError):
                 rank = self.pids.get(getattr(exc, "pid", None)) if hasattr(self, "pids") else None
                 phase = (getattr(exc, "function_name", "") or "").rpartition(".")[2] or None
-            dead = self._dead_ranks()
-            seen = None
-            if dead:
-                kind, rank = RANK_DIED, dead[0][0]
-                # Where a dead rank was is only what the watchdog last saw (it asks every
-                # second): said as such, and not at all if it has not asked since the start.
-                seen = last.get(rank, {}).get("phase")
-                phase = seen or phase
-                exc = dead[0][1]
-            step = self._step if self.state == "TRAIN" else None
-            who = (f"rank{'s' if len(dead) > 1 else ''} {', '.join(str(r) for r, _ in dead)} died" if dead
-                   else f"rank {rank} failed" if rank is not None else f"{STATE_WORDS[self.state]} failed")
-            if dead:
-                where = ("" if step is None else f" at step {step}") + (f" (last seen in phase {seen})" if seen else "")
-            else:
-                where = (f" in phase {phase}" if phase else "") + (
-                    "" if step is None else f" of step {step}" if phase else f" at step {step}")
-            failure = Failure(kind, f"{who}{where}: {first_line(exc)}", rank=rank, phase=phase, step=step,
-                              detail=str(unwrap(exc)).strip())
+            failure = diagnose(exc, rank, phase, dead=self._dead_ranks(), last_seen=last,
+                               step=self._step if self.state == "TRAIN" else None, doing=STATE_WORDS[self.state])
         failure.detected_at = detected
         self._recovering, self._mark_t = failure, detected
         self._mark("diagnose")

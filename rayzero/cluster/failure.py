@@ -102,6 +102,30 @@ def classify(exc: BaseException) -> str:
     return ERROR
 
 
+def diagnose(exc: BaseException, rank: int | None, phase: str | None, dead: list[tuple[int, BaseException]],
+             last_seen: dict[int, dict], step: int | None, doing: str) -> Failure:
+    """Who failed, where, and how, when the watchdog did not fire: a dead rank if any (a lost
+    member makes the others' collectives fail too: the dead one is the cause), else the
+    exception, raised in `rank`'s `phase` when known. `last_seen`: the watchdog's last answer
+    per rank; `doing`: what the run was doing, for a failure outside a rank."""
+    kind = classify(exc)
+    if dead:
+        kind, rank = RANK_DIED, dead[0][0]
+        exc = dead[0][1]
+        # Where a dead rank was is only what the watchdog last saw (it asks every second):
+        # said as such, and not at all if it has not asked since the start.
+        seen = last_seen.get(rank, {}).get("phase")
+        phase = seen or phase
+        who = f"rank{'s' if len(dead) > 1 else ''} {', '.join(str(r) for r, _ in dead)} died"
+        where = ("" if step is None else f" at step {step}") + (f" (last seen in phase {seen})" if seen else "")
+    else:
+        who = f"rank {rank} failed" if rank is not None else f"{doing} failed"
+        where = (f" in phase {phase}" if phase else "") + (
+            "" if step is None else f" of step {step}" if phase else f" at step {step}")
+    return Failure(kind, f"{who}{where}: {first_line(exc)}", rank=rank, phase=phase, step=step,
+                   detail=str(unwrap(exc)).strip())
+
+
 def unwrap(exc: BaseException) -> BaseException:
     """The error a rank raised, out of Ray's RayTaskError around it."""
     cause = getattr(exc, "cause", None) if isinstance(exc, ray.exceptions.RayTaskError) else None

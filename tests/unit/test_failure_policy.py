@@ -209,3 +209,32 @@ def test_a_given_up_run_exits_1_with_the_cause(monkeypatch, capsys):
     monkeypatch.setattr(train, "run_train", fails)
     assert cli.main(["train", "train.steps=2"]) == 1
     assert capsys.readouterr().err.startswith("rayzero: training failed: training stopped after 3 restarts")
+
+
+# -- diagnose: who failed, where --------------------------------------------------------
+
+def test_a_dead_rank_is_named_at_its_step_with_the_phase_it_was_last_seen_in():
+    from rayzero.cluster.failure import RANK_DIED, diagnose
+
+    died = RuntimeError("The actor is dead because its worker process has died")
+    f = diagnose(RuntimeError("gloo: connection closed by peer"), 0, "backward", dead=[(3, died)],
+                 last_seen={3: {"phase": "step", "step": 50}}, step=50, doing="training")
+    assert (f.kind, f.rank, f.phase, f.step) == (RANK_DIED, 3, "step", 50)
+    assert f.message == "rank 3 died at step 50 (last seen in phase step): " + first_line(died)
+
+
+def test_a_dead_rank_the_watchdog_has_not_seen_is_named_at_its_step_only():
+    from rayzero.cluster.failure import diagnose
+
+    f = diagnose(RuntimeError("x"), None, None, dead=[(1, RuntimeError("gone")), (2, RuntimeError("gone"))],
+                 last_seen={}, step=7, doing="training")
+    assert f.message.startswith("ranks 1, 2 died at step 7: ") and f.phase is None and f.rank == 1
+
+
+def test_without_a_dead_rank_the_failing_rank_and_phase_or_what_the_run_was_doing():
+    from rayzero.cluster.failure import ERROR, diagnose
+
+    f = diagnose(ValueError("bad"), 2, "forward", dead=[], last_seen={}, step=9, doing="training")
+    assert (f.kind, f.message) == (ERROR, "rank 2 failed in phase forward of step 9: ValueError: bad")
+    f = diagnose(ValueError("bad"), None, None, dead=[], last_seen={}, step=None, doing="the rendezvous")
+    assert f.message == "the rendezvous failed: ValueError: bad"
