@@ -1,6 +1,7 @@
 import os
 import random
 import sys
+import time
 from pathlib import Path
 
 # The e2e clusters use Ray's token authentication (what `ray start` turns on); Ray reads the
@@ -17,6 +18,22 @@ from tests.s3server import SeaweedS3
 
 
 _taken: set[int] = set()
+_started: dict[str, float] = {}
+
+
+def pytest_sessionstart(session):
+    _started["wall"], _started["epoch"] = time.monotonic(), time.time()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The suite's wall time, on a line of its own before pytest's closing line; under
+    `.ci/run` (which exports when it began) also the install's time before it."""
+    wall = time.monotonic() - _started["wall"]
+    line = f"wall time of the tests: {wall:.0f} s ({wall / 60:.1f} min)"
+    began = os.environ.get("RAYZERO_CI_STARTED")
+    if began:
+        line += f"; install before them: {_started['epoch'] - float(began):.0f} s"
+    terminalreporter.write_line(line)
 
 
 def free_port() -> int:

@@ -9,6 +9,7 @@ from rayzero.cluster.checkpoints import Checkpoints
 from rayzero.cluster.schedule import lr_at
 from rayzero.config import load_config
 from tests.conftest import free_port
+from tests.dist.pool import spawn
 
 
 def config(world: int, strategy: str, root: str, extra=()):
@@ -53,7 +54,7 @@ def run(cfg, data_path: str, first: int, last: int, save_at: int | None = None, 
     world = cfg.cluster.num_workers
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_rank, args=(world, cfg, data_path, free_port(), first, last, save_at, resume, out), nprocs=world)
+        spawn(_rank, args=(world, cfg, data_path, free_port(), first, last, save_at, resume, out), nprocs=world)
         out = {r: out[r] for r in range(world)}
     losses = [sum(out[r]["losses"][i][0] for r in range(world)) / sum(out[r]["losses"][i][1] for r in range(world))
               for i in range(last - first)]

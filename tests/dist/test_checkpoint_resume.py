@@ -8,7 +8,8 @@ from rayzero.checkpoint.manifest import open_checkpoint
 from tests.dist.ckpt_helpers import config, run
 
 
-@pytest.mark.parametrize("world, strategy", [(2, "optim"), (2, "optim_grads_params"), (3, "no_shard")])
+@pytest.mark.parametrize("world, strategy", [(2, "optim"), pytest.param(2, "optim_grads_params", marks=pytest.mark.slow),
+                                             pytest.param(3, "no_shard", marks=pytest.mark.slow)])
 def test_resume_is_bitwise_identical(tmp_path, small_dataset, world, strategy):
     root = str(tmp_path / "ckpt")
     cfg = config(world, strategy, root)
@@ -22,6 +23,7 @@ def test_resume_is_bitwise_identical(tmp_path, small_dataset, world, strategy):
         assert torch.equal(resumed["state"][name], ref), name
 
 
+@pytest.mark.slow
 def test_resume_is_bitwise_identical_through_s3(small_dataset, s3_server):
     cfg = config(2, "optim_grads", "s3://ckpt/bitwise", extra=s3_server.overrides())
     straight = run(cfg, small_dataset, 0, 20)
@@ -36,6 +38,7 @@ def test_resume_is_bitwise_identical_through_s3(small_dataset, s3_server):
 CHAIN = [(4, "optim_grads_params"), (2, "optim"), (3, "optim_grads"), (1, "no_shard")]
 
 
+@pytest.mark.slow
 def test_reshard_chain_continues_the_unbroken_run(tmp_path, small_dataset):
     """4 x ZeRO-3 -> 2 x ZeRO-1 -> 3 x ZeRO-2 -> 1 x DDP, five steps each, each resuming
     from the last one's checkpoint: the losses follow an unbroken 20-step run (1e-5: fp32

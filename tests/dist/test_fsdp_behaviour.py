@@ -9,6 +9,7 @@
   scale halves, the step says so), then training proceeds and the loss falls.
 """
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -16,6 +17,9 @@ from rayzero.config import load_config
 from rayzero.models.gpt import build_model
 from rayzero.workers.rank import Rank
 from tests.conftest import free_port
+from tests.dist.pool import spawn
+
+pytestmark = pytest.mark.slow
 
 WORLD = 2
 BASE = [f"cluster.num_workers={WORLD}", "model.n_layer=3", "model.n_embd=64", "model.n_head=4",
@@ -62,7 +66,7 @@ def _zero3(rank: int, port: int, data_path: str, out: dict):
 def test_zero3_gathers_ahead_releases_after_and_keeps_at_most_two_units(small_dataset):
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_zero3, args=(free_port(), small_dataset, out), nprocs=WORLD)
+        spawn(_zero3, args=(free_port(), small_dataset, out), nprocs=WORLD)
         results = dict(out)
     cfg = load_config(None, BASE)
     plain = build_model(cfg.model, cfg.block_size, cfg.train.seed).state_dict()
@@ -104,7 +108,7 @@ def _fp16(rank: int, port: int, data_path: str, out: dict):
 def test_fp16_skips_overflowing_steps_and_then_trains(small_dataset):
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_fp16, args=(free_port(), small_dataset, out), nprocs=WORLD)
+        spawn(_fp16, args=(free_port(), small_dataset, out), nprocs=WORLD)
         results = dict(out)
     steps = results[0]
     assert [s["skipped"] for s in steps] == [s["skipped"] for s in results[1]], "ranks agree on skipping"

@@ -15,9 +15,12 @@ from rayzero.config import load_config
 from rayzero.data.instruct import IGNORE_INDEX, InstructionBatches
 from rayzero.data.tokenizer import load_tokenizer
 from rayzero.data.tokens import TokenDataset, prepare
+from tests.dist.pool import spawn
 from tests.dist.reference import train_reference
 from tests.dist.test_models import STEPS, assert_matches, run_ranks
 from tests.models import save_hf_model, save_tokenizer
+
+pytestmark = pytest.mark.slow
 
 SEQ = 48
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
@@ -162,7 +165,7 @@ def test_the_validation_loss_equals_a_single_process_computation(world, strategy
             count += int((y != IGNORE_INDEX).sum())
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_eval_worker, args=(world, cfg, free_port(), data, out), nprocs=world)
+        spawn(_eval_worker, args=(world, cfg, free_port(), data, out), nprocs=world)
         out = dict(out)
     assert sorted(out[0]) == [3, 7, STEPS - 1]
     got = sum(out[r][STEPS - 1][0] for r in range(world)) / sum(out[r][STEPS - 1][1] for r in range(world))

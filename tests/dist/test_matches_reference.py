@@ -15,6 +15,7 @@ from rayzero.config import load_config
 from rayzero.models.gpt import build_model
 from rayzero.workers.rank import Rank
 from tests.conftest import free_port
+from tests.dist.pool import spawn
 from tests.dist.reference import rel_error, train_reference
 
 STEPS = 10
@@ -72,7 +73,7 @@ def run_ranks(world: int, accum: int, runs, data_path: str) -> dict:
     with mp.Manager() as manager:
         out = manager.dict()
         ports = [free_port() for _ in runs]
-        mp.spawn(_worker, args=(world, accum, runs, ports, data_path, out), nprocs=world)
+        spawn(_worker, args=(world, accum, runs, ports, data_path, out), nprocs=world)
         return dict(out)
 
 
@@ -95,7 +96,14 @@ def assert_matches(results, label, world, ref_state, ref_losses):
     assert global_losses(results, label, world) == pytest.approx(ref_losses, rel=1e-5)
 
 
-@pytest.mark.parametrize("world,accum", [(1, 3), (2, 1), (2, 3), (3, 1), (3, 3), (4, 1), (4, 3)])
+# The fast tier keeps world 2 with accumulation (every strategy) and world 4 (every strategy,
+# HSDP and Hybrid-FSDP); the odd worlds and the rest are in the full suite.
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("world,accum", [
+    pytest.param(1, 3, marks=SLOW), pytest.param(2, 1, marks=SLOW), (2, 3), pytest.param(3, 1, marks=SLOW),
+    pytest.param(3, 3, marks=SLOW), (4, 1), pytest.param(4, 3, marks=SLOW)])
 def test_every_strategy_equals_the_reference(world, accum, small_dataset):
     ref_state, ref_losses = reference(config(world, accum), small_dataset)
     runs = RUNS + (HYBRID if world == 4 else [])
@@ -118,6 +126,7 @@ def test_every_strategy_equals_the_reference(world, accum, small_dataset):
 BF16_TOL = 0.01  # see test_bf16_loss_curves_follow_fp32
 
 
+@pytest.mark.slow
 def test_bf16_loss_curves_follow_fp32(small_dataset):
     """bf16 compute parameters (fp32 main parameters and gradients) against the fp32 curve.
 
@@ -153,6 +162,7 @@ def test_weights_do_not_depend_on_world_size(small_dataset):
     assert not torch.equal(a["wte.weight"], c["wte.weight"])
 
 
+@pytest.mark.slow
 def test_bf16_hybrid_curves_follow_fp32(small_dataset):
     """HSDP and Hybrid-FSDP (2 x 2) with bf16 compute parameters: the rounding write-back from
     the fp32 main shard and the outer all-gather keep the curve on fp32's (same tolerance)."""

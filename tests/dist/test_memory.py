@@ -17,6 +17,8 @@ from rayzero.sharding.memory import bytes_per_param, formula_bytes_per_param, li
 from rayzero.workers.rank import Rank
 from tests.conftest import free_port
 
+pytestmark = pytest.mark.slow
+
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 DTYPES = {"fp32": 4, "bf16": 2}
 

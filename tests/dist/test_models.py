@@ -18,8 +18,11 @@ from rayzero.cluster.schedule import lr_at
 from rayzero.config import load_config
 from rayzero.workers.rank import Rank, make_spec
 from tests.conftest import free_port
+from tests.dist.pool import spawn
 from tests.dist.reference import MaskedBatches, rel_error, train_reference
 from tests.models import TinyLM, save_hf_model
+
+pytestmark = pytest.mark.slow
 
 STEPS = 10
 MICRO = 2
@@ -87,7 +90,7 @@ def run_ranks(world: int, runs, data_path: str, masked: bool = False) -> dict:
     with mp.Manager() as manager:
         out = manager.dict()
         ports = [free_port() for _ in runs]
-        mp.spawn(_worker, args=(world, runs, ports, data_path, masked, out), nprocs=world)
+        spawn(_worker, args=(world, runs, ports, data_path, masked, out), nprocs=world)
         return dict(out)
 
 

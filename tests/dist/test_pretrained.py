@@ -16,8 +16,11 @@ from rayzero.config import load_config
 from rayzero.workers.rank import Rank
 from tests.conftest import free_port
 from tests.dist import ckpt_helpers
+from tests.dist.pool import spawn
 from tests.dist.reference import rel_error, train_reference
 from tests.models import save_hf_model, save_tokenizer
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +54,7 @@ def test_load_then_export_gives_the_original_tensors_bit_for_bit(strategy, world
                              f"checkpoint.dir={tmp_path / 'ckpt'}"])
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_save_untouched, args=(world, cfg, small_dataset, free_port(), out), nprocs=world)
+        spawn(_save_untouched, args=(world, cfg, small_dataset, free_port(), out), nprocs=world)
         out = {r: out[r] for r in range(world)}
     ckpt = Checkpoints(cfg)
     ckpt.configure([out[r]["info"] for r in range(world)], mlflow_run_id=None)
@@ -113,7 +116,7 @@ def test_frozen_parameters_get_no_gradient_no_optimizer_state_and_do_not_move(st
                              "optim.grad_clip=0.1", "optim.warmup_steps=2"])
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_frozen_worker, args=(world, cfg, small_dataset, free_port(), out), nprocs=world)
+        spawn(_frozen_worker, args=(world, cfg, small_dataset, free_port(), out), nprocs=world)
         out = {r: out[r] for r in range(world)}
     info = out[0]["info"]
     frozen = info["frozen"]

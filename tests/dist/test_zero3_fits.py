@@ -23,6 +23,8 @@ from rayzero.config import load_config
 from rayzero.workers.rank import Rank
 from tests.conftest import free_port
 
+pytestmark = pytest.mark.slow
+
 WORLD = 4
 MODEL = ["model.n_layer=8", "model.n_embd=512", "model.n_head=8"]  # 25.4M params: 406 MB of state
 BUDGET = 230 * 2**20  # per rank; ZeRO-3 measured ~140 MiB held + ~50 MiB transient

@@ -1,8 +1,18 @@
-"""A real Ray head node on loopback with token authentication, as `ray start` makes one."""
+"""The end-to-end tier's shared pieces: one real Ray head node for the whole pytest session (on
+loopback, with token authentication, as `ray start` makes one), the CLI as a user runs it, an
+MLflow server, and a check after every test that used the cluster that it left nothing there.
+
+Every run here joins that one head (`cluster.address=…`, or `RAY_ADDRESS` in the CLI's
+environment, as `ray job submit` gives a job); only the tests of starting Ray itself
+(`rayzero train` with no address, the notebook's `fit()`) and the elastic test (a 2-node
+cluster it takes nodes from) start a Ray of their own."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -12,11 +22,14 @@ from tests.conftest import free_port
 BIN = Path(sys.executable).parent
 
 
-def run_cli(*args: str, cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`rayzero ARGS…` exactly as a user types it."""
+def run_cli(*args: str, cwd: Path, timeout: float = 300, env: dict | None = None,
+            address: str | None = None) -> subprocess.CompletedProcess:
+    """`rayzero ARGS…` exactly as a user types it; with `address`, in an environment whose
+    RAY_ADDRESS names that cluster (what `ray job submit` gives a job), so that a run with no
+    `cluster.address` joins it instead of starting a local Ray."""
     return subprocess.run(
         [str(BIN / "rayzero"), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, "RAY_AUTH_MODE": "token", **(env or {})},
+        env={**os.environ, "RAY_AUTH_MODE": "token", **({"RAY_ADDRESS": address} if address else {}), **(env or {})},
     )
 
 
@@ -48,8 +61,10 @@ def ray_head(tmp_path_factory):
     if started.returncode != 0:
         subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
         pytest.fail(f"ray start failed:\n{started.stdout[-2000:]}\n{started.stderr[-3000:]}")
+    head = RayHead(f"127.0.0.1:{port}", f"http://127.0.0.1:{dashboard_port}")
+    _dashboards[head.address] = head.dashboard
     try:
-        yield RayHead(f"127.0.0.1:{port}", f"http://127.0.0.1:{dashboard_port}")
+        yield head
     finally:
         subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
 
@@ -60,18 +75,119 @@ def ray_cluster(ray_head):
     return ray_head.address
 
 
-def leftovers(address: str) -> tuple[list, list]:
-    """Live actors and unremoved placement groups on the cluster, read through Ray's state API."""
-    code = (
-        "import ray, json\n"
-        "from ray.util.state import list_actors, list_placement_groups\n"
-        f"ray.init(address={address!r}, logging_level='ERROR')\n"
-        "a = [x.class_name for x in list_actors() if x.state != 'DEAD']\n"
-        "p = [x.placement_group_id for x in list_placement_groups() if x.state != 'REMOVED']\n"
-        "print(json.dumps([a, p]))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "RAY_AUTH_MODE": "token"}, check=True)
-    import json
+_dashboards: dict[str, str] = {}  # GCS address -> dashboard URL, of the heads started here
 
-    return tuple(json.loads(out.stdout.strip().splitlines()[-1]))
+
+def _unfinished(status) -> bool:
+    return str(status).rpartition(".")[2] in ("PENDING", "RUNNING")
+
+
+def leftovers(address: str) -> tuple[list, list]:
+    """Live actors and unremoved placement groups on the cluster, read in this process through
+    Ray's state API (HTTP to the dashboard; no `ray.init`, no new process)."""
+    from ray.util.state import list_actors, list_placement_groups
+
+    where = _dashboards.get(address, address)
+    return ([x.class_name for x in list_actors(address=where, filters=[("state", "!=", "DEAD")], limit=1000)],
+            [x.placement_group_id for x in list_placement_groups(address=where, limit=1000) if x.state != "REMOVED"])
+
+
+# Ray Data's own singletons, detached by design and kept for the cluster's life: Ray's, not a run's.
+RAY_SYSTEM_ACTORS = {"_StatsActor", "ActorLocationTracker", "_UsageCollectionActor", "_AutoscalingCoordinatorActor"}
+
+
+def _live(address: str) -> set[str]:
+    """Everything live on the cluster, by id: actors, placement groups, unfinished jobs (drivers
+    still connected, submissions pending or running)."""
+    from ray.util.state import list_actors, list_jobs, list_placement_groups
+
+    where = _dashboards[address]
+    return ({f"actor {x.actor_id} ({x.class_name})"
+             for x in list_actors(address=where, filters=[("state", "!=", "DEAD")], limit=1000)
+             if x.class_name not in RAY_SYSTEM_ACTORS}
+            | {f"placement group {x.placement_group_id}"
+               for x in list_placement_groups(address=where, limit=1000) if x.state != "REMOVED"}
+            | {f"job {x.submission_id or x.job_id} ({x.type}, {x.entrypoint!r})"
+               for x in list_jobs(address=where, limit=1000) if _unfinished(x.status)})
+
+
+@pytest.fixture(autouse=True)
+def leaves_nothing_on_the_cluster(request):
+    """Every test that used the session's cluster leaves no actor, placement group or
+    unfinished job there (what it found already there, left by a test that failed, is not
+    its own). A driver's exit reaches the GCS a moment after the process ends, so the check
+    waits up to 10 s for the state to settle before it fails."""
+    if not {"ray_cluster", "ray_head"} & set(request.fixturenames):
+        yield
+        return
+    address = request.getfixturevalue("ray_head").address
+    before = _live(address)
+    yield
+    deadline = time.monotonic() + 10
+    while (left := _live(address) - before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"left on the cluster: {sorted(left)}"
+
+
+class MlflowServer:
+    """`mlflow server` on loopback with a sqlite store, as a team runs one."""
+
+    def __init__(self, root: Path, port: int | None = None):
+        self.root, self.port = root, port or free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.proc = None
+
+    def start(self):
+        self.proc = subprocess.Popen(
+            [str(BIN / "mlflow"), "server", "--workers", "1", "--host", "127.0.0.1", "--port", str(self.port),
+             "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
+             "--artifacts-destination", str(self.root / "artifacts")],
+            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+            stdout=open(self.root / "server.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"{self.uri}/health", timeout=2).read()
+                return self
+            except OSError:
+                time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"mlflow server did not start; see {self.root / 'server.log'}")
+
+    def stop(self):
+        if self.proc is not None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            self.proc = None
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """One running MLflow server for the tests that only log to it (each in an experiment of
+    its own); a test that stops or freezes its server starts its own."""
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow")).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def cli_in_process(capsys, monkeypatch, cwd: Path, *argv: str) -> tuple[int, str, str]:
+    """`rayzero ARGV…` run by its `main` in this process, from `cwd`: (exit code, stdout,
+    stderr). For paths that end before any cluster is touched; an exception that `main` does
+    not turn into a message propagates (it would have been a traceback)."""
+    from rayzero.jobs import cli
+
+    monkeypatch.chdir(cwd)
+    capsys.readouterr()
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+

@@ -1,9 +1,13 @@
-"""A user's mistake ends before training with one clear message and no traceback."""
+"""A user's mistake ends before training with one clear message and no traceback.
+
+Each of these ends before any cluster is touched, so `rayzero`'s `main` runs in this process;
+one case goes through the real entry point, a process of its own, for the exit code and the
+message on stderr as a shell sees them."""
 
 import pytest
 
 from rayzero.data.tokens import prepare
-from tests.e2e.conftest import run_cli
+from tests.e2e.conftest import cli_in_process, run_cli
 
 
 @pytest.mark.parametrize("args, expected", [
@@ -21,22 +25,28 @@ from tests.e2e.conftest import run_cli
     (["data.path=DATA", "train.save_final=nosuch://bucket/w.safetensors"], "train.save_final: 'nosuch://bucket/w.safetensors' cannot be written"),
     (["data.path=DATA", "train.save_final=/proc/version/w.safetensors"], "train.save_final: '/proc/version/w.safetensors' cannot be written"),
 ])
-def test_bad_input_is_one_clear_message(tmp_path, small_dataset, args, expected):
+def test_bad_input_is_one_clear_message(tmp_path, small_dataset, capsys, monkeypatch, args, expected):
     args = [a.replace("DATA", small_dataset) for a in args]
-    r = run_cli("train", *args, cwd=tmp_path, timeout=180)
-    assert r.returncode == 2, r.stderr
-    assert expected in r.stderr
-    assert "Traceback" not in r.stderr
+    code, _, err = cli_in_process(capsys, monkeypatch, tmp_path, "train", *args)
+    assert code == 2, err
+    assert expected in err and err.startswith("rayzero: error: ")
     assert not (tmp_path / "runs").exists() or "cluster.address" in expected
 
 
-def test_corpus_too_small_for_one_global_batch(tmp_path):
+def test_the_entry_point_exits_2_with_the_message_on_stderr(tmp_path):
+    r = run_cli("train", "train.stepz=3", cwd=tmp_path, timeout=180)
+    assert r.returncode == 2 and r.stdout == ""
+    first, second = r.stderr.strip().splitlines()
+    assert first == "rayzero: error: invalid config:"
+    assert second.startswith("  train.stepz: unknown key; did you mean 'steps'? (train accepts: steps, ")
+
+
+def test_corpus_too_small_for_one_global_batch(tmp_path, capsys, monkeypatch):
     (tmp_path / "a.txt").write_text("tiny corpus " * 20)
     prepare(tmp_path / "a.txt", str(tmp_path / "d"))
-    r = run_cli("train", f"data.path={tmp_path / 'd'}", cwd=tmp_path)
-    assert r.returncode == 2
-    assert "data.path" in r.stderr and "fewer than one global batch" in r.stderr
-    assert "Traceback" not in r.stderr
+    code, _, err = cli_in_process(capsys, monkeypatch, tmp_path, "train", f"data.path={tmp_path / 'd'}")
+    assert code == 2
+    assert "data.path" in err and "fewer than one global batch" in err
 
 
 @pytest.fixture(scope="module")
@@ -75,11 +85,11 @@ def model_dirs(tmp_path_factory):
      "the forward returned shape [2, 320] for input [2, 8]; expected logits [batch, time, vocab]"),
     (["model.kind=hf", "model.path=ROOT/good", "model.n_layer=4"], "model.n_layer: only for model.kind=gpt"),
 ])
-def test_a_bad_model_is_one_clear_message(model_dirs, small_dataset, args, expected):
+def test_a_bad_model_is_one_clear_message(model_dirs, small_dataset, capsys, monkeypatch, args, expected):
     root = str(model_dirs["root"])
     args = [a.replace("ROOT", root) for a in args]
-    r = run_cli("train", "train.seq_len=32", *args, f"data.path={small_dataset}", cwd=model_dirs["root"], timeout=180)
-    assert r.returncode == 2, r.stderr
-    assert expected.replace("ROOT", root) in r.stderr
-    assert "Traceback" not in r.stderr
+    code, _, err = cli_in_process(capsys, monkeypatch, model_dirs["root"], "train", "train.seq_len=32", *args,
+                                  f"data.path={small_dataset}")
+    assert code == 2, err
+    assert expected.replace("ROOT", root) in err and err.startswith("rayzero: error: ")
     assert not (model_dirs["root"] / "runs").exists()

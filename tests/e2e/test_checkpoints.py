@@ -1,4 +1,6 @@
-"""Checkpoints through the CLI, against a real S3 server (SeaweedFS) and local paths."""
+"""Checkpoints through the CLI, against a real S3 server (SeaweedFS) and local paths. The runs
+join the session's Ray cluster through RAY_ADDRESS (as a job submitted with `ray job submit`
+does); `rayzero ckpt` and the failures found before training run `main` in this process."""
 
 import json
 import shutil
@@ -10,40 +12,46 @@ from safetensors.torch import load_file
 
 from rayzero.config import load_config
 from rayzero.models.gpt import build_model
-from tests.e2e.conftest import run_cli
+from tests.e2e.conftest import cli_in_process, run_cli
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 FAST = ["model.n_layer=2", "model.n_embd=64", "model.n_head=4", "train.seq_len=64",
         "train.global_batch_size=8", "train.micro_batch_size=2", "tracking.enabled=false",
         "optim.warmup_steps=2"]
 
 
-def train(tmp_path, data, *args, name="s.json"):
+def train(tmp_path, address, data, *args, name="s.json"):
     r = run_cli("train", "--no-progress", "--summary-json", str(tmp_path / name), f"data.path={data}", *FAST, *args,
-                cwd=tmp_path)
+                cwd=tmp_path, address=address)
     return r, (json.loads((tmp_path / name).read_text()) if r.returncode == 0 else None)
 
 
-def test_s3_checkpoints_resume_list_verify_and_export(tmp_path, small_dataset, s3_server):
+@pytest.fixture
+def ckpt(tmp_path, capsys, monkeypatch):
+    """`rayzero ckpt ARGS…` in this process: (exit code, stdout, stderr)."""
+    return lambda *args: cli_in_process(capsys, monkeypatch, tmp_path, "ckpt", *args)
+
+
+def test_s3_checkpoints_resume_list_verify_and_export(tmp_path, ray_cluster, small_dataset, s3_server, ckpt):
     s3 = s3_server.overrides()
     where = "checkpoint.dir=s3://ckpt/run-a"
-    r, s = train(tmp_path, small_dataset, where, *s3, "train.steps=10", "checkpoint.every_steps=4",
+    r, s = train(tmp_path, ray_cluster, small_dataset, where, *s3, "train.steps=10", "checkpoint.every_steps=4",
                  "checkpoint.keep_last=2", f"train.save_final={tmp_path / 'final.safetensors'}")
     assert r.returncode == 0, r.stderr[-3000:]
     assert s["checkpoint"] == "s3://ckpt/run-a/step-000010" and s["checkpoints_committed"] == 3
     assert s3_server.KEY not in r.stdout + r.stderr and s3_server.SECRET not in r.stdout + r.stderr
 
-    ls = run_cli("ckpt", "ls", "s3://ckpt/run-a", *s3, cwd=tmp_path)
-    assert ls.returncode == 0, ls.stderr
-    lines = ls.stdout.strip().splitlines()
+    code, out, err = ckpt("ls", "s3://ckpt/run-a", *s3)
+    assert code == 0, err
+    lines = out.strip().splitlines()
     assert [line.split()[2] for line in lines] == ["8", "10"], "keep_last=2 pruned step 4"
     assert "world 2" in lines[-1] and "optim" in lines[-1]
-    v = run_cli("ckpt", "verify", "s3://ckpt/run-a", *s3, cwd=tmp_path)
-    assert v.returncode == 0 and "every checksum matches" in v.stdout, v.stderr
+    code, out, err = ckpt("verify", "s3://ckpt/run-a", *s3)
+    assert code == 0 and "every checksum matches" in out, err
 
     out = tmp_path / "export.safetensors"
-    e = run_cli("ckpt", "export", "s3://ckpt/run-a/step-000010", str(out), *s3, cwd=tmp_path)
-    assert e.returncode == 0, e.stderr
+    code, _, err = ckpt("export", "s3://ckpt/run-a/step-000010", str(out), *s3)
+    assert code == 0, err
     exported, final = load_file(out), load_file(tmp_path / "final.safetensors")
     assert exported.keys() == final.keys()
     assert all(torch.equal(exported[k], final[k]) for k in final)
@@ -56,33 +64,36 @@ def test_s3_checkpoints_resume_list_verify_and_export(tmp_path, small_dataset, s
     assert loss.item() == F.cross_entropy(model(x).flatten(0, 1), x.flatten()).item()
 
     # The same command with more steps continues from the last commit, up to the new total.
-    r, s = train(tmp_path, small_dataset, where, *s3, "train.steps=14", "checkpoint.every_steps=4", name="b.json")
+    r, s = train(tmp_path, ray_cluster, small_dataset, where, *s3, "train.steps=14", "checkpoint.every_steps=4",
+                 name="b.json")
     assert r.returncode == 0, r.stderr[-3000:]
     assert s["start_step"] == 10 and s["steps"] == 4 and s["resumed_from"] == "s3://ckpt/run-a/step-000010"
 
 
-def test_a_damaged_shard_is_named_and_auto_falls_back(tmp_path, small_dataset):
+def test_a_damaged_shard_is_named_and_auto_falls_back(tmp_path, ray_cluster, small_dataset, ckpt):
     root = tmp_path / "ck"
-    r, s = train(tmp_path, small_dataset, f"checkpoint.dir={root}", "train.steps=6", "checkpoint.every_steps=3")
+    r, s = train(tmp_path, ray_cluster, small_dataset, f"checkpoint.dir={root}", "train.steps=6",
+                 "checkpoint.every_steps=3")
     assert r.returncode == 0, r.stderr[-3000:]
     shard = root / "step-000006" / "shard-00001-of-00002.safetensors"
     data = bytearray(shard.read_bytes())
     data[-100] ^= 0xFF
     shard.write_bytes(bytes(data))
-    v = run_cli("ckpt", "verify", str(root / "step-000006"), cwd=tmp_path)
-    assert v.returncode == 2 and "shard-00001-of-00002.safetensors" in v.stderr and "checksum" in v.stderr
-    r, s = train(tmp_path, small_dataset, f"checkpoint.dir={root}", "train.steps=8", "checkpoint.every_steps=3",
-                 name="b.json")
+    code, _, err = ckpt("verify", str(root / "step-000006"))
+    assert code == 2 and "shard-00001-of-00002.safetensors" in err and "checksum" in err
+    r, s = train(tmp_path, ray_cluster, small_dataset, f"checkpoint.dir={root}", "train.steps=8",
+                 "checkpoint.every_steps=3", name="b.json")
     assert r.returncode == 0, r.stderr[-3000:]
     assert s["start_step"] == 3, "the damaged step-6 checkpoint is skipped for step 3"
     assert "step-000006 is damaged" in r.stderr and "shard-00001-of-00002.safetensors" in r.stderr
 
 
-def test_another_model_and_uncommitted_prefixes(tmp_path, small_dataset):
+def test_another_model_and_uncommitted_prefixes(tmp_path, ray_cluster, small_dataset):
     root = tmp_path / "ck"
-    r, _ = train(tmp_path, small_dataset, f"checkpoint.dir={root}", "train.steps=3", "checkpoint.every_steps=3")
+    r, _ = train(tmp_path, ray_cluster, small_dataset, f"checkpoint.dir={root}", "train.steps=3",
+                 "checkpoint.every_steps=3")
     assert r.returncode == 0, r.stderr[-3000:]
-    r, _ = train(tmp_path, small_dataset, f"checkpoint.dir={root}", "train.steps=6", "model.n_layer=3")
+    r, _ = train(tmp_path, ray_cluster, small_dataset, f"checkpoint.dir={root}", "train.steps=6", "model.n_layer=3")
     assert r.returncode != 0
     assert "holds a different model" in r.stderr and "blocks.2.attn.qkv.weight: missing from the checkpoint" in r.stderr
     assert "Traceback" not in r.stderr
@@ -90,8 +101,8 @@ def test_another_model_and_uncommitted_prefixes(tmp_path, small_dataset):
     orphan = root / "step-000005"
     shutil.copytree(root / "step-000003", orphan)
     (orphan / "manifest.json").unlink()
-    r, s = train(tmp_path, small_dataset, f"checkpoint.dir={root}", "train.steps=6", "checkpoint.every_steps=3",
-                 name="c.json")
+    r, s = train(tmp_path, ray_cluster, small_dataset, f"checkpoint.dir={root}", "train.steps=6",
+                 "checkpoint.every_steps=3", name="c.json")
     assert r.returncode == 0, r.stderr[-3000:]
     assert s["start_step"] == 3 and not orphan.exists()
     assert sorted(p.name for p in root.iterdir()) == ["step-000003", "step-000006"]
@@ -101,21 +112,29 @@ def test_another_model_and_uncommitted_prefixes(tmp_path, small_dataset):
     ("wrong-secret", "SIGNATURE_DOES_NOT_MATCH"),
     ("no-server", "Could not connect"),
 ])
-def test_unusable_storage_is_found_before_training(tmp_path, small_dataset, s3_server, case, expected):
+def test_unusable_storage_is_found_before_training(tmp_path, small_dataset, s3_server, capsys, monkeypatch,
+                                                   case, expected):
+    import ray
+
     s3 = s3_server.overrides()
     if case == "wrong-secret":
         s3 = s3[:2] + ["checkpoint.s3_secret_access_key=not-the-secret"] + s3[3:]
     else:
         s3 = ["checkpoint.s3_endpoint=http://127.0.0.1:9", *s3[1:], "checkpoint.retries=1"]
-    r, _ = train(tmp_path, small_dataset, "checkpoint.dir=s3://ckpt/run-x", *s3, "train.steps=2")
-    assert r.returncode == 2
-    assert "checkpoint.dir: cannot write checkpoints there" in r.stderr and expected in r.stderr
-    assert "not-the-secret" not in r.stderr and "Traceback" not in r.stderr
+    code, out, err = cli_in_process(capsys, monkeypatch, tmp_path, "train", "--no-progress",
+                                    f"data.path={small_dataset}", *FAST, "checkpoint.dir=s3://ckpt/run-x", *s3,
+                                    "train.steps=2")
+    assert code == 2 and not ray.is_initialized(), "found before any cluster is touched"
+    assert "checkpoint.dir: cannot write checkpoints there" in err and expected in err
+    assert "not-the-secret" not in out + err
 
 
-def test_storage_stopped_mid_run_leaves_the_last_commit_intact(tmp_path, small_dataset):
-    from tests.s3server import SeaweedS3
+def test_storage_stopped_mid_run_leaves_the_last_commit_intact(tmp_path, ray_cluster, small_dataset, ckpt):
     import threading
+    import time
+
+    from rayzero.checkpoint.tools import list_checkpoints
+    from tests.s3server import SeaweedS3
 
     (tmp_path / "s3").mkdir()
     server = SeaweedS3(tmp_path / "s3")
@@ -124,19 +143,34 @@ def test_storage_stopped_mid_run_leaves_the_last_commit_intact(tmp_path, small_d
         s3 = server.overrides() + ["checkpoint.retries=1"]
         # A rank stuck on dead storage is caught by the watchdog; no restarts: this is about the commit.
         args = ["checkpoint.dir=s3://ckpt/run-s", *s3, "checkpoint.every_steps=2", "cluster.pg_timeout_s=60",
-                "failure.max_restarts=0", "failure.phase_timeout_s=20"]
-        r, s = train(tmp_path, small_dataset, *args, "train.steps=4")
+                "failure.max_restarts=0", "failure.phase_timeout_s=10"]
+        r, s = train(tmp_path, ray_cluster, small_dataset, *args, "train.steps=4")
         assert r.returncode == 0, r.stderr[-3000:]
-        # Stop the server while the next run trains and uploads: it fails, the commit stays.
-        timer = threading.Timer(12.0, server.stop)
-        timer.start()
-        r, _ = train(tmp_path, small_dataset, *args, "train.steps=400", name="b.json")
-        timer.join()
+
+        # Stop the server while the next run trains and uploads (once it has committed past
+        # step 4, with most of its 400 steps to go): the run fails, the commit stays.
+        storage = load_config(None, s3).checkpoint
+
+        def stop_mid_run():
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                try:
+                    if any(c["step"] > 4 for c in list_checkpoints("s3://ckpt/run-s", storage)):
+                        break
+                except Exception:  # noqa: BLE001 (a listing that races an upload: ask again)
+                    pass
+                time.sleep(0.2)
+            server.stop()
+
+        stopper = threading.Thread(target=stop_mid_run, daemon=True)
+        stopper.start()
+        r, _ = train(tmp_path, ray_cluster, small_dataset, *args, "train.steps=400", name="b.json")
+        stopper.join()
         assert r.returncode != 0
         server.start()
-        v = run_cli("ckpt", "verify", "s3://ckpt/run-s", *s3, cwd=tmp_path)
-        assert v.returncode == 0, v.stderr
-        r, s = train(tmp_path, small_dataset, *args, "train.steps=6", name="c.json")
+        code, out, err = ckpt("verify", "s3://ckpt/run-s", *s3)
+        assert code == 0, err
+        r, s = train(tmp_path, ray_cluster, small_dataset, *args, "train.steps=6", name="c.json")
         assert r.returncode == 0, r.stderr[-3000:]
         assert s["start_step"] >= 4 and s["resumed_from"].startswith("s3://ckpt/run-s/step-")
     finally:
@@ -156,7 +190,7 @@ class DiesDuringUpload:
         return out
 
 
-def test_a_rank_killed_during_an_upload_leaves_the_last_commit_usable(tmp_path, ray_cluster, small_dataset):
+def test_a_rank_killed_during_an_upload_leaves_the_last_commit_usable(tmp_path, ray_cluster, small_dataset, ckpt):
     import sys
 
     import ray
@@ -185,8 +219,9 @@ def test_a_rank_killed_during_an_upload_leaves_the_last_commit_usable(tmp_path, 
     assert not (root / "step-000004" / "manifest.json").exists()
     actors, groups = leftovers(ray_cluster)
     assert actors == [] and groups == []
-    v = run_cli("ckpt", "verify", str(root), cwd=tmp_path)
-    assert v.returncode == 0 and "step-000002" in v.stdout, v.stderr
-    r, s = train(tmp_path, small_dataset, f"checkpoint.dir={root}", "train.steps=8", "checkpoint.every_steps=2")
+    code, out, err = ckpt("verify", str(root))
+    assert code == 0 and "step-000002" in out, err
+    r, s = train(tmp_path, ray_cluster, small_dataset, f"checkpoint.dir={root}", "train.steps=8",
+                 "checkpoint.every_steps=2")
     assert r.returncode == 0, r.stderr[-3000:]
     assert s["start_step"] == 2 and s["checkpoint"].endswith("step-000008")

@@ -11,7 +11,7 @@ from rayzero.config import load_config
 from rayzero.workers.actor import RankShim, rank_actor
 from tests.e2e.conftest import leftovers
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 class FailsAtStep2(RankShim):

@@ -1,6 +1,8 @@
 """The CLI as a user types it, on real Ray clusters, with MLflow read back afterwards."""
 
 import json
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,19 +13,47 @@ from rayzero.config import load_config
 from rayzero.models.gpt import build_model
 from tests.e2e.conftest import leftovers, run_cli
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 FAST = ["model.n_layer=2", "model.n_embd=64", "model.n_head=4", "train.seq_len=64",
         "train.global_batch_size=8", "train.micro_batch_size=2"]
 
 
+def local_ray_sessions() -> set[Path]:
+    """The session folders of the Ray instances started on this machine with the default
+    temporary folder (the session's cluster keeps its own)."""
+    from ray._common.utils import get_default_ray_temp_dir
+
+    return set(Path(get_default_ray_temp_dir()).glob("session_2*"))
+
+
+def gcs_servers() -> set[int]:
+    """PIDs of the GCS servers on this machine: one per running Ray instance."""
+    pids = set()
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and (d / "cmdline").read_bytes().split(b"\0")[0].endswith(b"/gcs_server"):
+                pids.add(int(d.name))
+        except OSError:
+            pass
+    return pids
+
+
 def test_train_on_a_local_ray_with_defaults(tmp_path, small_dataset):
-    """No cluster address: the CLI starts a local Ray, trains, logs to a sqlite MLflow store."""
+    """No cluster address: the CLI starts a local Ray of its own (the only CLI run here that
+    does: the README's first command depends on it), trains, logs to a sqlite MLflow store,
+    and stops that Ray when it is done."""
     steps = 12
     summary_path = tmp_path / "summary.json"
     weights = tmp_path / "final.safetensors"
+    sessions, running = local_ray_sessions(), gcs_servers()
     r = run_cli("train", f"train.steps={steps}", f"data.path={small_dataset}", f"train.save_final={weights}",
                 "optim.warmup_steps=2", *FAST, "--summary-json", str(summary_path), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert len(local_ray_sessions() - sessions) == 1, "the CLI started a Ray of its own"
+    deadline = time.monotonic() + 10
+    while gcs_servers() - running and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not gcs_servers() - running, "and stopped it"
     assert "trained 12 steps" in r.stdout
     s = json.loads(summary_path.read_text())
     assert s["steps"] == steps and s["world_size"] == 2 and s["strategy"] == "optim"
@@ -53,15 +83,22 @@ def test_train_on_a_local_ray_with_defaults(tmp_path, small_dataset):
     assert not torch.equal(state["wte.weight"], build_model(cfg.model, cfg.block_size, 0).wte.weight)
 
 
-@pytest.mark.parametrize("strategy, dispatch", [("no_shard", "pipelined"), ("optim", "compiled")])
-def test_train_on_a_running_cluster_leaves_nothing_behind(tmp_path, ray_cluster, strategy, dispatch):
-    data = tmp_path / "data"
+@pytest.fixture(scope="module")
+def rayzero_sources(tmp_path_factory):
+    """rayzero's own sources, prepared by `rayzero data prepare` as a user would."""
+    tmp = tmp_path_factory.mktemp("prepared")
+    data = tmp / "data"
     prep = run_cli("data", "prepare", str(load_config.__code__.co_filename).rsplit("/", 1)[0], str(data),
-                   "--glob", "*.py", cwd=tmp_path)
+                   "--glob", "*.py", cwd=tmp)
     assert prep.returncode == 0, prep.stderr
     assert "tokens" in prep.stdout and (data / "meta.json").is_file()
+    return data
+
+
+@pytest.mark.parametrize("strategy, dispatch", [("no_shard", "pipelined"), ("optim", "compiled")])
+def test_train_on_a_running_cluster_leaves_nothing_behind(tmp_path, ray_cluster, rayzero_sources, strategy, dispatch):
     r = run_cli("train", f"cluster.address={ray_cluster}", f"sharding.strategy={strategy}", f"cluster.dispatch={dispatch}",
-                f"data.path={data}", "train.steps=4", "tracking.enabled=false", *FAST,
+                f"data.path={rayzero_sources}", "train.steps=4", "tracking.enabled=false", *FAST,
                 "--no-progress", "--summary-json", str(tmp_path / "s.json"), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((tmp_path / "s.json").read_text())

@@ -9,7 +9,7 @@ import pytest
 
 from tests.e2e.conftest import BIN, leftovers
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 JOB = ["--no-progress", "cluster.address=auto", "model.n_layer=2", "model.n_embd=64", "model.n_head=4",
        "train.seq_len=64", "train.global_batch_size=8", "train.micro_batch_size=2", "train.steps=12",

@@ -4,58 +4,23 @@ frozen for a while neither crashes nor stalls training; its metrics arrive when 
 import json
 import os
 import signal
-import subprocess
 import threading
 import time
-import urllib.request
 
 import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import free_port
-from tests.e2e.conftest import BIN, run_cli
+from tests.e2e.conftest import MlflowServer, run_cli
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 RUN = ["--no-progress", "model.n_layer=2", "model.n_embd=64", "model.n_head=4", "train.seq_len=64",
        "train.global_batch_size=8", "train.micro_batch_size=2", "optim.warmup_steps=2"]
 
 
-class MlflowServer:
-    def __init__(self, root, port=None):
-        self.root, self.port = root, port or free_port()
-        self.uri = f"http://127.0.0.1:{self.port}"
-        self.proc = None
-
-    def start(self):
-        self.proc = subprocess.Popen(
-            [str(BIN / "mlflow"), "server", "--workers", "1", "--host", "127.0.0.1", "--port", str(self.port),
-             "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
-             "--artifacts-destination", str(self.root / "artifacts")],
-            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
-            stdout=open(self.root / "server.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                urllib.request.urlopen(f"{self.uri}/health", timeout=2).read()
-                return self
-            except OSError:
-                time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"mlflow server did not start; see {self.root / 'server.log'}")
-
-    def stop(self):
-        if self.proc is not None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-            self.proc = None
-
-
 @pytest.fixture
 def server(tmp_path):
+    """A server of this test's own: it is stopped and frozen."""
     (tmp_path / "mlflow").mkdir()
     s = MlflowServer(tmp_path / "mlflow")
     yield s
@@ -69,9 +34,9 @@ def train(tmp_path, data, address, *args):
     return r, json.loads((tmp_path / "s.json").read_text())
 
 
-def test_params_metrics_tags_and_config_arrive_and_link_the_checkpoint(tmp_path, server, ray_cluster,
+def test_params_metrics_tags_and_config_arrive_and_link_the_checkpoint(tmp_path, mlflow_server, ray_cluster,
                                                                         small_dataset):
-    server.start()
+    server = mlflow_server
     r, s = train(tmp_path, small_dataset, ray_cluster, f"tracking.uri={server.uri}", "tracking.experiment=e2e",
                  "train.steps=12", "checkpoint.every_steps=6")
     client = MlflowClient(server.uri)

@@ -13,10 +13,10 @@ from safetensors.torch import load_file
 from rayzero import TrainConfig, Trainer
 from rayzero.config import load_config
 from tests.dist.reference import global_rows
-from tests.e2e.conftest import leftovers, run_cli
+from tests.e2e.conftest import cli_in_process, leftovers, run_cli
 from tests.models import save_hf_model, save_tokenizer
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 FAST = ["train.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2", "optim.warmup_steps=2"]
 
 
@@ -52,23 +52,27 @@ def logits(directory, x):
         return model(input_ids=x).logits
 
 
-def test_fine_tune_an_hf_llama_export_and_load_it_back(tmp_path, small_dataset, llama, llama_data):
+def test_fine_tune_an_hf_llama_export_and_load_it_back(tmp_path, ray_cluster, small_dataset, llama, llama_data,
+                                                       capsys, monkeypatch):
     import transformers as tf
 
+    def rayzero(*argv):  # the commands that touch no cluster, in this process
+        return cli_in_process(capsys, monkeypatch, tmp_path, *argv)
+
     model = ["model.kind=hf", f"model.path={llama}"]
-    plan = run_cli("train", "--dry-run", *model, cwd=tmp_path)
-    assert plan.returncode == 0, plan.stderr
-    assert f"model LlamaForCausalLM from {llama} (pretrained weights)" in plan.stdout
-    assert "28,832 parameters" in plan.stdout
+    code, out, err = rayzero("train", "--dry-run", *model)
+    assert code == 0, err
+    assert f"model LlamaForCausalLM from {llama} (pretrained weights)" in out
+    assert "28,832 parameters" in out
 
     # bytes are not this model's tokens
-    r = run_cli("train", *model, *FAST, f"data.path={small_dataset}", cwd=tmp_path)
-    assert r.returncode == 2 and "was tokenized with bytes, not with the tokenizer in model.path" in r.stderr
+    code, _, err = rayzero("train", *model, *FAST, f"data.path={small_dataset}")
+    assert code == 2 and "was tokenized with bytes, not with the tokenizer in model.path" in err
 
     final, summary = tmp_path / "final", tmp_path / "summary.json"
     r = run_cli("train", *model, *FAST, f"data.path={llama_data}", "train.steps=6", "checkpoint.every_steps=3",
                 "sharding.strategy=optim_grads_params", f"train.save_final={final}", "train.save_format=hf",
-                "--summary-json", str(summary), cwd=tmp_path)
+                f"cluster.address={ray_cluster}", "--summary-json", str(summary), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads(summary.read_text())
     assert s["num_params"] == 28_832 and s["steps"] == 6
@@ -82,12 +86,13 @@ def test_fine_tune_an_hf_llama_export_and_load_it_back(tmp_path, small_dataset, 
     # The final weights as a directory, and the checkpoint exported as one: both load with
     # from_pretrained, with the tokenizer, and give the same logits as rayzero's own weights.
     exported = tmp_path / "exported"
-    e = run_cli("ckpt", "export", str(tmp_path / "runs" / "checkpoints"), str(exported), "--format", "hf",
-                "--max-shard-size", "50KB", cwd=tmp_path)
-    assert e.returncode == 0, e.stderr
+    code, _, err = rayzero("ckpt", "export", str(tmp_path / "runs" / "checkpoints"), str(exported), "--format", "hf",
+                           "--max-shard-size", "50KB")
+    assert code == 0, err
     assert len(list(exported.glob("model-*.safetensors"))) > 1
     flat = tmp_path / "flat.safetensors"
-    assert run_cli("ckpt", "export", str(tmp_path / "runs" / "checkpoints"), str(flat), cwd=tmp_path).returncode == 0
+    code, _, err = rayzero("ckpt", "export", str(tmp_path / "runs" / "checkpoints"), str(flat))
+    assert code == 0, err
     plain = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.from_pretrained(str(llama)))
     plain.load_state_dict(load_file(str(flat)))
     with torch.no_grad():

@@ -11,7 +11,7 @@ import pytest
 from rayzero import Result, TrainConfig, Trainer
 from tests.e2e.conftest import leftovers
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 FAST = {"model": {"n_layer": 2, "n_embd": 64, "n_head": 4},
         "train": {"seq_len": 64, "global_batch_size": 8, "micro_batch_size": 2},

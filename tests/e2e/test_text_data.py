@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.e2e.conftest import run_cli
+from tests.e2e.conftest import cli_in_process, run_cli
 from tests.models import save_hf_model, save_tokenizer
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 def instruction_records(n: int) -> list[dict]:
@@ -26,21 +26,22 @@ def instruction_records(n: int) -> list[dict]:
     return out
 
 
-def test_fine_tune_on_instructions_with_validation_then_generate(tmp_path):
+def test_fine_tune_on_instructions_with_validation_then_generate(tmp_path, ray_cluster, capsys, monkeypatch):
     model = save_hf_model("llama", tmp_path / "tiny-llama")
     save_tokenizer(model, [Path(sys.modules["json"].__file__).read_text()], vocab=300)
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in instruction_records(200)))
-    p = run_cli("data", "prepare", str(tmp_path / "chat.jsonl"), str(tmp_path / "data"), "--tokenizer", str(model),
-                "--instructions", cwd=tmp_path)
-    assert p.returncode == 0, p.stderr
-    assert "from 200 examples" in p.stdout and "tokenizer tiny-llama (300 ids" in p.stdout
+    code, out, err = cli_in_process(capsys, monkeypatch, tmp_path, "data", "prepare", str(tmp_path / "chat.jsonl"),
+                                    str(tmp_path / "data"), "--tokenizer", str(model), "--instructions",
+                                    "--no-progress")
+    assert code == 0, err
+    assert "from 200 examples" in out and "tokenizer tiny-llama (300 ids" in out
 
     summary = tmp_path / "summary.json"
     r = run_cli("train", "model.kind=hf", f"model.path={model}", f"data.path={tmp_path / 'data'}",
                 "data.val_fraction=0.1", "train.eval_every=4", "train.eval_batches=2", "train.steps=10",
                 "train.seq_len=48", "train.global_batch_size=8", "train.micro_batch_size=2", "optim.lr=3e-3",
                 "optim.warmup_steps=2", "checkpoint.every_steps=5", f"train.save_final={tmp_path / 'final'}",
-                "train.save_format=hf", "--summary-json", str(summary), cwd=tmp_path)
+                "train.save_format=hf", "--summary-json", str(summary), cwd=tmp_path, address=ray_cluster)
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads(summary.read_text())
     assert [v[0] for v in s["val_losses"]] == [3, 7, 9]  # every 4 steps and after the last
@@ -69,22 +70,25 @@ def test_fine_tune_on_instructions_with_validation_then_generate(tmp_path):
         load_generator(str(tmp_path / "nothing"))
 
 
-def test_bad_text_input_is_one_clear_message(tmp_path):
+def test_bad_text_input_is_one_clear_message(tmp_path, capsys, monkeypatch):
+    def rayzero(*argv):
+        return cli_in_process(capsys, monkeypatch, tmp_path, *argv)
+
     (tmp_path / "a.jsonl").write_text('{"text": "fine"}\n{"body": "no text"}\n')
-    r = run_cli("data", "prepare", str(tmp_path / "a.jsonl"), str(tmp_path / "d"), cwd=tmp_path)
-    assert r.returncode == 2 and f"{tmp_path / 'a.jsonl'}:2: no field 'text'" in r.stderr
+    code, _, err = rayzero("data", "prepare", str(tmp_path / "a.jsonl"), str(tmp_path / "d"))
+    assert code == 2 and f"{tmp_path / 'a.jsonl'}:2: no field 'text'" in err
     (tmp_path / "empty").mkdir()
-    r = run_cli("data", "prepare", str(tmp_path / "a.jsonl"), str(tmp_path / "d"), "--tokenizer",
-                str(tmp_path / "empty"), cwd=tmp_path)
-    assert r.returncode == 2 and "holds no tokenizer files" in r.stderr
+    code, _, err = rayzero("data", "prepare", str(tmp_path / "a.jsonl"), str(tmp_path / "d"), "--tokenizer",
+                           str(tmp_path / "empty"))
+    assert code == 2 and "holds no tokenizer files" in err
     (tmp_path / "t.txt").write_text("one two three\n" * 400)
-    assert run_cli("data", "prepare", str(tmp_path / "t.txt"), str(tmp_path / "d"), cwd=tmp_path).returncode == 0
-    r = run_cli("train", f"data.path={tmp_path / 'd'}", "data.val_fraction=0.4", cwd=tmp_path)
-    assert r.returncode == 2 and "holds out none" in r.stderr  # one document: nothing to hold out
-    assert len(r.stderr.strip().splitlines()) == 1
+    assert rayzero("data", "prepare", str(tmp_path / "t.txt"), str(tmp_path / "d"), "--no-progress")[0] == 0
+    code, _, err = rayzero("train", f"data.path={tmp_path / 'd'}", "data.val_fraction=0.4")
+    assert code == 2 and "holds out none" in err  # one document: nothing to hold out
+    assert len(err.strip().splitlines()) == 1
 
 
-def test_ray_data_preparation_gives_the_same_shards(tmp_path, ray_cluster):
+def test_ray_data_preparation_gives_the_same_shards(tmp_path, ray_cluster, capsys, monkeypatch):
     """Text (a folder with a file that is not UTF-8) and instruction records, each prepared by
     one process and by Ray Data on the cluster with 2 workers: the same tokens, shards,
     fingerprint and document index."""
@@ -100,13 +104,17 @@ def test_ray_data_preparation_gives_the_same_shards(tmp_path, ray_cluster):
     (texts / "latin1.py").write_bytes("caf\xe9".encode("latin-1"))
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in instruction_records(300)))
     for name, src, extra in (("text", texts, []), ("instructions", tmp_path / "chat.jsonl", ["--instructions"])):
-        outs = []
-        for how in ([], ["--ray", "--address", ray_cluster, "--workers", "2"]):
-            out = tmp_path / f"{name}-{'ray' if how else 'one'}"
-            r = run_cli("data", "prepare", str(src), str(out), "--tokenizer", str(model), "--shard-tokens", "5000",
-                        *extra, *how, cwd=tmp_path)
-            assert r.returncode == 0, r.stderr[-3000:]
-            outs.append(out)
+        argv = ["data", "prepare", str(src), "OUT", "--tokenizer", str(model), "--shard-tokens", "5000", *extra]
+        # In one process (in this one), and through Ray Data on the cluster (a driver of its own).
+        one = tmp_path / f"{name}-one"
+        code, _, err = cli_in_process(capsys, monkeypatch, tmp_path, *[str(one) if a == "OUT" else a for a in argv],
+                                      "--no-progress")
+        assert code == 0, err
+        on_ray = tmp_path / f"{name}-ray"
+        r = run_cli(*[str(on_ray) if a == "OUT" else a for a in argv], "--ray", "--address", ray_cluster, "--workers", "2",
+                    cwd=tmp_path)
+        assert r.returncode == 0, r.stderr[-3000:]
+        outs = [one, on_ray]
         one, ray_ = (json.loads((o / "meta.json").read_text()) for o in outs)
         assert len(one["shards"]) > 2, "several shards, for the comparison to mean anything"
         for key in ("fingerprint", "num_tokens", "num_documents", "shards", "dtype", "tokenizer", "skipped"):

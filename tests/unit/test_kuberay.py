@@ -1,7 +1,6 @@
 """deploy/kuberay/: the manifests pass `rayzero deploy check`, strictly against KubeRay's CRDs,
 and the check names what to fix in a broken one."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -215,16 +214,28 @@ def test_crds_come_from_the_option_then_the_env_and_a_named_folder_must_exist(tm
         check_manifest(ROOT / "deploy/kuberay/rayjob.yaml", tmp_path, workdir=ROOT)
 
 
+def rayzero(capsys, monkeypatch, *argv: str) -> tuple[int, str, str]:
+    """`rayzero ARGV…` by its `main`, in this process, from the repository root."""
+    from rayzero.jobs import cli
+
+    monkeypatch.chdir(ROOT)
+    capsys.readouterr()
+    code = cli.main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
 @needs_crds
-def test_the_cli_checks_the_project_manifests():
-    cmd = [str(RAYZERO), "deploy", "check", *[str(p.relative_to(ROOT)) for p in MANIFESTS], "--crds", str(CRDS)]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == [f"{p.relative_to(ROOT)}: ok" for p in MANIFESTS]
+def test_the_cli_checks_the_project_manifests(capsys, monkeypatch):
+    code, out, err = rayzero(capsys, monkeypatch, "deploy", "check",
+                             *[str(p.relative_to(ROOT)) for p in MANIFESTS], "--crds", str(CRDS))
+    assert code == 0, err
+    assert out.splitlines() == [f"{p.relative_to(ROOT)}: ok" for p in MANIFESTS]
 
 
 @needs_crds
 def test_the_cli_reports_each_problem_and_exits_2(tmp_path):
+    """Through the real entry point, a process of its own: the exit code and stderr a shell sees."""
     job = load("rayjob.yaml")
     head_container(job)["imagee"] = head_container(job).pop("image")
     path = write(tmp_path, job)
@@ -236,22 +247,21 @@ def test_the_cli_reports_each_problem_and_exits_2(tmp_path):
     assert "containers[0].imagee: unknown field" in lines[0] and "has no image" in lines[1]
 
 
-def test_the_cli_says_when_the_schema_is_not_checked():
-    env = {k: v for k, v in os.environ.items() if k != CRDS_ENV}
-    out = subprocess.run([str(RAYZERO), "deploy", "check", "deploy/kuberay/raycluster.yaml"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-    assert out.returncode == 0
-    assert out.stdout == "deploy/kuberay/raycluster.yaml: ok (schema not checked)\n"
-    assert "the schema is not checked" in out.stderr
+def test_the_cli_says_when_the_schema_is_not_checked(capsys, monkeypatch):
+    monkeypatch.delenv(CRDS_ENV, raising=False)
+    code, out, err = rayzero(capsys, monkeypatch, "deploy", "check", "deploy/kuberay/raycluster.yaml")
+    assert code == 0
+    assert out == "deploy/kuberay/raycluster.yaml: ok (schema not checked)\n"
+    assert "the schema is not checked" in err
 
 
 @pytest.mark.parametrize("path", [p for p in MANIFESTS if "entrypoint" in yaml.safe_load(p.read_text())["spec"]],
                          ids=lambda p: p.name)
-def test_each_entrypoint_passes_rayzero_train_dry_run(path):
+def test_each_entrypoint_passes_rayzero_train_dry_run(path, capsys, monkeypatch):
     """The entrypoint as the job would run it, from the repository root (the image's /app),
     with --dry-run: $(VARS) from the Secret stand in as their names."""
     argv = train_argv(yaml.safe_load(path.read_text())["spec"]["entrypoint"])
-    out = subprocess.run([str(RAYZERO), *argv, "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("plan (dry run: nothing started)")
-    assert "2 ranks of 4 CPU, 1 GPU each, on auto" in out.stdout
+    code, out, err = rayzero(capsys, monkeypatch, *argv, "--dry-run")
+    assert code == 0, err
+    assert out.startswith("plan (dry run: nothing started)")
+    assert "2 ranks of 4 CPU, 1 GPU each, on auto" in out

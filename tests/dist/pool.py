@@ -1,0 +1,111 @@
+"""Rank processes kept for the whole pytest session: `spawn(fn, args, nprocs)` runs
+`fn(rank, *args)` in `nprocs` of them, as `torch.multiprocessing.spawn` does in new ones.
+
+A new process spends about 4.5 s of CPU importing torch, transformers and rayzero before it
+runs a line of a test; the gloo tier starts ranks some 150 times. Here each of up to
+`MAX_WORLD` processes is started once, on first use, and runs one job after another. Between
+jobs a process is brought back to what a new one would be for a test: no process group, torch's
+default seed. A job that fails on any rank (the others may be stuck in a collective waiting for
+it) ends every process; the next job starts new ones.
+
+Tests that measure the process itself (its live tensors, its memory limit) keep spawning
+processes of their own."""
+
+from __future__ import annotations
+
+import atexit
+import queue
+import time
+import traceback
+
+import torch.multiprocessing as mp
+
+MAX_WORLD = 4
+TIMEOUT_S = 600.0  # one job, on every rank; pytest's own timeout is the same
+_DEFAULT_SEED = 67280421310721  # what torch seeds a new process with
+
+
+def _serve(rank: int, jobs, results) -> None:
+    import random
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        fn, args = job
+        torch.manual_seed(_DEFAULT_SEED)
+        random.seed()
+        np.random.seed()
+        try:
+            fn(rank, *args)
+            results.put((rank, None))
+        except BaseException:  # noqa: BLE001 (the test sees it, with the rank's traceback)
+            results.put((rank, traceback.format_exc()))
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+class RankPool:
+    def __init__(self):
+        self.ctx = mp.get_context("spawn")
+        self.procs, self.jobs, self.results = [], [], None
+
+    def _start(self, n: int) -> None:
+        if self.results is None:
+            self.results = self.ctx.Queue()
+        while len(self.procs) < n:
+            rank = len(self.procs)
+            jobs = self.ctx.Queue()
+            p = self.ctx.Process(target=_serve, args=(rank, jobs, self.results), daemon=True)
+            p.start()
+            self.procs.append(p)
+            self.jobs.append(jobs)
+
+    def spawn(self, fn, args: tuple = (), nprocs: int = 1) -> None:
+        if not 1 <= nprocs <= MAX_WORLD:
+            raise ValueError(f"nprocs={nprocs}: the pool has 1 to {MAX_WORLD} ranks")
+        self._start(nprocs)
+        for rank in range(nprocs):
+            self.jobs[rank].put((fn, args))
+        error, pending = None, set(range(nprocs))
+        deadline = time.monotonic() + TIMEOUT_S
+        try:
+            while pending and error is None:
+                try:
+                    rank, error = self.results.get(timeout=1.0)
+                    pending.discard(rank)
+                    continue
+                except queue.Empty:
+                    pass
+                dead = [r for r in sorted(pending) if not self.procs[r].is_alive()]
+                if dead:
+                    raise RuntimeError(f"rank process(es) {dead} died running {fn.__qualname__}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks {sorted(pending)} did not finish {fn.__qualname__} in {TIMEOUT_S:g} s")
+        except BaseException:
+            self.close()
+            raise
+        if error is not None:  # the other ranks may wait on it forever: end them all
+            self.close()
+            raise RuntimeError(f"rank {rank} failed in {fn.__qualname__}:\n{error}")
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=10)
+        self.procs, self.jobs, self.results = [], [], None
+
+
+_pool = RankPool()
+atexit.register(_pool.close)
+
+
+def spawn(fn, args: tuple = (), nprocs: int = 1) -> None:
+    """`torch.multiprocessing.spawn(fn, args, nprocs)` on the session's rank processes."""
+    _pool.spawn(fn, args, nprocs)
