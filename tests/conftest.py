@@ -70,3 +70,20 @@ def s3_server(tmp_path_factory):
         yield server
     finally:
         server.stop()
+
+
+def cli_in_process(capsys, monkeypatch, cwd: Path, *argv: str) -> tuple[int, str, str]:
+    """`rayzero ARGV…` run by its `main` in this process, from `cwd`: (exit code, stdout,
+    stderr). For paths where the process itself is not what is tested; an exception that `main`
+    does not turn into a message propagates (it would have been a traceback)."""
+    from rayzero.jobs import cli
+
+    monkeypatch.chdir(cwd)
+    capsys.readouterr()
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+

@@ -78,37 +78,37 @@ def ray_cluster(ray_head):
 _dashboards: dict[str, str] = {}  # GCS address -> dashboard URL, of the heads started here
 
 
-def _unfinished(status) -> bool:
-    return str(status).rpartition(".")[2] in ("PENDING", "RUNNING")
-
-
-def leftovers(address: str) -> tuple[list, list]:
-    """Live actors and unremoved placement groups on the cluster, read in this process through
-    Ray's state API (HTTP to the dashboard; no `ray.init`, no new process)."""
-    from ray.util.state import list_actors, list_placement_groups
-
-    where = _dashboards.get(address, address)
-    return ([x.class_name for x in list_actors(address=where, filters=[("state", "!=", "DEAD")], limit=1000)],
-            [x.placement_group_id for x in list_placement_groups(address=where, limit=1000) if x.state != "REMOVED"])
-
-
 # Ray Data's own singletons, detached by design and kept for the cluster's life: Ray's, not a run's.
 RAY_SYSTEM_ACTORS = {"_StatsActor", "ActorLocationTracker", "_UsageCollectionActor", "_AutoscalingCoordinatorActor"}
 
 
-def _live(address: str) -> set[str]:
-    """Everything live on the cluster, by id: actors, placement groups, unfinished jobs (drivers
-    still connected, submissions pending or running)."""
+def _state(address: str) -> tuple[list, list, list]:
+    """What is live on the cluster, read in this process through Ray's state API (HTTP to the
+    dashboard; no `ray.init`, no new process): actors (Ray's own singletons aside), placement
+    groups not removed, unfinished jobs (drivers still connected, submissions pending or running)."""
     from ray.util.state import list_actors, list_jobs, list_placement_groups
 
-    where = _dashboards[address]
-    return ({f"actor {x.actor_id} ({x.class_name})"
-             for x in list_actors(address=where, filters=[("state", "!=", "DEAD")], limit=1000)
-             if x.class_name not in RAY_SYSTEM_ACTORS}
-            | {f"placement group {x.placement_group_id}"
-               for x in list_placement_groups(address=where, limit=1000) if x.state != "REMOVED"}
-            | {f"job {x.submission_id or x.job_id} ({x.type}, {x.entrypoint!r})"
-               for x in list_jobs(address=where, limit=1000) if _unfinished(x.status)})
+    where = _dashboards.get(address, address)
+    actors = [x for x in list_actors(address=where, filters=[("state", "!=", "DEAD")], limit=1000)
+              if x.class_name not in RAY_SYSTEM_ACTORS]
+    groups = [x for x in list_placement_groups(address=where, limit=1000) if x.state != "REMOVED"]
+    jobs = [x for x in list_jobs(address=where, limit=1000)
+            if str(x.status).rpartition(".")[2] in ("PENDING", "RUNNING")]
+    return actors, groups, jobs
+
+
+def leftovers(address: str) -> tuple[list, list]:
+    """Live actors (by class) and unremoved placement groups on the cluster."""
+    actors, groups, _ = _state(address)
+    return [x.class_name for x in actors], [x.placement_group_id for x in groups]
+
+
+def _live(address: str) -> set[str]:
+    """Everything live on the cluster, by id."""
+    actors, groups, jobs = _state(address)
+    return ({f"actor {x.actor_id} ({x.class_name})" for x in actors}
+            | {f"placement group {x.placement_group_id}" for x in groups}
+            | {f"job {x.submission_id or x.job_id} ({x.type}, {x.entrypoint!r})" for x in jobs})
 
 
 @pytest.fixture(autouse=True)
@@ -174,20 +174,3 @@ def mlflow_server(tmp_path_factory):
         yield server
     finally:
         server.stop()
-
-
-def cli_in_process(capsys, monkeypatch, cwd: Path, *argv: str) -> tuple[int, str, str]:
-    """`rayzero ARGV…` run by its `main` in this process, from `cwd`: (exit code, stdout,
-    stderr). For paths that end before any cluster is touched; an exception that `main` does
-    not turn into a message propagates (it would have been a traceback)."""
-    from rayzero.jobs import cli
-
-    monkeypatch.chdir(cwd)
-    capsys.readouterr()
-    try:
-        code = cli.main(list(argv))
-    except SystemExit as e:  # argparse's own errors
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
-

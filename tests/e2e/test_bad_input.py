@@ -7,7 +7,8 @@ message on stderr as a shell sees them."""
 import pytest
 
 from rayzero.data.tokens import prepare
-from tests.e2e.conftest import cli_in_process, run_cli
+from tests.conftest import cli_in_process
+from tests.e2e.conftest import run_cli
 
 
 @pytest.mark.parametrize("args, expected", [

@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 
 from rayzero.config import load_config
 from rayzero.models.gpt import build_model
-from tests.e2e.conftest import cli_in_process, run_cli
+from tests.conftest import cli_in_process
+from tests.e2e.conftest import run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 FAST = ["model.n_layer=2", "model.n_embd=64", "model.n_head=4", "train.seq_len=64",

@@ -29,10 +29,10 @@ from tests.e2e.conftest import BIN, leftovers, run_cli
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 # 2 ranks on the 2-CPU test cluster, 2 micro-batches each per step; a commit every 20 steps.
+STEPS, EVERY = 120, 20
 RUN = ["model.n_layer=2", "model.n_embd=64", "model.n_head=4", "train.seq_len=64",
        "train.global_batch_size=8", "train.micro_batch_size=2", "optim.warmup_steps=2",
-       "cluster.num_workers=2", "train.steps=120", "checkpoint.every_steps=20", "failure.backoff_s=0.2"]
-STEPS, EVERY = 120, 20
+       "cluster.num_workers=2", f"train.steps={STEPS}", f"checkpoint.every_steps={EVERY}", "failure.backoff_s=0.2"]
 
 
 def rank_pids() -> list[int]:

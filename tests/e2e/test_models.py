@@ -12,8 +12,9 @@ from safetensors.torch import load_file
 
 from rayzero import TrainConfig, Trainer
 from rayzero.config import load_config
+from tests.conftest import cli_in_process
 from tests.dist.reference import global_rows
-from tests.e2e.conftest import cli_in_process, leftovers, run_cli
+from tests.e2e.conftest import leftovers, run_cli
 from tests.models import save_hf_model, save_tokenizer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.e2e.conftest import cli_in_process, run_cli
+from tests.conftest import cli_in_process
+from tests.e2e.conftest import run_cli
 from tests.models import save_hf_model, save_tokenizer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -11,6 +11,7 @@ import yaml
 
 from rayzero.config import ConfigError, load_config
 from rayzero.jobs.deploy import CRDS_ENV, DeployError, check_manifest, crds_folder, strict_schema, train_argv
+from tests.conftest import cli_in_process
 
 ROOT = Path(__file__).resolve().parents[2]
 CRDS = ROOT.parent / "shared/kuberay/crds"
@@ -216,13 +217,7 @@ def test_crds_come_from_the_option_then_the_env_and_a_named_folder_must_exist(tm
 
 def rayzero(capsys, monkeypatch, *argv: str) -> tuple[int, str, str]:
     """`rayzero ARGV…` by its `main`, in this process, from the repository root."""
-    from rayzero.jobs import cli
-
-    monkeypatch.chdir(ROOT)
-    capsys.readouterr()
-    code = cli.main(list(argv))
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    return cli_in_process(capsys, monkeypatch, ROOT, *argv)
 
 
 @needs_crds
