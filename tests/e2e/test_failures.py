@@ -274,6 +274,17 @@ def test_the_controller_killed_and_the_command_rerun_resumes(tmp_path, ray_clust
 ELASTIC = ["cluster.min_workers=1", "cluster.placement_timeout_s=3"]
 
 
+class WaitsAtOneRankForTheNode(OnceMarker):
+    """Alone (the group shrunk to 1 rank), the rank holds its step 30 until the test says the
+    lost node is back (`marker`-node-back): a node takes seconds to start on 2 busy cores, and
+    the 1-rank run would otherwise finish its remaining checkpoints, where it may grow, first."""
+
+    def step(self, prev):
+        if self.rank.topo.world_size == 1 and self.rank.plan["step"] == 30:
+            wait_for(lambda: os.path.exists(f"{self.marker}-node-back"), 40, "the node to come back")
+        return super().step(prev)
+
+
 def test_elastic_shrinks_when_a_node_is_lost_and_grows_back_when_it_returns(tmp_path, small_dataset, reference):
     """A 2-node cluster (1 CPU + 1 CPU) of 2 ranks loses one node after the first commit: the
     run goes on at 1 rank (8 sequences = 1 x 4 x 2), resharded from the commit; the node comes
@@ -293,7 +304,10 @@ def test_elastic_shrinks_when_a_node_is_lost_and_grows_back_when_it_returns(tmp_
             wait_for(lambda: controller.world == 1 and controller.history.steps
                      and controller.history.steps[-1] > EVERY + 5, 120, "training at 1 rank")
             cluster.add_node(num_cpus=1)
+            # Free in the driver's view of the cluster, where the controller looks at a checkpoint.
+            wait_for(lambda: ray.available_resources().get("CPU", 0) >= 1, 30, "the node's CPU")
             events.append(("added", time.time()))
+            Path(f"{WaitsAtOneRankForTheNode.marker}-node-back").touch()
 
         controller, error = elastic_run(tmp_path, cluster, small_dataset, chaos)
         assert error is None, error
@@ -317,8 +331,11 @@ def test_elastic_shrinks_when_a_node_is_lost_and_grows_back_when_it_returns(tmp_
 
 
 def elastic_run(tmp: Path, cluster, data: str, chaos):
-    """The controller trains in a thread; `chaos(controller)` runs here meanwhile (adding a
-    node must happen on the main thread)."""
+    """The controller trains in a thread, its ranks `WaitsAtOneRankForTheNode`;
+    `chaos(controller)` runs here meanwhile (adding a node must happen on the main thread)."""
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
+    WaitsAtOneRankForTheNode.marker = str(tmp / "fault-happened")
+    actor = rank_actor(type("Elastic", (WaitsAtOneRankForTheNode, RankShim), {}))
     cfg = load_config(None, [*RUN, *ELASTIC, f"data.path={data}", f"train.output_dir={tmp / 'runs'}",
                              f"train.save_final={tmp / 'final.safetensors'}"])
     ray.init(address=cluster.address, logging_level="ERROR")
@@ -331,7 +348,8 @@ def elastic_run(tmp: Path, cluster, data: str, chaos):
             errors.append(e)
 
     try:
-        controller = Controller(cfg, data, str(tmp), NullTracker(), progress=False, checkpoints=Checkpoints(cfg))
+        controller = Controller(cfg, data, str(tmp), NullTracker(), progress=False, actor_cls=actor,
+                                checkpoints=Checkpoints(cfg))
         thread = threading.Thread(target=fit, daemon=True)
         thread.start()
         chaos(controller)
