@@ -63,6 +63,25 @@ class RunConfig(Frozen):
         description="With validation data (`data.val_path` or `data.val_fraction`): evaluate every this many "
         "steps, and after the last; 0 = after the last step only.",
     )
+    eval_at_start: bool | None = Field(
+        default=None,
+        description="Evaluate once before the first step (logged at step -1), so the validation curve has a "
+        "baseline; `null` = on when there is validation data. Not repeated on a resume.",
+    )
+    early_stopping_patience: int = Field(
+        default=0, ge=0,
+        description="End the run, cleanly and with a checkpoint, after this many evaluations in a row without "
+        "the validation loss improving on its best by more than `early_stopping_min_delta`; 0 = never.",
+    )
+    early_stopping_min_delta: float = Field(
+        default=0.0, ge=0,
+        description="How much lower than the best so far a validation loss must be to count as an improvement.",
+    )
+    overwrite_final: bool = Field(
+        default=False,
+        description="Let `save_final` replace an export of another model (another source or config); the same "
+        "model's export is always rewritten.",
+    )
     eval_batches: int = Field(
         default=8, ge=1,
         description="Global batches of validation rows each evaluation reads (the same rows every time; fewer if "
@@ -135,6 +154,15 @@ class RootConfig(Frozen):
                              "use safetensors")
         if self.data.val_path and self.data.val_fraction:
             raise ValueError("data.val_fraction: give either it or data.val_path, not both")
+        validates = bool(self.data.val_path or self.data.val_fraction)
+        if t.early_stopping_patience and not validates:
+            raise ValueError("train.early_stopping_patience: needs validation data (data.val_fraction or "
+                             "data.val_path)")
+        if self.checkpoint.keep_best and not validates:
+            raise ValueError(f"checkpoint.keep_best: {self.checkpoint.keep_best} needs validation data "
+                             "(data.val_fraction or data.val_path)")
+        if self.checkpoint.keep_best and not self.checkpoint.dir:
+            raise ValueError("checkpoint.keep_best: needs checkpoints (checkpoint.dir is empty)")
         if self.optim.min_lr is not None and self.optim.min_lr > self.optim.lr:
             raise ValueError(f"optim.min_lr: {self.optim.min_lr} exceeds optim.lr ({self.optim.lr})")
         return self

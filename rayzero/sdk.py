@@ -91,14 +91,20 @@ class Result:
     def metrics(self) -> dict[str, Any]:
         """The final figures: losses, throughput, steps, restarts."""
         s = self.summary
-        keys = ("final_loss", "first_loss", "final_val_loss", "steps", "start_step", "total_steps", "tokens_per_s", "step_ms",
-                "world_size", "restarts", "skipped_steps")
+        keys = ("final_loss", "first_loss", "final_val_loss", "best_val_loss", "steps", "start_step", "total_steps",
+                "tokens_per_s", "tokens_per_s_per_rank", "mfu", "step_ms", "world_size", "restarts", "skipped_steps",
+                "stopped_early")
         return {k: s.get(k) for k in keys}
 
     @property
     def checkpoint(self) -> str | None:
         """The last committed checkpoint's URI."""
         return self.summary["checkpoint"]
+
+    @property
+    def best_checkpoint(self) -> str | None:
+        """With `checkpoint.keep_best=val_loss`: the commit with the lowest validation loss."""
+        return self.summary.get("best_checkpoint")
 
     @property
     def mlflow_run_id(self) -> str | None:
@@ -108,10 +114,14 @@ class Result:
     def final_weights(self) -> str | None:
         return self.summary["final_weights"]
 
-    def generate(self, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
-                 seed: int = 0, tokenizer: str | None = None) -> str:
-        """The prompt's continuation by the trained model (greedy at temperature 0), on this
-        machine: from the final weights (`train.save_final`), else the last checkpoint."""
+    def generate(self, prompt: str | None = None, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+                 seed: int = 0, tokenizer: str | None = None, *, messages: list[dict] | None = None,
+                 system: str | None = None, chat: bool | None = None) -> str:
+        """The trained model's continuation of `prompt` (greedy at temperature 0), on this
+        machine, from the final weights (`train.save_final`), else the last checkpoint. With a
+        chat template (`chat=None`: when the tokenizer has one), `prompt` is the user's message
+        after `system`, or `messages=[{"role": ..., "content": ...}, ...]` the conversation,
+        and the answer ends at the template's end-of-turn token; `chat=False`: raw text."""
         from rayzero.jobs.generate import load_generator
 
         weights = self.final_weights or self.checkpoint
@@ -120,7 +130,8 @@ class Result:
         key = (weights, tokenizer)
         if getattr(self, "_generator", (None,))[0] != key:
             self._generator = (key, load_generator(weights, self.config, tokenizer))
-        return self._generator[1](prompt, max_new_tokens, temperature, top_k, seed)
+        return self._generator[1](prompt, max_new_tokens, temperature, top_k, seed, messages=messages, system=system,
+                                  chat=chat)
 
     def plot(self, path: str | Path | None = None):
         """Loss, tokens/s and per-phase time against the step, as one matplotlib figure

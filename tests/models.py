@@ -27,6 +27,9 @@ def hf_config(arch: str, **extra):
         "mistral": (tf.MistralConfig, {**decoder, "sliding_window": None}),
         "gpt2": (tf.GPT2Config, dict(n_embd=32, n_layer=2, n_head=4, n_positions=128, resid_pdrop=0.0,
                                      embd_pdrop=0.0, attn_pdrop=0.0)),
+        # transformers picks CohereTokenizer for it from config.json (as Qwen2Tokenizer for qwen2, GPT2Tokenizer
+        # for gpt2), with special tokens of its own
+        "cohere": (tf.CohereConfig, {**decoder, "logit_scale": 1.0}),
     }[arch]
     return cls(**{**common, **kw, **extra})
 
@@ -43,15 +46,40 @@ def save_hf_model(arch: str, path: str | Path, dtype: torch.dtype = torch.float3
     return Path(path)
 
 
-def save_tokenizer(path: str | Path, texts: list[str], vocab: int = 300) -> None:
-    """A byte-level BPE tokenizer trained on `texts`, saved as tokenizer.json in `path`."""
+def save_tokenizer(path: str | Path, texts: list[str], vocab: int = 300,
+                   special: tuple[str, ...] = ("<s>", "</s>"), every_byte: bool = False) -> None:
+    """A byte-level BPE tokenizer trained on `texts`, saved as tokenizer.json in `path`;
+    `special`: its special tokens, ids 0, 1, ... in order; `every_byte`: all 256 byte symbols
+    in the vocabulary (as real tokenizers have), not only those `texts` use."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<s>", "</s>"]))
+    alphabet = pre_tokenizers.ByteLevel.alphabet() if every_byte else []
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab, special_tokens=list(special),
+                                                       initial_alphabet=alphabet))
     tok.save(str(Path(path) / "tokenizer.json"))
+
+
+# The ChatML template Qwen2's instruct models carry; an answer ends with <|im_end|>.
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+CHAT_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
+
+
+def save_chat_model(path: str | Path, texts: list[str], arch: str = "qwen2") -> Path:
+    """A tiny chat model as an instruct model ships: its config (end of sequence = <|im_end|>),
+    a BPE tokenizer trained on `texts` with ChatML's special tokens and template, and a
+    generation config that ends at <|im_end|> or <|endoftext|>."""
+    import json
+
+    path = save_hf_model(arch, path, vocab_size=384, bos_token_id=None, eos_token_id=2, pad_token_id=0)
+    save_tokenizer(path, texts, vocab=380, special=CHAT_SPECIAL, every_byte=True)
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": CHATML, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None}))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0], "pad_token_id": 0}))
+    return path
 
 
 class Block(nn.Module):

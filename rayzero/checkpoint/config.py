@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import ConfigDict, Field, SecretStr, field_validator
 
 from rayzero._frozen import Frozen
@@ -26,6 +28,11 @@ class CheckpointConfig(Frozen):
     keep_last: int = Field(
         default=2, ge=1,
         description="Committed checkpoints kept; older ones are deleted.",
+    )
+    keep_best: Literal["", "val_loss"] = Field(
+        default="",
+        description="`val_loss`: also keep the checkpoint with the lowest validation loss, which rotation never "
+        "deletes (every checkpoint step then evaluates); empty = keep only the last `keep_last`.",
     )
     resume: str = Field(
         default="auto",

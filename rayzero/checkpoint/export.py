@@ -39,6 +39,59 @@ def check_destination(uri: str) -> None:
         raise ValueError(str(e)) from None
 
 
+MODEL_KEY = "rayzero_model"  # the safetensors metadata key naming the model an export holds
+
+
+def export_identity(record: dict) -> dict:
+    """What tells one model's export from another's: its kind, source and config hash
+    (`ModelSpec.record()`), written into the export's safetensors metadata."""
+    return {k: record.get(k) for k in ("kind", "source", "config_sha256")}
+
+
+def read_export_identity(uri: str, fmt: str) -> dict | None:
+    """The model an existing export at `uri` holds (its `export_identity`), {} where something
+    is there that does not say (not a rayzero export), None where nothing is."""
+    fs, path = _fs(uri)
+    if fmt == "hf":
+        if fs.get_file_info(path).type != pafs.FileType.Directory:
+            return None if fs.get_file_info(path).type == pafs.FileType.NotFound else {}
+        names = [i.base_name for i in fs.get_file_info(pafs.FileSelector(path)) if i.base_name.endswith(".safetensors")]
+        if not names:
+            entries = fs.get_file_info(pafs.FileSelector(path))
+            return {} if entries else None
+        path = posixpath.join(path, sorted(names)[0])
+    elif fs.get_file_info(path).type == pafs.FileType.NotFound:
+        return None
+    try:
+        with fs.open_input_file(path) as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > min(f.size() - 8, 100 * 2**20):  # no safetensors header is that long
+                return {}
+            head = json.loads(f.read(n))
+        return json.loads(head.get("__metadata__", {}).get(MODEL_KEY, "{}"))
+    except (OSError, ValueError, struct.error):
+        return {}
+
+
+def check_final(uri: str, fmt: str, identity: dict, overwrite: bool) -> None:
+    """`train.save_final` must not replace an export of another model, unless told to:
+    ValueError naming both. The same model's export (a rerun) is rewritten."""
+    there = read_export_identity(uri, fmt)
+    if there is None or there == identity or overwrite:
+        return
+    held = (f"an export of {there.get('kind')} model {there.get('source') or '(no source)'} (config "
+            f"{there.get('config_sha256')})" if there else "files rayzero did not write")
+    raise ValueError(f"it already holds {held}, and this run trains {identity.get('kind')} model "
+                     f"{identity.get('source') or '(no source)'} (config {identity.get('config_sha256')}); "
+                     "write elsewhere, or set train.overwrite_final=true to replace it")
+
+
+def _fs(uri: str) -> tuple[pafs.FileSystem, str]:
+    if "://" not in uri:
+        return pafs.LocalFileSystem(), str(Path(uri).expanduser().resolve())
+    return pafs.FileSystem.from_uri(uri)
+
+
 def save_safetensors(state: dict[str, torch.Tensor], uri: str, metadata: dict[str, str] | None = None) -> None:
     """Write `state` to a local path or any `pyarrow.fs` URI (s3://…), atomically for local paths."""
     blob = save({k: v.contiguous() for k, v in state.items()}, metadata=metadata)
@@ -126,13 +179,44 @@ def _open_dir(uri: str) -> tuple[pafs.FileSystem, str]:
     return fs, p
 
 
+def _swap_in(tmp: Path, final: Path) -> None:
+    """Put the complete directory `tmp` where `final` is: the old one out of the way first,
+    then a rename, so `final` is never a half-written export."""
+    old = final.with_name(f".{final.name}.old-{os.getpid()}")
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    if old.exists():
+        import shutil
+
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def write_hf_dir(uri: str, tensors: list[Tensor], files: dict[str, bytes], max_shard_bytes: int,
                  metadata: dict[str, str] | None = None) -> list[str]:
     """A Hugging Face model directory at `uri` (local or any `pyarrow.fs` URI): `tensors` in
     safetensors files of at most `max_shard_bytes` each (`model.safetensors`, or
     `model-0000k-of-0000n.safetensors` with `model.safetensors.index.json`), and `files`
-    (config.json, tokenizer files, ...) as they are. The index and config are written last.
+    (config.json, tokenizer files, ...) as they are. A local directory is written under a
+    temporary name and renamed into place when complete; in object storage, where there is no
+    rename, the index and config.json (without which transformers loads nothing) come last.
     Returns the files written."""
+    if "://" not in uri:
+        final = Path(uri).expanduser().resolve()
+        tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+        if tmp.exists():
+            import shutil
+
+            shutil.rmtree(tmp)
+        try:
+            written = write_hf_dir(f"file://{tmp}", tensors, files, max_shard_bytes, metadata)
+        except BaseException:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _swap_in(tmp, final)
+        return written
     fs, root = _open_dir(uri)
     shards: list[list[Tensor]] = [[]]
     size = 0
@@ -159,9 +243,11 @@ def write_hf_dir(uri: str, tensors: list[Tensor], files: dict[str, bytes], max_s
 
 
 def save_final(spec, weights: dict[str, torch.Tensor], uri: str, fmt: str, metadata: dict[str, str],
-               dtype: str = "auto", max_shard_bytes: int = 5 * 10**9) -> None:
+               dtype: str = "auto", max_shard_bytes: int = 5 * 10**9,
+               tokenizer: Callable[[], dict[str, bytes]] | None = None) -> None:
     """The final weights (`full_state_dict`, by `state_dict()` names) as `fmt`: one
-    safetensors file, or (`hf`) a directory `from_pretrained` loads."""
+    safetensors file, or (`hf`) a directory `from_pretrained` loads. `tokenizer()`: the
+    training data's tokenizer files, for a model directory that has no tokenizer of its own."""
     if fmt == "safetensors":
         save_safetensors(weights, uri, metadata)
         return
@@ -169,7 +255,19 @@ def save_final(spec, weights: dict[str, torch.Tensor], uri: str, fmt: str, metad
     plan = spec.export_plan(spec.build())
     tensors = [Tensor(e.name, e.shape, _cast_dtype(weights[e.name], dtype), lambda n=e.name: weights[n])
                for e in plan]
-    write_hf_dir(uri, tensors, spec.export_files(dtype), max_shard_bytes, metadata)
+    write_hf_dir(uri, tensors, hf_files(spec, dtype, tokenizer), max_shard_bytes, metadata)
+
+
+def hf_files(spec, dtype: str, tokenizer: Callable[[], dict[str, bytes]] | None = None) -> dict[str, bytes]:
+    """What an HF directory holds beside the weights: the model's own files (config,
+    generation config, tokenizer), and where the model directory has no tokenizer, the one
+    the training data was made with, so that the export tokenizes as training did."""
+    from rayzero.data.tokenizer import is_tokenizer_file
+
+    files = spec.export_files(dtype)
+    if tokenizer is not None and not any(is_tokenizer_file(n) for n in files):
+        files = {**tokenizer(), **files}
+    return files
 
 
 def _cast_dtype(t: torch.Tensor, dtype: str) -> torch.dtype:

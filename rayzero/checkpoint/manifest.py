@@ -107,11 +107,10 @@ def check_shards_present(c: Committed) -> None:
                                   f"{size} bytes, the manifest says {s['size']}"))
 
 
-def check_model(manifest: dict, params: dict[str, list[int]], uri: str, frozen: list[str] | None = None,
-                model: dict | None = None) -> None:
-    """The checkpoint holds exactly these parameter names and shapes, of the same model kind,
-    with the same parameters frozen; else a CheckpointError listing every mismatch. A model
-    of another config with the same shapes is only warned about."""
+def model_differences(manifest: dict, params: dict[str, list[int]], frozen: list[str] | None = None,
+                      model: dict | None = None) -> list[str]:
+    """How the model a checkpoint holds differs from this one, tensor by tensor: its kind,
+    parameter names and shapes, and which parameters are frozen (empty: the same model)."""
     saved = {p["name"]: p["shape"] for p in manifest["params"]}
     problems = []
     was = manifest.get("model_source") or {"kind": "gpt"}
@@ -125,25 +124,84 @@ def check_model(manifest: dict, params: dict[str, list[int]], uri: str, frozen: 
         before = set(manifest.get("frozen", []))
         problems += [f"{n}: frozen here, trained in the checkpoint" for n in sorted(set(frozen) - before)]
         problems += [f"{n}: trained here, frozen in the checkpoint (model.freeze)" for n in sorted(before - set(frozen))]
+    return problems
+
+
+def describe_model(record: dict | None) -> str:
+    """A model as a checkpoint records it (`ModelSpec.record()`), in a few words."""
+    record = record or {"kind": "gpt"}
+    kind = record.get("kind")
+    if kind == "hf":
+        arch = (record.get("architectures") or [None])[0] or record.get("config", {}).get("model_type", "an HF model")
+        return f"{arch} from {record.get('source')}"
+    if kind == "module":
+        return f"the module {record.get('factory')}" + (f" ({record['kwargs']})" if record.get("kwargs") else "")
+    config = record.get("config") or {}
+    shape = ", ".join(f"{k} {config[k]}" for k in ("n_layer", "n_head", "n_embd", "vocab_size") if k in config)
+    return "the built-in GPT" + (f" ({shape})" if shape else "") + (
+        f" from {record['source']}" if record.get("source") else "")
+
+
+def different_model(uri: str, manifest: dict, problems: list[str], model: dict | None) -> CheckpointError:
+    """The error for resuming another model: one line naming both models, how many tensors
+    differ, and the two ways out; then the differences, one a line (the first 20)."""
+    held, here = describe_model(manifest.get("model_source")), describe_model(model)
+    if held == here:
+        here += " as configured now"
+    return CheckpointError(
+        f"{uri} holds a different model: checkpoints of {held}, not of {here} ({len(problems)} difference"
+        f"{'s' if len(problems) != 1 else ''}, e.g. {problems[0]}); train it into another checkpoint.dir, or set "
+        f"checkpoint.resume=none to start from scratch beside them"
+        + "".join(f"\n  {p}" for p in problems[:20]) + (f"\n  … and {len(problems) - 20} more" if len(problems) > 20 else ""))
+
+
+def check_model(manifest: dict, params: dict[str, list[int]], uri: str, frozen: list[str] | None = None,
+                model: dict | None = None) -> None:
+    """The checkpoint holds exactly these parameter names and shapes, of the same model kind,
+    with the same parameters frozen; else a CheckpointError naming both models and listing
+    every mismatch. A model of another config with the same shapes is only warned about."""
+    problems = model_differences(manifest, params, frozen, model)
     if problems:
-        raise CheckpointError(f"{uri} holds a different model:\n  " + "\n  ".join(problems))
+        raise different_model(uri, manifest, problems, model)
+    was = manifest.get("model_source") or {"kind": "gpt"}
     if model is not None and was.get("config_sha256") not in (None, model.get("config_sha256")):
         log.warning("%s was saved from a model of another config (%s) with the same parameter shapes; "
                     "resuming from it", uri, was.get("source") or was.get("kind"))
 
 
-def prune(root: Storage, keep_last: int) -> list[str]:
+def lineage(manifest: dict) -> str | None:
+    """The id of the run a checkpoint belongs to (kept across its resumes); None before it was recorded."""
+    return (manifest.get("run") or {}).get("lineage")
+
+
+def best_commit(done: list[Committed], metric: str = "val_loss") -> Committed | None:
+    """The commit with the lowest `metric` among those that recorded one (the earliest on a tie)."""
+    scored = [c for c in done if (c.manifest.get("metrics") or {}).get(metric) is not None]
+    return min(scored, key=lambda c: (c.manifest["metrics"][metric], c.step)) if scored else None
+
+
+def prune(root: Storage, keep_last: int, own: set | None = None, keep_best: str = "") -> list[str]:
     """Delete committed checkpoints beyond the newest `keep_last`, and uncommitted prefixes
-    older than the newest commit (a crash mid-upload leaves those). Returns what went."""
-    done = committed(root)
+    older than the newest commit (a crash mid-upload leaves those). Returns what went.
+
+    `own`: the lineages (`lineage()`) of this run; checkpoints of other runs in the same
+    directory are left alone. `keep_best`: a metric (`val_loss`) whose best commit is kept
+    however old."""
+    done = [c for c in committed(root) if own is None or lineage(c.manifest) in own]
     if not done:
         return []
     newest = done[-1].step
     keep = {step_dir(c.step) for c in done[-keep_last:]}
+    best = best_commit(done, keep_best) if keep_best else None
+    if best is not None:
+        keep.add(step_dir(best.step))
+    mine = {step_dir(c.step) for c in done}
+    others = {n for n in root.list_dirs() if _STEP.match(n)} - mine if own is not None else set()
+    others = {n for n in others if root.child(n).size(MANIFEST) is not None}  # another run's commits stay
     gone = []
     for name in root.list_dirs():
         m = _STEP.match(name)
-        if m and name not in keep and int(m.group(1)) < newest:
+        if m and name not in keep and name not in others and int(m.group(1)) < newest:
             try:
                 root.delete_dir(name)
                 gone.append(name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import posixpath
 from pathlib import Path
@@ -10,7 +11,9 @@ import numpy as np
 import torch
 
 from rayzero.checkpoint.config import CheckpointConfig
-from rayzero.checkpoint.export import EXPORT_DTYPES, Tensor, stream_safetensors, write_hf_dir
+from rayzero.checkpoint.export import (
+    EXPORT_DTYPES, MODEL_KEY, Tensor, export_identity, hf_files, stream_safetensors, write_hf_dir,
+)
 from rayzero.checkpoint.manifest import CheckpointError, Committed, committed
 from rayzero.checkpoint.shard_file import ShardReader, verify
 from rayzero.checkpoint.shards import locate_saved, saved_pieces
@@ -125,12 +128,30 @@ def export_checkpoint(c: Committed, out: str, fmt: str = "safetensors", dtype: s
             kind = EXPORT_DTYPES[dtype] if e.buffer.is_floating_point() else e.buffer.dtype
         tensors.append(Tensor(e.name, e.shape, kind, produce))
     metadata = {"step": str(c.step), "source": c.uri}
+    if c.manifest.get("model_source"):
+        metadata[MODEL_KEY] = json.dumps(export_identity(c.manifest["model_source"]))
     if fmt == "hf":
-        write_hf_dir(out, tensors, spec.export_files(dtype), max_shard_bytes, metadata)
+        write_hf_dir(out, tensors, hf_files(spec, dtype, lambda: data_tokenizer_files(c.manifest, storage_cfg)),
+                     max_shard_bytes, metadata)
     else:
         fs, path = _file(out)
         stream_safetensors(fs, path, tensors, metadata)
     return len(tensors)
+
+
+def data_tokenizer_files(manifest: dict, storage_cfg=None) -> dict[str, bytes]:
+    """The tokenizer files kept by the dataset a checkpoint's run trained on, where the
+    manifest names it and it is still there (else none)."""
+    from rayzero.data.errors import DataError
+    from rayzero.data.tokens import dataset_tokenizer_files
+
+    path = manifest.get("data", {}).get("path")
+    if not path:
+        return {}
+    try:
+        return dataset_tokenizer_files(path, storage_cfg)
+    except (DataError, OSError):
+        return {}
 
 
 def _file(uri: str):

@@ -4,12 +4,13 @@ picking what a run resumes from. Only the controller writes manifests."""
 from __future__ import annotations
 
 import logging
+import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 
 from rayzero.checkpoint.manifest import (
-    FORMAT, VERSION, CheckpointError, Committed, check_model, check_shards_present, committed,
-    open_checkpoint, prune, step_dir, write_manifest,
+    FORMAT, VERSION, CheckpointError, Committed, best_commit, check_model, check_shards_present, committed,
+    different_model, lineage, model_differences, open_checkpoint, prune, step_dir, write_manifest,
 )
 from rayzero.checkpoint.storage import Storage, StorageError
 from rayzero.config import RootConfig
@@ -36,7 +37,16 @@ class Checkpoints:
         self.frozen: list[str] = []
         self.model: dict | None = None
         self.mlflow_run_id: str | None = None
+        # Where this run keeps the rest of itself (data path, run directory, MLflow store): the
+        # controller fills it in, the manifest records it, a resume finds them again.
+        self.run: dict = {}
+        # This run's id, kept by its resumes: pruning and a rebuilt group's resume see only its
+        # own checkpoints, whatever else shares the directory (`checkpoint.resume=none` there).
+        self.lineage = uuid.uuid4().hex[:16]
+        self.own: set[str | None] = {self.lineage}
+        self.schedule_steps = cfg.train.steps  # the learning-rate schedule's length in use
         self.last_committed: str | None = None
+        self.best: Committed | None = None  # keep_best: the best commit under the root
         self.commits = 0
 
     def probe(self) -> None:
@@ -54,20 +64,31 @@ class Checkpoints:
         self.model = infos[0].get("model")
         self.mlflow_run_id = mlflow_run_id
 
-    def plan(self, step: int) -> dict | None:
-        """For iteration `step` (0-based): where to save after it, if it is a checkpoint step."""
+    def plan(self, step: int, force: bool = False) -> dict | None:
+        """For iteration `step` (0-based): where to save after it, if it is a checkpoint step
+        (or `force`: the run may end there)."""
         done, every, total = step + 1, self.cfg.checkpoint.every_steps, self.cfg.train.steps
-        if done == total or (every and done % every == 0):
+        if force or done == total or (every and done % every == 0):
             return {"uri": self.root.child(step_dir(done)).uri, "step": done}
         return None
 
-    def collect(self, step: int, results: list[dict]) -> None:
-        """Reports from one iteration's results; commits every checkpoint now complete."""
+    def adopt(self, manifest: dict) -> None:
+        """Resuming from `manifest`: its run's lineage is this run's from now on."""
+        inherited = lineage(manifest)
+        self.own |= {inherited}
+        if inherited is not None:
+            self.lineage = inherited
+
+    def collect(self, step: int, results: list[dict], record: dict | None = None) -> None:
+        """Reports from one iteration's results; commits every checkpoint now complete.
+        `record`: what the manifest of a checkpoint taken after this step also keeps (the
+        validation loss, early stopping's state)."""
         if results[0].get("rng") is not None:  # the ranks took a checkpoint after this step
             entry = self.pending.setdefault(step + 1, {"uploads": []})
             entry["rng"] = [r["rng"] for r in sorted(results, key=lambda r: r["rank"])]
             entry["loss_scale"] = results[0]["loss_scale"]
             entry["lr"] = results[0]["lr"]
+            entry["record"] = record or {}
         self.add_uploads([u for r in results for u in r["uploads"]])
 
     def add_uploads(self, uploads: list[dict]) -> None:
@@ -90,19 +111,25 @@ class Checkpoints:
             "layout": self.layout,
             "shards": [{k: u[k] for k in ("rank", "file", "size", "block", "sha256", "pieces")} for u in shards],
             "optimizer": {"name": "adamw", "step_count": shards[0]["adam_steps"]},
-            "schedule": {"step": step, "total_steps": cfg.train.steps, "lr": entry["lr"]},
+            "schedule": {"step": step, "total_steps": self.schedule_steps, "lr": entry["lr"],
+                         "name": cfg.optim.schedule},
             "data": {"seed": cfg.train.seed, "global_batch_size": cfg.train.global_batch_size,
-                     "seq_len": cfg.train.seq_len, "position": step},
+                     "seq_len": cfg.train.seq_len, "position": step, "path": self.run.get("data_path")},
             "rng": entry["rng"],
             "loss_scale": entry["loss_scale"],
             "mlflow_run_id": self.mlflow_run_id,
+            "run": {"lineage": self.lineage, **{k: v for k, v in self.run.items() if k != "data_path"}},
+            **entry.get("record", {}),
         }
         prefix = self.root.child(step_dir(step))
         write_manifest(prefix, manifest)
         self.last_committed = prefix.uri
         self.commits += 1
+        keep_best = cfg.checkpoint.keep_best
         try:  # the commit stands; failing to tidy up older ones is only worth a warning
-            gone = prune(self.root, cfg.checkpoint.keep_last)
+            gone = prune(self.root, cfg.checkpoint.keep_last, own=self.own, keep_best=keep_best)
+            if keep_best:
+                self.best = best_commit([c for c in committed(self.root) if lineage(c.manifest) in self.own], keep_best)
         except StorageError as e:
             log.warning("could not prune old checkpoints under %s: %s", self.root.uri, e)
             gone = []
@@ -113,10 +140,12 @@ class Checkpoints:
         """`checkpoint.resume`, until this run commits: then `auto` (its own newest commit)."""
         return "auto" if self.commits else self.cfg.checkpoint.resume
 
-    def resume_target(self, params: dict[str, list[int]], frozen: list[str] | None = None) -> list[Committed]:
-        """What to resume from, best first (auto: newest commit first, then older ones to fall
-        back on). Empty: start from scratch. Once this run has committed, a rebuilt group
-        resumes from its newest commit, whatever `checkpoint.resume` named at the start."""
+    def resume_target(self, params: dict[str, list[int]], frozen: list[str] | None = None,
+                      model: dict | None = None) -> list[Committed]:
+        """What to resume from, best first (auto: the newest commit of this model first, then
+        older ones to fall back on). Empty: start from scratch. A directory whose checkpoints
+        are all of another model is an error naming both. Once this run has committed, a
+        rebuilt group resumes from its own newest commit, whatever `checkpoint.resume` named."""
         how = self.resume_mode
         if how == "none":
             return []
@@ -125,17 +154,28 @@ class Checkpoints:
                 found = committed(self.root)[::-1]
             except StorageError as e:
                 raise CheckpointError(f"checkpoint.dir: {e}") from None
+            if self.commits:
+                found = [c for c in found if lineage(c.manifest) in self.own]
         else:
             found = [open_checkpoint(how, self.cfg.checkpoint)]
+        frozen = frozen if frozen is not None else self.frozen
+        model = model if model is not None else self.model
+        same = [c for c in found if not model_differences(c.manifest, params, frozen, model)]
+        if found and not same:
+            first = found[0]
+            where = f"checkpoint.dir {self.root.uri}" if how == "auto" else first.uri
+            raise different_model(where, first.manifest, model_differences(first.manifest, params, frozen, model), model)
+        if len(same) < len(found):
+            log.warning("passing over %d checkpoint(s) of another model in %s", len(found) - len(same), self.root.uri)
         usable = []
-        for c in found:
-            # another model: an error, never a fallback
-            check_model(c.manifest, params, c.uri, frozen if frozen is not None else self.frozen, self.model)
+        for c in same:
             try:
                 check_shards_present(c)
-                usable.append(c)
             except CheckpointError as e:
                 if how != "auto":
                     raise
                 log.warning("skipping checkpoint %s: %s", c.uri, e)
+                continue
+            check_model(c.manifest, params, c.uri, frozen, model)  # warns of another config with the same shapes
+            usable.append(c)
         return usable

@@ -8,30 +8,35 @@ PLACE, resuming from the newest commit), with how many ranks, or to give up.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import signal
 import threading
 import time
+from pathlib import Path
 from statistics import mean
 
 import ray
 from tqdm.auto import tqdm  # a widget in Jupyter, a text bar in terminals
 
-from rayzero.checkpoint.export import save_final
+from rayzero.checkpoint.export import MODEL_KEY, export_identity, save_final
 from rayzero.checkpoint.manifest import CheckpointError
 from rayzero.checkpoint.shard_file import ChecksumError
 from rayzero.checkpoint.storage import StorageError
 from rayzero.cluster.checkpoints import Checkpoints
 from rayzero.cluster.dispatch import DISPATCHERS
 from rayzero.cluster.failure import (
-    ERROR, PLACEMENT, Decision, Failure, FailurePolicy, TrainingFailed, diagnose, unwrap,
+    ERROR, PLACEMENT, Decision, Failure, FailurePolicy, Stopped, TrainingFailed, diagnose, unwrap,
 )
-from rayzero.cluster.schedule import lr_at
+from rayzero.cluster.early_stopping import EarlyStopping
+from rayzero.cluster.schedule import evaluates, lr_at, schedule_length
+from rayzero.cluster.throughput import throughput
 from rayzero.cluster.watchdog import Watchdog
-from rayzero.cluster.history import PHASES, History, memory_metrics
+from rayzero.cluster.history import PHASES, History, load_rows, memory_metrics
 from rayzero.cluster.worker_group import PlacementError, WorkerGroup, free_bundles
 from rayzero.config import RootConfig
+from rayzero.data.tokens import dataset_tokenizer_files
 from rayzero.sharding.memory import bytes_per_param
 from rayzero.workers.actor import RankActor
 from rayzero.workers.rank import make_spec
@@ -61,6 +66,8 @@ class Controller:
         self.state = "INIT"
         self.history = History()
         self.checkpoints = checkpoints  # None: checkpoints off
+        if checkpoints is not None:
+            checkpoints.run = {"data_path": data_path, "dir": run_dir, "mlflow_tracking_uri": tracker.uri}
         self.start_step = 0
         self.resumed_from: str | None = None
         self.policy = FailurePolicy(cfg)
@@ -78,6 +85,14 @@ class Controller:
         self._interrupted = False  # a SIGINT arrived (see _catch_interrupts)
         self._streak, self._commits_then = 0, 0  # failures since the last commit, for the backoff
         self.first_start: tuple[int, str | None] | None = None  # (step, checkpoint) the run began at
+        self.schedule_steps = cfg.train.steps  # the learning-rate schedule's length (see schedule_length)
+        t = cfg.train
+        self.early = EarlyStopping(t.early_stopping_patience, t.early_stopping_min_delta)
+        self.validates = bool(cfg.data.val_path or cfg.data.val_fraction)
+        self.eval_at_start = self.validates if t.eval_at_start is None else (t.eval_at_start and self.validates)
+        # Every step's row, also on disk: a resumed run's history starts at step 0, not where it resumed.
+        self.history_file = Path(run_dir) / "history.jsonl"
+        self.history.rows = load_rows(self.history_file)
 
     def fit(self) -> dict:
         """Train to `train.steps`, surviving failures: each attempt places a group, rendezvous,
@@ -101,7 +116,7 @@ class Controller:
             status = "FINISHED"
         except KeyboardInterrupt:
             status = "KILLED"
-            raise
+            raise Stopped(self._step, self._last_checkpoint()) from None
         finally:
             if previous_handler is not None:
                 signal.signal(signal.SIGINT, previous_handler)
@@ -168,6 +183,7 @@ class Controller:
         infos = self.group.rendezvous()
         self.pids = {i["pid"]: i["rank"] for i in infos}
         self.num_params = infos[0]["num_params"]
+        self.flops_per_token, self.device_name = infos[0]["flops_per_token"], infos[0]["device_name"]
         self._mark("rendezvous")
         self.state = "BUILD"
         self.start_step, self.resumed_from = 0, None
@@ -175,6 +191,8 @@ class Controller:
             self.checkpoints.configure(infos, self.tracker.run_id)
             self._resume(infos[0]["params"])
         self.history.rewind(self.start_step)
+        if self.checkpoints is not None:
+            self.checkpoints.schedule_steps = self.schedule_steps
         if self.first_start is None:
             self.first_start = (self.start_step, self.resumed_from)
         self._mark("load")
@@ -197,8 +215,10 @@ class Controller:
         if cfg.train.save_final:
             self.state = "SAVE"
             weights = ray.get([a.full_state_dict.remote() for a in self.group.actors])[0]
-            save_final(self.spec or make_spec(cfg, self.factory), weights, cfg.train.save_final, cfg.train.save_format,
-                       {"strategy": cfg.sharding.strategy})
+            spec = self.spec or make_spec(cfg, self.factory)
+            save_final(spec, weights, cfg.train.save_final, cfg.train.save_format,
+                       {"strategy": cfg.sharding.strategy, MODEL_KEY: json.dumps(export_identity(infos[0]["model"]))},
+                       tokenizer=lambda: dataset_tokenizer_files(self.data_path, cfg.checkpoint))
         self.state = "DONE"
         return True, infos[0]
 
@@ -237,7 +257,7 @@ class Controller:
         """Load the newest usable commit into every rank; with `auto`, a checkpoint whose shard
         fails its checksum is skipped (with a warning) for the one before it."""
         actors = self.group.actors
-        for c in self.checkpoints.resume_target(params):
+        for c in self.checkpoints.resume_target(params):  # with the model's record from setup (configure)
             try:
                 ray.get([a.load_checkpoint.remote(c.uri, c.manifest) for a in actors])
             except ray.exceptions.RayTaskError as e:
@@ -250,97 +270,160 @@ class Controller:
                 continue
             ray.get([a.apply_checkpoint.remote() for a in actors])
             self.start_step, self.resumed_from = c.step, c.uri
+            self.checkpoints.adopt(c.manifest)
+            self.schedule_steps = schedule_length(self.cfg.train.steps, self.cfg.optim, c.manifest)
+            self.early.restore(c.manifest.get("early_stopping"))
             log.info("resumed from %s at step %d", c.uri, c.step)
             self.tracker.set_tags({"resumed_from": c.uri})
             return
+        self.schedule_steps = self.cfg.train.steps
+        self.early.restore(None)
 
     def _train(self, cfg: RootConfig) -> bool:
         """Iterations from `start_step` to `train.steps`. Returns True when it stopped early, at
-        a checkpoint, to grow back to a bigger world (elastic)."""
+        a checkpoint, to grow back to a bigger world (elastic); an early stop (no improvement)
+        returns False, as the end of training does."""
         h, dispatch = self.history, self.dispatch
         tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
         first = self.start_step
-        if first >= cfg.train.steps:
+        if first >= cfg.train.steps or self.early.stopped:
             return False
         bar = tqdm(range(first, cfg.train.steps), desc="train", unit="step", disable=not self.progress,
                    mininterval=1.0, dynamic_ncols=True, initial=first, total=cfg.train.steps)
         ckpt = self.checkpoints
         grow_at = None
+        plans: dict[int, dict] = {}
 
         def plan(k: int) -> dict:
             nonlocal grow_at
+            evaluates = self._evaluates(cfg, k)
             where = ckpt.plan(k) if ckpt is not None else None
+            if where is None and ckpt is not None and evaluates and self.early.may_stop_next():
+                where = ckpt.plan(k, force=True)  # this evaluation may end the run: commit what it saw
             if where and grow_at is None and k + 1 < cfg.train.steps and self._can_grow():
                 grow_at = k  # resources are back: stop after this checkpoint and regroup
-            return {"step": k, "lr": lr_at(k, cfg.train.steps, cfg.optim), "checkpoint": where,
-                    "evaluate": self._evaluates(cfg, k)}
+            plans[k] = {"step": k, "lr": lr_at(k, self.schedule_steps, cfg.optim), "checkpoint": where,
+                        "evaluate": evaluates, "evaluate_first": k == 0 and self.eval_at_start}
+            return plans[k]
 
         last = time.perf_counter()
         pending = dispatch.submit(plan(first))
         for step in bar:
             self._step = step
             self._check_interrupt()
-            # Queue the next iteration before reading this one: ranks never wait on the driver.
             more = step + 1 < cfg.train.steps and grow_at != step
-            queued = dispatch.submit(plan(step + 1)) if more else None
+            # Queue the next iteration before reading this one: ranks never wait on the driver;
+            # except after an evaluation that may end the run, which must be read first.
+            hold = bool(self.early.patience) and plans[step]["evaluate"]
+            queued = dispatch.submit(plan(step + 1)) if more and not hold else None
             results = dispatch.collect(pending)
             now = time.perf_counter()
-            dt, last, pending = now - last, now, queued
-            lr = results[0]["lr"]
-            loss = sum(r["loss_sum"] for r in results) / sum(r["tokens"] for r in results)
-            phase = {p: max(r["phase_s"][p] for r in results) for p in PHASES}
-            h.record(step, loss, dt, phase)
-            skipped = results[0]["skipped"]
-            metrics = {
-                "loss": loss,
-                "skipped_step": float(skipped),  # fp16 loss scaling found inf/NaN: no update
-                "lr": lr,
-                "grad_norm": results[0]["grad_norm"],
-                "tokens_per_s": tokens_per_step / dt,
-                "step_ms": dt * 1e3,
-                # Wall time outside the slowest rank's phases: dispatch, transfer, waiting.
-                "dispatch_overhead_ms": max(0.0, dt - sum(phase.values())) * 1e3,
-                # The ranks' reading of their rows (a step ahead, in a thread): part of gather.
-                "data_ms": max(r["phase_s"].get("data", 0.0) for r in results) * 1e3,
-                **{f"phase_{p}_ms": v * 1e3 for p, v in phase.items()},
-            }
-            if results[0]["loss_scale"] is not None:
-                metrics["loss_scale"] = results[0]["loss_scale"]
-            if "val_loss_sum" in results[0]:
-                val = sum(r["val_loss_sum"] for r in results) / max(sum(r["val_tokens"] for r in results), 1)
-                metrics.update(val_loss=val, val_perplexity=math.exp(min(val, 700.0)))
-                h.val_steps.append(step)
-                h.val_losses.append(val)
-            h.skipped += int(skipped)
-            h.memory = [r["memory"] for r in results]
-            if step == first:
-                metrics["world_size"] = self.world
-            if step == 0 or step + 1 == cfg.train.steps:
-                metrics.update(memory_metrics(h.memory, self.num_params))
-            if ckpt is not None:
-                metrics["checkpoint_stall_ms"] = max(r["phase_s"].get("checkpoint", 0.0) for r in results) * 1e3
-                before = ckpt.last_committed
-                ckpt.collect(step, results)
-                if ckpt.last_committed != before:
-                    self.tracker.set_tags({"checkpoint": ckpt.last_committed})
-            if self._recovering is not None and step == first:
-                metrics["recovery_s"] = self._recovered()
-            self.tracker.log_metrics(step, metrics)
-            h.rows.append({"step": step, "world_size": self.world, **metrics})
-            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_step / dt:,.0f}", refresh=False)
+            dt, last = now - last, now
+            stop = self._record_step(cfg, step, results, dt, tokens_per_step, first)
+            bar.set_postfix(loss=f"{h.losses[-1]:.4f}", tok_s=f"{tokens_per_step / dt:,.0f}", refresh=False)
+            if stop:
+                bar.close()
+                return False
             if grow_at == step:
                 self.start_step_next = step + 1
                 bar.close()
                 return True
+            if hold and more:
+                queued = dispatch.submit(plan(step + 1))
+            pending = queued
         return False
 
+    def _record_step(self, cfg: RootConfig, step: int, results: list[dict], dt: float, tokens_per_step: int,
+                     first: int) -> bool:
+        """One iteration's results into the history, MLflow and the checkpoints. True when
+        early stopping ends the run after it."""
+        h = self.history
+        lr = results[0]["lr"]
+        loss = sum(r["loss_sum"] for r in results) / sum(r["tokens"] for r in results)
+        phase = {p: max(r["phase_s"][p] for r in results) for p in PHASES}
+        h.record(step, loss, dt, phase)
+        skipped = results[0]["skipped"]
+        metrics = {
+            "loss": loss,
+            "skipped_step": float(skipped),  # fp16 loss scaling found inf/NaN: no update
+            "lr": lr,
+            "grad_norm": results[0]["grad_norm"],
+            "tokens_per_s": tokens_per_step / dt,
+            "tokens_per_s_per_rank": tokens_per_step / dt / self.world,
+            "step_ms": dt * 1e3,
+            # Wall time outside the slowest rank's phases: dispatch, transfer, waiting.
+            "dispatch_overhead_ms": max(0.0, dt - sum(phase.values())) * 1e3,
+            # The ranks' reading of their rows (a step ahead, in a thread): part of gather.
+            "data_ms": max(r["phase_s"].get("data", 0.0) for r in results) * 1e3,
+            **{f"phase_{p}_ms": v * 1e3 for p, v in phase.items()},
+        }
+        rate = throughput(tokens_per_step / dt, self.world, self.flops_per_token, self.device_name)
+        if rate["mfu"] is not None:
+            metrics["mfu"] = rate["mfu"]
+        if results[0]["loss_scale"] is not None:
+            metrics["loss_scale"] = results[0]["loss_scale"]
+        stop = False
+        if "val0_loss_sum" in results[0]:  # before the first step: the curve's baseline, at step -1
+            base = self._val_loss(results, "val0_")
+            self._log_val(-1, base, {})
+            self.early.observe(-1, base)
+        if "val_loss_sum" in results[0]:
+            val = self._val_loss(results, "val_")
+            self._log_val(step, val, metrics)
+            stop = self.early.observe(step, val)
+            if stop:
+                log.warning("stopping early after step %d: %s", step, self.early.stopped)
+                self.tracker.set_tags({"stopped_early": f"after step {step}: {self.early.stopped}"})
+        h.skipped += int(skipped)
+        h.memory = [r["memory"] for r in results]
+        if step == first:
+            metrics["world_size"] = self.world
+        if step == 0 or step + 1 == cfg.train.steps or stop:
+            metrics.update(memory_metrics(h.memory, self.num_params))
+        ckpt = self.checkpoints
+        if ckpt is not None:
+            metrics["checkpoint_stall_ms"] = max(r["phase_s"].get("checkpoint", 0.0) for r in results) * 1e3
+            before = ckpt.last_committed
+            record = {"early_stopping": self.early.state()}
+            if "val_loss" in metrics:
+                record["metrics"] = {"val_loss": metrics["val_loss"]}
+            ckpt.collect(step, results, record)
+            if ckpt.last_committed != before:
+                self.tracker.set_tags({"checkpoint": ckpt.last_committed})
+        if self._recovering is not None and step == first:
+            metrics["recovery_s"] = self._recovered()
+        self.tracker.log_metrics(step, metrics)
+        self._add_row({"step": step, "world_size": self.world, **metrics})
+        return stop
+
     @staticmethod
-    def _evaluates(cfg: RootConfig, k: int) -> bool:
-        """Whether step `k` ends with an evaluation: every `train.eval_every` steps and after the last."""
-        if not (cfg.data.val_path or cfg.data.val_fraction):
-            return False
-        every = cfg.train.eval_every
-        return k + 1 == cfg.train.steps or (every > 0 and (k + 1) % every == 0)
+    def _val_loss(results: list[dict], prefix: str) -> float:
+        return sum(r[f"{prefix}loss_sum"] for r in results) / max(sum(r[f"{prefix}tokens"] for r in results), 1)
+
+    def _log_val(self, step: int, val: float, metrics: dict) -> None:
+        """A validation loss: into `metrics` (this step's row), or at `step` on its own (the
+        baseline before the first step)."""
+        h = self.history
+        values = {"val_loss": val, "val_perplexity": math.exp(min(val, 700.0))}
+        h.val_steps.append(step)
+        h.val_losses.append(val)
+        if metrics is not None and step >= 0:
+            metrics.update(values)
+            return
+        self.tracker.log_metrics(step, values)
+        self._add_row({"step": step, **values})
+
+    def _add_row(self, row: dict) -> None:
+        self.history.rows.append(row)
+        try:  # the on-disk copy is a convenience: a full disk must not stop training
+            with open(self.history_file, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        except OSError as e:
+            log.debug("could not append to %s: %s", self.history_file, e)
+
+    def _evaluates(self, cfg: RootConfig, k: int) -> bool:
+        due = self.checkpoints is not None and self.checkpoints.plan(k) is not None
+        return self.validates and evaluates(cfg, k, checkpoint_due=due)
 
     def _can_grow(self) -> bool:
         """Below the configured world and the cluster now holds a bigger valid one."""
@@ -410,19 +493,19 @@ class Controller:
 
     def _give_up_message(self, failure: Failure, decision: Decision) -> str:
         restarts = len(self.failures) - 1
-        last = self.checkpoints.last_committed if self.checkpoints is not None else None
-        if last is None and self.checkpoints is not None:
-            try:  # one from an earlier run, that this one resumed from
-                found = self.checkpoints.resume_target({})
-                last = found[0].uri if found else None
-            except Exception:
-                last = None
+        last = self._last_checkpoint()
         where = (f"The last committed checkpoint is {last}; run the same command again to resume from it"
                  if last else "No checkpoint was committed")
         more = failure.detail.splitlines()[1:] if failure.kind == ERROR else []
         return (f"training stopped after {restarts} restart{'s' if restarts != 1 else ''} "
                 f"({decision.reason}): {failure.message}"
                 + "".join(f"\n  {line}" for line in more) + f"\n{where}.")
+
+    def _last_checkpoint(self) -> str | None:
+        """What a rerun resumes from: this run's last commit, else the one it resumed from."""
+        if self.checkpoints is None:
+            return None
+        return self.checkpoints.last_committed or self.resumed_from or (self.first_start or (0, None))[1]
 
     def _mark(self, name: str) -> None:
         """Time one stage of the recovery under way, if any."""
@@ -467,6 +550,10 @@ class Controller:
         step_s = mean(h.timed(h.step_s)) if trained else None
         memory = h.memory or [rank0_info["memory"]]
         ckpt = self.checkpoints
+        tokens_per_s = cfg.train.global_batch_size * cfg.train.seq_len / step_s if trained else None
+        rate = throughput(tokens_per_s, self.world, rank0_info["flops_per_token"], rank0_info["device_name"]) \
+            if trained else {}
+        best = ckpt.best if ckpt is not None else None
         return {
             "first_loss": h.losses[0] if trained else None,
             "final_loss": h.losses[-1] if trained else None,
@@ -475,10 +562,15 @@ class Controller:
             "steps": len(h.losses),
             "start_step": self.first_start[0],
             "total_steps": cfg.train.steps,
-            "tokens_per_s": cfg.train.global_batch_size * cfg.train.seq_len / step_s if trained else None,
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_rank": rate.get("tokens_per_s_per_rank"),
+            "mfu": rate.get("mfu"),  # None on a CPU or a device whose peak is not known
+            "model_flops_per_token": rank0_info["flops_per_token"],
+            "device": rank0_info["device_name"],
             "step_ms": step_s * 1e3 if trained else None,
             "phase_ms": {p: mean(h.timed(v)) * 1e3 for p, v in h.phase_s.items()} if trained else {},
-            "data_ms": mean(h.timed([r["data_ms"] for r in h.rows])) if h.rows else None,
+            "data_ms": mean(h.timed(data_ms)) if (data_ms := [r["data_ms"] for r in h.rows if "data_ms" in r
+                                                             and r["step"] >= self.first_start[0]]) else None,
             "world_size": self.world,
             "num_workers": self.cfg.cluster.num_workers,
             "strategy": cfg.sharding.strategy,
@@ -496,6 +588,11 @@ class Controller:
             "resumed_from": self.first_start[1],
             "checkpoint": ckpt.last_committed if ckpt is not None else None,
             "checkpoints_committed": ckpt.commits if ckpt is not None else 0,
+            "best_checkpoint": best.uri if best is not None else None,
+            "best_val_loss": best.manifest["metrics"]["val_loss"] if best is not None else None,
+            "stopped_early": ({"step": self.early.stopped_after, "reason": self.early.stopped}
+                              if self.early.stopped else None),
+            "schedule_steps": self.schedule_steps,
             "restarts": len(self.failures),
             "failures": [f.record() for f in self.failures],
             "resizes": self.resizes,

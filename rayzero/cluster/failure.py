@@ -33,6 +33,18 @@ class TrainingFailed(RuntimeError):
     """The policy gave up; the message names the cause and the last committed checkpoint."""
 
 
+class Stopped(KeyboardInterrupt):
+    """An interrupt (Ctrl-C, a notebook's stop button) ended the run cleanly: where it was,
+    and the checkpoint a rerun resumes from."""
+
+    def __init__(self, step: int | None, checkpoint: str | None):
+        self.step, self.checkpoint = step, checkpoint
+        at = f"stopped at step {step}" if step is not None else "stopped before training began"
+        where = (f"last checkpoint {checkpoint}; run the same command again to resume" if checkpoint
+                 else "no checkpoint was committed")
+        super().__init__(f"{at}; {where}")
+
+
 @dataclass
 class Failure:
     kind: str

@@ -3,7 +3,9 @@ ranks' memory ledgers; the summary and `Result.history` are made from it."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from rayzero.sharding.memory import bytes_per_param
 
@@ -31,11 +33,13 @@ class History:
             self.phase_s[p].append(phase_s[p])
 
     def rewind(self, step: int) -> None:
-        """Forget iterations from `step` on: a resumed group runs them again."""
+        """Forget iterations from `step` on: a resumed group runs them again (from step 0,
+        the evaluation before it too)."""
         keep = sum(1 for s in self.steps if s < step)
-        for values in (self.steps, self.losses, self.step_s, self.rows, *self.phase_s.values()):
+        for values in (self.steps, self.losses, self.step_s, *self.phase_s.values()):
             del values[keep:]
-        keep = sum(1 for s in self.val_steps if s < step)
+        self.rows[:] = [r for r in self.rows if r["step"] < step] if step > 0 else []
+        keep = sum(1 for s in self.val_steps if s < step) if step > 0 else 0
         del self.val_steps[keep:], self.val_losses[keep:]
 
     def timed(self, values: list[float]) -> list[float]:
@@ -48,3 +52,18 @@ def memory_metrics(reports: list[dict[str, int]], num_params: int) -> dict[str, 
     out = {f"memory_{k}_bytes_per_param": v for k, v in bytes_per_param(reports, num_params).items()}
     out["memory_transient_peak_mib"] = max(r["transient_peak"] for r in reports) / 2**20
     return out
+
+
+def load_rows(path: Path) -> list[dict]:
+    """The rows a run directory's history file holds, one per step (the last written wins:
+    steps run again after a restart replace the ones before), in step order."""
+    rows: dict[int, dict] = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    row = json.loads(line)
+                    rows[row["step"]] = row
+    except (OSError, ValueError, KeyError):
+        return []
+    return [rows[k] for k in sorted(rows)]

@@ -31,8 +31,11 @@ _RETRY_MAX_S = 30.0
 class Tracker:
     def __init__(self, uri: str, experiment: str, run_name: str, params: dict, tags: dict, *,
                  artifact_dir: str | None = None, artifacts: list[str] = (), spill_path: str | None = None,
-                 flush_timeout_s: float = 30.0):
+                 flush_timeout_s: float = 30.0, resume: tuple[str | None, int] | None = None):
+        """`resume`: (the MLflow run id a checkpoint recorded, its step): that run goes on, if
+        this store has it, rather than a new one starting."""
         self.uri = uri
+        self.resume = resume
         self.run_id: str | None = None
         self.spill_path = spill_path
         self.spilled_to: str | None = None  # set when metrics had to be written there instead
@@ -128,7 +131,11 @@ class Tracker:
         kind = op[0]
         if kind == "start":
             _, experiment, run_name, params, tags, artifact_dir = op
+            if self.run_id is None and self.resume is not None and self._continue(params, tags):
+                return
             if self.run_id is None:
+                if self.resume is not None and self.resume[0]:
+                    tags = {**tags, "resumed_from_run": self.resume[0]}  # a run in another store
                 exp = self.client.get_experiment_by_name(experiment)
                 exp_id = exp.experiment_id if exp else self.client.create_experiment(
                     experiment, artifact_location=Path(artifact_dir).resolve().as_uri() if artifact_dir else None)
@@ -145,6 +152,33 @@ class Tracker:
             self.client.log_artifact(self.run_id, op[1])
         elif kind == "end":
             self.client.set_terminated(self.run_id, status=op[1])
+
+    def _continue(self, params: dict, tags: dict) -> bool:
+        """Go on with the resumed run in this store, if it has it: RUNNING again, the params
+        it lacks logged, and those that differ now (MLflow keeps a param's first value) noted
+        in a tag. False when the store does not have the run."""
+        from mlflow.exceptions import MlflowException
+
+        run_id, step = self.resume
+        if not run_id:
+            return False
+        try:
+            run = self.client.get_run(run_id)
+        except MlflowException:
+            return False
+        if run.info.lifecycle_stage != "active":
+            return False
+        self.run_id = run_id
+        self._started.set()
+        self.client.update_run(run_id, status="RUNNING")
+        before = run.data.params
+        items = [Param(k, str(v)) for k, v in sorted(params.items()) if k not in before]
+        for i in range(0, len(items), _PARAM_BATCH):
+            self.client.log_batch(run_id, params=items[i : i + _PARAM_BATCH])
+        changed = [f"{k}: {before[k]} -> {v}" for k, v in sorted(params.items()) if k in before and before[k] != str(v)]
+        notes = {f"resumed_at_step_{step}": "; ".join(changed) if changed else "same params"}
+        self.client.log_batch(run_id, tags=[RunTag(k, str(v)[:5000]) for k, v in {**tags, **notes}.items()])
+        return True
 
     def _spill(self) -> None:
         """What never reached the server, as JSON in the run directory."""

@@ -5,6 +5,14 @@
                 `transformers.AutoTokenizer` loads from a local directory, such as a model
                 directory with its tokenizer files
 
+One tokenizer everywhere: a model directory's tokenizer is what
+`AutoTokenizer.from_pretrained(MODEL_DIR)` gives, which is what the user's own inference code
+will load, with its class picked from `tokenizer_config.json` or else from `config.json`'s
+`model_type` (a Qwen2 directory gives `Qwen2Tokenizer`, which splits digits, where the bare
+`tokenizer.json` would not). `data prepare`, training's check, `generate` and the export all
+load it that way; a prepared dataset keeps a copy (`tokenizer/`, as `save_pretrained` writes
+it, naming its class) that loads the same tokenizer without the model directory.
+
 A document becomes [BOS] + its tokens + EOS: BOS where the tokenizer adds one itself
 (Llama's does, GPT-2's does not), EOS always, as the separator between documents.
 
@@ -19,6 +27,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
+import tempfile
 from functools import cached_property
 from pathlib import Path
 
@@ -80,6 +89,11 @@ class Tokenizer:
     def chat_template(self) -> str | None:
         return None
 
+    def saved_files(self) -> dict[str, bytes]:
+        """The tokenizer as files a directory can hold and `load_tokenizer` loads back the
+        same (none for bytes, which need none)."""
+        return {}
+
 
 class ByteTokenizer(Tokenizer):
     kind = "byte"
@@ -104,9 +118,12 @@ class HFTokenizer(Tokenizer):
 
     kind = "hf"
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, name: str | None = None):
+        """`name`: what messages and records call it (default: the directory's name)."""
         self.path = Path(path).expanduser()
+        self.name = name or self.path.name
         self.tok = _load_hf(self.path)
+        self.files_hash = files_sha256(self.path)  # the directory may be a temporary one
         self.vocab_size = len(self.tok)
         self.eos_id = self.tok.eos_token_id
         if self.eos_id is None:
@@ -154,8 +171,38 @@ class HFTokenizer(Tokenizer):
     def chat_template(self):
         return getattr(self.tok, "chat_template", None)
 
+    def render_chat(self, messages: list[dict], generation_prompt: bool = True) -> str:
+        """The conversation as the chat template renders it (the text `data prepare` encodes
+        for instruction data), ending, with `generation_prompt`, where the answer begins."""
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def end_of_turn_ids(self) -> set[int]:
+        """The special token(s) the chat template closes an assistant turn with (Qwen's
+        `<|im_end|>`, Llama 3's `<|eot_id|>`), found by rendering one turn: none without a
+        template, or where the template closes a turn with plain text."""
+        if not self.chat_template:
+            return set()
+        marker = "rayzero0turn0end"
+        try:
+            text = self.render_chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}],
+                                    generation_prompt=False)
+        except Exception:  # noqa: BLE001 (a template that wants other roles: no marker known)
+            return set()
+        after = text.rpartition(marker)[2]
+        special = set(self.special_tokens.values())
+        ids = self.encode_batch([after])[0].tolist() if after else []
+        return {i for i in ids[:2] if i in special}
+
     def record(self) -> dict:
-        return {**super().record(), "files_sha256": files_sha256(self.path), "name": self.path.name}
+        return {**super().record(), "files_sha256": self.files_hash, "name": self.name,
+                "class": type(self.tok).__name__}
+
+    def saved_files(self) -> dict[str, bytes]:
+        """`save_pretrained`'s files: tokenizer.json and a tokenizer_config.json naming the
+        class, so that AutoTokenizer gives this same tokenizer from them alone."""
+        with tempfile.TemporaryDirectory() as d:
+            self.tok.save_pretrained(d)
+            return {p.name: p.read_bytes() for p in sorted(Path(d).iterdir()) if p.is_file()}
 
     def for_documents(self) -> Tokenizer:
         if self._backend is None:
@@ -220,7 +267,7 @@ def _guess_eos(tok) -> None:
     """A bare tokenizer.json names no EOS: take the one special token with a conventional name."""
     special = {t.content for t in tok.backend_tokenizer.get_added_tokens_decoder().values() if t.special} \
         if tok.is_fast else set()
-    for name in ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "[SEP]"):
+    for name in ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<EOS_TOKEN>", "<|eot_id|>", "[SEP]"):
         if name in special:
             tok.eos_token = name
             return
@@ -246,6 +293,16 @@ def files_sha256(path: Path) -> str:
     for p in tokenizer_files(path):
         h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()[:16]
+
+
+def tokenizer_from_files(files: dict[str, bytes], name: str) -> "HFTokenizer":
+    """A tokenizer from a directory's files held in memory (read from storage): written to a
+    temporary directory and loaded from there as from the directory itself (so include
+    `config.json` where the directory has one: it can pick the tokenizer's class)."""
+    with tempfile.TemporaryDirectory() as d:
+        for file, data in files.items():
+            (Path(d) / file).write_bytes(data)
+        return HFTokenizer(d, name=name)
 
 
 def load_tokenizer(spec: str | Path | Tokenizer | None) -> Tokenizer:

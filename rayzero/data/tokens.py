@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 FORMAT = "rayzero-tokens"
 FORMAT_VERSION = 2  # 1: bytes only, uint16, no tokenizer record (still read)
 DOCUMENTS = "documents.parquet"  # each document's (example's) length in tokens, in order
+TOKENIZER_DIR = "tokenizer"  # the tokenizer the dataset was made with, as save_pretrained writes it
 ENCODE_BATCH = 256  # documents per call into the tokenizer
 
 
@@ -105,9 +106,14 @@ class ShardWriter:
         self.shards.append({"file": name, "num_tokens": int(tokens.size)})
         self.pending, self.pending_len = [], 0
 
-    def commit(self, meta: dict) -> dict:
+    def commit(self, meta: dict, files: dict[str, bytes] | None = None) -> dict:
+        """Flush what is left, write `files` (relative names), then meta.json: the commit."""
         if self.pending:
             self.flush()
+        for name, data in (files or {}).items():
+            self.fs.create_dir(posixpath.dirname(posixpath.join(self.root, name)), recursive=True)
+            with self.fs.open_output_stream(posixpath.join(self.root, name)) as f:
+                f.write(data)
         with self.fs.open_output_stream(posixpath.join(self.root, DOCUMENTS)) as f:  # where each one ends
             pq.write_table(pa.table({"length": pa.array(self.lengths, type=pa.int64())}), f, compression="zstd")
         meta = {"format": FORMAT, "version": FORMAT_VERSION, **meta, "dtype": self.dtype.name,
@@ -162,12 +168,15 @@ def prepare(
     if not writer.documents:
         what = "instruction records" if instructions else "UTF-8 documents"
         raise DataError(f"no {what} in {src}" + (f" (matching {pattern!r})" if pattern != "*" else ""))
+    # The tokenizer itself beside the tokens: generate and exports find it without the model directory.
+    saved = {f"{TOKENIZER_DIR}/{name}": data for name, data in tok.saved_files().items()}
+    record = {**tok.record(), **({"dir": TOKENIZER_DIR} if saved else {})}
     meta = {"kind": "instructions" if instructions else "text", "vocab_size": tok.vocab_size, "eot": tok.eos_id,
-            "tokenizer": tok.record(), "source": str(src), "skipped": (skipped or [])[:100],
+            "tokenizer": record, "source": str(src), "skipped": (skipped or [])[:100],
             "num_skipped": len(skipped or [])}
     if instructions:
         meta["num_target_tokens"] = writer.target_tokens
-    return writer.commit(meta)
+    return writer.commit(meta, saved)
 
 
 def _add_documents(files, tok, writer: ShardWriter, fields: Fields, skipped, bar) -> None:
@@ -220,6 +229,35 @@ def read_meta(uri: str, storage_cfg=None) -> dict:
     if meta["version"] == 1:
         meta = {**meta, "dtype": "uint16", "tokenizer": ByteTokenizer().record()}
     return meta
+
+
+def dataset_tokenizer_files(uri: str, storage_cfg=None) -> dict[str, bytes]:
+    """The files of the tokenizer copy a dataset keeps (empty: bytes, or a dataset prepared by
+    an older rayzero, which keeps none)."""
+    record = read_meta(uri, storage_cfg)["tokenizer"]
+    if "dir" not in record:
+        return {}
+    fs, root = _filesystem(uri, storage_cfg)
+    files = {}
+    for info in fs.get_file_info(pafs.FileSelector(posixpath.join(root, record["dir"]))):
+        if info.type == pafs.FileType.File:
+            with fs.open_input_stream(info.path) as f:
+                files[info.base_name] = f.read()
+    return files
+
+
+def dataset_tokenizer(uri: str, storage_cfg=None) -> Tokenizer | None:
+    """The tokenizer a dataset was made with, loaded from the copy it keeps; None where it
+    keeps none."""
+    record = read_meta(uri, storage_cfg)["tokenizer"]
+    if record["kind"] == "byte":
+        return ByteTokenizer()
+    files = dataset_tokenizer_files(uri, storage_cfg)
+    if not files:
+        return None
+    from rayzero.data.tokenizer import tokenizer_from_files
+
+    return tokenizer_from_files(files, record.get("name") or "tokenizer")
 
 
 @dataclass(frozen=True)

@@ -55,11 +55,18 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--workers", type=int, default=None, help="with --ray: tokenizing workers (default: the "
                       "cluster's CPUs)")
     g = sub.add_parser("generate", help="text from a prompt with trained weights", description=(
-        "Continue a prompt with a checkpoint (its newest commit, or one step-... prefix), a Hugging Face "
-        "directory (an hf export) or a safetensors export (with the model's config: --config or model.* "
-        "overrides). The tokenizer: --tokenizer, else the model directory's own, else bytes."))
+        "Continue a prompt, or answer it as a chat, with a checkpoint (its newest commit, or one step-... prefix), "
+        "a Hugging Face directory (an hf export) or a safetensors export (with the model's config: --config or "
+        "model.* overrides). The tokenizer: --tokenizer, else the model directory's own, else the training "
+        "data's, else bytes. With a chat template the prompt is the user's message and only the answer is "
+        "printed; generation stops at the end-of-turn and end-of-sequence tokens."))
     g.add_argument("weights")
-    g.add_argument("--prompt", required=True)
+    g.add_argument("--prompt", required=True, help="the text to continue, or (chat) the user's message")
+    g.add_argument("--system", default=None, help="chat: a system prompt before the message")
+    mode = g.add_mutually_exclusive_group()
+    mode.add_argument("--chat", action="store_true", help="render the prompt with the tokenizer's chat template "
+                      "(the default when it has one; an error when it has none)")
+    mode.add_argument("--raw", action="store_true", help="continue the prompt as plain text, template or not")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens only (0 = all)")
@@ -139,7 +146,7 @@ def _ckpt(args) -> int:
 def _train(args) -> int:
     from rayzero.checkpoint.manifest import CheckpointError
     from rayzero.checkpoint.storage import StorageError
-    from rayzero.cluster.failure import TrainingFailed
+    from rayzero.cluster.failure import Stopped, TrainingFailed
     from rayzero.cluster.worker_group import PlacementError
     from rayzero.jobs.train import ClusterUnreachable, run_train
 
@@ -159,6 +166,9 @@ def _train(args) -> int:
     except TrainingFailed as e:
         print(f"rayzero: training failed: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as e:  # Ctrl-C: one line, the shell's code for SIGINT, no traceback
+        print(f"\nrayzero: {e if isinstance(e, Stopped) else 'stopped before training began'}", file=sys.stderr)
+        return 130
     _print_summary(summary)
     if args.summary_json:
         Path(args.summary_json).write_text(json.dumps(summary, indent=2))
@@ -183,6 +193,7 @@ def _print_plan(p: dict) -> None:
         + (f"  {_buckets_line(p['buckets'])}\n" if p["buckets"]["numel"] else "")
         + f"  {p['global_batch_size']} sequences per step = {p['world_size']} ranks x {p['grad_accum']} "
         f"micro-batches x {p['micro_batch_size']}; {p['tokens_per_step']:,} tokens per step, {p['steps']} steps\n"
+        f"  {p['schedule']}\n"
         f"  data {p['data']}\n"
         + (f"  checkpoints every {ck['every_steps']} steps to {ck['dir']} (resume {ck['resume']})\n" if ck
            else "  checkpoints off\n")
@@ -222,8 +233,10 @@ def _params_line(total: int, trainable: int) -> str:
 
 def _print_summary(s: dict) -> None:
     if s["steps"] == 0:
-        print(f"\nnothing to train: resumed from {s['resumed_from']} at step {s['start_step']} "
-              f"of {s['total_steps']}")
+        why = (f"the run stopped early after step {s['stopped_early']['step']}: {s['stopped_early']['reason']}; "
+               "train.early_stopping_patience=0 trains on" if s.get("stopped_early") else
+               f"it is at step {s['start_step']} of train.steps={s['total_steps']}")
+        print(f"\nnothing to train: {s['checkpoint']}: {why}")
         return
     phases = "  ".join(f"{k} {v:.1f}" for k, v in s["phase_ms"].items())
     mem = s["memory"]
@@ -237,7 +250,9 @@ def _print_summary(s: dict) -> None:
            if s.get("final_val_loss") is not None else "") + "\n"
         f"  {ranks}, strategy {s['strategy']}, {_params_line(s['num_params'], s['trainable_params'])}, "
         f"{s['grad_accum']} micro-batches/step\n"
-        f"  {s['tokens_per_s']:,.0f} tokens/s, {s['step_ms']:.1f} ms/step ({phases} ms)\n"
+        f"  {s['tokens_per_s']:,.0f} tokens/s ({s['tokens_per_s_per_rank']:,.0f} per rank"
+        + (f", MFU {s['mfu']:.1%} of the {s['device']}'s dense bf16 peak" if s.get("mfu") is not None else "")
+        + f"), {s['step_ms']:.1f} ms/step ({phases} ms)\n"
         f"  memory per rank, bytes/parameter: {per_param}; transient peak "
         f"{mem['transient_bytes'] / 2**20:.1f} MiB\n"
         + (f"  {s['skipped_steps']} steps skipped by loss scaling\n" if s["skipped_steps"] else "")
@@ -245,7 +260,11 @@ def _print_summary(s: dict) -> None:
                   f"training again {f['timings'].get('total_s', 0):.1f}s later\n"
                   for i, f in enumerate(s["failures"], 1))
         + "".join(f"  grew from {r['from']} to {r['to']} ranks at step {r['step']}\n" for r in s["resizes"])
+        + (f"  stopped early after step {s['stopped_early']['step']}: {s['stopped_early']['reason']}\n"
+           if s.get("stopped_early") else "")
         + (f"  checkpoint {s['checkpoint']}\n" if s["checkpoint"] else "")
+        + (f"  best checkpoint {s['best_checkpoint']} (validation loss {s['best_val_loss']:.4f})\n"
+           if s.get("best_checkpoint") else "")
         + f"  run dir {s['run_dir']}\n"
         + (f"  mlflow run {s['mlflow_run_id']} at {s['mlflow_tracking_uri']}" if s["mlflow_run_id"]
            else f"  mlflow at {s['mlflow_tracking_uri']} did not answer" if s["mlflow_tracking_uri"] else "  mlflow off")
@@ -284,14 +303,27 @@ def _prepare(args) -> int:
     if args.ray:
         import ray
 
+        from rayzero.jobs.preflight import quiet_logs
         from rayzero.jobs.train import _check_reachable
 
+        quiet_logs()
         if not ray.is_initialized():
             try:
                 _check_reachable(args.address)
                 ray.init(address=args.address or None, logging_level="WARNING", log_to_driver=False)
             except ConnectionError as e:
                 raise _UserError(f"--address: cannot connect to a Ray cluster at {args.address!r}: {e}") from None
+    tokenizer = args.tokenizer
+    if "://" in tokenizer and not tokenizer.startswith("file://"):  # a model directory in storage
+        from rayzero.checkpoint.storage import StorageError
+        from rayzero.models.hf import model_tokenizer
+
+        try:
+            tokenizer = model_tokenizer(tokenizer, load_config(None, []).checkpoint)
+        except StorageError as e:
+            raise _UserError(f"--tokenizer: cannot read {args.tokenizer}: {e}") from None
+        if tokenizer is None:
+            raise _UserError(f"--tokenizer: {args.tokenizer} holds no tokenizer files")
     how = prepare
     if args.ray:
         from functools import partial
@@ -299,7 +331,7 @@ def _prepare(args) -> int:
         from rayzero.jobs.ray_prepare import prepare_on_ray
 
         how = partial(prepare_on_ray, workers=args.workers)
-    meta = how(args.src, args.out, pattern=args.glob, shard_tokens=args.shard_tokens, tokenizer=args.tokenizer,
+    meta = how(args.src, args.out, pattern=args.glob, shard_tokens=args.shard_tokens, tokenizer=tokenizer,
                fields=Fields(args.text_field, args.text_column), strict_utf8=args.strict_utf8,
                progress=not args.no_progress, instructions=args.instructions)
     tok = meta["tokenizer"]
@@ -321,8 +353,10 @@ def _generate(args) -> int:
         gen = load_generator(args.weights, load_config(args.config, args.overrides), args.tokenizer)
     except (CheckpointError, StorageError, ModelError) as e:
         raise _UserError(str(e)) from None
-    text = gen(args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
-    print(args.prompt + text)
+    chat = True if args.chat else False if args.raw else None
+    text = gen(args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed, system=args.system,
+               chat=chat)
+    print(text if gen.chats(chat, args.system is not None) else args.prompt + text)
     return 0
 
 

@@ -1,6 +1,7 @@
 """A look at what a model learned: text from a prompt, on this machine (no Ray, no GPU needed).
 
     rayzero generate WEIGHTS --prompt "def add(" [--max-new-tokens 64] [--temperature 0.8 --top-k 50]
+    rayzero generate WEIGHTS --prompt "What is 2+2?" [--system "Be brief."]   # a chat model
 
 WEIGHTS is any of
     a checkpoint              (a checkpoint directory, its newest commit, or one step-… prefix):
@@ -9,38 +10,87 @@ WEIGHTS is any of
     a safetensors file        a `safetensors` export, with the model's config as overrides
                               (`model.preset=small`, or the training job's `--config`)
 
-The tokenizer is `--tokenizer` if given, else the one in the model's directory (an HF export
-or `model.path`), else bytes. Greedy at temperature 0; otherwise sampled (top-k when given),
-under `--seed`.
+The tokenizer is `--tokenizer` if given, else the model directory's own (an HF export, or
+`model.path`), else the one the training data was made with (kept with the dataset), else
+bytes. With a tokenizer that has a chat template the prompt is a user message (and `--system`
+a system prompt), rendered with the template as instruction data was, and the answer alone is
+printed; `--raw` continues the prompt as plain text instead, and `--chat` insists on the
+template. Generation stops at the end-of-sequence token, at the end-of-turn token the template
+closes an answer with, and at the generation config's `eos_token_id`s. Greedy at temperature
+0; otherwise sampled (top-k when given), under `--seed`.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
 from rayzero.config import ConfigError, RootConfig, load_config
-from rayzero.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, tokenizer_files
+from rayzero.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 
 class Generator:
-    """A model in evaluation mode with its tokenizer."""
+    """A model in evaluation mode with its tokenizer. `eos_ids`: the ids the model's config
+    and generation config end a sequence with (those the tokenizer knows as special count)."""
 
-    def __init__(self, model: nn.Module, tokenizer: Tokenizer, block_size: int | None = None):
+    def __init__(self, model: nn.Module, tokenizer: Tokenizer, block_size: int | None = None,
+                 eos_ids: set[int] | None = None):
         self.model, self.tokenizer, self.block_size = model.eval(), tokenizer, block_size
+        special = set(tokenizer.special_tokens.values())
+        # A config's eos id that is an ordinary token of this tokenizer would cut answers short.
+        self.stop_ids = {tokenizer.eos_id} | {i for i in (eos_ids or ()) if i in special}
+        self.end_of_turn = tokenizer.end_of_turn_ids() if hasattr(tokenizer, "end_of_turn_ids") else set()
 
-    @torch.no_grad()
-    def __call__(self, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
-                 seed: int = 0) -> str:
-        """The prompt's continuation (the new text only); stops at the end-of-sequence token."""
+    def __call__(self, prompt: str | None = None, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+                 seed: int = 0, *, messages: list[dict] | None = None, system: str | None = None,
+                 chat: bool | None = None) -> str:
+        """The new text only: the prompt's continuation, or the answer to a chat.
+
+        `chat`: None = the chat template when the tokenizer has one, True = it must have one,
+        False = `prompt` is raw text. In a chat, `prompt` is the user's message after
+        `system`; `messages` gives the whole conversation instead."""
+        ids, chatting = self.encode(prompt, messages, system, chat)
+        stop = self.stop_ids | (self.end_of_turn if chatting else set())
+        return self.tokenizer.decode(self.continue_ids(ids, stop, max_new_tokens, temperature, top_k, seed))
+
+    def encode(self, prompt: str | None, messages: list[dict] | None, system: str | None,
+               chat: bool | None) -> tuple[list[int], bool]:
+        """The prompt's ids, and whether they are a chat rendered with the template."""
         tok = self.tokenizer
+        if self.chats(chat, messages is not None or system is not None):
+            if messages is None:
+                if prompt is None:
+                    raise ConfigError("nothing to answer: give a prompt or messages")
+                messages = ([{"role": "system", "content": system}] if system is not None else []) + [
+                    {"role": "user", "content": prompt}]
+            text = tok.render_chat(messages, generation_prompt=True)
+            return tok.encode_batch([text])[0].tolist(), True
+        if prompt is None:
+            raise ConfigError("nothing to continue: give a prompt")
         ids = tok.encode_batch([prompt])[0].tolist()
         if tok.bos_id is not None:
             ids = [tok.bos_id, *ids]
-        if not ids:
-            ids = [tok.eos_id]  # an empty prompt: start as a new document starts
+        return ids or [tok.eos_id], False  # an empty prompt: start as a new document starts
+
+    def chats(self, chat: bool | None, conversation: bool = False) -> bool:
+        """Whether a prompt goes through the chat template: `chat` if said (True needs a
+        template), else where there is one; a conversation (messages, a system prompt) must."""
+        has_template = bool(self.tokenizer.chat_template)
+        if conversation and chat is False:
+            raise ConfigError("messages and a system prompt need the chat template: leave out raw")
+        chatting = (has_template or conversation) if chat is None else chat
+        if chatting and not has_template:
+            raise ConfigError("the tokenizer has no chat template: give the prompt as plain text (--raw), "
+                              "or a tokenizer that has one (--tokenizer)")
+        return chatting
+
+    @torch.no_grad()
+    def continue_ids(self, ids: list[int], stop: set[int], max_new_tokens: int, temperature: float, top_k: int,
+                     seed: int) -> list[int]:
+        """Up to `max_new_tokens` new ids after `ids`, ending before the first one in `stop`."""
         x = torch.tensor([ids], dtype=torch.long)
         gen = torch.Generator().manual_seed(seed)
         new: list[int] = []
@@ -48,7 +98,7 @@ class Generator:
             context = x if self.block_size is None else x[:, -self.block_size:]
             out = self.model(context)
             logits = getattr(out, "logits", out)[0, -1].float()
-            logits = logits[: tok.vocab_size]  # a model's padded vocabulary never yields an id the tokenizer lacks
+            logits = logits[: self.tokenizer.vocab_size]  # a padded vocabulary never yields an id the tokenizer lacks
             if temperature <= 0:
                 nxt = int(logits.argmax())
             else:
@@ -57,17 +107,66 @@ class Generator:
                     cut = torch.topk(logits, min(top_k, logits.numel())).values[-1]
                     logits = logits.masked_fill(logits < cut, float("-inf"))
                 nxt = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
-            if nxt == tok.eos_id:
+            if nxt in stop:
                 break
             new.append(nxt)
             x = torch.cat([x, torch.tensor([[nxt]])], dim=1)
-        return tok.decode(new)
+        return new
 
 
-def _tokenizer_in(path: str | None) -> Tokenizer | None:
-    if path and "://" not in path and tokenizer_files(Path(path).expanduser()):
-        return load_tokenizer(str(Path(path).expanduser()))
-    return None
+def find_tokenizer(model_path: str | None, data_path: str | None, storage_cfg=None) -> Tokenizer:
+    """The tokenizer a model was trained with: the model directory's own (as AutoTokenizer
+    loads it), else the copy its dataset keeps, else bytes. A dataset made with a Hugging Face
+    tokenizer that is nowhere to be found is an error, not bytes."""
+    from rayzero.data.errors import DataError
+    from rayzero.data.tokens import dataset_tokenizer, read_meta
+    from rayzero.models.hf import model_tokenizer
+
+    if model_path:
+        try:
+            tok = model_tokenizer(model_path, storage_cfg)
+        except (OSError, DataError):
+            tok = None
+        if tok is not None:
+            return tok
+    if data_path:
+        try:
+            tok = dataset_tokenizer(data_path, storage_cfg)
+            record = read_meta(data_path, storage_cfg)["tokenizer"]
+        except (OSError, DataError):
+            return ByteTokenizer()
+        if tok is None and record["kind"] != "byte":
+            raise ConfigError(f"the training data {data_path} was tokenized with {record.get('name', 'a tokenizer')}, "
+                              "which neither the model directory nor the dataset holds: give --tokenizer")
+        return tok or ByteTokenizer()
+    return ByteTokenizer()
+
+
+def _eos_ids(files: dict[str, bytes]) -> set[int]:
+    """The `eos_token_id`s of a model's config.json and generation_config.json (an int or a list)."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        try:
+            value = json.loads(files[name]).get("eos_token_id")
+        except (KeyError, ValueError, AttributeError):
+            continue
+        ids.update(v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int))
+    return ids
+
+
+def _model_files(path: str | None, storage_cfg=None) -> dict[str, bytes]:
+    """config.json and generation_config.json of a model directory, those that can be read."""
+    if not path:
+        return {}
+    from rayzero.checkpoint.storage import Storage, StorageError
+
+    files = {}
+    for name in ("config.json", "generation_config.json"):
+        try:
+            files[name] = Storage(path, storage_cfg).read_bytes(name)
+        except (FileNotFoundError, StorageError, OSError):
+            pass
+    return files
 
 
 def _real(model: nn.Module, weights: dict[str, torch.Tensor]) -> nn.Module:
@@ -85,14 +184,17 @@ def load_generator(weights: str, cfg: RootConfig | None = None, tokenizer: str |
     from rayzero.checkpoint.manifest import CheckpointError, open_checkpoint
 
     cfg = cfg or load_config(None, [])
+    storage = cfg.checkpoint
+    chosen = load_tokenizer(tokenizer) if tokenizer else None
     local = Path(weights).expanduser()
     if local.is_dir() and (local / "config.json").is_file():  # a Hugging Face directory
         import transformers as tf
 
         tf.logging.set_verbosity_error()
+        tf.logging.disable_progress_bar()  # its "Loading weights" bar is not the answer
         model = tf.AutoModelForCausalLM.from_pretrained(str(local), dtype=torch.float32)
-        tok = load_tokenizer(tokenizer) if tokenizer else (_tokenizer_in(str(local)) or ByteTokenizer())
-        return Generator(model, tok)
+        tok = chosen or find_tokenizer(str(local), None, storage)
+        return Generator(model, tok, eos_ids=_eos_ids(_model_files(str(local))))
     if local.is_file() and local.suffix == ".safetensors":
         from safetensors.torch import load_file
 
@@ -100,20 +202,23 @@ def load_generator(weights: str, cfg: RootConfig | None = None, tokenizer: str |
 
         spec = make_spec(cfg)
         model = _real(spec.build(), load_file(str(local)))
-        tok = load_tokenizer(tokenizer) if tokenizer else (
-            (cfg.model.kind == "hf" and _tokenizer_in(cfg.model.path)) or ByteTokenizer())
-        return Generator(model, tok, _block_size(cfg))
+        path = cfg.model.path if cfg.model.kind == "hf" else None
+        tok = chosen or find_tokenizer(path, cfg.data.path or None, storage)
+        return Generator(model, tok, _block_size(cfg), eos_ids=_eos_ids(_model_files(path, storage)))
     try:
-        c = open_checkpoint(weights, cfg.checkpoint)
+        c = open_checkpoint(weights, storage)
     except CheckpointError as e:
         raise ConfigError(f"{weights}: not a checkpoint, a model directory or a safetensors file ({e})") from None
     from rayzero.checkpoint.tools import CheckpointWeights, consolidated_weights
 
-    spec = CheckpointWeights(c, cfg.checkpoint).spec
-    model = _real(spec.build(), consolidated_weights(c, cfg.checkpoint))
-    source = c.manifest["model"].get("path")
-    tok = load_tokenizer(tokenizer) if tokenizer else (_tokenizer_in(source) or ByteTokenizer())
-    return Generator(model, tok, c.manifest.get("block_size"))
+    spec = CheckpointWeights(c, storage).spec
+    model = _real(spec.build(), consolidated_weights(c, storage))
+    source = c.manifest["model"].get("path") if c.manifest["model"].get("kind") == "hf" else None
+    tok = chosen or find_tokenizer(source, c.manifest["data"].get("path"), storage)
+    files = _model_files(source, storage)
+    if "config.json" not in files and (c.manifest.get("model_source") or {}).get("config"):
+        files["config.json"] = json.dumps(c.manifest["model_source"]["config"]).encode()
+    return Generator(model, tok, c.manifest.get("block_size"), eos_ids=_eos_ids(files))
 
 
 def _block_size(cfg: RootConfig) -> int | None:

@@ -16,11 +16,15 @@ from rayzero.checkpoint.storage import StorageError
 from rayzero.cluster.checkpoints import Checkpoints
 from rayzero.cluster.controller import Controller
 from rayzero.cluster.tracking import NullTracker, Tracker
-from rayzero.checkpoint.export import check_destination
+from rayzero.checkpoint.export import check_destination, check_final, export_identity
 from rayzero.config import ConfigError, RootConfig
 from rayzero.data.corpus import ensure_default_corpus
 from rayzero.data.tokens import DataError, read_meta
 from rayzero.models import ModelError, ModelSpec, ModelUnavailable
+from rayzero.jobs.preflight import (
+    check_local_capacity, nothing_to_train, quiet_logs, resume_preview, resumed_run_dir, say_resume,
+    starts_local_ray,
+)
 from rayzero.workers.rank import bucket_layout, check_buildable, make_spec
 
 
@@ -116,32 +120,28 @@ def check_validation(cfg: RootConfig, meta: dict, data_path) -> None:
 
 
 def check_data_tokenizer(cfg: RootConfig, meta: dict, data_path: str) -> None:
-    """A dataset made with another tokenizer than the one in the model's directory is refused:
-    its ids would mean other tokens to the model."""
+    """A dataset made with another tokenizer than the model's own is refused: its ids would
+    mean other tokens to the model. The model's tokenizer is what `AutoTokenizer` loads from
+    `model.path` (as `data prepare --tokenizer MODEL_DIR` loads it), so the advice below makes
+    a dataset that passes."""
     if cfg.model.kind != "hf":
         return
-    import tempfile
+    from rayzero.models.hf import model_tokenizer
 
-    from rayzero.data.tokenizer import HFTokenizer, is_tokenizer_file
-    from rayzero.models.hf import companion_files
-
-    files = {n: b for n, b in companion_files(cfg.model.path, cfg.checkpoint).items() if is_tokenizer_file(n)}
-    if not files:
+    try:
+        mine = model_tokenizer(cfg.model.path, cfg.checkpoint)
+    except DataError as e:
+        raise DataError(f"model.path: {cfg.model.path} has tokenizer files, but {str(e).split(': ', 1)[-1]}") from None
+    if mine is None:
         return
-    with tempfile.TemporaryDirectory() as d:
-        for name, data in files.items():
-            (Path(d) / name).write_bytes(data)
-        try:
-            mine = HFTokenizer(d)
-        except DataError as e:
-            raise DataError(f"model.path: {cfg.model.path} has tokenizer files, but {str(e).split(': ', 1)[-1]}") from None
     theirs = meta["tokenizer"]
     if theirs["sha256"] != mine.sha256:
-        made = "bytes" if theirs["kind"] == "byte" else f"tokenizer {theirs.get('name', '?')} ({theirs['sha256']})"
+        made = "bytes" if theirs["kind"] == "byte" else (
+            f"tokenizer {theirs.get('name', '?')} ({theirs.get('class', 'hf')}, {theirs['sha256']})")
         raise DataError(
-            f"data.path: {data_path} was tokenized with {made}, not with the tokenizer in model.path "
-            f"{cfg.model.path} ({mine.sha256}): prepare it with `rayzero data prepare SRC OUT --tokenizer "
-            f"{cfg.model.path}`")
+            f"data.path: {data_path} was tokenized with {made}, not with the tokenizer of model.path "
+            f"{cfg.model.path} ({type(mine.tok).__name__}, {mine.sha256}): prepare it with `rayzero data prepare "
+            f"SRC OUT --tokenizer {cfg.model.path}`")
 
 
 def resolve_factory(cfg: RootConfig, factory=None):
@@ -226,16 +226,21 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
         raise ConnectionError(f"{host}:{port} is not reachable ({e})") from None
 
 
-def plan(cfg: RootConfig, factory=None, read_model: bool = True) -> dict:
+def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | None = None) -> dict:
     """What `run_train(cfg)` would do, checked as far as possible without data or Ray: the
     config and the model (built on the meta device; its weights' headers read) are validated
     (ConfigError), and the plan says how the ranks split the work and what each holds
     (Megatron's model-state formula). A model whose storage this machine cannot reach (an
     S3 endpoint only the cluster sees; with `read_model=False`, any) is left out of the plan,
-    with a note saying so."""
+    with a note saying so. `local`: whether the run starts a Ray of its own here, which must
+    then fit this machine (default: as `starts_local_ray` finds)."""
     from rayzero.cluster.checkpoints import checkpoint_root
+    from rayzero.cluster.schedule import describe as describe_schedule
     from rayzero.sharding.memory import formula_bytes_per_param
     from rayzero.sharding.precision import DTYPES
+
+    if starts_local_ray(cfg) if local is None else local:
+        check_local_capacity(cfg)
 
     try:
         if not read_model:
@@ -277,6 +282,7 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True) -> dict:
         "grad_accum": cfg.grad_accum,
         "tokens_per_step": t.global_batch_size * t.seq_len,
         "steps": t.steps,
+        "schedule": describe_schedule(t.steps, cfg.optim),
         "buckets": {"numel": buckets, "bucket_numel": sh.bucket_numel,
                     "per_unit": sh.strategy == "optim_grads_params"},
         "memory": {"bytes_per_param": bytes_per_rank / num_params if num_params else per_param,
@@ -296,8 +302,10 @@ def run_train(cfg: RootConfig, progress: bool = True, factory=None) -> dict:
 
 
 def train_run(cfg: RootConfig, progress: bool = True, factory=None) -> tuple[dict, list[dict]]:
-    """Train; the run's summary and each step's metrics (one dict per step). `factory`: the
-    model's callable, given from Python (`model.kind=module`)."""
+    """Train; the run's summary and each step's metrics (one dict per step, from step 0 on a
+    resumed run too). `factory`: the model's callable, given from Python (`model.kind=module`)."""
+    if starts_local_ray(cfg):  # before anything is written: not after the placement wait
+        check_local_capacity(cfg)
     data_path = resolve_data(cfg)
     cfg = absolute_model_path(cfg)
     if cfg.train.save_final:
@@ -315,15 +323,27 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None) -> tuple[dic
     note_cut_examples(cfg, meta, dataset)
     cfg = limit_to_epochs(cfg, dataset)
     spec = check_model(cfg, factory, data_vocab=meta["vocab_size"])
-    checkpoints = None
+    if cfg.train.save_final:
+        try:
+            check_final(cfg.train.save_final, cfg.train.save_format, export_identity(spec.record()),
+                        cfg.train.overwrite_final)
+        except ValueError as e:
+            raise ConfigError(f"train.save_final: {cfg.train.save_final}: {e}") from None
+    checkpoints, resume = None, None
     if cfg.checkpoint.dir:  # a probe write now, not a failed upload after an hour of training
         try:
             checkpoints = Checkpoints(cfg)
             checkpoints.probe()
         except StorageError as e:
             raise ConfigError(f"checkpoint.dir: cannot write checkpoints there: {e}") from None
-    run_dir = make_run_dir(cfg)
+        resume = resume_preview(checkpoints, spec)
+    if resume is not None and (done := nothing_to_train(cfg, resume)) is not None:
+        return done
+    if resume is not None:
+        say_resume(cfg, resume)
+    run_dir = resumed_run_dir(resume) or make_run_dir(cfg)
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2, by_alias=True))
+    quiet_logs()
     started_ray = not ray.is_initialized()
     if started_ray:
         try:
@@ -346,7 +366,8 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None) -> tuple[dic
         tracker = Tracker(uri, cfg.tracking.experiment, cfg.tracking.run_name or run_dir.name, cfg.flat(), tags,
                           artifact_dir=str(run_dir / "artifacts") if local else None,
                           artifacts=[str(run_dir / "config.json")], spill_path=str(run_dir / "mlflow-unsent.json"),
-                          flush_timeout_s=cfg.tracking.flush_timeout_s)
+                          flush_timeout_s=cfg.tracking.flush_timeout_s,
+                          resume=(resume.manifest.get("mlflow_run_id"), resume.step) if resume is not None else None)
     try:
         controller = Controller(cfg, data_path, str(run_dir), tracker, progress=progress, checkpoints=checkpoints,
                                 factory=factory, spec=spec)

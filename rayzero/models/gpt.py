@@ -109,11 +109,6 @@ class GPT(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6N plus attention (PaLM appendix B)."""
-        n, c = self.num_params(), self.cfg
-        return 6 * n + 12 * c.n_layer * c.n_embd * seq_len
-
 
 def build_model(cfg: ModelConfig, block_size: int, seed: int, device: str = "cpu") -> GPT:
     """The model with its initial weights; on `device="meta"` only shapes, no storage (a
@@ -149,6 +144,9 @@ class GPTSpec(ModelSpec):
 
     def fsdp_units(self, model) -> tuple[str, ...]:
         return self.UNITS
+
+    def attention_shape(self, model) -> tuple[int, int]:
+        return self.cfg.n_layer, self.cfg.n_embd
 
     @property
     def vocab_size(self) -> int:

@@ -52,6 +52,7 @@ class HFSpec(ModelSpec):
         self.path = cfg.path
         if config is None:
             self.config_bytes, self.config = load_hf_config(cfg.path, storage_cfg, cfg.trust_remote_code)
+            check_causal_lm(self.config, cfg.path, cfg.trust_remote_code)
         else:
             self.config = config_from_dict(config)
             self.config_bytes = json.dumps(config, sort_keys=True).encode()
@@ -115,6 +116,16 @@ class HFSpec(ModelSpec):
         ends = {type(m).__name__ for m in (model.get_input_embeddings(), model.get_output_embeddings())
                 if m is not None}
         return tuple(sorted(layers)) + tuple(sorted(ends - layers))
+
+    def attention_shape(self, model: nn.Module) -> tuple[int, int] | None:
+        c = self.text_config
+        layers = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", None)
+        heads = getattr(c, "num_attention_heads", None) or getattr(c, "n_head", None)
+        hidden = getattr(c, "hidden_size", None) or getattr(c, "n_embd", None)
+        if not (layers and heads and hidden):
+            return None
+        head_dim = getattr(c, "head_dim", None) or hidden // heads
+        return layers, heads * head_dim
 
     # -- training ------------------------------------------------------------------------
     def logits(self, model: nn.Module, x: torch.Tensor):
@@ -182,6 +193,30 @@ class HFSpec(ModelSpec):
         return files
 
 
+def check_causal_lm(config, path: str, trust_remote_code: bool = False) -> None:
+    """Refuse a model that is not a decoder-only causal LM (ModelError naming what it is):
+    next-token training of a model whose attention sees the whole sequence learns nothing
+    usable. An encoder-decoder (T5, BART) is refused; so is an encoder family (BERT, RoBERTa:
+    transformers has a masked-LM head for it) unless its config sets `is_decoder`, which
+    makes its attention causal; and a `model_type` transformers has no causal LM class for."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    kind, name = getattr(config, "model_type", "?"), type(config).__name__
+    trains = "rayzero trains decoder-only causal LMs (Llama, Qwen2, Mistral, GPT-2, ...)"
+    if getattr(config, "is_encoder_decoder", False):
+        raise ModelError(f"model.path: {path} holds an encoder-decoder model ({name}, model_type {kind!r}); {trains}")
+    if kind in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False):
+        raise ModelError(f"model.path: {path} holds an encoder ({name}, model_type {kind!r}) whose attention sees the "
+                         f"whole sequence, so next-token training would learn nothing usable; {trains}. To train it "
+                         "as a decoder, set \"is_decoder\": true in its config.json")
+    custom = trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
+    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not custom:
+        raise ModelError(f"model.path: {path} holds a {name} (model_type {kind!r}), which transformers has no causal "
+                         f"LM for; {trains}")
+
+
 def config_from_dict(config: dict):
     tf = _transformers()
     rest = {k: v for k, v in config.items() if k != "model_type"}
@@ -224,6 +259,30 @@ def load_hf_config(path: str, storage_cfg=None, trust_remote_code: bool = False)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelError(f"model.path: transformers cannot read {path}/{CONFIG}: {first}") from None
     return raw, config
+
+
+def model_tokenizer(path: str, storage_cfg=None):
+    """The model directory's tokenizer as `AutoTokenizer.from_pretrained(path)` gives it (the
+    class from tokenizer_config.json, else from config.json's model_type): the one tokenizer
+    rayzero uses for this model, in `data prepare`, training's check, `generate` and exports.
+    A directory in storage is read into a temporary one first. None when it holds no
+    tokenizer files; a DataError when they do not load."""
+    from rayzero.data.tokenizer import HFTokenizer, is_tokenizer_file, tokenizer_from_files
+
+    storage = Storage(path, storage_cfg)
+    if "://" not in path or path.startswith("file://"):
+        local = Path(storage.base)
+        if not local.is_dir() or not any(is_tokenizer_file(p.name) for p in local.iterdir() if p.is_file()):
+            return None
+        return HFTokenizer(local)
+    files = {n: b for n, b in companion_files(path, storage_cfg).items() if is_tokenizer_file(n)}
+    if not files:
+        return None
+    try:
+        files[CONFIG] = storage.read_bytes(CONFIG)
+    except FileNotFoundError:
+        pass
+    return tokenizer_from_files(files, name=path.rstrip("/").rpartition("/")[2])
 
 
 def companion_files(path: str, storage_cfg=None) -> dict[str, bytes]:

@@ -311,6 +311,22 @@ class ModelSpec:
         """The files an export in this model's own format writes beside the weights."""
         raise ModelError(f"model.kind={self.kind} exports safetensors only (an HF directory needs model.kind=hf)")
 
+    def attention_shape(self, model: nn.Module) -> tuple[int, int] | None:
+        """(attention layers, query width = heads x head size), for counting attention's FLOPs;
+        None where the model does not say."""
+        return None
+
+    def flops_per_token(self, model: nn.Module, seq_len: int) -> float:
+        """Training FLOPs per token at `seq_len`: 6N for the forward and backward through every
+        weight (N: all parameters, each tied one once) plus attention's 12·L·d·T (PaLM,
+        appendix B), where the model's shape is known (else 6N alone)."""
+        flops = 6.0 * self.num_params(model)[0]
+        shape = self.attention_shape(model)
+        if shape is not None:
+            layers, width = shape
+            flops += 12.0 * layers * width * seq_len
+        return flops
+
     def num_params(self, model: nn.Module) -> tuple[int, int]:
         """(parameters, of which trainable), each tied weight counted once."""
         params = list(model.parameters())

@@ -110,17 +110,32 @@ class ShardingConfig(Frozen):
 
 
 class OptimConfig(Frozen):
-    """AdamW and its learning-rate schedule: linear warmup to `lr`, then cosine decay that
-    reaches `min_lr` at the last step."""
+    """AdamW and its learning-rate schedule: linear warmup to `lr`, then `schedule` (cosine
+    decay by default) down to `min_lr` at the last step."""
 
     lr: float = Field(default=3e-3, gt=0, description="Peak learning rate, reached at the end of warmup.")
     min_lr: float | None = Field(
         default=None, ge=0,
-        description="Learning rate at the last step, where the cosine decay ends; `null` = `lr` / 10.",
+        description="Learning rate at the last step, where the decay ends; `null` = `lr` / 10.",
     )
     warmup_steps: int = Field(
         default=10, ge=0,
         description="Steps of linear warmup up to `lr`; 0 = none.",
+    )
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = Field(
+        default="cosine",
+        description="After warmup: `cosine` or `linear` decay to `min_lr` at the last step; `constant` at `lr`; "
+        "`wsd` (warmup-stable-decay) at `lr`, then linear decay to `min_lr` over the last `decay_fraction` of "
+        "the steps.",
+    )
+    decay_fraction: float = Field(
+        default=0.2, gt=0, le=1,
+        description="`wsd`: the fraction of the steps the final decay takes.",
+    )
+    schedule_total: Literal["original", "new"] = Field(
+        default="original",
+        description="On a resume with another `train.steps`: `original` keeps the schedule the run started with "
+        "(past its end the learning rate stays at `min_lr`); `new` stretches it to the new `train.steps`.",
     )
     weight_decay: float = Field(
         default=0.1, ge=0,

@@ -217,12 +217,15 @@ class Rank:
             dp_size=self.topo.dp_size,
         )
         self._checked = False
+        self._baseline = None
         num_params, trainable = self.spec.num_params(self.model)
         return {
             "rank": self.topo.rank,
             "pid": os.getpid(),
             "backend": backend,
             "device": str(self.device),
+            "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
+            "flops_per_token": self.spec.flops_per_token(self.model, cfg.train.seq_len),
             "num_params": num_params,
             "trainable_params": trainable,
             "frozen": sorted(n for n, p in self.model.named_parameters() if not p.requires_grad),
@@ -257,6 +260,8 @@ class Rank:
         parameter all-gather (unless the strategy waits for it inside forward)."""
         t0 = time.perf_counter()
         self.plan = plan
+        # Before the first step, when asked: the validation loss of the initial weights.
+        self._baseline = self._validation_loss() if plan.get("evaluate_first") and self.val is not None else None
         self.strategy.begin_step()
         t_data = time.perf_counter()
         self._micro = [
@@ -351,24 +356,32 @@ class Rank:
         of this rank's validation rows; the controller divides by their global count."""
         t0 = time.perf_counter()
         if self.plan.get("evaluate") and self.val is not None:
-            loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-            count = 0
-            self.model.eval()
-            try:
-                with torch.no_grad():
-                    for batch in range(self.val.num_batches):
-                        for x, y in self.val.microbatches(batch):
-                            part, valid = self.spec.loss(self.model, x.to(self.device), y.to(self.device))
-                            loss_sum += part.double()
-                            count += int(valid)
-            finally:
-                self.model.train()
-                self.strategy.after_forward_only()
-            result = {**result, "val_loss_sum": float(loss_sum), "val_tokens": count}
+            loss_sum, count = self._validation_loss()
+            result = {**result, "val_loss_sum": loss_sum, "val_tokens": count}
+        if self._baseline is not None:
+            result = {**result, "val0_loss_sum": self._baseline[0], "val0_tokens": self._baseline[1]}
         # done_at: when this rank finished the iteration, on its wall clock (the driver sleeps
         # until the next one should be done, counting from here)
         return {**result, "phase_s": {**result["phase_s"], "evaluate": time.perf_counter() - t0},
                 "done_at": time.time()}
+
+    def _validation_loss(self) -> tuple[float, int]:
+        """(summed loss, valid targets) over this rank's validation rows, forward only."""
+        self.strategy.finish_param_sync()  # an all-gather started by the step may still be writing
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        count = 0
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for batch in range(self.val.num_batches):
+                    for x, y in self.val.microbatches(batch):
+                        part, valid = self.spec.loss(self.model, x.to(self.device), y.to(self.device))
+                        loss_sum += part.double()
+                        count += int(valid)
+        finally:
+            self.model.train()
+            self.strategy.after_forward_only()
+        return float(loss_sum), count
 
     def iteration(self, plan: dict) -> dict:
         """Every phase of one iteration, in order, in this process: what the controller's

@@ -116,8 +116,7 @@ def test_masked_tokens_take_no_part(setup):
 
 
 def _eval_worker(rank: int, world: int, cfg, port: int, data: str, out: dict):
-    from rayzero.cluster.controller import Controller
-    from rayzero.cluster.schedule import lr_at
+    from rayzero.cluster.schedule import evaluates, lr_at
     from rayzero.workers.rank import Rank
 
     torch.set_num_threads(1)
@@ -126,7 +125,7 @@ def _eval_worker(rank: int, world: int, cfg, port: int, data: str, out: dict):
     vals = {}
     for step in range(STEPS):
         res = r.iteration({"step": step, "lr": lr_at(step, STEPS, cfg.optim),
-                           "evaluate": Controller._evaluates(cfg, step)})
+                           "evaluate": evaluates(cfg, step)})
         if "val_loss_sum" in res:
             vals[step] = (res["val_loss_sum"], res["val_tokens"])
             assert r.strategy.ledger.transient == 0, "evaluation left parameters gathered"

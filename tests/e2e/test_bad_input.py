@@ -25,6 +25,17 @@ from tests.e2e.conftest import run_cli
     (["cluster.address=127.0.0.1:1", "data.path=DATA"], "cluster.address: cannot connect"),
     (["data.path=DATA", "train.save_final=nosuch://bucket/w.safetensors"], "train.save_final: 'nosuch://bucket/w.safetensors' cannot be written"),
     (["data.path=DATA", "train.save_final=/proc/version/w.safetensors"], "train.save_final: '/proc/version/w.safetensors' cannot be written"),
+    (["train.early_stopping_patience=2"], "train.early_stopping_patience: needs validation data (data.val_fraction"),
+    (["checkpoint.keep_best=val_loss"], "checkpoint.keep_best: val_loss needs validation data"),
+    (["checkpoint.keep_best=val_loss", "data.val_fraction=0.1", "checkpoint.dir="], "checkpoint.keep_best: needs checkpoints"),
+    (["checkpoint.keep_best=loss"], "checkpoint.keep_best: Input should be '' or 'val_loss'"),
+    (["optim.schedule=step"], "optim.schedule: Input should be 'cosine', 'linear', 'constant' or 'wsd'"),
+    (["optim.decay_fraction=0"], "optim.decay_fraction: Input should be greater than 0"),
+    (["optim.schedule_total=longer"], "optim.schedule_total: Input should be 'original' or 'new'"),
+    # a local Ray this machine cannot hold: refused at once, not after the placement wait
+    (["data.path=DATA", "cluster.num_workers=4", "cluster.cpus_per_worker=64"],
+     "cluster.num_workers: cluster.num_workers=4 x 64 CPU (cluster.cpus_per_worker) = 256 CPUs, but this machine's "
+     "local Ray has"),
 ])
 def test_bad_input_is_one_clear_message(tmp_path, small_dataset, capsys, monkeypatch, args, expected):
     args = [a.replace("DATA", small_dataset) for a in args]
@@ -67,6 +78,11 @@ def model_dirs(tmp_path_factory):
     del weights["model.norm.weight"]
     save_file(weights, str(mismatch / "model.safetensors"))
     save_hf_model("llama", root / "small_vocab", vocab_size=200)
+    import transformers as tf
+
+    tf.BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+                  vocab_size=320).save_pretrained(root / "bert")
+    tf.T5Config(d_model=16, d_ff=16, num_layers=1, num_heads=2, vocab_size=320).save_pretrained(root / "t5")
     (root / "shapes.py").write_text(
         "import torch.nn as nn\n\n\nclass LastOnly(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
         "        self.emb = nn.Embedding(320, 8)\n        self.head = nn.Linear(8, 320)\n\n"
@@ -85,6 +101,11 @@ def model_dirs(tmp_path_factory):
     (["model.kind=module", "model.factory=shapes:LastOnly"],
      "the forward returned shape [2, 320] for input [2, 8]; expected logits [batch, time, vocab]"),
     (["model.kind=hf", "model.path=ROOT/good", "model.n_layer=4"], "model.n_layer: only for model.kind=gpt"),
+    (["model.kind=hf", "model.path=ROOT/bert"], "model.path: ROOT/bert holds an encoder (BertConfig, model_type 'bert') "
+     "whose attention sees the whole sequence, so next-token training would learn nothing usable; rayzero trains "
+     "decoder-only causal LMs"),
+    (["model.kind=hf", "model.path=ROOT/t5"], "model.path: ROOT/t5 holds an encoder-decoder model (T5Config, model_type "
+     "'t5'); rayzero trains decoder-only causal LMs"),
 ])
 def test_a_bad_model_is_one_clear_message(model_dirs, small_dataset, capsys, monkeypatch, args, expected):
     root = str(model_dirs["root"])
@@ -94,3 +115,24 @@ def test_a_bad_model_is_one_clear_message(model_dirs, small_dataset, capsys, mon
     assert code == 2, err
     assert expected.replace("ROOT", root) in err and err.startswith("rayzero: error: ")
     assert not (model_dirs["root"] / "runs").exists()
+
+
+def test_save_final_will_not_replace_another_models_export(tmp_path, small_dataset, capsys, monkeypatch):
+    """An export of another model where `train.save_final` points is refused before training,
+    naming both, unless `train.overwrite_final=true`."""
+    import json
+
+    import ray
+    import torch
+
+    from rayzero.checkpoint.export import MODEL_KEY, save_safetensors
+
+    final = tmp_path / "final.safetensors"
+    other = {"kind": "hf", "source": "/models/other", "config_sha256": "0123456789abcdef"}
+    save_safetensors({"w": torch.zeros(1)}, str(final), {MODEL_KEY: json.dumps(other)})
+    args = ["train", f"data.path={small_dataset}", f"train.save_final={final}", "train.steps=1"]
+    code, _, err = cli_in_process(capsys, monkeypatch, tmp_path, *args)
+    assert code == 2 and not ray.is_initialized()
+    assert err.startswith(f"rayzero: error: train.save_final: {final}: it already holds an export of hf model "
+                          "/models/other (config 0123456789abcdef), and this run trains gpt model (no source)")
+    assert "set train.overwrite_final=true to replace it" in err and not (tmp_path / "runs").exists()

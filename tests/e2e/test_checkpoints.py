@@ -89,15 +89,31 @@ def test_a_damaged_shard_is_named_and_auto_falls_back(tmp_path, ray_cluster, sma
     assert "step-000006 is damaged" in r.stderr and "shard-00001-of-00002.safetensors" in r.stderr
 
 
-def test_another_model_and_uncommitted_prefixes(tmp_path, ray_cluster, small_dataset):
+def test_another_model_and_uncommitted_prefixes(tmp_path, ray_cluster, small_dataset, capsys, monkeypatch):
     root = tmp_path / "ck"
     r, _ = train(tmp_path, ray_cluster, small_dataset, f"checkpoint.dir={root}", "train.steps=3",
                  "checkpoint.every_steps=3")
     assert r.returncode == 0, r.stderr[-3000:]
-    r, _ = train(tmp_path, ray_cluster, small_dataset, f"checkpoint.dir={root}", "train.steps=6", "model.n_layer=3")
-    assert r.returncode != 0
-    assert "holds a different model" in r.stderr and "blocks.2.attn.qkv.weight: missing from the checkpoint" in r.stderr
-    assert "Traceback" not in r.stderr
+    # Another model into the same directory: refused before anything starts, both models named.
+    import ray
+
+    other = [f"checkpoint.dir={root}", "train.steps=6", "model.n_layer=3"]
+    runs = set((tmp_path / "runs").iterdir())
+    code, _, err = cli_in_process(capsys, monkeypatch, tmp_path, "train", "--no-progress", f"data.path={small_dataset}",
+                                  *FAST, *other, f"cluster.address={ray_cluster}")
+    assert code == 2 and not ray.is_initialized() and set((tmp_path / "runs").iterdir()) == runs
+    first = err.splitlines()[0]
+    assert first == (f"rayzero: error: checkpoint.dir {root} holds a different model: checkpoints of the built-in "
+                     "GPT (n_layer 2, n_head 4, n_embd 64, vocab_size 320), not of the built-in GPT (n_layer 3, n_head "
+                     "4, n_embd 64, vocab_size 320) (12 differences, e.g. blocks.2.ln_1.weight: missing from the "
+                     "checkpoint); train it into another checkpoint.dir, or set checkpoint.resume=none to start from "
+                     "scratch beside them")
+    assert "blocks.2.attn.qkv.weight: missing from the checkpoint" in err and "Traceback" not in err
+    # The second way out: from scratch beside them. Its rotation leaves the first model's alone.
+    r, s = train(tmp_path, ray_cluster, small_dataset, *other, "checkpoint.resume=none", "checkpoint.every_steps=2",
+                 "checkpoint.keep_last=1", name="o.json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert s["start_step"] == 0 and sorted(p.name for p in root.iterdir()) == ["step-000003", "step-000006"]
     # A prefix without a manifest (a crash mid-upload) is not a checkpoint: skipped, then pruned.
     orphan = root / "step-000005"
     shutil.copytree(root / "step-000003", orphan)
@@ -105,8 +121,50 @@ def test_another_model_and_uncommitted_prefixes(tmp_path, ray_cluster, small_dat
     r, s = train(tmp_path, ray_cluster, small_dataset, f"checkpoint.dir={root}", "train.steps=6",
                  "checkpoint.every_steps=3", name="c.json")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert s["start_step"] == 3 and not orphan.exists()
-    assert sorted(p.name for p in root.iterdir()) == ["step-000003", "step-000006"]
+    assert s["start_step"] == 3 and not orphan.exists(), "the first model's own newest commit, not the other's"
+    assert f"rayzero: resuming from {root / 'step-000003'} at step 3 of 6" in r.stderr
+    # Nothing left to do: said before Ray starts.
+    code, out, err = cli_in_process(capsys, monkeypatch, tmp_path, "train", "--no-progress", *FAST,
+                                    f"data.path={small_dataset}", f"checkpoint.dir={root}", "train.steps=6",
+                                    "checkpoint.every_steps=3", "tracking.enabled=false")
+    assert code == 0 and not ray.is_initialized(), err
+    assert out.strip() == f"nothing to train: {root / 'step-000006'}: it is at step 6 of train.steps=6"
+
+
+def test_early_stopping_ends_the_run_with_a_commit_and_keeps_the_best(tmp_path, ray_cluster, small_dataset, capsys,
+                                                                    monkeypatch):
+    """Patience 2 with an improvement no loss can make (min_delta 100): after the baseline
+    (step -1) and the evaluations after steps 1 and 3, the run stops after step 3, committing
+    that step though it is no checkpoint step, names why, keeps the best commit, and a rerun
+    has nothing to train."""
+    import ray
+
+    root = tmp_path / "ck"
+    args = ["--no-progress", f"data.path={small_dataset}", *FAST, "data.val_fraction=0.1", "train.eval_every=2",
+            "train.eval_batches=1", "train.early_stopping_patience=2", "train.early_stopping_min_delta=100",
+            "checkpoint.keep_best=val_loss", f"checkpoint.dir={root}", "checkpoint.every_steps=10", "train.steps=40",
+            f"train.output_dir={tmp_path / 'runs'}", f"cluster.address={ray_cluster}", "tracking.enabled=true"]
+    code, out, err = cli_in_process(capsys, monkeypatch, tmp_path, "train", *args, "--summary-json",
+                                    str(tmp_path / "s.json"))
+    assert code == 0, err
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert s["steps"] == 4 and s["stopped_early"]["step"] == 3
+    assert "in 2 evaluations (train.early_stopping_patience=2)" in s["stopped_early"]["reason"]
+    assert [v[0] for v in s["val_losses"]] == [-1, 1, 3]  # the baseline, then every 2 steps
+    assert s["checkpoint"] == s["best_checkpoint"] == str(root / "step-000004")
+    manifest = json.loads((root / "step-000004" / "manifest.json").read_text())
+    assert manifest["metrics"]["val_loss"] == s["best_val_loss"] == s["val_losses"][-1][1]
+    assert manifest["early_stopping"]["stopped_after"] == 3
+    assert "stopped early after step 3" in out and f"best checkpoint {root / 'step-000004'}" in out
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(s["mlflow_tracking_uri"])
+    run = client.get_run(s["mlflow_run_id"])
+    assert run.data.tags["stopped_early"].startswith("after step 3: no improvement")
+    assert sorted(m.step for m in client.get_metric_history(s["mlflow_run_id"], "val_loss")) == [-1, 1, 3]
+    code, out, err = cli_in_process(capsys, monkeypatch, tmp_path, "train", *args)
+    assert code == 0 and not ray.is_initialized(), err
+    assert out.strip().startswith(f"nothing to train: {root / 'step-000004'}: the run stopped early after step 3")
 
 
 @pytest.mark.parametrize("case, expected", [

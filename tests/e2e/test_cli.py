@@ -55,7 +55,11 @@ def test_train_on_a_local_ray_with_defaults(tmp_path, small_dataset):
         time.sleep(0.1)
     assert not gcs_servers() - running, "and stopped it"
     assert "trained 12 steps" in r.stdout
+    # Only rayzero's own lines: no Ray token-auth note, no MLflow table creation.
+    assert "Token authentication is enabled" not in r.stderr and "MLflow database tables" not in r.stderr + r.stdout
     s = json.loads(summary_path.read_text())
+    assert s["tokens_per_s_per_rank"] == pytest.approx(s["tokens_per_s"] / 2) and s["mfu"] is None  # a CPU: no peak
+    assert f"({s['tokens_per_s_per_rank']:,.0f} per rank)" in r.stdout
     assert s["steps"] == steps and s["world_size"] == 2 and s["strategy"] == "optim"
     assert s["final_loss"] < s["first_loss"] - 0.3, "the model must learn"
     assert s["tokens_per_s"] > 0 and set(s["phase_ms"]) == {"gather", "forward", "backward", "reduce_scatter", "step", "evaluate"}
@@ -167,3 +171,34 @@ def test_sharded_strategies_train_through_ray_and_report_their_memory(tmp_path, 
         assert not torch.equal(w, w.bfloat16().float()), "exported from fp32 main params, not bf16 copies"
     actors, groups = leftovers(ray_cluster)
     assert actors == [] and groups == []
+
+
+def test_ctrl_c_stops_after_the_iteration_with_one_line_and_exit_130(tmp_path, ray_cluster, small_dataset):
+    """Ctrl-C in a terminal (SIGINT to the whole foreground process group): the run stops
+    after the iteration in flight, says in one line where it stopped and what a rerun resumes
+    from, exits 130, no traceback; the next run resumes from that checkpoint."""
+    import os
+    import signal
+    import subprocess
+
+    from tests.e2e.conftest import BIN
+
+    args = ["train", "--no-progress", f"data.path={small_dataset}", *FAST, "train.steps=2000",
+            "checkpoint.every_steps=5", "tracking.enabled=false", f"train.output_dir={tmp_path / 'runs'}"]
+    proc = subprocess.Popen([str(BIN / "rayzero"), *args], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True,
+                            env={**os.environ, "RAY_AUTH_MODE": "token", "RAY_ADDRESS": ray_cluster})
+    root = tmp_path / "runs" / "checkpoints"
+    deadline = time.monotonic() + 120
+    while not list(root.glob("step-*/manifest.json")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and out == ""
+    last = err.strip().splitlines()[-1]
+    step = int(last.split("stopped at step ")[1].split(";")[0])
+    newest = sorted(root.glob("step-*/manifest.json"))[-1].parent
+    assert last == f"rayzero: stopped at step {step}; last checkpoint {newest}; run the same command again to resume"
+    assert int(newest.name[5:]) <= step + 1 < 2000
+    assert leftovers(ray_cluster) == ([], [])

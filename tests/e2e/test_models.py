@@ -68,7 +68,7 @@ def test_fine_tune_an_hf_llama_export_and_load_it_back(tmp_path, ray_cluster, sm
 
     # bytes are not this model's tokens
     code, _, err = rayzero("train", *model, *FAST, f"data.path={small_dataset}")
-    assert code == 2 and "was tokenized with bytes, not with the tokenizer in model.path" in err
+    assert code == 2 and "was tokenized with bytes, not with the tokenizer of model.path" in err
 
     final, summary = tmp_path / "final", tmp_path / "summary.json"
     r = run_cli("train", *model, *FAST, f"data.path={llama_data}", "train.steps=6", "checkpoint.every_steps=3",

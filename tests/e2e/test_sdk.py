@@ -26,7 +26,13 @@ def config(tmp_path, data, address, **sections):
     return TrainConfig(data={"path": data}, cluster={"address": address}, **base)
 
 
-def test_fit_returns_a_result_and_runs_twice_in_one_process(tmp_path, ray_cluster, small_dataset):
+def test_fit_returns_a_result_and_runs_twice_in_one_process(tmp_path, ray_cluster, small_dataset, capfd):
+    """Train 12 steps, then resume to 20 from Python: one run, one history. The second call
+    says where it resumes, keeps the learning-rate schedule the run started with (12 steps,
+    then min_lr) and warns about it, continues the same MLflow run, and its history holds every
+    step from 0."""
+    from mlflow.tracking import MlflowClient
+
     cfg = config(tmp_path, small_dataset, ray_cluster, train={"steps": 12}, checkpoint={"every_steps": 5})
     first = Trainer(cfg, progress=False).fit()
     assert isinstance(first, Result) and first.metrics["steps"] == 12
@@ -40,9 +46,23 @@ def test_fit_returns_a_result_and_runs_twice_in_one_process(tmp_path, ray_cluste
     assert (tmp_path / "run.png").stat().st_size > 10_000
 
     # Again in the same process, with a longer run: it resumes from the first one's commit.
-    second = Trainer(cfg, ["train.steps=16"], progress=False).fit()
-    assert second.metrics["start_step"] == 12 and list(second.history.index) == [12, 13, 14, 15]
-    assert second.mlflow_run_id != first.mlflow_run_id
+    capfd.readouterr()
+    second = Trainer(cfg, ["train.steps=20"], progress=False).fit()
+    err = capfd.readouterr().err
+    assert f"rayzero: resuming from {first.checkpoint} at step 12 of 20" in err
+    assert "runs past the learning-rate schedule this run started with (12 steps)" in err
+    assert second.metrics["start_step"] == 12 and second.metrics["steps"] == 8
+    assert list(second.history.index) == list(range(20))
+    assert second.history["loss"].iloc[:12].tolist() == h["loss"].tolist()
+    lr = second.history["lr"]
+    assert lr.iloc[11:].tolist() == pytest.approx([cfg.optim.final_lr] * 9)  # the schedule ended at step 11
+    assert second.mlflow_run_id == first.mlflow_run_id
+    client = MlflowClient(second.summary["mlflow_tracking_uri"])
+    assert sorted(m.step for m in client.get_metric_history(second.mlflow_run_id, "loss")) == list(range(20))
+    run = client.get_run(second.mlflow_run_id)
+    assert run.info.status == "FINISHED" and run.data.params["train.steps"] == "12"
+    assert run.data.tags["resumed_at_step_12"] == "train.steps: 12 -> 20"
+    assert second.summary["run_dir"] == first.summary["run_dir"]
     assert leftovers(ray_cluster) == ([], [])
 
 

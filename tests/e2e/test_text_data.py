@@ -45,12 +45,13 @@ def test_fine_tune_on_instructions_with_validation_then_generate(tmp_path, ray_c
                 "train.save_format=hf", "--summary-json", str(summary), cwd=tmp_path, address=ray_cluster)
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads(summary.read_text())
-    assert [v[0] for v in s["val_losses"]] == [3, 7, 9]  # every 4 steps and after the last
+    # before the first step (the curve's baseline, at step -1), every 4 steps and after the last
+    assert [v[0] for v in s["val_losses"]] == [-1, 3, 7, 9]
     assert s["final_val_loss"] == s["val_losses"][-1][1] < s["val_losses"][0][1]
     client = MlflowClient(s["mlflow_tracking_uri"])
     val = client.get_metric_history(s["mlflow_run_id"], "val_loss")
     ppl = client.get_metric_history(s["mlflow_run_id"], "val_perplexity")
-    assert sorted(m.step for m in val) == [3, 7, 9] and len(ppl) == 3
+    assert sorted(m.step for m in val) == [-1, 3, 7, 9] and len(ppl) == 4
     assert max(val, key=lambda m: m.step).value == pytest.approx(s["final_val_loss"])
 
     # What the model says: `rayzero generate` on the checkpoint; the same from the export (the
@@ -123,3 +124,50 @@ def test_ray_data_preparation_gives_the_same_shards(tmp_path, ray_cluster, capsy
         for f in [s["file"] for s in one["shards"]] + ["documents.parquet"]:
             assert pq.read_table(outs[0] / f).equals(pq.read_table(outs[1] / f)), (name, f)
     assert one["num_target_tokens"] == ray_["num_target_tokens"]
+
+
+def test_a_chat_model_fine_tuned_on_conversations_answers_and_stops_at_end_of_turn(tmp_path, ray_cluster, capsys,
+                                                                                   monkeypatch):
+    """A Qwen2 chat model as it ships (its own BPE tokenizer, ChatML template, a generation
+    config ending at <|im_end|>) fine-tuned from Python on conversations prepared with
+    `data prepare --tokenizer MODEL_DIR --instructions`: training takes the dataset (the same
+    Qwen2Tokenizer on both sides), `Result.generate` and `rayzero generate` on the export
+    answer the question and stop at the end of the turn, and the export tokenizes as the
+    dataset was tokenized."""
+    import transformers as tf
+
+    from rayzero import TrainConfig, Trainer
+    from rayzero.data.tokens import TokenDataset
+    from tests.models import save_chat_model
+
+    model = save_chat_model(tmp_path / "qwen2-chat", [Path(sys.modules["json"].__file__).read_text()])
+    qa = [("What is the capital of France?", "Paris."), ("What is two plus two?", "Four.")]
+    (tmp_path / "chat.jsonl").write_text("".join(
+        json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n"
+        for _ in range(32) for q, a in qa))
+    code, out, err = cli_in_process(capsys, monkeypatch, tmp_path, "data", "prepare", str(tmp_path / "chat.jsonl"),
+                                    str(tmp_path / "data"), "--tokenizer", str(model), "--instructions", "--no-progress")
+    assert code == 0, err
+    ds = TokenDataset(str(tmp_path / "data"))
+    assert ds.meta["tokenizer"]["class"] == "Qwen2Tokenizer"
+
+    cfg = TrainConfig(model={"kind": "hf", "path": str(model)}, data={"path": str(tmp_path / "data")},
+                      cluster={"address": ray_cluster}, train={"steps": 40, "seq_len": 48, "global_batch_size": 8,
+                      "micro_batch_size": 4, "save_final": str(tmp_path / "final"), "save_format": "hf",
+                      "output_dir": str(tmp_path / "runs")},
+                      optim={"lr": 1e-2, "warmup_steps": 4}, checkpoint={"every_steps": 0})
+    result = Trainer(cfg, progress=False).fit()
+    assert result.metrics["final_loss"] < 0.2, result.metrics
+    for q, a in qa:
+        assert result.generate(q, max_new_tokens=20) == a  # and no further: it stopped at <|im_end|>
+    assert result.generate(messages=[{"role": "user", "content": qa[1][0]}], max_new_tokens=20) == qa[1][1]
+
+    code, out, err = cli_in_process(capsys, monkeypatch, tmp_path, "generate", str(tmp_path / "final"),
+                                    "--prompt", qa[0][0], "--max-new-tokens", "20")
+    assert code == 0 and out == qa[0][1] + "\n", err
+    exported = tf.AutoTokenizer.from_pretrained(str(tmp_path / "final"))
+    assert type(exported).__name__ == "Qwen2Tokenizer"
+    first = ds.window(0, int(ds.document_lengths[0])).tolist()
+    rendered = exported.apply_chat_template([{"role": "user", "content": qa[0][0]},
+                                             {"role": "assistant", "content": qa[0][1]}], tokenize=False)
+    assert exported(rendered, add_special_tokens=False)["input_ids"] == first  # what training saw

@@ -82,3 +82,20 @@ def test_an_hf_llama_loads_its_weights_onto_the_gpu_and_trains(strategy, small_d
                                                 rows[:, 1:].flatten()).item()
     assert losses[0] == pytest.approx(own, rel=2e-2)
     assert losses[-1] < losses[0] - 0.5
+
+
+def test_the_rank_reports_its_device_and_the_summary_its_mfu(small_dataset):
+    """On a GPU whose peak is in the table the throughput comes with MFU: the rank names its
+    device and the model's FLOPs per token; MFU is achieved model FLOP/s over that peak."""
+    from rayzero.cluster.throughput import peak_flops, throughput
+
+    cfg = load_config(None, ["cluster.num_workers=1", "cluster.use_gpu=true", "sharding.param_dtype=bf16"])
+    rank = Rank(cfg, 0, 1, small_dataset)
+    info = rank.setup("127.0.0.1", free_port())
+    assert info["device_name"] == torch.cuda.get_device_name()
+    assert info["flops_per_token"] > 6 * info["num_params"]
+    rank.close()
+    rate = throughput(50_000.0, 1, info["flops_per_token"], info["device_name"])
+    if peak_flops(info["device_name"]) is None:
+        pytest.skip(f"{info['device_name']}: no dense bf16 peak known")
+    assert 0 < rate["mfu"] < 1

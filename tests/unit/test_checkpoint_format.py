@@ -120,3 +120,48 @@ def test_storage_names_the_uri_and_refuses_unknown_schemes(tmp_path):
     blocker.write_text("not a folder")
     with pytest.raises(StorageError, match=str(blocker / "ck")):
         Storage(str(blocker / "ck"), None).probe()
+
+
+# --------------------------------------------------------------------------- the final export
+
+def test_save_final_refuses_another_models_export_and_rewrites_its_own(tmp_path):
+    import torch
+
+    from rayzero.checkpoint.export import MODEL_KEY, check_final, export_identity, save_safetensors
+
+    mine = export_identity({"kind": "hf", "source": "/m/a", "config_sha256": "111", "seed": 0})
+    theirs = export_identity({"kind": "hf", "source": "/m/b", "config_sha256": "222"})
+    out = str(tmp_path / "final.safetensors")
+    check_final(out, "safetensors", mine, overwrite=False)  # nothing there yet
+    save_safetensors({"w": torch.ones(2)}, out, {MODEL_KEY: json.dumps(theirs)})
+    with pytest.raises(ValueError, match=r"already holds an export of hf model /m/b \(config 222\), and this run "
+                                         r"trains hf model /m/a \(config 111\); .*train.overwrite_final=true"):
+        check_final(out, "safetensors", mine, overwrite=False)
+    check_final(out, "safetensors", mine, overwrite=True)
+    check_final(out, "safetensors", theirs, overwrite=False)  # the same model again: rewritten
+    (tmp_path / "notes.safetensors").write_bytes(b"not a model")
+    with pytest.raises(ValueError, match="files rayzero did not write"):
+        check_final(str(tmp_path / "notes.safetensors"), "safetensors", mine, overwrite=False)
+
+
+def test_an_hf_directory_appears_whole_or_not_at_all(tmp_path):
+    import torch
+
+    from rayzero.checkpoint.export import MODEL_KEY, Tensor, read_export_identity, write_hf_dir
+
+    out = tmp_path / "hf"
+    ident = {"kind": "hf", "source": "x", "config_sha256": "1"}
+    good = [Tensor("a", (2,), torch.float32, lambda: torch.ones(2))]
+    write_hf_dir(str(out), good, {"config.json": b"{}"}, 10**9, {MODEL_KEY: json.dumps(ident)})
+    assert read_export_identity(str(out), "hf") == ident
+
+    def fails():
+        raise RuntimeError("the machine went away mid-export")
+
+    with pytest.raises(RuntimeError):
+        write_hf_dir(str(out), [Tensor("a", (2,), torch.float32, fails)], {"config.json": b"{}"}, 10**9)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert read_export_identity(str(out), "hf") == ident, "the complete export before it is still there"
+    write_hf_dir(str(out), good, {"config.json": b"{\"v\": 2}"}, 10**9)
+    assert (out / "config.json").read_text() == '{"v": 2}'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"], "no temporary or old copy left behind"

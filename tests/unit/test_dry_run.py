@@ -37,12 +37,12 @@ def test_the_memory_estimate_follows_the_formula_for_each_strategy(tmp_path, cap
     want = {"no_shard": 18, "optim": 6 + 12 / 4, "optim_grads": 2 + 16 / 4, "optim_grads_params": 18 / 4}
     for strategy, per_param in want.items():
         code, out, plan = dry_run(tmp_path, capsys, "cluster.num_workers=4", f"sharding.strategy={strategy}",
-                                  "sharding.param_dtype=bf16")
+                                  "sharding.param_dtype=bf16", "cluster.cpus_per_worker=0.5")
         assert code == 0, out.err
         assert plan["memory"]["bytes_per_param"] == per_param, strategy
     # Hybrid-FSDP, 2 replicas x 2 shards: params and grads over 2, optimizer state over all 4.
     code, out, plan = dry_run(tmp_path, capsys, "cluster.num_workers=4", "sharding.strategy=optim_grads_params",
-                              "sharding.dp_outer=2", "sharding.outer_strategy=optim")
+                              "sharding.dp_outer=2", "sharding.outer_strategy=optim", "cluster.cpus_per_worker=0.5")
     assert plan["memory"]["bytes_per_param"] == 8 / 2 + 8 / 4 and "2 replicas" in out.out
 
 
@@ -55,7 +55,7 @@ def test_a_bad_config_fails_the_dry_run_with_one_message(tmp_path, capsys):
 
 def test_overrides_may_come_before_and_after_the_options(tmp_path, capsys):
     code, out, plan = dry_run(tmp_path, capsys, "train.steps=5", "--no-progress", "cluster.num_workers=4",
-                              "train.steps=7")
+                              "train.steps=7", "cluster.cpus_per_worker=0.5")
     assert code == 0, out.err
     assert plan["world_size"] == 4 and plan["steps"] == 7, "later overrides win, wherever they stand"
     try:

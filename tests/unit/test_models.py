@@ -231,7 +231,7 @@ def test_bad_model_directories(tmp_path, llama_dir):
 
     vit = tmp_path / "vit"
     tf.ViTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16).save_pretrained(vit)
-    with pytest.raises(ModelError, match=r"transformers cannot build ViTConfig \(model_type 'vit'\) as a causal LM"):
+    with pytest.raises(ModelError, match=r"holds a ViTConfig \(model_type 'vit'\), which transformers has no causal LM"):
         spec_of("model.kind=hf", f"model.path={vit}").build()
     broken = tmp_path / "broken"
     broken.mkdir()

@@ -100,3 +100,47 @@ def test_final_lr_defaults_to_a_tenth_of_lr_so_a_low_lr_alone_is_valid():
     cfg = load_config(None, ["optim.lr=1e-4", "optim.warmup_steps=0"])
     assert cfg.optim.final_lr == pytest.approx(1e-5)
     assert schedule(10, cfg.optim)[-1] == pytest.approx(1e-5)
+
+
+# --------------------------------------------------------------------------- the other schedules
+
+@pytest.mark.parametrize("total, warmup", [(20, 0), (20, 4), (3, 1)])
+def test_linear_decays_in_equal_steps_to_min_lr_at_the_last_step(total, warmup):
+    cfg = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=warmup, schedule="linear")
+    lrs = schedule(total, cfg)
+    peak, last = max(warmup - 1, 0), total - 1
+    want = [1.0 + (0.1 - 1.0) * (s - peak) / max(1, last - peak) for s in range(peak, total)]
+    assert lrs[peak:] == pytest.approx(want) and lrs[-1] == pytest.approx(0.1)
+
+
+def test_constant_stays_at_lr_after_warmup():
+    cfg = OptimConfig(lr=0.4, min_lr=0.0, warmup_steps=3, schedule="constant")
+    assert schedule(10, cfg) == pytest.approx([0.4 / 3, 0.8 / 3, 0.4] + [0.4] * 7)
+    assert lr_at(500, 10, cfg) == 0.4  # past the end too
+
+
+def test_wsd_holds_lr_then_decays_over_the_last_fraction():
+    cfg = OptimConfig(lr=1.0, min_lr=0.0, warmup_steps=2, schedule="wsd", decay_fraction=0.25)
+    lrs = schedule(20, cfg)  # stable through step 14, then 5 steps down: 15 .. 19 (min_lr)
+    assert lrs[:2] == pytest.approx([0.5, 1.0]) and lrs[2:15] == pytest.approx([1.0] * 13)
+    assert lrs[15:] == pytest.approx([0.8, 0.6, 0.4, 0.2, 0.0])
+
+
+@pytest.mark.parametrize("name", ["cosine", "linear", "wsd"])
+def test_past_its_end_a_schedule_stays_at_min_lr(name):
+    cfg = OptimConfig(lr=1.0, min_lr=0.05, warmup_steps=2, schedule=name)
+    assert [lr_at(s, 10, cfg) for s in (9, 10, 15, 1000)] == pytest.approx([0.05] * 4)
+
+
+def test_a_resume_keeps_the_schedule_it_started_with_unless_told():
+    from rayzero.cluster.schedule import describe, schedule_length
+
+    manifest = {"schedule": {"step": 10, "total_steps": 10, "lr": 0.1}}
+    assert schedule_length(20, OptimConfig(), manifest) == 10
+    assert schedule_length(20, OptimConfig(schedule_total="new"), manifest) == 20
+    assert schedule_length(20, OptimConfig(), None) == 20  # a fresh start
+    assert describe(100, OptimConfig(lr=1e-3, warmup_steps=10)) == \
+        "lr cosine: warmup 10 steps to 0.001, cosine decay to 0.0001 at step 99"
+    assert describe(100, OptimConfig(lr=1e-3, warmup_steps=0, schedule="wsd")) == (
+        "lr wsd: 0.001, stable to step 79, then linear decay over the last 20 steps (0.2 of 100) to 0.0001 at step 99")
+    assert describe(10, OptimConfig(lr=1e-3, warmup_steps=0, schedule="constant")) == "lr constant: 0.001, then 0.001 to the end"

@@ -256,7 +256,7 @@ def test_training_refuses_a_dataset_made_with_another_tokenizer(tmp_path, bpe_di
     cfg = load_config(None, ["model.kind=hf", f"model.path={model}"])
     src = write_docs(tmp_path / "src")
     by_bytes = prepare(src, str(tmp_path / "bytes"))
-    with pytest.raises(DataError, match=r"tokenized with bytes, not with the tokenizer in model\.path .*"
+    with pytest.raises(DataError, match=r"tokenized with bytes, not with the tokenizer of model\.path .*"
                                         r"--tokenizer"):
         check_data_tokenizer(cfg, by_bytes, str(tmp_path / "bytes"))
     other = tmp_path / "other"
