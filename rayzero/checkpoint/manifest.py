@@ -152,7 +152,8 @@ def different_model(uri: str, manifest: dict, problems: list[str], model: dict |
         f"{uri} holds a different model: checkpoints of {held}, not of {here} ({len(problems)} difference"
         f"{'s' if len(problems) != 1 else ''}, e.g. {problems[0]}); train it into another checkpoint.dir, or set "
         f"checkpoint.resume=none to start from scratch beside them"
-        + "".join(f"\n  {p}" for p in problems[:20]) + (f"\n  … and {len(problems) - 20} more" if len(problems) > 20 else ""))
+        + "".join(f"\n  {p}" for p in problems[:20])
+        + (f"\n  … and {len(problems) - 20} more" if len(problems) > 20 else ""))
 
 
 def check_model(manifest: dict, params: dict[str, list[int]], uri: str, frozen: list[str] | None = None,

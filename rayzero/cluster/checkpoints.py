@@ -164,7 +164,8 @@ class Checkpoints:
         if found and not same:
             first = found[0]
             where = f"checkpoint.dir {self.root.uri}" if how == "auto" else first.uri
-            raise different_model(where, first.manifest, model_differences(first.manifest, params, frozen, model), model)
+            problems = model_differences(first.manifest, params, frozen, model)
+            raise different_model(where, first.manifest, problems, model)
         if len(same) < len(found):
             log.warning("passing over %d checkpoint(s) of another model in %s", len(found) - len(same), self.root.uri)
         usable = []

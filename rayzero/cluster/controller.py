@@ -190,6 +190,8 @@ class Controller:
         if self.checkpoints is not None:
             self.checkpoints.configure(infos, self.tracker.run_id)
             self._resume(infos[0]["params"])
+        else:
+            self.early.restore(None)  # from step 0 again
         self.history.rewind(self.start_step)
         if self.checkpoints is not None:
             self.checkpoints.schedule_steps = self.schedule_steps
@@ -314,7 +316,7 @@ class Controller:
             more = step + 1 < cfg.train.steps and grow_at != step
             # Queue the next iteration before reading this one: ranks never wait on the driver;
             # except after an evaluation that may end the run, which must be read first.
-            hold = bool(self.early.patience) and plans[step]["evaluate"]
+            hold = bool(self.early.patience) and plans.pop(step)["evaluate"]
             queued = dispatch.submit(plan(step + 1)) if more and not hold else None
             results = dispatch.collect(pending)
             now = time.perf_counter()

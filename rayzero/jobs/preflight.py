@@ -69,12 +69,12 @@ def check_local_capacity(cfg: RootConfig) -> None:
         if smallest * each > have[kind] + 1e-9:
             ask = (f"cluster.num_workers={c.num_workers} x {each:g} {kind}"
                    + (" (cluster.cpus_per_worker)" if kind == "CPU" else " each (cluster.use_gpu)"))
-            fits = int(have[kind] / each + 1e-9) if each else 0
+            fits = int(have[kind] / each + 1e-9)
+            fewer = (f"use at most {fits} worker{'s' if fits != 1 else ''}"
+                     + (", or a smaller cluster.cpus_per_worker" if kind == "CPU" else ""))
             raise ConfigError(
                 f"cluster.num_workers: {ask} = {c.num_workers * each:g} {kind}s, but this machine's local Ray has "
-                f"{have[kind]:g}; use at most {fits} workers"
-                + (", or a smaller cluster.cpus_per_worker" if kind == "CPU" else "")
-                + ", or cluster.address to run on a Ray cluster")
+                f"{have[kind]:g}; {fewer + ', or ' if fits else ''}set cluster.address to run on a Ray cluster")
 
 
 def resume_preview(checkpoints: Checkpoints, spec: ModelSpec):

@@ -80,3 +80,23 @@ def test_the_plan_shows_the_buckets_the_ranks_will_build(tmp_path, capsys):
     # ZeRO-3: one bucket per FSDP unit (the GPT's 6 blocks, 2 embeddings, final norm and head).
     code, out, plan = dry_run(tmp_path, capsys, "model.preset=small", "sharding.strategy=optim_grads_params")
     assert plan["buckets"]["per_unit"] and "(one per FSDP unit)" in out.out
+
+
+def test_a_local_ray_that_cannot_hold_the_ranks_is_refused_by_the_dry_run(tmp_path, capsys, monkeypatch):
+    """Only where the run would start its own Ray: with an address (a cluster's), it is the
+    cluster's to place them."""
+    from rayzero.jobs import preflight
+
+    monkeypatch.setattr(preflight, "local_capacity", lambda: {"CPU": 8.0, "GPU": 1.0})
+    code, out, _ = dry_run(tmp_path, capsys, "cluster.num_workers=4", "cluster.use_gpu=true")
+    assert code == 2 and out.err.strip() == (
+        "rayzero: error: cluster.num_workers: cluster.num_workers=4 x 1 GPU each (cluster.use_gpu) = 4 GPUs, but this "
+        "machine's local Ray has 1; use at most 1 worker, or set cluster.address to run on a Ray cluster")
+    code, out, _ = dry_run(tmp_path, capsys, "cluster.num_workers=4", "cluster.cpus_per_worker=4")
+    assert code == 2 and "= 16 CPUs, but this machine's local Ray has 8; use at most 2 workers, or a smaller " \
+                         "cluster.cpus_per_worker, or set cluster.address" in out.err
+    code, out, _ = dry_run(tmp_path, capsys, "cluster.num_workers=4", "cluster.min_workers=2", "cluster.cpus_per_worker=4")
+    assert code == 0, "elastic: the smallest world fits"
+    code, out, _ = dry_run(tmp_path, capsys, "cluster.num_workers=4", "cluster.cpus_per_worker=4",
+                           "cluster.address=10.0.0.1:6379")
+    assert code == 0, out.err
