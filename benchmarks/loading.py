@@ -1,7 +1,9 @@
 """Loading a pretrained HF model: rayzero ZeRO-3 against every rank calling `from_pretrained`.
 
 The model is a Llama of a few hundred million parameters (by default 254M: 16 decoder layers
-of width 1024, GQA with 8 key/value heads, MLP 2816, a 32k vocabulary, untied head), saved
+of width 1024, GQA with 8 key/value heads, MLP 2816, a 32k vocabulary, untied head; with
+`--moe`, a Mixtral of the same width with 8 experts of 1408 a layer, whose checkpoint keeps one
+tensor per expert where the model has one fused parameter per layer), saved
 here with `save_pretrained` in bf16 across several safetensors files with an index, as models
 come from the hub. At 4 ranks (gloo, one process each, started together), side by side in one
 invocation, in rounds:
@@ -21,7 +23,7 @@ start <= its model state per rank (16 bytes/parameter / d) + one unit (the large
 fixed margin (read buffers, allocator slack: reported, not assumed); and a time to the first
 step below the baseline's.
 
-    python benchmarks/loading.py [--rounds 2] [--layers 16] [--json PATH]
+    python benchmarks/loading.py [--rounds 2] [--layers 16] [--moe] [--json PATH]
 """
 
 from __future__ import annotations
@@ -57,12 +59,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_model(path: Path, layers: int) -> dict:
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def make_model(path: Path, layers: int, moe: bool = False) -> dict:
+    from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig
 
-    config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers,
-                         num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=2048,
-                         tie_word_embeddings=False)
+    shape = dict(vocab_size=32000, hidden_size=1024, num_hidden_layers=layers, num_attention_heads=16,
+                 num_key_value_heads=8, max_position_embeddings=2048, tie_word_embeddings=False)
+    if moe:  # 8 experts of 1408 per layer, stored one tensor per expert and fused in the model
+        config = MixtralConfig(**shape, intermediate_size=1408, num_local_experts=8, num_experts_per_tok=2)
+    else:
+        config = LlamaConfig(**shape, intermediate_size=2816)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(str(path), max_shard_size="200MB")
@@ -156,14 +161,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--layers", type=int, default=16, help="decoder layers (16: 254M parameters)")
+    ap.add_argument("--moe", action="store_true", help="a Mixtral (8 experts a layer, saved one tensor per expert, "
+                    "fused in the model) instead of the Llama")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args()
     from rayzero.data.corpus import ensure_default_corpus
 
     data_path = ensure_default_corpus("~/.cache/rayzero/datasets")
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(tmp) / "llama"
-        model = make_model(model_dir, args.layers)
+        model_dir = Path(tmp) / ("mixtral" if args.moe else "llama")
+        model = make_model(model_dir, args.layers, args.moe)
         n, unit = model["num_params"], model["unit_params"]
         print(f"model: {n / 1e6:.0f}M parameters, {len(model['files'])} safetensors files of "
               f"{model['bytes'] / MiB:.0f} MiB (bf16); the largest unit {unit / 1e6:.1f}M; {WORLD} ranks, "

@@ -30,6 +30,17 @@ def hf_config(arch: str, **extra):
         # transformers picks CohereTokenizer for it from config.json (as Qwen2Tokenizer for qwen2, GPT2Tokenizer
         # for gpt2), with special tokens of its own
         "cohere": (tf.CohereConfig, {**decoder, "logit_scale": 1.0}),
+        # Checkpoints whose layout differs from the model's (transformers' weight conversions): GPT-NeoX
+        # renames its head (embed_out); the mixtures of experts keep one tensor per expert on disk and one
+        # fused parameter per layer in the model. The router loss is weighted up to show in a short run.
+        "gpt_neox": (tf.GPTNeoXConfig, dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, max_position_embeddings=128,
+                                             hidden_dropout=0.0, attention_dropout=0.0)),
+        "mixtral": (tf.MixtralConfig, {**decoder, "intermediate_size": 48, "num_local_experts": 4,
+                                       "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02}),
+        "qwen2_moe": (tf.Qwen2MoeConfig, {**decoder, "moe_intermediate_size": 24, "shared_expert_intermediate_size": 40,
+                                          "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+                                          "router_aux_loss_coef": 0.02}),
     }[arch]
     return cls(**{**common, **kw, **extra})
 

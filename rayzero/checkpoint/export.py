@@ -253,8 +253,14 @@ def save_final(spec, weights: dict[str, torch.Tensor], uri: str, fmt: str, metad
         return
     dtype = spec.export_dtype(dtype)
     plan = spec.export_plan(spec.build())
-    tensors = [Tensor(e.name, e.shape, _cast_dtype(weights[e.name], dtype), lambda n=e.name: weights[n])
-               for e in plan]
+    tensors = []
+    for e in plan:
+        if e.param is None:  # a buffer
+            held = weights.get(e.name, e.buffer)
+            tensors.append(Tensor(e.name, e.shape, _cast_dtype(held, dtype), lambda t=held: t))
+            continue
+        tensors.append(Tensor(e.name, e.shape, _cast_dtype(weights[e.param], dtype), lambda e=e: e.produce(
+            lambda n: tuple(weights[n].shape), lambda n, lo, hi: weights[n].reshape(-1)[lo:hi])))
     write_hf_dir(uri, tensors, hf_files(spec, dtype, tokenizer), max_shard_bytes, metadata)
 
 

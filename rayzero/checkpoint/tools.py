@@ -57,6 +57,7 @@ class CheckpointWeights:
         self.readers: dict[int, ShardReader] = {}
         self.shapes = {p["name"]: tuple(p["shape"]) for p in m["params"]}
         self._source = None
+        self._frozen: tuple[str | None, torch.Tensor | None] = (None, None)
         try:
             self.spec = spec_from_manifest(m, storage_cfg)
             self.model = self.spec.build()
@@ -80,24 +81,32 @@ class CheckpointWeights:
 
     def __call__(self, name: str) -> torch.Tensor:
         shape = self.shapes[name]
-        if name in self.frozen:
-            if self._source is None:
-                self._source = self.spec.source(self.model)
-            out = torch.empty(shape, dtype=torch.float32)
-            self._source.fill(name, out)
-            return out
-        start, end = self.world[name]
+        return self.read(name, 0, int(np.prod(shape, dtype=np.int64))).view(shape)
+
+    def read(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        """Flat elements [lo, hi) of parameter `name`, fp32: only the bytes of the shards that
+        hold them (an export of a mixture of experts reads each expert's slice of a fused
+        parameter this way, never the whole of it)."""
+        if name in self.frozen:  # not in the checkpoint: from the model's source, whole (kept for its next slice)
+            if self._frozen[0] != name:
+                if self._source is None:
+                    self._source = self.spec.source(self.model)
+                out = torch.empty(self.shapes[name], dtype=torch.float32)
+                self._source.fill(name, out)
+                self._frozen = (name, out.view(-1))
+            return self._frozen[1][lo:hi]
+        start = self.world[name][0]
         m = self.c.manifest
-        out = np.empty(end - start, dtype=np.float32)
+        out = np.empty(hi - lo, dtype=np.float32)
         try:
-            found = locate_saved(start, end, 0, self.pieces, self.starts)
+            found = locate_saved(start + lo, start + hi, 0, self.pieces, self.starts)
         except ValueError as e:
             raise CheckpointError(f"{self.c.uri}: {name}: {e}") from None
         for f, off, n, dst in found:
             if f not in self.readers:
                 self.readers[f] = ShardReader(self.c.storage, m["shards"][f]["file"], m["shards"][f])
             out[dst : dst + n] = self.readers[f].read("main", off, off + n)
-        return torch.from_numpy(out).view(shape)
+        return torch.from_numpy(out)
 
 
 def consolidated_weights(c: Committed, storage_cfg=None) -> dict[str, torch.Tensor]:
@@ -121,7 +130,7 @@ def export_checkpoint(c: Committed, out: str, fmt: str = "safetensors", dtype: s
     tensors = []
     for e in plan:
         if e.param is not None:
-            produce = (lambda p=e.param: weights(p))
+            produce = (lambda e=e: e.produce(weights.shapes.__getitem__, weights.read))
             kind = EXPORT_DTYPES[dtype]
         else:
             produce = (lambda b=e.buffer: b)

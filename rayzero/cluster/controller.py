@@ -364,6 +364,9 @@ class Controller:
             metrics["mfu"] = rate["mfu"]
         if results[0]["loss_scale"] is not None:
             metrics["loss_scale"] = results[0]["loss_scale"]
+        if results[0].get("aux_loss_sum") is not None:  # a mixture of experts: its router's loss, apart
+            micro = cfg.train.global_batch_size // cfg.train.micro_batch_size
+            metrics["router_aux_loss"] = sum(r["aux_loss_sum"] for r in results) / micro
         stop = False
         if "val0_loss_sum" in results[0]:  # before the first step: the curve's baseline, at step -1
             base = self._val_loss(results, "val0_")
@@ -560,6 +563,10 @@ class Controller:
             "first_loss": h.losses[0] if trained else None,
             "final_loss": h.losses[-1] if trained else None,
             "final_val_loss": h.val_losses[-1] if h.val_losses else None,
+            # a mixture of experts: the router's load-balancing loss (its mean over the last step's
+            # micro-batches), which joins the training loss weighted by router_aux_loss_coef
+            "final_router_aux_loss": next((r["router_aux_loss"] for r in reversed(h.rows) if "router_aux_loss" in r),
+                                          None),
             "val_losses": [[s, v] for s, v in zip(h.val_steps, h.val_losses)],
             "steps": len(h.losses),
             "start_step": self.first_start[0],

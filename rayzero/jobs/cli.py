@@ -247,7 +247,9 @@ def _print_summary(s: dict) -> None:
     print(
         f"\ntrained {s['steps']} steps{resumed}: loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}"
         + (f", validation loss {s['final_val_loss']:.4f} (perplexity {math.exp(min(s['final_val_loss'], 700)):.2f})"
-           if s.get("final_val_loss") is not None else "") + "\n"
+           if s.get("final_val_loss") is not None else "")
+        + (f"; router load-balancing loss {s['final_router_aux_loss']:.4f}"
+           if s.get("final_router_aux_loss") is not None else "") + "\n"
         f"  {ranks}, strategy {s['strategy']}, {_params_line(s['num_params'], s['trainable_params'])}, "
         f"{s['grad_accum']} micro-batches/step\n"
         f"  {s['tokens_per_s']:,.0f} tokens/s ({s['tokens_per_s_per_rank']:,.0f} per rank"

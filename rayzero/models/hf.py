@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from rayzero.checkpoint.storage import Storage, StorageError
 from rayzero.models.config import ModelConfig
+from rayzero.models.conversions import Part, load_layout, saved_keys
 from rayzero.models.spec import (
     ExportEntry, ModelError, ModelSpec, ModelUnavailable, SeededInit, params_on_meta, weights_record,
 )
@@ -96,9 +97,23 @@ class HFSpec(ModelSpec):
 
         return SeededInit(twin, self.seed, lambda name, _m: fns[name], fallback)
 
-    def _prefix(self, model: nn.Module) -> str:
-        """A checkpoint of the base model (GPT-2's `h.0...`) lacks the causal LM's prefix."""
-        return getattr(model, "base_model_prefix", "")
+    def resolve(self, model: nn.Module) -> None:
+        """Match the checkpoint's tensors to the model's parameters as `from_pretrained` does:
+        through the architecture's weight conversions (renamed tensors, per-expert tensors that
+        make one fused parameter), a checkpoint of the base model (GPT-2's `h.0...`) under the
+        causal LM's prefix. ModelError listing every mismatch; UnsupportedConversion naming a
+        transform ranged reads cannot follow."""
+        if getattr(self, "_resolved", False):
+            return
+        params = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        keys = {k: info.shape for k, info in self.weights.tensors.items()}
+        layout = load_layout(model, keys, params)
+        prefix = getattr(model, "base_model_prefix", "")
+        passed = (set(model.state_dict(keep_vars=True)) - set(params)) | self._ignored(model)
+        unused = [k for k in layout.unused
+                  if not {k, k.removeprefix(prefix + "."), f"{prefix}.{k}"} & passed]
+        self.weights.use(layout.parts, params, unused)
+        self._resolved = True
 
     def _ignored(self, model: nn.Module) -> set[str]:
         patterns = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()
@@ -128,8 +143,22 @@ class HFSpec(ModelSpec):
         return layers, heads * head_dim
 
     # -- training ------------------------------------------------------------------------
+    @property
+    def aux_coef(self) -> float:
+        """A mixture of experts' `router_aux_loss_coef` (Mixtral, Qwen2-MoE, OLMoE, …): its
+        router's load-balancing loss joins the training loss with that weight, as transformers
+        adds it when given labels; 0 for a model without one."""
+        c = self.text_config
+        return float(getattr(c, "router_aux_loss_coef", 0.0) or 0.0) if hasattr(c, "output_router_logits") else 0.0
+
     def logits(self, model: nn.Module, x: torch.Tensor):
+        if self.aux_coef:
+            return model(input_ids=x, output_router_logits=True)
         return model(input_ids=x)
+
+    def aux_loss(self, out) -> torch.Tensor | None:
+        aux = getattr(out, "aux_loss", None) if self.aux_coef else None
+        return aux if isinstance(aux, torch.Tensor) else None
 
     @property
     def vocab_size(self) -> int:
@@ -158,16 +187,26 @@ class HFSpec(ModelSpec):
 
     def export_plan(self, model: nn.Module) -> list[ExportEntry]:
         """As `save_pretrained` writes them: each parameter once (a tied head is not written;
-        transformers ties it again on load), and the persistent buffers."""
+        transformers ties it again on load), under the names and in the pieces of the
+        architecture's checkpoint layout (GPT-NeoX's `embed_out`, a mixture of experts' tensors
+        per expert), and the persistent buffers."""
         names = {id(p): n for n, p in model.named_parameters()}
-        plan, seen = [], set()
+        params, plan, seen = {}, [], set()
         for key, v in model.state_dict(keep_vars=True).items():
             if id(v) in names:
                 if id(v) not in seen:
-                    plan.append(ExportEntry(key, tuple(v.shape), param=names[id(v)]))
+                    params[names[id(v)]] = tuple(v.shape)
                     seen.add(id(v))
             else:
                 plan.append(ExportEntry(key, tuple(v.shape), buffer=v.detach()))
+        saved = saved_keys(model, params)
+        by_key: dict[str, list] = {}
+        for name, parts in load_layout(model, saved, params).parts.items():
+            for part in parts:
+                by_key.setdefault(part.key, []).append((name, part))
+        for key, pieces in by_key.items():
+            (name, part), whole = pieces[0], len(pieces) == 1 and pieces[0][1] == Part.whole(key, params[pieces[0][0]])
+            plan.append(ExportEntry(key, saved[key], param=name, parts=() if whole else tuple(pieces)))
         return plan
 
 

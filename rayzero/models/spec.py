@@ -8,7 +8,8 @@ checkpoint tools and the CLI ask it, and never name a model class:
     spec.source(model)           initial values: a seeded init, or pretrained weights by range
     spec.fsdp_units(model)       the default ZeRO-3 unit classes
     spec.decays(name, p)         which parameters take weight decay
-    spec.loss(model, x, y)       a micro-batch's summed loss over valid tokens, and their count
+    spec.loss(model, x, y)       a micro-batch's summed loss over valid tokens, their count, and
+                                 its auxiliary loss (a mixture of experts' router loss) if any
     spec.record()                what a checkpoint notes of the model (kind, source, config hash)
     spec.export_plan(model)      the names an export writes, and what each one holds
     spec.check(seq_len, ...)     what can be checked in the driver, before any cluster starts
@@ -173,12 +174,30 @@ def check_logits(logits, x: torch.Tensor, where: str) -> torch.Tensor:
 @dataclass(frozen=True)
 class ExportEntry:
     """One tensor of an export: its name in the file, and the parameter (by checkpoint name)
-    or the buffer (a tensor) it holds."""
+    or the buffer (a tensor) it holds. `parts`: where the export's layout differs from the
+    model's, the boxes of parameters the tensor is made of, as (parameter, `conversions.Part`)
+    (a mixture of experts' one expert cut out of a fused parameter; a fused tensor made of
+    several parameters)."""
 
     name: str
     shape: tuple[int, ...]
     param: str | None = None
     buffer: torch.Tensor | None = None
+    parts: tuple = ()
+
+    def produce(self, shape_of, read) -> torch.Tensor:
+        """The tensor, from `read(param, lo, hi)` (a parameter's flat elements [lo, hi)) and
+        `shape_of(param)`."""
+        if not self.parts:
+            return read(self.param, 0, _prod(self.shape)).view(self.shape)
+        out = None
+        for param, part in self.parts:
+            for p, s, n in part.blocks(shape_of(param)):
+                values = read(param, p, p + n)
+                if out is None:
+                    out = torch.empty(_prod(self.shape), dtype=values.dtype)
+                out[s : s + n] = values
+        return out.view(self.shape)
 
 
 class ModelSpec:
@@ -251,11 +270,14 @@ class ModelSpec:
         return model(x)
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, check: bool = False):
-        """(summed cross-entropy over valid targets, their count) for one micro-batch; with
-        `check`, the forward's output is checked to be [B, T, V] logits first."""
+        """(summed cross-entropy over valid targets, their count, the model's auxiliary loss or
+        None) for one micro-batch; with `check`, the forward's output is checked to be
+        [B, T, V] logits first. The auxiliary loss (a mixture of experts' router
+        load-balancing loss, as the model computes it for this micro-batch) enters training
+        scaled by `aux_coef`."""
         if not check:
             out = self.logits(model, x)
-            return token_loss(getattr(out, "logits", out), y)
+            return (*token_loss(getattr(out, "logits", out), y), self.aux_loss(out))
         try:
             out = self.logits(model, x)
         except IndexError as e:  # an embedding lookup past the table
@@ -266,7 +288,13 @@ class ModelSpec:
         if top >= vocab:
             raise ModelError(f"{self.where}: its vocabulary of {vocab} tokens is smaller than the data's: "
                              f"the batch holds token id {top}")
-        return token_loss(logits, y)
+        return (*token_loss(logits, y), self.aux_loss(out))
+
+    aux_coef = 0.0  # the weight of `aux_loss` in the training loss; 0: the model has none
+
+    def aux_loss(self, out) -> torch.Tensor | None:
+        """The model's auxiliary loss in the forward's output, or None."""
+        return None
 
     @property
     def where(self) -> str:
@@ -358,6 +386,13 @@ def weights_record(weights, path: str) -> dict:
         return {"source": path or None, "init": "random"}
     return {"source": path, "init": "pretrained", "weights_sha256": weights.fingerprint,
             "weights_dtype": weights.dtype()}
+
+
+def _prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def config_hash(config: dict) -> str:

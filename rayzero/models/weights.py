@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from rayzero.checkpoint.storage import Storage, StorageError
+from rayzero.models.conversions import Part
 from rayzero.models.spec import ModelError
 from rayzero.sharding.flat_buffer import ParamSource, Piece
 
@@ -56,9 +57,10 @@ class TensorInfo:
 class SafetensorsWeights(ParamSource):
     """The tensors of one or more safetensors files under a storage root, by name.
 
-    `names` maps each model parameter name to its key in the files (`resolve` makes it);
-    `fill_pieces` reads element ranges of parameters, converted to fp32, with adjacent ranges
-    joined into one request and requests run in parallel."""
+    `parts` says which tensors hold each model parameter's elements, and where (`resolve`
+    matches by name; `use` takes what `conversions.load_layout` found for a model whose
+    checkpoint layout differs); `fill_pieces` reads element ranges of parameters, converted to
+    fp32, with adjacent ranges joined into one request and requests run in parallel."""
 
     partial = True
 
@@ -66,7 +68,8 @@ class SafetensorsWeights(ParamSource):
         self.storage = storage
         self.tensors = tensors
         self.fingerprint = fingerprint
-        self.names: dict[str, str] = {}
+        self.parts: dict[str, list[Part]] = {}  # parameter name -> the tensors that fill it (`use`)
+        self.shapes: dict[str, tuple[int, ...]] = {}
         self.bytes_read = 0
         self._lock = threading.Lock()
 
@@ -130,29 +133,42 @@ class SafetensorsWeights(ParamSource):
         added. ModelError listing every parameter that is missing or has another shape, and
         every tensor that belongs to no parameter (`aliases`: other names of parameters, such as
         a tied head; `ignore`: buffers and the like, which are not loaded)."""
-        names, problems = {}, []
-        for name, shape in params.items():
+        parts, unused = {}, []
+        keys = {}
+        for name in params:
             candidates = [name]
             if prefix:
                 candidates += [name.removeprefix(prefix + "."), f"{prefix}.{name}"]
             key = next((c for c in candidates if c in self.tensors), None)
-            if key is None:
-                problems.append(f"{name}: missing from the weights")
-            elif self.tensors[key].shape != tuple(shape):
-                problems.append(f"{name}: shape {list(self.tensors[key].shape)} in the weights, {list(shape)} "
-                                f"in the model")
-            else:
-                names[name] = key
-        used = set(names.values())
+            if key is not None:
+                keys[key] = name
+                parts[name] = [Part.whole(key, self.tensors[key].shape)]
         strip = (lambda k: k) if not prefix else (lambda k: k.removeprefix(prefix + "."))
         allowed = {strip(a) for a in aliases | ignore}
-        extra = [k for k in self.tensors if k not in used and strip(k) not in allowed]
-        problems += [f"{k}: in the weights, not in the model" for k in sorted(extra)]
+        unused = [k for k in self.tensors if k not in keys and strip(k) not in allowed]
+        self.use(parts, params, unused)
+
+    def use(self, parts: dict[str, list[Part]], params: dict[str, tuple[int, ...]], unused: list[str]) -> None:
+        """Take `parts` (which tensors fill each parameter, and where) after checking them:
+        ModelError listing every parameter that is missing, has another shape or is not wholly
+        covered, and every tensor (`unused`) that belongs to no parameter."""
+        problems = []
+        for name, shape in params.items():
+            mine = parts.get(name)
+            if not mine:
+                problems.append(f"{name}: missing from the weights")
+            elif len(mine) == 1 and mine[0].extent != tuple(shape):
+                problems.append(f"{name}: shape {list(mine[0].extent)} in the weights, {list(shape)} in the model")
+            elif sum(p.numel for p in mine) != _numel(shape):
+                problems.append(f"{name}: the weights' {', '.join(p.key for p in mine[:3])}… cover "
+                                f"{sum(p.numel for p in mine)} of its {_numel(shape)} elements")
+        problems += [f"{k}: in the weights, not in the model" for k in sorted(unused)]
         if problems:
             shown = problems[:20] + ([f"… and {len(problems) - 20} more"] if len(problems) > 20 else [])
             raise ModelError(f"model.path: the weights in {self.storage.uri} do not match the model:\n  "
                              + "\n  ".join(shown))
-        self.names = names
+        self.parts = {n: parts[n] for n in params}
+        self.shapes = {n: tuple(shape) for n, shape in params.items()}
 
     def dtype(self) -> str:
         """The weights' dtype, as transformers names it (the most common one among the tensors)."""
@@ -167,15 +183,18 @@ class SafetensorsWeights(ParamSource):
         self.fill_pieces([Piece(name, 0, out.numel(), tuple(out.shape), out.view(-1))])
 
     def fill_pieces(self, pieces: list[Piece]) -> None:
-        # Each piece as byte spans of at most READ_BYTES: (file, first byte, bytes, out, first element, dtype).
+        # Each piece as byte spans of at most READ_BYTES: (file, first byte, bytes, out, first element, dtype),
+        # from each tensor that holds some of its elements (one, unless the checkpoint splits the parameter).
         spans = []
         for p in pieces:
-            info = self.tensors[self.names[p.name]]
-            per = READ_BYTES // info.itemsize
-            for lo in range(0, p.end - p.start, per):
-                k = min(per, p.end - p.start - lo)
-                spans.append((info.file, info.offset + (p.start + lo) * info.itemsize, k * info.itemsize,
-                              p.out, lo, info.dtype))
+            for part in self.parts[p.name]:
+                info = self.tensors[part.key]
+                per = READ_BYTES // info.itemsize
+                for first, n, at in part.runs(self.shapes[p.name], p.start, p.end):
+                    for lo in range(0, n, per):
+                        k = min(per, n - lo)
+                        spans.append((info.file, info.offset + (first + lo) * info.itemsize, k * info.itemsize,
+                                      p.out, at + lo, info.dtype))
         # Spans near each other in a file become one request of up to READ_BYTES.
         jobs: list[list] = []  # [file, first byte, bytes, [(offset in the request, span)]]
         for span in sorted(spans, key=lambda s: (s[0], s[1])):
@@ -205,6 +224,13 @@ class SafetensorsWeights(ParamSource):
             return
         with ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
             list(pool.map(run, jobs))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def model_files(storage: Storage) -> list[str]:

@@ -218,6 +218,7 @@ class Rank:
         )
         self._checked = False
         self._baseline = None
+        self._micro_per_step = cfg.train.global_batch_size // cfg.train.micro_batch_size
         num_params, trainable = self.spec.num_params(self.model)
         return {
             "rank": self.topo.rank,
@@ -271,6 +272,7 @@ class Rank:
         t_data = time.perf_counter() - t_data
         self._next_micro = 0
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._aux_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._tokens = 0
         self._count_valid()
         # "data": the part of gather spent on this step's rows (read a step ahead, in a thread)
@@ -293,7 +295,7 @@ class Rank:
     def forward(self, _prev: dict) -> dict:
         t0 = time.perf_counter()
         x, y = self._micro[self._next_micro]
-        loss_sum, valid = self.spec.loss(self.model, x, y, check=not self._checked)
+        loss_sum, valid, aux = self.spec.loss(self.model, x, y, check=not self._checked)
         self._checked = True
         if self._valid_work is not None:
             wait(self._valid_work)
@@ -304,6 +306,11 @@ class Rank:
         # micro-batches and ranks, the gradient is that of the mean loss over the whole
         # global batch, whatever the world size and however the masked targets fall.
         self._loss = loss_sum / self._valid
+        if aux is not None:
+            # The router's loss is one per micro-batch: its mean over the step's micro-batches
+            # (the same micro-batches at any world size) joins the loss, weighted by its coefficient.
+            self._loss = self._loss + self.spec.aux_coef * aux / self._micro_per_step
+            self._aux_sum += aux.detach().double()
         self._loss_sum += loss_sum.detach()
         self._tokens += int(valid)
         self._times["forward"] += time.perf_counter() - t0
@@ -340,6 +347,7 @@ class Rank:
             "lr": self.plan["lr"],
             "loss_sum": float(self._loss_sum),
             "tokens": self._tokens,
+            "aux_loss_sum": float(self._aux_sum) if self.spec.aux_coef else None,
             "grad_norm": grad_norm,
             "skipped": self.strategy.last_step_skipped,
             "loss_scale": self.strategy.scaler.scale if self.strategy.scaler is not None else None,
@@ -375,7 +383,7 @@ class Rank:
             with torch.no_grad():
                 for batch in range(self.val.num_batches):
                     for x, y in self.val.microbatches(batch):
-                        part, valid = self.spec.loss(self.model, x.to(self.device), y.to(self.device))
+                        part, valid, _ = self.spec.loss(self.model, x.to(self.device), y.to(self.device))
                         loss_sum += part.double()
                         count += int(valid)
         finally:

@@ -1,7 +1,9 @@
 """A plain single-process torch run, to hold sharded training against: the same model and
 initial weights, the whole global batch of every step (micro-batch by micro-batch, gradients
 accumulated), the loss summed over valid targets / their global count, clipping,
-`torch.optim.AdamW` with weight decay on matrices only, and rayzero's learning-rate schedule."""
+`torch.optim.AdamW` with weight decay on matrices only, and rayzero's learning-rate schedule; a
+mixture of experts adds its router loss, weighted by its coefficient, per micro-batch, averaged
+over the step's micro-batches."""
 
 from __future__ import annotations
 
@@ -46,6 +48,12 @@ def logits_of(model, x):
     return getattr(out, "logits", out)
 
 
+def router_coef(model) -> float:
+    """A mixture of experts' router-loss weight (transformers' `router_aux_loss_coef`), else 0."""
+    config = getattr(model, "config", None)
+    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if hasattr(config, "output_router_logits") else 0.0
+
+
 def train_reference(model, cfg, data_path: str, steps: int, masked: bool = False,
                     check_clipping: bool = True, batch=None) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Train `model` (already holding its initial weights) for `steps`; its final state dict
@@ -68,9 +76,14 @@ def train_reference(model, cfg, data_path: str, steps: int, masked: bool = False
         valid = int((targets != -100).sum())
         opt.zero_grad()
         loss = 0.0
+        coef, micro = router_coef(model), len(inputs) // t.micro_batch_size
         for x, y in zip(inputs.split(t.micro_batch_size), targets.split(t.micro_batch_size)):
-            mb = F.cross_entropy(logits_of(model, x).flatten(0, 1), y.flatten(), reduction="sum", ignore_index=-100)
-            (mb / valid).backward()
+            out = model(x, output_router_logits=True) if coef else model(x)
+            mb = F.cross_entropy(getattr(out, "logits", out).flatten(0, 1), y.flatten(), reduction="sum",
+                                 ignore_index=-100)
+            # a mixture of experts: its router loss, per micro-batch, averaged over the step's micro-batches
+            aux = coef * out.aux_loss / micro if coef else 0.0
+            (mb / valid + aux).backward()
             loss += mb.item() / valid
         norm = torch.nn.utils.clip_grad_norm_([p for _, p in params if p.requires_grad], o.grad_clip)
         if check_clipping:

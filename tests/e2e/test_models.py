@@ -162,3 +162,27 @@ def test_trainer_takes_a_model_defined_in_the_caller(tmp_path, ray_cluster, smal
     assert result.summary["num_params"] == 320 * 8 + 8 * 320 + 320
     assert result.metrics["final_loss"] < result.metrics["first_loss"]
     assert leftovers(ray_cluster) == ([], [])
+
+
+def test_a_mixture_of_experts_fine_tunes_with_its_router_loss_reported_apart(tmp_path, ray_cluster, small_dataset,
+                                                                             capsys, monkeypatch):
+    """A Mixtral saved by `save_pretrained` (one tensor per expert on disk) through the CLI: its
+    router's load-balancing loss goes to MLflow and the summary beside the token loss, and the
+    export is in transformers' layout again."""
+    from mlflow.tracking import MlflowClient
+
+    d = save_hf_model("mixtral", tmp_path / "mixtral")
+    summary = tmp_path / "s.json"
+    code, out, err = cli_in_process(capsys, monkeypatch, tmp_path, "train", "--no-progress", "model.kind=hf",
+                                    f"model.path={d}", *FAST, f"data.path={small_dataset}", "train.steps=3",
+                                    "checkpoint.dir=", "sharding.strategy=optim_grads_params",
+                                    f"train.save_final={tmp_path / 'final'}", "train.save_format=hf",
+                                    f"train.output_dir={tmp_path / 'runs'}", f"cluster.address={ray_cluster}",
+                                    "--summary-json", str(summary))
+    assert code == 0, err
+    s = json.loads(summary.read_text())
+    assert s["final_router_aux_loss"] > 0 and f"router load-balancing loss {s['final_router_aux_loss']:.4f}" in out
+    history = MlflowClient(s["mlflow_tracking_uri"]).get_metric_history(s["mlflow_run_id"], "router_aux_loss")
+    assert sorted(m.step for m in history) == [0, 1, 2]
+    original, exported = load_file(str(d / "model.safetensors")), load_file(str(tmp_path / "final" / "model.safetensors"))
+    assert exported.keys() == original.keys() and "model.layers.0.block_sparse_moe.experts.3.w2.weight" in exported
