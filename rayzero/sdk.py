@@ -97,6 +97,13 @@ class Result:
         return {k: s.get(k) for k in keys}
 
     @property
+    def memory(self) -> dict[str, Any]:
+        """What a rank held at its most: model state per parameter by category
+        (`bytes_per_param`), the transient peak, and the peak of a micro-batch's saved
+        activations (`activations_peak_bytes`)."""
+        return self.summary.get("memory", {})
+
+    @property
     def checkpoint(self) -> str | None:
         """The last committed checkpoint's URI."""
         return self.summary["checkpoint"]

@@ -94,20 +94,21 @@ def save_chat_model(path: str | Path, texts: list[str], arch: str = "qwen2") -> 
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int):
+    def __init__(self, dim: int, heads: int, dropout: float = 0.0):
         super().__init__()
         self.ln1 = nn.LayerNorm(dim)
         self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
         self.ln2 = nn.LayerNorm(dim)
         self.fc = nn.Linear(dim, 4 * dim)
         self.proj = nn.Linear(4 * dim, dim)
+        self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[1]
         mask = torch.triu(torch.ones(t, t, dtype=torch.bool, device=x.device), 1)
         h = self.ln1(x)
-        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
-        return x + self.proj(F.gelu(self.fc(self.ln2(x))))
+        x = x + self.drop(self.attn(h, h, h, attn_mask=mask, need_weights=False)[0])
+        return x + self.drop(self.proj(F.gelu(self.fc(self.ln2(x)))))
 
 
 class TinyLM(nn.Module):
@@ -115,12 +116,12 @@ class TinyLM(nn.Module):
     tied head. Forward: token ids [B, T] -> logits [B, T, V]."""
 
     def __init__(self, vocab: int = VOCAB, dim: int = 32, heads: int = 4, n_layer: int = 2, max_len: int = 128,
-                 tie: bool = True):
+                 tie: bool = True, dropout: float = 0.0):
         super().__init__()
         self.emb = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(max_len, dim)
         self.register_buffer("positions", torch.arange(max_len), persistent=False)
-        self.layers = nn.ModuleList(Block(dim, heads) for _ in range(n_layer))
+        self.layers = nn.ModuleList(Block(dim, heads, dropout) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         if tie:

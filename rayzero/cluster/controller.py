@@ -39,7 +39,7 @@ from rayzero.config import RootConfig
 from rayzero.data.tokens import dataset_tokenizer_files
 from rayzero.sharding.memory import bytes_per_param
 from rayzero.workers.actor import RankActor
-from rayzero.workers.rank import make_spec
+from rayzero.workers.assembly import make_spec
 
 log = logging.getLogger(__name__)
 
@@ -608,6 +608,8 @@ class Controller:
             "memory": {
                 "bytes_per_param": bytes_per_param(memory, self.num_params),
                 "transient_bytes": max(r["transient_peak"] for r in memory),
+                # what a micro-batch's forward leaves saved for its backward, at its peak (the most on any rank)
+                "activations_peak_bytes": max(r.get("activations_peak", 0) for r in memory),
                 "per_rank": memory,
                 "param_dtype": cfg.sharding.param_dtype,
                 "grad_dtype": cfg.sharding.grad_dtype,

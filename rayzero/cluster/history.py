@@ -47,10 +47,11 @@ class History:
 
 
 def memory_metrics(reports: list[dict[str, int]], num_params: int) -> dict[str, float]:
-    """The ledger as MLflow metrics: bytes per parameter per category (max over ranks) and
-    the peak transient in MiB."""
+    """The ledger as MLflow metrics: bytes per parameter per category (max over ranks), the
+    peak transient and the peak of a micro-batch's saved activations, in MiB."""
     out = {f"memory_{k}_bytes_per_param": v for k, v in bytes_per_param(reports, num_params).items()}
     out["memory_transient_peak_mib"] = max(r["transient_peak"] for r in reports) / 2**20
+    out["memory_activations_peak_mib"] = max(r.get("activations_peak", 0) for r in reports) / 2**20
     return out
 
 

@@ -190,6 +190,7 @@ def _print_plan(p: dict) -> None:
            f"{mem['bytes_per_param']:.2f} bytes/parameter = {mem['bytes_per_rank'] / 2**20:,.1f} MiB (Megatron's "
            f"formula, before padding and activations)\n" if p["num_params"] else
            f"  model state per rank {mem['bytes_per_param']:.2f} bytes/parameter (Megatron's formula)\n")
+        + (f"  {_activations_line(mem)}\n" if mem.get("activations_bytes") is not None else "")
         + (f"  {_buckets_line(p['buckets'])}\n" if p["buckets"]["numel"] else "")
         + f"  {p['global_batch_size']} sequences per step = {p['world_size']} ranks x {p['grad_accum']} "
         f"micro-batches x {p['micro_batch_size']}; {p['tokens_per_step']:,} tokens per step, {p['steps']} steps\n"
@@ -201,6 +202,14 @@ def _print_plan(p: dict) -> None:
         f"  restarts up to {p['failure']['max_restarts']} (-1: unlimited), phase watchdog "
         f"{p['failure']['phase_timeout_s']:g} s"
     )
+
+
+def _activations_line(mem: dict) -> str:
+    act = mem["activations_bytes"]
+    total = (f"; model state + activations {(mem['bytes_per_rank'] + act) / 2**20:,.1f} MiB per rank"
+             if mem["bytes_per_rank"] else "")
+    return (f"activations {act / 2**20:,.1f} MiB a micro-batch (estimated from the model's shape; activation "
+            f"checkpointing {mem['activation_checkpointing']}){total}")
 
 
 def _buckets_line(b: dict) -> str:
@@ -256,7 +265,8 @@ def _print_summary(s: dict) -> None:
         + (f", MFU {s['mfu']:.1%} of the {s['device']}'s dense bf16 peak" if s.get("mfu") is not None else "")
         + f"), {s['step_ms']:.1f} ms/step ({phases} ms)\n"
         f"  memory per rank, bytes/parameter: {per_param}; transient peak "
-        f"{mem['transient_bytes'] / 2**20:.1f} MiB\n"
+        f"{mem['transient_bytes'] / 2**20:.1f} MiB; activations {mem['activations_peak_bytes'] / 2**20:.1f} MiB "
+        f"a micro-batch at their peak\n"
         + (f"  {s['skipped_steps']} steps skipped by loss scaling\n" if s["skipped_steps"] else "")
         + "".join(f"  restart {i}: {f['message']}; {f['decision']} at {f['world_size']} ranks, "
                   f"training again {f['timings'].get('total_s', 0):.1f}s later\n"

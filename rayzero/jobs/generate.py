@@ -198,7 +198,7 @@ def load_generator(weights: str, cfg: RootConfig | None = None, tokenizer: str |
     if local.is_file() and local.suffix == ".safetensors":
         from safetensors.torch import load_file
 
-        from rayzero.workers.rank import make_spec
+        from rayzero.workers.assembly import make_spec
 
         spec = make_spec(cfg)
         model = _real(spec.build(), load_file(str(local)))

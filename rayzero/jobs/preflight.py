@@ -17,6 +17,7 @@ from rayzero.cluster.checkpoints import Checkpoints
 from rayzero.cluster.history import load_rows
 from rayzero.config import ConfigError, RootConfig
 from rayzero.models import ModelSpec
+from rayzero.workers.assembly import build_model
 
 
 class _DropNotice(logging.Filter):
@@ -81,7 +82,7 @@ def resume_preview(checkpoints: Checkpoints, spec: ModelSpec):
     """The commit the run will resume from (None: it starts from scratch), chosen as the
     controller will choose it, before anything starts: a directory holding only another
     model's checkpoints is refused here, in one line, not after the cluster is up."""
-    model = spec.build()
+    model = build_model(checkpoints.cfg, spec).model  # what the ranks will build
     params = {n: list(p.shape) for n, p in model.named_parameters()}
     frozen = sorted(n for n, p in model.named_parameters() if not p.requires_grad)
     try:

@@ -25,7 +25,7 @@ from rayzero.jobs.preflight import (
     check_local_capacity, nothing_to_train, quiet_logs, resume_preview, resumed_run_dir, say_resume,
     starts_local_ray,
 )
-from rayzero.workers.rank import bucket_layout, check_buildable, make_spec
+from rayzero.workers.assembly import bucket_layout, build_model, check_buildable, make_spec
 
 
 class ClusterUnreachable(RuntimeError):
@@ -236,7 +236,7 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
     then fit this machine (default: as `starts_local_ray` finds)."""
     from rayzero.cluster.checkpoints import checkpoint_root
     from rayzero.cluster.schedule import describe as describe_schedule
-    from rayzero.sharding.memory import formula_bytes_per_param
+    from rayzero.sharding.memory import activation_bytes, formula_bytes_per_param
     from rayzero.sharding.precision import DTYPES
 
     if starts_local_ray(cfg) if local is None else local:
@@ -246,13 +246,15 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
         if not read_model:
             raise ModelUnreachable(f"model.path {cfg.model.path} is on the cluster's machines")
         spec, note = check_model(cfg, resolve_factory(cfg, factory)), None
-        model = spec.build()
+        model = build_model(cfg, spec).model  # what the ranks will shard
         num_params, trainable = spec.num_params(model)
         buckets = [b.world.size for b in bucket_layout(cfg, spec, model).buckets]
         record = spec.record()
+        shape = spec.activation_shape(model)
     except ModelUnreachable as e:
         spec, note, num_params, trainable, buckets = None, f"not read from here: {e}", None, None, None
         record = {"kind": cfg.model.kind, "source": cfg.model.path, "init": cfg.model.init}
+        shape = None
     sh, t, c = cfg.sharding, cfg.train, cfg.cluster
     d = c.num_workers // sh.dp_outer  # ranks a shard is split over
     param_bytes = DTYPES[sh.param_dtype].itemsize
@@ -286,7 +288,12 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
         "buckets": {"numel": buckets, "bucket_numel": sh.bucket_numel,
                     "per_unit": sh.strategy == "optim_grads_params"},
         "memory": {"bytes_per_param": bytes_per_rank / num_params if num_params else per_param,
-                   "bytes_per_rank": bytes_per_rank},
+                   "bytes_per_rank": bytes_per_rank,
+                   # a micro-batch's saved activations, estimated from the model's shape (None: unknown)
+                   "activations_bytes": activation_bytes(
+                       shape, t.seq_len, t.micro_batch_size, param_bytes, cfg.model.checkpoint_every,
+                       cfg.model.activation_checkpointing == "selective") if shape is not None else None,
+                   "activation_checkpointing": cfg.model.activation_checkpointing},
         "checkpoint": ({"dir": checkpoint_root(cfg), "every_steps": cfg.checkpoint.every_steps,
                         "resume": cfg.checkpoint.resume} if cfg.checkpoint.dir else None),
         "tracking": (cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite in the run directory")

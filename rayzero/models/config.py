@@ -63,6 +63,18 @@ class ModelConfig(Frozen):
         description="Parameters to keep frozen (no gradient, no optimizer state), as `fnmatch` patterns of "
         "their names, comma-separated on the command line, e.g. `model.embed_tokens.*`.",
     )
+    activation_checkpointing: str = Field(
+        default="none",
+        description="Recompute activations in backward instead of keeping them: `none`; `full` = every block "
+        "(the model's repeated layers, or `checkpoint_blocks`) keeps only its input; `every:N` = every N-th "
+        "block does; `selective` = every block keeps its matrix multiplications' outputs and recomputes the rest.",
+    )
+    checkpoint_blocks: tuple[str, ...] = Field(
+        default=(),
+        description="The module classes activation checkpointing recomputes, comma-separated; empty = the "
+        "model's own blocks (the GPT's `Block`, an HF model's `_no_split_modules`, a module's largest list of "
+        "layers).",
+    )
     preset: Literal["tiny", "small", "medium", "large"] = Field(
         default="tiny",
         description="`gpt`: model size: `tiny` (~0.5M parameters), `small` (~10.8M), `medium` (~85M, GPT-2 "
@@ -87,7 +99,23 @@ class ModelConfig(Frozen):
     dropout: float = Field(default=0.0, description="`gpt`: dropout probability, in [0, 1); 0 disables it.")
     bias: bool = Field(default=True, description="`gpt`: biases in the linear layers and layer norms.")
 
-    @field_validator("freeze", mode="before")
+    @field_validator("activation_checkpointing")
+    @classmethod
+    def _mode(cls, v: str) -> str:
+        if v in ("none", "full", "selective"):
+            return v
+        head, _, n = v.partition(":")
+        if head == "every" and n.isdigit() and int(n) >= 1:
+            return f"every:{int(n)}"
+        raise ValueError("expected none, full, every:N (N a whole number >= 1) or selective")
+
+    @property
+    def checkpoint_every(self) -> int:
+        """Every how many blocks one is recomputed (1 for `full` and `selective`; 0: none)."""
+        mode = self.activation_checkpointing
+        return 0 if mode == "none" else int(mode.partition(":")[2]) if mode.startswith("every:") else 1
+
+    @field_validator("freeze", "checkpoint_blocks", mode="before")
     @classmethod
     def _split(cls, v):
         return tuple(s.strip() for s in v.split(",") if s.strip()) if isinstance(v, str) else v

@@ -26,7 +26,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from rayzero.models.spec import ModelError
+from rayzero.models.errors import ModelError
 
 
 class UnsupportedConversion(ModelError):

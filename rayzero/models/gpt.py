@@ -136,17 +136,24 @@ class GPTSpec(ModelSpec):
     def _build(self) -> GPT:
         return build_model(self.cfg, self.block_size, self.seed, device="meta")
 
-    def source(self, model: GPT) -> ParamSource:
-        if self.weights is not None:
-            self.resolve(model)
-            return self.weights
+    def seeded(self, model: GPT) -> ParamSource:
         return FillSource(lambda name, out: model.init_parameter(name, out, self.seed))
 
     def fsdp_units(self, model) -> tuple[str, ...]:
         return self.UNITS
 
+    def blocks(self, model) -> tuple[str, ...]:
+        return ("Block",)
+
     def attention_shape(self, model) -> tuple[int, int]:
         return self.cfg.n_layer, self.cfg.n_embd
+
+    def activation_shape(self, model):
+        from rayzero.sharding.memory import ActivationShape
+
+        c = self.cfg
+        return ActivationShape(layers=c.n_layer, hidden=c.n_embd, heads=c.n_head, kv_heads=c.n_head,
+                               ffn=4 * c.n_embd, gated=False, rms_norm=False, vocab=c.vocab_size, dropout=c.dropout)
 
     @property
     def vocab_size(self) -> int:

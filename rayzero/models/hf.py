@@ -81,10 +81,7 @@ class HFSpec(ModelSpec):
                              f"{str(e).strip().splitlines()[0]}") from None
         return model
 
-    def source(self, model: nn.Module) -> ParamSource:
-        if self.weights is not None:
-            self.resolve(model)
-            return self.weights
+    def seeded(self, model: nn.Module) -> ParamSource:
         tf = _transformers()
         twin = self._build()
         fns: dict[str, object] = {}
@@ -97,7 +94,7 @@ class HFSpec(ModelSpec):
 
         return SeededInit(twin, self.seed, lambda name, _m: fns[name], fallback)
 
-    def resolve(self, model: nn.Module) -> None:
+    def resolve(self, model: nn.Module, skip: frozenset[str] = frozenset()) -> None:
         """Match the checkpoint's tensors to the model's parameters as `from_pretrained` does:
         through the architecture's weight conversions (renamed tensors, per-expert tensors that
         make one fused parameter), a checkpoint of the base model (GPT-2's `h.0...`) under the
@@ -105,7 +102,7 @@ class HFSpec(ModelSpec):
         transform ranged reads cannot follow."""
         if getattr(self, "_resolved", False):
             return
-        params = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        params = {n: tuple(p.shape) for n, p in model.named_parameters() if n not in skip}
         keys = {k: info.shape for k, info in self.weights.tensors.items()}
         layout = load_layout(model, keys, params)
         prefix = getattr(model, "base_model_prefix", "")
@@ -132,6 +129,14 @@ class HFSpec(ModelSpec):
                 if m is not None}
         return tuple(sorted(layers)) + tuple(sorted(ends - layers))
 
+    def blocks(self, model: nn.Module) -> tuple[str, ...]:
+        """The model's `_no_split_modules`: its decoder layer."""
+        layers = tuple(sorted(getattr(model, "_no_split_modules", None) or ()))
+        if not layers:
+            raise ModelError(f"{self.where}: {type(model).__name__} names no _no_split_modules, so activation "
+                             "checkpointing has no default blocks; set model.checkpoint_blocks to its layer's class")
+        return layers
+
     def attention_shape(self, model: nn.Module) -> tuple[int, int] | None:
         c = self.text_config
         layers = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", None)
@@ -141,6 +146,30 @@ class HFSpec(ModelSpec):
             return None
         head_dim = getattr(c, "head_dim", None) or hidden // heads
         return layers, heads * head_dim
+
+    def activation_shape(self, model: nn.Module):
+        from rayzero.sharding.memory import ActivationShape
+
+        shape = self.attention_shape(model)
+        c = self.text_config
+        if shape is None:
+            return None
+        layers, width = shape
+        heads = getattr(c, "num_attention_heads", None) or getattr(c, "n_head")
+        hidden = getattr(c, "hidden_size", None) or getattr(c, "n_embd")
+        ffn = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * hidden
+        active = getattr(c, "num_experts_per_tok", None)
+        if active and getattr(c, "moe_intermediate_size", None):  # a mixture of experts: the experts a token uses
+            ffn = active * c.moe_intermediate_size + (getattr(c, "shared_expert_intermediate_size", 0) or 0)
+        elif active:
+            ffn = active * ffn
+        act = str(getattr(c, "hidden_act", None) or getattr(c, "activation_function", "")).lower()
+        return ActivationShape(
+            layers=layers, hidden=hidden, heads=heads, kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+            ffn=ffn, gated=act in ("silu", "swish", "swiglu"), rms_norm=hasattr(c, "rms_norm_eps"),
+            vocab=self.vocab_size,
+            fused_attention=getattr(self.config, "_attn_implementation", "sdpa") != "eager",
+            dropout=float(getattr(c, "attention_dropout", 0.0) or getattr(c, "hidden_dropout", 0.0) or 0.0))
 
     # -- training ------------------------------------------------------------------------
     @property

@@ -85,10 +85,7 @@ class ModuleSpec(ModelSpec):
         with params_on_meta():
             return self._call()
 
-    def source(self, model: nn.Module) -> ParamSource:
-        if self.weights is not None:
-            self.resolve(model)
-            return self.weights
+    def seeded(self, model: nn.Module) -> ParamSource:
         init = SeededInit(self._build(), self.seed, lambda _name, m: reset_fn(m), self._call)
         missing = [n for n, m in init.modules.items() if reset_fn(m) is None and any(True for _ in m.parameters(False))]
         if missing:
@@ -99,6 +96,12 @@ class ModuleSpec(ModelSpec):
 
     def fsdp_units(self, model: nn.Module) -> tuple[str, ...]:
         """The class of the layers in the model's largest `nn.ModuleList` (its blocks)."""
+        return self._layers(model, "sharding.fsdp_units", "shard by")
+
+    def blocks(self, model: nn.Module) -> tuple[str, ...]:
+        return self._layers(model, "model.checkpoint_blocks", "recompute")
+
+    def _layers(self, model: nn.Module, key: str, purpose: str) -> tuple[str, ...]:
         best = None
         for m in model.modules():
             if isinstance(m, nn.ModuleList) and len(m):
@@ -108,9 +111,9 @@ class ModuleSpec(ModelSpec):
         classes = {type(m).__name__ for m in best[1]} if best else set()
         if len(classes) != 1:
             names = sorted({type(m).__name__ for m in model.modules()})
-            raise ModelError(f"sharding.fsdp_units: {type(model).__name__} has no list of layers of one class to "
-                             f"shard by; name its block class(es), e.g. sharding.fsdp_units=Block (its module "
-                             f"classes are {', '.join(names)})")
+            raise ModelError(f"{key}: {type(model).__name__} has no list of layers of one class to {purpose}; "
+                             f"name its block class(es), e.g. {key}=Block (its module classes are "
+                             f"{', '.join(names)})")
         return tuple(classes)
 
     @property

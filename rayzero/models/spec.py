@@ -30,19 +30,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from rayzero.sharding.flat_buffer import ParamSource
+from rayzero.models.errors import ModelError, ModelUnavailable  # noqa: F401 (raised here, named from here too)
+from rayzero.sharding.flat_buffer import ParamSource, PerName
 
 IGNORE_INDEX = -100  # labels equal to this take no part in the loss (torch's and HF's convention)
-
-
-class ModelError(ValueError):
-    """A model that cannot be built, loaded or trained as configured; the message names the
-    config key or the file at fault."""
-
-
-class ModelUnavailable(ModelError):
-    """The storage `model.path` names cannot be reached from this machine (an S3 endpoint that
-    only the cluster sees, say): a dry run notes it, a training run fails on it."""
 
 
 @contextlib.contextmanager
@@ -234,17 +225,29 @@ class ModelSpec:
     def _build(self) -> nn.Module:
         raise NotImplementedError
 
-    def source(self, model: nn.Module) -> ParamSource:
-        """Where the initial weights come from: pretrained weights or a seeded init."""
+    def source(self, model: nn.Module, added: frozenset[str] = frozenset()) -> ParamSource:
+        """Initial values, per name: the pretrained weights (`model.path`) for the model's own
+        parameters where there are any, the seeded init for the rest. `added`: parameters the
+        assembly added to the model (adapters), which the files are never asked for."""
+        if self.weights is None:
+            return self.seeded(model)
+        self.resolve(model, skip=added)
+        if not added:
+            return self.weights
+        own = {n for n, _ in model.named_parameters()} - set(added)
+        return PerName(self.weights, own, self.seeded(model))
+
+    def seeded(self, model: nn.Module) -> ParamSource:
+        """The model's own initialization, each value a function of (seed, name) alone."""
         raise NotImplementedError
 
-    def resolve(self, model: nn.Module) -> None:
-        """Match the pretrained weights' tensors to the model's parameters: ModelError listing
-        every mismatch. Other names of a parameter (a tied head) and persistent buffers may be
-        in the files; they are not read."""
+    def resolve(self, model: nn.Module, skip: frozenset[str] = frozenset()) -> None:
+        """Match the pretrained weights' tensors to the model's parameters (but `skip`):
+        ModelError listing every mismatch. Other names of a parameter (a tied head) and
+        persistent buffers may be in the files; they are not read."""
         if getattr(self, "_resolved", False):
             return
-        params = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        params = {n: tuple(p.shape) for n, p in model.named_parameters() if n not in skip}
         aliases = set(model.state_dict(keep_vars=True)) - set(params)
         self.weights.resolve(params, prefix=self._prefix(model), aliases=aliases, ignore=self._ignored(model))
         self._resolved = True
@@ -258,6 +261,11 @@ class ModelSpec:
 
     def fsdp_units(self, model: nn.Module) -> tuple[str, ...]:
         """ZeRO-3 unit classes when `sharding.fsdp_units` is left empty."""
+        raise NotImplementedError
+
+    def blocks(self, model: nn.Module) -> tuple[str, ...]:
+        """The classes of the model's repeated blocks (its transformer layers): what
+        activation checkpointing recomputes when `model.checkpoint_blocks` is left empty."""
         raise NotImplementedError
 
     @staticmethod
@@ -338,6 +346,11 @@ class ModelSpec:
     def export_files(self, dtype: str) -> dict[str, bytes]:
         """The files an export in this model's own format writes beside the weights."""
         raise ModelError(f"model.kind={self.kind} exports safetensors only (an HF directory needs model.kind=hf)")
+
+    def activation_shape(self, model: nn.Module):
+        """The model's layer sizes for the activation estimate (`sharding.memory.ActivationShape`),
+        or None where the model does not say (a user's module)."""
+        return None
 
     def attention_shape(self, model: nn.Module) -> tuple[int, int] | None:
         """(attention layers, query width = heads x head size), for counting attention's FLOPs;

@@ -23,7 +23,7 @@ import torch
 
 from rayzero.checkpoint.storage import Storage, StorageError
 from rayzero.models.conversions import Part
-from rayzero.models.spec import ModelError
+from rayzero.models.errors import ModelError
 from rayzero.sharding.flat_buffer import ParamSource, Piece
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"

@@ -71,6 +71,26 @@ class FillSource(ParamSource):
         self._fill(name, out)
 
 
+class PerName(ParamSource):
+    """Each parameter from `first` if its name is in `names`, else from `rest`: pretrained
+    weights for what the files hold, a seeded init for what they do not (adapters)."""
+
+    def __init__(self, first: ParamSource, names: set[str], rest: ParamSource):
+        self.first, self.names, self.rest = first, names, rest
+        self.partial = first.partial
+
+    def fill(self, name: str, out: torch.Tensor) -> None:
+        (self.first if name in self.names else self.rest).fill(name, out)
+
+    def fill_pieces(self, pieces: list[Piece]) -> None:
+        self.first.fill_pieces([p for p in pieces if p.name in self.names])
+        self.rest.fill_pieces([p for p in pieces if p.name not in self.names])
+
+    @property
+    def bytes_read(self):
+        return getattr(self.first, "bytes_read", None)
+
+
 def as_source(source: ParamSource | Fill) -> ParamSource:
     return source if isinstance(source, ParamSource) else FillSource(source)
 

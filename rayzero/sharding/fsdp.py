@@ -9,6 +9,9 @@ module that uses another unit's parameter (a tied output head) gathers that unit
     forward   pre-hook: finish this unit's gather, start the next one's   post-hook: release
     backward  output-gradient hook: release finished units, finish this gather, start the
               previous unit's; when a unit's last gradient lands: reduce-scatter it, release
+    recompute (activation checkpointing, inside backward): pre-hook: gather the unit if it is
+              not whole and keep it for its backward, which follows; nothing else (the forward
+              order, the backward hooks and the release belong to the real forward and backward)
 
 So at most two units are whole at once (the running one and the one being prefetched), and
 at most two units' full gradients (the one filling and the one being reduced).
@@ -88,6 +91,7 @@ class ShardOptimGradsParams(ShardOptimGrads):
         self._last_fwd_order: list[str] = list(self.units.users)
         self._bwd_seen: set[str] = set()
         self._bwd_current: frozenset[int] = frozenset()
+        self._recomputed: set[int] = set()  # units a recompute gathered, their backward not run yet
         super().__init__(model, *args, **kwargs)
         self._unit_buckets: dict[int, list[int]] = {}  # unit -> its buckets (trainable, then frozen)
         self._bucket_unit: dict[int, int] = {}
@@ -193,8 +197,12 @@ class ShardOptimGradsParams(ShardOptimGrads):
 
     def _make_pre_forward(self, name: str):
         def hook(_module, _args):
-            self._fwd_order.append(name)
             needs = self.units.users[name]
+            if _in_backward():  # activation checkpointing's recompute: gather what it needs, and keep
+                self._finish_gather(needs)  # it for the backward that follows (which releases it)
+                self._recomputed |= needs
+                return
+            self._fwd_order.append(name)
             self._finish_gather(needs)
             if self.cfg.overlap_param_gather:
                 self._start_gather(self._neighbour(name, +1))
@@ -203,6 +211,8 @@ class ShardOptimGradsParams(ShardOptimGrads):
 
     def _make_post_forward(self, name: str):
         def hook(_module, _args, output):
+            if _in_backward():  # a recompute: its backward comes next and releases the unit after
+                return
             keep = self._neighbour(name, +1) if self.cfg.overlap_param_gather else frozenset()
             self._release(self.units.users[name] - keep)
             if torch.is_grad_enabled():
@@ -219,8 +229,10 @@ class ShardOptimGradsParams(ShardOptimGrads):
             self._bwd_seen.add(name)
             needs = self.units.users[name]
             ahead = self._neighbour(name, -1) if self.cfg.overlap_param_gather else frozenset()
-            # Units gathered for modules whose backward has run are done with.
-            self._release(self._units_of_resident() - needs - ahead)
+            self._recomputed -= needs
+            # Units gathered for modules whose backward has run are done with (not those a
+            # recompute gathered for a backward still to come).
+            self._release(self._units_of_resident() - needs - ahead - self._recomputed)
             self._finish_gather(needs)
             self._start_gather(ahead)
             if name in self._unit_index:
@@ -253,6 +265,7 @@ class ShardOptimGradsParams(ShardOptimGrads):
             self._release([self.units.owner[self.buffer.names[i]]])
 
     def _after_backward(self, last_microbatch):
+        self._recomputed = set()
         self._release(self._units_of_resident(), root=True)
         super()._after_backward(last_microbatch)
 
@@ -263,6 +276,14 @@ class ShardOptimGradsParams(ShardOptimGrads):
     def begin_step(self) -> None:
         for g in self.grads:
             g.zero_()
+
+
+def _in_backward() -> bool:
+    """Whether a forward runs inside backward (autograd's engine is running a graph task): the
+    recompute of activation checkpointing, not the iteration's own forward. Its hooks must not
+    record the forward order (the prefetch), register backward hooks again or release what the
+    backward about to run needs."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _tensors(output) -> list[torch.Tensor]:

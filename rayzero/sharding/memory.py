@@ -73,3 +73,55 @@ def live_tensor_bytes(device_type: str = "cpu") -> int:
         except Exception:  # half-built objects and tensor subclasses that refuse introspection
             continue
     return sum(seen.values())
+
+
+@dataclass(frozen=True)
+class ActivationShape:
+    """What the activation estimate needs of a model: its transformer layers' sizes."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int  # the MLP's inner width a token goes through (a mixture of experts: its active experts')
+    gated: bool  # SwiGLU-style MLP: gate and up projections
+    rms_norm: bool  # RMSNorm (keeps its normalized input too), else LayerNorm
+    vocab: int
+    fused_attention: bool = True  # SDPA / flash attention: no [heads, seq, seq] scores kept
+    dropout: float = 0.0
+
+
+def activation_bytes(shape: ActivationShape, seq: int, micro_batch: int, elem_bytes: int = 4, every: int = 0,
+                     selective: bool = False) -> int:
+    """What one micro-batch's forward keeps for backward, estimated from the model's shape.
+
+    Korthikanti et al. 2022 count a transformer layer's saved activations as s·b·h·(34 + 5·a·s/h)
+    bytes in 16-bit (the 5·a·s/h term: attention scores, their softmax and its dropout mask);
+    here the same count per tensor, generalized: in elements, times the compute dtype's bytes
+    (4 for fp32); with fused attention (SDPA, flash) no scores are kept; grouped-query attention
+    keeps smaller keys and values; an MLP of inner width f keeps 2f (4f gated); an RMSNorm keeps
+    its normalized input besides its input. Per token, per layer:
+
+        norms        2 x (2h, or 3h for RMSNorm)        input and output (+ normalized)
+        attention    (2 + 2·kv/a)·h  (+ 2·a·s unfused)   queries, keys, values, output
+        MLP          2f, or 4f gated                     the activation's input and output
+        dropout      2h bytes where dropout > 0          the residual dropouts' masks
+
+    outside the layers: the final norm and the fp32 log-softmax of the logits (V). With
+    activation checkpointing a recomputed layer keeps only its input (h); `selective` keeps its
+    input and its matrix multiplications' and attention's outputs. Not counted: what a recompute
+    holds while it runs (one layer's activations, inside backward), attention-probability
+    dropout masks, the embeddings' and loss's small index tensors, and allocator overhead."""
+    s, b, h = seq, micro_batch, shape.hidden
+    tokens = s * b
+    norm = 3 * h if shape.rms_norm else 2 * h
+    kv = shape.kv_heads / shape.heads
+    attention = (2 + 2 * kv) * h + (0 if shape.fused_attention else 2 * shape.heads * s)
+    mlp = (4 if shape.gated else 2) * shape.ffn
+    full_layer = tokens * ((2 * norm + attention + mlp) * elem_bytes + (2 * h if shape.dropout else 0))
+    kept = h + (1 + 2 * kv) * h + h + h + ((2 if shape.gated else 1) * shape.ffn + h)  # selective's
+    recomputed_layer = tokens * elem_bytes * (kept if selective else h)
+    n_recomputed = 0 if not every else (shape.layers + every - 1) // every
+    layers = n_recomputed * recomputed_layer + (shape.layers - n_recomputed) * full_layer
+    outside = tokens * (norm * elem_bytes + 4 * shape.vocab)
+    return int(layers + outside)

@@ -19,7 +19,6 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from rayzero.checkpoint.shards import ShardSaver, apply_shard, layout_record, read_shard
 from rayzero.checkpoint.storage import Storage
@@ -27,23 +26,11 @@ from rayzero.config import RootConfig
 from rayzero.data.batches import RankBatches
 from rayzero.data.tokens import TokenDataset
 from rayzero.data.validation import ValidationRows, split
-from rayzero.models import ModelSpec, model_spec
 from rayzero.models.spec import IGNORE_INDEX
-from rayzero.sharding import STRATEGY_CLASSES, Layout, ShardingConfig, Topology, build_strategy
+from rayzero.sharding import Topology
 from rayzero.sharding.comm import Axis, wait
-from rayzero.sharding.fsdp import find_units
-from rayzero.sharding.precision import DTYPES, check_device_supports
-
-
-def make_spec(cfg: RootConfig, factory: Callable | None = None) -> ModelSpec:
-    """The model seam for this config (`factory`: a callable given from Python); ModelError."""
-    return model_spec(cfg.model, seed=cfg.train.seed, block_size=cfg.block_size, storage_cfg=cfg.checkpoint,
-                      factory=factory)
-
-
-def fsdp_units(cfg: RootConfig, spec: ModelSpec, model: nn.Module) -> tuple[str, ...]:
-    """ZeRO-3's unit classes: `sharding.fsdp_units`, or the model's own."""
-    return tuple(cfg.sharding.fsdp_units) or spec.fsdp_units(model)
+from rayzero.workers.activations import ActivationMeter
+from rayzero.workers.assembly import assemble, make_spec
 
 
 def validation_split(cfg: RootConfig, dataset: TokenDataset):
@@ -86,38 +73,6 @@ def rendezvous_port(ip: str, rng: random.Random | None = None) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no range known: any free port
         s.bind((ip, 0))
         return s.getsockname()[1]
-
-
-def resolved_sharding(cfg: RootConfig, spec: ModelSpec, model: nn.Module) -> ShardingConfig:
-    """`cfg.sharding` with ZeRO-3's unit classes filled in from the model where left open."""
-    if cfg.sharding.strategy != "optim_grads_params":
-        return cfg.sharding
-    return cfg.sharding.model_copy(update={"fsdp_units": fsdp_units(cfg, spec, model)})
-
-
-def bucket_layout(cfg: RootConfig, spec: ModelSpec, model: nn.Module) -> Layout:
-    """The buckets the ranks will build for `model` (on the meta device is enough)."""
-    sharding = resolved_sharding(cfg, spec, model)
-    return STRATEGY_CLASSES[sharding.strategy].layout(model, sharding, cfg.cluster.num_workers)[1]
-
-
-def check_buildable(cfg: RootConfig, device: torch.device | None, spec: ModelSpec | None = None,
-                    model: nn.Module | None = None) -> None:
-    """Raise a ValueError for a model/sharding combination that cannot train on `device`:
-    FSDP unit classes that match no module, a dtype the device cannot compute in (not
-    checked with `device=None`: the driver of a GPU job may have no GPU)."""
-    sh = cfg.sharding
-    if sh.strategy == "optim_grads_params":
-        spec = spec if spec is not None else make_spec(cfg)
-        model = model if model is not None else spec.build()
-        find_units(model, fsdp_units(cfg, spec, model))
-    for key in ("param_dtype", "grad_dtype", "comm_dtype"):
-        name = getattr(sh, key)
-        if name is not None and device is not None:
-            try:
-                check_device_supports(DTYPES[name], device)
-            except ValueError as e:
-                raise ValueError(f"sharding.{key}={name}: {e}") from None
 
 
 def watched(name: str):
@@ -187,21 +142,11 @@ class Rank:
             timeout=timedelta(seconds=cfg.cluster.pg_timeout_s),
         )
         self.spec = make_spec(cfg, self.factory)
-        # Built on the meta device: the strategy materializes its buckets (ZeRO-3: one unit
-        # at a time, keeping only the shard), so no rank ever holds more than it must.
-        self.model = self.spec.build()
-        for module in self.model.modules():  # buffers (RoPE frequencies, masks) are real: move them
-            for name, b in module._buffers.items():
-                if b is not None:
-                    module._buffers[name] = b.to(self.device)
-        check_buildable(cfg, self.device, self.spec, self.model)
         self.axes = self._make_axes()
-        sharding = resolved_sharding(cfg, self.spec, self.model)
-        source = self.spec.source(self.model)
-        self.strategy = build_strategy(
-            sharding.strategy, self.model, self.topo, sharding, cfg.optim, self.axes,
-            decays=self.spec.decays, source=source, device=self.device,
-        )
+        # Built on the meta device, in assembly's fixed order: the strategy materializes its
+        # buckets (ZeRO-3: one unit at a time, keeping only the shard), so no rank ever holds
+        # more than it must.
+        self.model, self.strategy, source = assemble(cfg, self.spec, self.topo, self.axes, self.device)
         dataset, val = validation_split(cfg, TokenDataset(self.data_path, storage_cfg=cfg.checkpoint))
         self.val = None if val is None else ValidationRows(
             val, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch_size,
@@ -218,6 +163,9 @@ class Rank:
         )
         self._checked = False
         self._baseline = None
+        buffer = self.strategy.buffer
+        self.meter = ActivationMeter(lambda: {d.untyped_storage().data_ptr() for d in buffer.data if d is not None})
+        self._activations_peak = 0
         self._micro_per_step = cfg.train.global_batch_size // cfg.train.micro_batch_size
         num_params, trainable = self.spec.num_params(self.model)
         return {
@@ -234,11 +182,15 @@ class Rank:
             "source_bytes_read": getattr(source, "bytes_read", None),
             "buffer_numel": self.strategy.buffer.layout.numel,
             "shard_numel": sum(p.numel() for p in self.strategy.main_params),
-            "memory": self.strategy.memory(),
+            "memory": self._memory(),
             "saves_shard": self.strategy.saves_shard,
             "layout": layout_record(self.strategy),
             "params": {n: list(p.shape) for n, p in self.model.named_parameters()},
         }
+
+    def _memory(self) -> dict[str, int]:
+        """The ledger, and the peak bytes a micro-batch's forward has left saved for backward."""
+        return {**self.strategy.memory(), "activations_peak": self._activations_peak}
 
     def _make_axes(self) -> dict[str, Axis]:
         """The named axes' process groups. Every rank creates every group, in the same order."""
@@ -295,7 +247,9 @@ class Rank:
     def forward(self, _prev: dict) -> dict:
         t0 = time.perf_counter()
         x, y = self._micro[self._next_micro]
-        loss_sum, valid, aux = self.spec.loss(self.model, x, y, check=not self._checked)
+        with self.meter:  # what this micro-batch's forward leaves saved for its backward
+            loss_sum, valid, aux = self.spec.loss(self.model, x, y, check=not self._checked)
+        self._activations_peak = max(self._activations_peak, self.meter.bytes)
         self._checked = True
         if self._valid_work is not None:
             wait(self._valid_work)
@@ -351,7 +305,7 @@ class Rank:
             "grad_norm": grad_norm,
             "skipped": self.strategy.last_step_skipped,
             "loss_scale": self.strategy.scaler.scale if self.strategy.scaler is not None else None,
-            "memory": self.strategy.memory(),
+            "memory": self._memory(),
             "phase_s": dict(self._times),
             "uploads": self.saver.reports() if self.saver is not None else [],
             "rng": torch.get_rng_state().tolist() if self.plan.get("checkpoint") else None,

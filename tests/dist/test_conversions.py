@@ -17,7 +17,8 @@ from rayzero.checkpoint.tools import export_checkpoint
 from rayzero.cluster.checkpoints import Checkpoints
 from rayzero.cluster.schedule import lr_at
 from rayzero.config import load_config
-from rayzero.workers.rank import Rank, make_spec
+from rayzero.workers.assembly import make_spec
+from rayzero.workers.rank import Rank
 from tests.conftest import free_port
 from tests.dist.pool import spawn
 from tests.dist.reference import global_rows, train_reference

@@ -16,7 +16,8 @@ import torch.multiprocessing as mp
 
 from rayzero.cluster.schedule import lr_at
 from rayzero.config import load_config
-from rayzero.workers.rank import Rank, make_spec
+from rayzero.workers.assembly import make_spec
+from rayzero.workers.rank import Rank
 from tests.conftest import free_port
 from tests.dist.pool import spawn
 from tests.dist.reference import MaskedBatches, rel_error, train_reference

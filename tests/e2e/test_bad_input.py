@@ -32,6 +32,11 @@ from tests.e2e.conftest import run_cli
     (["optim.schedule=step"], "optim.schedule: Input should be 'cosine', 'linear', 'constant' or 'wsd'"),
     (["optim.decay_fraction=0"], "optim.decay_fraction: Input should be greater than 0"),
     (["optim.schedule_total=longer"], "optim.schedule_total: Input should be 'original' or 'new'"),
+    (["model.activation_checkpointing=every:0"],
+     "model.activation_checkpointing: expected none, full, every:N (N a whole number >= 1) or selective"),
+    (["model.activation_checkpointing=every:two"], "model.activation_checkpointing: expected none, full, every:N"),
+    (["data.path=DATA", "model.activation_checkpointing=full", "model.checkpoint_blocks=Blok"],
+     "model.checkpoint_blocks: no module of GPT has class Blok; its module classes are Block, CausalSelfAttention"),
     # a local Ray this machine cannot hold: refused at once, not after the placement wait
     (["data.path=DATA", "cluster.num_workers=4", "cluster.cpus_per_worker=64"],
      "cluster.num_workers: cluster.num_workers=4 x 64 CPU (cluster.cpus_per_worker) = 256 CPUs, but this machine's "
@@ -101,6 +106,8 @@ def model_dirs(tmp_path_factory):
     (["model.kind=module", "model.factory=shapes:LastOnly"],
      "the forward returned shape [2, 320] for input [2, 8]; expected logits [batch, time, vocab]"),
     (["model.kind=hf", "model.path=ROOT/good", "model.n_layer=4"], "model.n_layer: only for model.kind=gpt"),
+    (["model.kind=module", "model.factory=tests.models:Scaled", "model.activation_checkpointing=full"],
+     "model.checkpoint_blocks: Scaled has no list of layers of one class to recompute; name its block class(es)"),
     (["model.kind=hf", "model.path=ROOT/bert"], "model.path: ROOT/bert holds an encoder (BertConfig, model_type 'bert') "
      "whose attention sees the whole sequence, so next-token training would learn nothing usable; rayzero trains "
      "decoder-only causal LMs"),

@@ -59,6 +59,8 @@ def test_train_on_a_local_ray_with_defaults(tmp_path, small_dataset):
     assert "Token authentication is enabled" not in r.stderr and "MLflow database tables" not in r.stderr + r.stdout
     s = json.loads(summary_path.read_text())
     assert s["tokens_per_s_per_rank"] == pytest.approx(s["tokens_per_s"] / 2) and s["mfu"] is None  # a CPU: no peak
+    act = s["memory"]["activations_peak_bytes"]
+    assert act > 0 and f"activations {act / 2**20:.1f} MiB a micro-batch at their peak" in r.stdout
     assert f"({s['tokens_per_s_per_rank']:,.0f} per rank)" in r.stdout
     assert s["steps"] == steps and s["world_size"] == 2 and s["strategy"] == "optim"
     assert s["final_loss"] < s["first_loss"] - 0.3, "the model must learn"
@@ -77,6 +79,8 @@ def test_train_on_a_local_ray_with_defaults(tmp_path, small_dataset):
     assert max(history, key=lambda m: m.step).value == pytest.approx(s["final_loss"])
     for key in ("lr", "grad_norm", "tokens_per_s", "step_ms", "phase_backward_ms"):
         assert len(client.get_metric_history(s["mlflow_run_id"], key)) == steps, key
+    (first_act, *_) = client.get_metric_history(s["mlflow_run_id"], "memory_activations_peak_mib")
+    assert first_act.value == pytest.approx(act / 2**20)
 
     # The exported weights load into the model by its own state_dict names.
     cfg = load_config(None, [*FAST])

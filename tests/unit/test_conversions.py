@@ -108,7 +108,7 @@ def test_a_rank_reads_only_its_shard_of_a_fused_expert_parameter(tmp_path):
     from rayzero.config import load_config
     from rayzero.models.weights import GAP_BYTES
     from rayzero.sharding.flat_buffer import Piece
-    from rayzero.workers.rank import make_spec
+    from rayzero.workers.assembly import make_spec
 
     d = save_hf_model("mixtral", tmp_path / "mixtral")
     spec = make_spec(load_config(None, ["model.kind=hf", f"model.path={d}"]))

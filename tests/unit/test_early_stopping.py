@@ -74,7 +74,7 @@ def test_throughput_per_rank_and_mfu_where_the_peak_is_known():
 
 def test_model_flops_per_token_are_6n_plus_attention():
     from rayzero.config import load_config
-    from rayzero.workers.rank import make_spec
+    from rayzero.workers.assembly import make_spec
 
     cfg = load_config(None, ["model.n_layer=2", "model.n_embd=64", "model.n_head=4", "train.seq_len=64"])
     spec = make_spec(cfg)

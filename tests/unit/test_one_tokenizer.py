@@ -43,7 +43,7 @@ def test_prepare_check_export_and_generate_tokenize_as_autotokenizer(tmp_path, c
 
     from rayzero.checkpoint.export import save_final
     from rayzero.jobs.generate import load_generator
-    from rayzero.workers.rank import make_spec
+    from rayzero.workers.assembly import make_spec
 
     model = model_with_tokenizer(tmp_path, arch)
     users = tf.AutoTokenizer.from_pretrained(str(model))  # what the user's own code loads
@@ -85,7 +85,7 @@ def test_a_model_without_a_tokenizer_exports_the_one_its_data_was_made_with(tmp_
 
     from rayzero.checkpoint.export import save_final
     from rayzero.jobs.generate import find_tokenizer
-    from rayzero.workers.rank import make_spec
+    from rayzero.workers.assembly import make_spec
 
     model = save_hf_model("qwen2", tmp_path / "bare-model")  # config and weights, no tokenizer
     tok = tmp_path / "tok"

@@ -6,7 +6,7 @@ import torch
 from rayzero.config import ConfigError, load_config
 from rayzero.sharding.memory import formula_bytes_per_param
 from rayzero.sharding.precision import LossScaler, Precision, build_loss_scaler
-from rayzero.workers.rank import check_buildable
+from rayzero.workers.assembly import check_buildable
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -1,0 +1,147 @@
+"""Activations: recomputed in backward instead of kept (activation checkpointing), and measured.
+
+`checkpoint_activations(model, blocks, mode)` makes each chosen block run its forward under
+`torch.utils.checkpoint` (non-reentrant, the RNG state kept, so dropout draws the same numbers
+when the block is recomputed and results are bitwise those of a run without it). The block's
+`forward` is replaced on the instance, not wrapped in another module: parameter and module
+names stay the model's own, for checkpoints, exports and pretrained weights alike. `selective`
+keeps the outputs of the block's matrix multiplications (and attention) and recomputes the
+rest, torch's selective checkpoint policy as torchtitan's op-level mode uses it.
+
+`ActivationMeter` counts the bytes a forward leaves saved for backward: every tensor autograd
+saves, each storage once, parameters excluded, and what checkpointing holds instead (each
+recomputed block's inputs; the outputs `selective` keeps).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+_aten = torch.ops.aten
+# What `selective` keeps: the outputs of matrix multiplications and of attention, the costly
+# ops; everything else in a block (norms, activations, elementwise) is recomputed.
+KEEP = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default}
+for _name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+              "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"):
+    if hasattr(_aten, _name):
+        KEEP.add(getattr(_aten, _name).default)
+
+
+class ActivationMeter:
+    """Saved-for-backward bytes of the forwards run under it (`with meter:`), each storage
+    counted once; `exclude()` gives the storages not to count (the parameters')."""
+
+    _current = threading.local()
+
+    def __init__(self, exclude: Callable[[], set[int]] = set):
+        """`exclude()`: the data pointers of storages not to count (asked when a storage is first
+        seen: a ZeRO-3 unit's parameters get their storage when it is gathered)."""
+        self.exclude = exclude
+        self.bytes = 0
+        self._seen: set[int] = set()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def __enter__(self) -> "ActivationMeter":
+        self.bytes, self._seen = 0, set()
+        self._hooks.__enter__()
+        ActivationMeter._current.meter = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        ActivationMeter._current.meter = None
+        self._hooks.__exit__(*exc)
+
+    @classmethod
+    def current(cls) -> "ActivationMeter | None":
+        return getattr(cls._current, "meter", None)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.add(t)
+        return t
+
+    def add(self, t) -> None:
+        """Count `t`'s storage, if it is a tensor not counted yet and not excluded."""
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # tensor subclasses without a plain storage
+            return
+        ptr = st.data_ptr()
+        # A parameter's storage is not remembered: a ZeRO-3 unit released after its forward
+        # leaves its address free for an activation allocated later.
+        if not ptr or ptr in self._seen or ptr in self.exclude():
+            return
+        self._seen.add(ptr)
+        self.bytes += st.nbytes()
+
+    def add_bytes(self, n: int) -> None:
+        self.bytes += n
+
+
+def _keep_matmuls(ctx, op, *args, **kwargs):
+    if op in KEEP:
+        meter = ActivationMeter.current()
+        if meter is not None and not ctx.is_recompute:
+            meter.add_bytes(_output_bytes(op, args))
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _output_bytes(op, args) -> int:
+    """The bytes of the output `selective` keeps for `op` (its shape from its inputs')."""
+    if op in (_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default):
+        a, b = (args[1], args[2]) if op in (_aten.addmm.default, _aten.baddbmm.default) else (args[0], args[1])
+        numel = a.numel() // a.shape[-1] * b.shape[-1]
+        return numel * a.element_size()
+    q, v = args[0], args[2]  # attention: the output is [..., query length, value width]
+    return q.numel() // q.shape[-1] * v.shape[-1] * q.element_size()
+
+
+def checkpoint_activations(model: nn.Module, blocks: list[str], selective: bool = False) -> None:
+    """Recompute the named blocks' activations in backward (see the module doc)."""
+    modules = dict(model.named_modules())
+    context = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls) if selective else None
+    for name in blocks:
+        module = modules[name]
+        module.forward = _recomputed(module.forward, context)
+
+
+def _recomputed(forward, context):
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():  # evaluation: nothing would be kept anyway
+            return forward(*args, **kwargs)
+        meter = ActivationMeter.current()
+        if meter is not None:  # held by the checkpoint until the recompute
+            for a in tree_leaves((args, kwargs)):
+                meter.add(a)
+        extra = {"context_fn": context} if context is not None else {}
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+
+    return run
+
+
+def blocks_of(model: nn.Module, classes: tuple[str, ...], every: int) -> list[str]:
+    """The modules of `classes` (the outermost where they nest), every `every`-th of them from
+    the first. ValueError naming a class that matches no module, or a model with none."""
+    names = {type(m).__name__ for m in model.modules()}
+    missing = [c for c in classes if c not in names]
+    if missing:
+        raise ValueError(f"model.checkpoint_blocks: no module of {type(model).__name__} has class "
+                         f"{', '.join(missing)}; its module classes are {', '.join(sorted(names))}")
+    found: list[str] = []
+    for name, m in model.named_modules():
+        if name and type(m).__name__ in classes and not any(name.startswith(f + ".") for f in found):
+            found.append(name)
+    if not found:
+        raise ValueError(f"model.activation_checkpointing: {type(model).__name__} has no blocks to recompute; "
+                         "name their class in model.checkpoint_blocks")
+    return found[::every]

@@ -1,0 +1,131 @@
+"""How a rank assembles its model: one place, one fixed order.
+
+    build on meta → adapters → [tensor parallel] → activation checkpointing
+                  → sharding strategy (over whatever the steps before left local)
+                  → initial values, per name
+
+Each step is a function of the model, the config and the spec (the model seam) and knows no
+model class; the names checkpoints, exports and pretrained weights see stay the model's own at
+every step. The rank runs all of them (`assemble`); the driver's checks run the same model
+steps on the meta device (`build_model`, `check_buildable`, `bucket_layout`) before anything
+starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from rayzero.config import RootConfig
+from rayzero.models import ModelSpec, model_spec
+from rayzero.sharding import STRATEGY_CLASSES, Layout, ShardingConfig, Topology, build_strategy
+from rayzero.sharding.comm import Axis
+from rayzero.sharding.flat_buffer import ParamSource
+from rayzero.sharding.fsdp import find_units
+from rayzero.sharding.precision import DTYPES, check_device_supports
+from rayzero.workers.activations import blocks_of, checkpoint_activations
+
+
+def make_spec(cfg: RootConfig, factory: Callable | None = None) -> ModelSpec:
+    """The model seam for this config (`factory`: a callable given from Python); ModelError."""
+    return model_spec(cfg.model, seed=cfg.train.seed, block_size=cfg.block_size, storage_cfg=cfg.checkpoint,
+                      factory=factory)
+
+
+@dataclass
+class Built:
+    """A model after the steps before sharding, and the names those steps added to it."""
+
+    model: nn.Module
+    added: frozenset[str] = frozenset()  # parameters the files are never asked for (adapters)
+
+
+# -- the steps, in order ---------------------------------------------------------------------------
+
+def build_model(cfg: RootConfig, spec: ModelSpec) -> Built:
+    """Build on meta → adapters → tensor parallel → activation checkpointing: the model a
+    strategy shards (parameters still on the meta device)."""
+    built = Built(spec.build())
+    add_adapters(built, cfg, spec)
+    checkpoint_blocks(built, cfg, spec)
+    return built
+
+
+def add_adapters(built: Built, cfg: RootConfig, spec: ModelSpec) -> None:
+    """Adapters (LoRA) go here, before tensor parallelism and checkpointing: none yet."""
+
+
+def checkpoint_blocks(built: Built, cfg: RootConfig, spec: ModelSpec) -> None:
+    """`model.activation_checkpointing`: the chosen blocks recompute their activations in
+    backward. ValueError for blocks that cannot be found."""
+    every = cfg.model.checkpoint_every
+    if not every:
+        return
+    classes = tuple(cfg.model.checkpoint_blocks) or spec.blocks(built.model)
+    blocks = blocks_of(built.model, classes, every)
+    checkpoint_activations(built.model, blocks, selective=cfg.model.activation_checkpointing == "selective")
+
+
+def fsdp_units(cfg: RootConfig, spec: ModelSpec, model: nn.Module) -> tuple[str, ...]:
+    """ZeRO-3's unit classes: `sharding.fsdp_units`, or the model's own."""
+    return tuple(cfg.sharding.fsdp_units) or spec.fsdp_units(model)
+
+
+def resolved_sharding(cfg: RootConfig, spec: ModelSpec, model: nn.Module) -> ShardingConfig:
+    """`cfg.sharding` with ZeRO-3's unit classes filled in from the model where left open."""
+    if cfg.sharding.strategy != "optim_grads_params":
+        return cfg.sharding
+    return cfg.sharding.model_copy(update={"fsdp_units": fsdp_units(cfg, spec, model)})
+
+
+def initial_values(spec: ModelSpec, built: Built) -> ParamSource:
+    """Per name: pretrained weights for what the model's files hold, the seeded init for the
+    rest (what the steps added)."""
+    return spec.source(built.model, added=built.added)
+
+
+def assemble(cfg: RootConfig, spec: ModelSpec, topo: Topology, axes: dict[str, Axis], device: torch.device):
+    """Every step, on this rank: (the model, its strategy, where its initial values came from)."""
+    built = build_model(cfg, spec)
+    model = built.model
+    for module in model.modules():  # buffers (RoPE frequencies, masks) are real: move them
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = b.to(device)
+    check_buildable(cfg, device, spec, model)
+    sharding = resolved_sharding(cfg, spec, model)
+    source = initial_values(spec, built)
+    strategy = build_strategy(sharding.strategy, model, topo, sharding, cfg.optim, axes, decays=spec.decays,
+                              source=source, device=device)
+    return model, strategy, source
+
+
+# -- what the driver checks before anything starts ------------------------------------------------
+
+def bucket_layout(cfg: RootConfig, spec: ModelSpec, model: nn.Module) -> Layout:
+    """The buckets the ranks will build for `model` (on the meta device is enough)."""
+    sharding = resolved_sharding(cfg, spec, model)
+    return STRATEGY_CLASSES[sharding.strategy].layout(model, sharding, cfg.cluster.num_workers)[1]
+
+
+def check_buildable(cfg: RootConfig, device: torch.device | None, spec: ModelSpec | None = None,
+                    model: nn.Module | None = None) -> None:
+    """Raise a ValueError for a model/sharding combination that cannot train on `device`:
+    FSDP unit classes or checkpointed blocks that match no module, a dtype the device cannot
+    compute in (not checked with `device=None`: the driver of a GPU job may have no GPU)."""
+    sh = cfg.sharding
+    if model is None and (sh.strategy == "optim_grads_params" or cfg.model.checkpoint_every):
+        spec = spec if spec is not None else make_spec(cfg)
+        model = build_model(cfg, spec).model
+    if sh.strategy == "optim_grads_params":
+        find_units(model, fsdp_units(cfg, spec, model))
+    for key in ("param_dtype", "grad_dtype", "comm_dtype"):
+        name = getattr(sh, key)
+        if name is not None and device is not None:
+            try:
+                check_device_supports(DTYPES[name], device)
+            except ValueError as e:
+                raise ValueError(f"sharding.{key}={name}: {e}") from None
