@@ -53,10 +53,13 @@ class RunConfig(Frozen):
         description="Where to write the final consolidated weights (local path or URI): a safetensors file, "
         "or with `save_format=hf` a model directory; empty = none.",
     )
-    save_format: Literal["safetensors", "hf"] = Field(
+    save_format: Literal["safetensors", "hf", "peft"] = Field(
         default="safetensors",
         description="`safetensors` = one file by `state_dict()` names, fp32; `hf` = a directory that "
-        "`AutoModelForCausalLM.from_pretrained` loads (model.kind=hf), in the pretrained weights' dtype.",
+        "`AutoModelForCausalLM.from_pretrained` loads (model.kind=hf), in the pretrained weights' dtype; with "
+        "`model.lora` both hold the adapters merged into the base weights. `peft` = the adapters alone "
+        "(`adapter_model.safetensors`, `adapter_config.json`) that `peft.PeftModel.from_pretrained` loads onto "
+        "the base model.",
     )
     eval_every: int = Field(
         default=0, ge=0,
@@ -152,6 +155,9 @@ class RootConfig(Frozen):
         if t.save_format == "hf" and self.model.kind != "hf":
             raise ValueError(f"train.save_format: hf needs model.kind=hf (this is model.kind={self.model.kind}); "
                              "use safetensors")
+        if t.save_format == "peft" and self.model.lora is None:
+            raise ValueError("train.save_format: peft writes LoRA adapters, and this run has none (set model.lora, "
+                             "e.g. model.lora.r=8)")
         if self.data.val_path and self.data.val_fraction:
             raise ValueError("data.val_fraction: give either it or data.val_path, not both")
         validates = bool(self.data.val_path or self.data.val_fraction)
@@ -245,6 +251,8 @@ def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
         node = data
         for i, k in enumerate(keys[:-1]):
             nxt = node.setdefault(k, {})
+            if nxt is None:  # an optional section left out (model.lora): a key of it turns it on
+                nxt = node[k] = {}
             if not isinstance(nxt, dict):
                 raise ConfigError(f"{'.'.join(keys[: i + 1])}: is a value, not a section")
             node = nxt
@@ -289,6 +297,8 @@ def _suggest(loc: tuple) -> str:
         if field is None:
             return ""
         model = field.annotation
+        inner = [a for a in getattr(model, "__args__", ()) if hasattr(a, "model_fields")]
+        model = inner[0] if inner else model  # an optional section (model.lora)
     fields = [f.alias or name for name, f in getattr(model, "model_fields", {}).items()]  # as users type them
     close = difflib.get_close_matches(str(loc[-1]), fields, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""

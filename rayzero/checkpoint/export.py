@@ -193,11 +193,12 @@ def _swap_in(tmp: Path, final: Path) -> None:
 
 
 def write_hf_dir(uri: str, tensors: list[Tensor], files: dict[str, bytes], max_shard_bytes: int,
-                 metadata: dict[str, str] | None = None) -> list[str]:
+                 metadata: dict[str, str] | None = None, stem: str = "model") -> list[str]:
     """A Hugging Face model directory at `uri` (local or any `pyarrow.fs` URI): `tensors` in
     safetensors files of at most `max_shard_bytes` each (`model.safetensors`, or
     `model-0000k-of-0000n.safetensors` with `model.safetensors.index.json`), and `files`
-    (config.json, tokenizer files, ...) as they are. A local directory is written under a
+    (config.json, tokenizer files, ...) as they are; `stem="adapter_model"` names the weights as
+    PEFT's adapter directories do (`adapter_model.safetensors`). A local directory is written under a
     temporary name and renamed into place when complete; in object storage, where there is no
     rename, the index and config.json (without which transformers loads nothing) come last.
     Returns the files written."""
@@ -209,7 +210,7 @@ def write_hf_dir(uri: str, tensors: list[Tensor], files: dict[str, bytes], max_s
 
             shutil.rmtree(tmp)
         try:
-            written = write_hf_dir(f"file://{tmp}", tensors, files, max_shard_bytes, metadata)
+            written = write_hf_dir(f"file://{tmp}", tensors, files, max_shard_bytes, metadata, stem)
         except BaseException:
             import shutil
 
@@ -226,16 +227,16 @@ def write_hf_dir(uri: str, tensors: list[Tensor], files: dict[str, bytes], max_s
             size = 0
         shards[-1].append(t)
         size += t.nbytes
-    names = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
+    names = ([f"{stem}.safetensors"] if len(shards) == 1 else
+             [f"{stem}-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
     for name, shard in zip(names, shards):
         stream_safetensors(fs, posixpath.join(root, name), shard, metadata)
     written = list(names)
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)},
                  "weight_map": {t.name: name for name, shard in zip(names, shards) for t in shard}}
-        files = {"model.safetensors.index.json": json.dumps(index, indent=2).encode(), **files}
-    for name in sorted(files, key=lambda n: n == "config.json"):  # config.json last
+        files = {f"{stem}.safetensors.index.json": json.dumps(index, indent=2).encode(), **files}
+    for name in sorted(files, key=lambda n: n.endswith("config.json")):  # config.json last
         with fs.open_output_stream(posixpath.join(root, name)) as f:
             f.write(files[name])
         written.append(name)
@@ -246,8 +247,20 @@ def save_final(spec, weights: dict[str, torch.Tensor], uri: str, fmt: str, metad
                dtype: str = "auto", max_shard_bytes: int = 5 * 10**9,
                tokenizer: Callable[[], dict[str, bytes]] | None = None) -> None:
     """The final weights (`full_state_dict`, by `state_dict()` names) as `fmt`: one
-    safetensors file, or (`hf`) a directory `from_pretrained` loads. `tokenizer()`: the
-    training data's tokenizer files, for a model directory that has no tokenizer of its own."""
+    safetensors file, or (`hf`) a directory `from_pretrained` loads, LoRA adapters merged into
+    their base weights; or (`peft`) the adapters alone. `tokenizer()`: the training data's
+    tokenizer files, for a model directory that has no tokenizer of its own."""
+    lora = spec.cfg.lora
+    if lora is not None:
+        from rayzero.models.lora import lora_of, merge_weights
+
+        adapters, saved = lora_of(spec, lora)
+        if fmt == "peft":
+            entries = peft_entries(adapters, saved, {n: tuple(v.shape) for n, v in weights.items()})
+            write_peft_dir(uri, spec, lora, adapters, entries, lambda n, lo, hi: weights[n].reshape(-1)[lo:hi],
+                           metadata)
+            return
+        weights = merge_weights(weights, adapters)
     if fmt == "safetensors":
         save_safetensors(weights, uri, metadata)
         return
@@ -279,3 +292,25 @@ def hf_files(spec, dtype: str, tokenizer: Callable[[], dict[str, bytes]] | None 
 def _cast_dtype(t: torch.Tensor, dtype: str) -> torch.dtype:
     """Floating tensors go out in the export dtype; others (integer buffers) as they are."""
     return EXPORT_DTYPES[dtype] if t.is_floating_point() else t.dtype
+
+
+def peft_entries(adapters: dict, saved: list[str], shapes: dict[str, tuple]) -> list:
+    """What a PEFT adapter directory holds: each adapter matrix and each saved module's
+    parameter under the key PEFT gives it (`lora.peft_keys`)."""
+    from rayzero.models.lora import peft_keys
+    from rayzero.models.spec import ExportEntry
+
+    return [ExportEntry(key, shapes[name], param=name) for key, name in peft_keys(adapters, saved).items()]
+
+
+def write_peft_dir(uri: str, spec, settings, adapters: dict, entries: list, read: Callable,
+                   metadata: dict[str, str] | None = None) -> list[str]:
+    """A PEFT adapter directory (`adapter_model.safetensors`, `adapter_config.json` naming
+    the base model, `model.path`) that `peft.PeftModel.from_pretrained` loads onto the base;
+    fp32, as PEFT keeps adapters."""
+    from rayzero.models.lora import adapter_config
+
+    shape_of = {e.param: e.shape for e in entries}.__getitem__
+    tensors = [Tensor(e.name, e.shape, torch.float32, lambda e=e: e.produce(shape_of, read)) for e in entries]
+    files = {"adapter_config.json": adapter_config(settings, adapters, getattr(spec, "path", "") or "")}
+    return write_hf_dir(uri, tensors, files, 2**62, metadata, stem="adapter_model")

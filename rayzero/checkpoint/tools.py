@@ -12,7 +12,7 @@ import torch
 
 from rayzero.checkpoint.config import CheckpointConfig
 from rayzero.checkpoint.export import (
-    EXPORT_DTYPES, MODEL_KEY, Tensor, export_identity, hf_files, stream_safetensors, write_hf_dir,
+    EXPORT_DTYPES, MODEL_KEY, Tensor, export_identity, hf_files, stream_safetensors, write_hf_dir, write_peft_dir,
 )
 from rayzero.checkpoint.manifest import CheckpointError, Committed, committed
 from rayzero.checkpoint.shard_file import ShardReader, verify
@@ -68,9 +68,28 @@ class CheckpointWeights:
                 raise CheckpointError(f"{c.uri}: cannot rebuild the model to export it: {e}") from None
             log.warning("%s; exporting the parameters by their names only", e)
             self.spec = self.model = None
+        # LoRA: the plan is the base model's (its own names), each adapted weight read merged
+        self.adapters, self.saved = ({}, [])
+        if self.spec is not None and self.spec.cfg.lora is not None:
+            from rayzero.models.lora import lora_of
+
+            self.adapters, self.saved = lora_of(self.spec, self.spec.cfg.lora)
+        self.read = self.read_saved
+        if self.adapters:
+            from rayzero.models.lora import merged_reader
+
+            self.read = merged_reader(self.read_saved, self.shapes.__getitem__, self.adapters)
 
     def plan(self, fmt: str) -> list[ExportEntry]:
-        """What the export writes: the model's own plan, or its parameters by name."""
+        """What the export writes: the model's own plan, or its parameters by name; `peft`:
+        the LoRA adapters alone."""
+        if fmt == "peft":
+            if not self.adapters:
+                raise CheckpointError(f"{self.c.uri}: --format peft writes LoRA adapters, and this checkpoint's "
+                                      "run had none (model.lora)")
+            from rayzero.checkpoint.export import peft_entries
+
+            return peft_entries(self.adapters, self.saved, self.shapes)
         if self.spec is None:
             if fmt == "hf":
                 raise CheckpointError(f"{self.c.uri}: an HF directory needs model.kind=hf")
@@ -83,8 +102,9 @@ class CheckpointWeights:
         shape = self.shapes[name]
         return self.read(name, 0, int(np.prod(shape, dtype=np.int64))).view(shape)
 
-    def read(self, name: str, lo: int, hi: int) -> torch.Tensor:
-        """Flat elements [lo, hi) of parameter `name`, fp32: only the bytes of the shards that
+    def read_saved(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        """Flat elements [lo, hi) of parameter `name`, fp32, as trained (`read`: with LoRA
+        adapters merged into their base weights): only the bytes of the shards that
         hold them (an export of a mixture of experts reads each expert's slice of a fused
         parameter this way, never the whole of it)."""
         if name in self.frozen:  # not in the checkpoint: from the model's source, whole (kept for its next slice)
@@ -126,6 +146,12 @@ def export_checkpoint(c: Committed, out: str, fmt: str = "safetensors", dtype: s
     weights = CheckpointWeights(c, storage_cfg)
     spec = weights.spec
     plan = weights.plan(fmt)
+    metadata = {"step": str(c.step), "source": c.uri}
+    if c.manifest.get("model_source"):
+        metadata[MODEL_KEY] = json.dumps(export_identity(c.manifest["model_source"]))
+    if fmt == "peft":
+        write_peft_dir(out, spec, spec.cfg.lora, weights.adapters, plan, weights.read_saved, metadata)
+        return len(plan)
     dtype = spec.export_dtype(dtype) if fmt == "hf" else ("float32" if dtype == "auto" else dtype)
     tensors = []
     for e in plan:
@@ -136,9 +162,6 @@ def export_checkpoint(c: Committed, out: str, fmt: str = "safetensors", dtype: s
             produce = (lambda b=e.buffer: b)
             kind = EXPORT_DTYPES[dtype] if e.buffer.is_floating_point() else e.buffer.dtype
         tensors.append(Tensor(e.name, e.shape, kind, produce))
-    metadata = {"step": str(c.step), "source": c.uri}
-    if c.manifest.get("model_source"):
-        metadata[MODEL_KEY] = json.dumps(export_identity(c.manifest["model_source"]))
     if fmt == "hf":
         write_hf_dir(out, tensors, hf_files(spec, dtype, lambda: data_tokenizer_files(c.manifest, storage_cfg)),
                      max_shard_bytes, metadata)

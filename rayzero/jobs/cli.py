@@ -85,10 +85,13 @@ def _parser() -> argparse.ArgumentParser:
         cmd = csub.add_parser(name, help=text)
         cmd.add_argument("uri")
         if name == "export":
-            cmd.add_argument("out", help="output .safetensors file, or directory with --format hf (local path or s3://…)")
-            cmd.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+            cmd.add_argument("out", help="output .safetensors file, or directory with --format hf or peft (local "
+                                         "path or s3://…)")
+            cmd.add_argument("--format", choices=("safetensors", "hf", "peft"), default="safetensors",
                              help="safetensors: one file by state_dict() names (default); hf: a directory "
-                                  "AutoModelForCausalLM.from_pretrained loads (model.kind=hf)")
+                                  "AutoModelForCausalLM.from_pretrained loads (model.kind=hf); with LoRA both merge "
+                                  "the adapters into the base weights; peft: the LoRA adapters alone, a directory "
+                                  "peft.PeftModel.from_pretrained loads onto the base model")
             cmd.add_argument("--max-shard-size", default="5GB",
                              help="hf: the largest safetensors file, e.g. 5GB, 500MB (default 5GB)")
             cmd.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
@@ -136,7 +139,7 @@ def _ckpt(args) -> int:
         except ValueError as e:
             raise _UserError(f"--max-shard-size: {e}") from None
         n = export_checkpoint(c, args.out, args.format, args.dtype, shard_bytes, cfg)
-        what = "a Hugging Face directory" if args.format == "hf" else "safetensors"
+        what = {"hf": "a Hugging Face directory", "peft": "a PEFT adapter directory"}.get(args.format, "safetensors")
         print(f"wrote {n} tensors from {c.uri} (step {c.step}) to {args.out} ({what})")
         return 0
     except (CheckpointError, ChecksumError, StorageError, ModelError) as e:

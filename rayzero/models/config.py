@@ -21,6 +21,40 @@ GPT_DEFAULTS: dict[str, Any] = {"preset": "tiny", **PRESETS["tiny"], "vocab_size
                                 "dropout": 0.0, "bias": True}
 
 
+class LoraSettings(Frozen):
+    """LoRA adapters (through PEFT) on a frozen base: only the adapters (and `modules_to_save`)
+    train; the base is held in the compute dtype alone, sharded like any parameters."""
+
+    r: int = Field(default=8, description="The adapters' rank; must be positive.")
+    alpha: float = Field(default=16.0, description="The scale numerator: the adapter's output is multiplied by "
+                         "alpha / r. Must be positive.")
+    dropout: float = Field(default=0.0, description="Dropout on the adapters' input, in [0, 1).")
+    target_modules: tuple[str, ...] = Field(
+        default=(),
+        description="The linear layers to adapt, by name or by the last parts of it (PEFT's rule), "
+        "comma-separated, e.g. `q_proj,v_proj`; empty = PEFT's default for the architecture.",
+    )
+    modules_to_save: tuple[str, ...] = Field(
+        default=(),
+        description="Modules trained whole beside the adapters (a new head, say), comma-separated.",
+    )
+
+    @field_validator("target_modules", "modules_to_save", mode="before")
+    @classmethod
+    def _split(cls, v):
+        return tuple(s.strip() for s in v.split(",") if s.strip()) if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.r < 1:
+            raise ValueError(f"r: the rank must be a positive whole number, got {self.r}")
+        if not self.alpha > 0:
+            raise ValueError(f"alpha: must be positive, got {self.alpha:g}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout: must be in [0, 1), got {self.dropout:g}")
+        return self
+
+
 class ModelConfig(Frozen):
     """The model: `kind` chooses the built-in GPT (shaped by `preset` and the keys after it),
     a Hugging Face causal LM from a model directory (`path`), or any `nn.Module` a factory
@@ -62,6 +96,12 @@ class ModelConfig(Frozen):
         default=(),
         description="Parameters to keep frozen (no gradient, no optimizer state), as `fnmatch` patterns of "
         "their names, comma-separated on the command line, e.g. `model.embed_tokens.*`.",
+    )
+    lora: LoraSettings | None = Field(
+        default=None,
+        description="LoRA fine-tuning (`r`, `alpha`, `dropout`, `target_modules`, `modules_to_save`): adapters "
+        "added with PEFT before sharding, the base weights frozen; `null` = full fine-tuning. Set any key to turn "
+        "it on, e.g. `model.lora.r=8`.",
     )
     activation_checkpointing: str = Field(
         default="none",
@@ -165,6 +205,9 @@ class ModelConfig(Frozen):
             raise ValueError("factory, kwargs: only for model.kind=module")
         if self.kind != "hf" and self.trust_remote_code:
             raise ValueError("trust_remote_code: only for model.kind=hf")
+        if self.lora is not None and self.freeze:
+            raise ValueError("freeze: model.lora already freezes every base weight; to train a module whole "
+                             "beside the adapters, name it in model.lora.modules_to_save")
         if self.init == "pretrained" and not self.path:
             raise ValueError("init: pretrained needs model.path (the weights to start from)")
         return self

@@ -168,7 +168,7 @@ class GPTSpec(ModelSpec):
         config = self.cfg.model_dump(include=set(GPT_DEFAULTS))
         return {"kind": self.kind, "config": config, "block_size": self.block_size, "seed": self.seed,
                 "config_sha256": config_hash({**config, "block_size": self.block_size}),
-                **weights_record(self.weights, self.cfg.path)}
+                **weights_record(self.weights, self.cfg.path), **self.adapter_record()}
 
 
 

@@ -212,7 +212,7 @@ class HFSpec(ModelSpec):
         return {"kind": self.kind, "config": json.loads(self.config.to_json_string(use_diff=False)),
                 "config_sha256": hashlib.sha256(self.config_bytes).hexdigest()[:16], "seed": self.seed,
                 "architectures": getattr(self.config, "architectures", None),
-                **weights_record(self.weights, self.path)}
+                **weights_record(self.weights, self.path), **self.adapter_record()}
 
     def export_plan(self, model: nn.Module) -> list[ExportEntry]:
         """As `save_pretrained` writes them: each parameter once (a tied head is not written;

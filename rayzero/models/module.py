@@ -149,7 +149,7 @@ class ModuleSpec(ModelSpec):
             code = None
         desc = {"factory": self.cfg.factory, "kwargs": self.kwargs}
         return {"kind": self.kind, **desc, "config_sha256": config_hash(desc), "factory_source_sha256": code,
-                "seed": self.seed, **weights_record(self.weights, self.cfg.path)}
+                "seed": self.seed, **weights_record(self.weights, self.cfg.path), **self.adapter_record()}
 
 
 def describe(factory: Callable) -> str:

@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from rayzero.models.errors import ModelError, ModelUnavailable  # noqa: F401 (raised here, named from here too)
-from rayzero.sharding.flat_buffer import ParamSource, PerName
+from rayzero.sharding.flat_buffer import ParamSource
 
 IGNORE_INDEX = -100  # labels equal to this take no part in the loss (torch's and HF's convention)
 
@@ -226,16 +226,14 @@ class ModelSpec:
         raise NotImplementedError
 
     def source(self, model: nn.Module, added: frozenset[str] = frozenset()) -> ParamSource:
-        """Initial values, per name: the pretrained weights (`model.path`) for the model's own
-        parameters where there are any, the seeded init for the rest. `added`: parameters the
-        assembly added to the model (adapters), which the files are never asked for."""
+        """Initial values of the model's own parameters: the pretrained weights (`model.path`)
+        where there are any, else the seeded init. `added`: parameters the assembly added to
+        the model (adapters), which the files are never asked for (the assembly gives them
+        values of their own)."""
         if self.weights is None:
             return self.seeded(model)
         self.resolve(model, skip=added)
-        if not added:
-            return self.weights
-        own = {n for n, _ in model.named_parameters()} - set(added)
-        return PerName(self.weights, own, self.seeded(model))
+        return self.weights
 
     def seeded(self, model: nn.Module) -> ParamSource:
         """The model's own initialization, each value a function of (seed, name) alone."""
@@ -323,6 +321,11 @@ class ModelSpec:
     def record(self) -> dict:
         """What a checkpoint notes of the model: its kind, source and a hash of its config."""
         raise NotImplementedError
+
+    def adapter_record(self) -> dict:
+        """The LoRA settings a model trains with, for its record (nothing without)."""
+        lora = getattr(self.cfg, "lora", None)
+        return {"lora": lora.model_dump()} if lora is not None else {}
 
     def export_plan(self, model: nn.Module) -> list[ExportEntry]:
         """Every tensor a safetensors export writes, by `state_dict()` name: a tied weight under

@@ -101,6 +101,8 @@ class ShardOptimGradsParams(ShardOptimGrads):
                 self._bucket_unit[b] = unit
                 self._unit_buckets.setdefault(unit, []).append(b)
         self._root = self._unit_buckets.get(ROOT, [])
+        self._partly_frozen = {u for u, bs in self._unit_buckets.items()
+                               if len({self.buffer.trainable(self.buffer.buckets[b]) for b in bs}) > 1}
         self._unit_index = {name: k for k, name in enumerate(self.units.modules)}
         self._register_hooks()
 
@@ -261,8 +263,12 @@ class ShardOptimGradsParams(ShardOptimGrads):
     def _on_grad(self, i, param):
         super()._on_grad(i, param)
         b = self.buffer.buckets[self.buffer.bucket_of(i)]
-        if self.buffer.pending(b) == 0:  # the unit's backward is over: its weights can go
-            self._release([self.units.owner[self.buffer.names[i]]])
+        unit = self.units.owner[self.buffer.names[i]]
+        # The unit's backward is over once its last gradient is in, unless it also holds frozen
+        # weights (a LoRA base): the backward to its input may still need them, so it goes when
+        # the next unit's backward starts (or the backward ends).
+        if self.buffer.pending(b) == 0 and unit not in self._partly_frozen:
+            self._release([unit])
 
     def _after_backward(self, last_microbatch):
         self._recomputed = set()

@@ -13,7 +13,7 @@ starts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -23,7 +23,7 @@ from rayzero.config import RootConfig
 from rayzero.models import ModelSpec, model_spec
 from rayzero.sharding import STRATEGY_CLASSES, Layout, ShardingConfig, Topology, build_strategy
 from rayzero.sharding.comm import Axis
-from rayzero.sharding.flat_buffer import ParamSource
+from rayzero.sharding.flat_buffer import ParamSource, PerName
 from rayzero.sharding.fsdp import find_units
 from rayzero.sharding.precision import DTYPES, check_device_supports
 from rayzero.workers.activations import blocks_of, checkpoint_activations
@@ -41,6 +41,7 @@ class Built:
 
     model: nn.Module
     added: frozenset[str] = frozenset()  # parameters the files are never asked for (adapters)
+    adapters: dict = field(default_factory=dict)  # LoRA: base weight name -> `lora.Adapter`
 
 
 # -- the steps, in order ---------------------------------------------------------------------------
@@ -55,7 +56,13 @@ def build_model(cfg: RootConfig, spec: ModelSpec) -> Built:
 
 
 def add_adapters(built: Built, cfg: RootConfig, spec: ModelSpec) -> None:
-    """Adapters (LoRA) go here, before tensor parallelism and checkpointing: none yet."""
+    """`model.lora`: PEFT's LoRA layers, the base frozen, the model's own names kept
+    (`models/lora.py`). ModelError for targets that cannot take an adapter."""
+    if cfg.model.lora is None:
+        return
+    from rayzero.models.lora import add_lora
+
+    built.added, built.adapters = add_lora(built.model, cfg.model.lora)
 
 
 def checkpoint_blocks(built: Built, cfg: RootConfig, spec: ModelSpec) -> None:
@@ -82,9 +89,15 @@ def resolved_sharding(cfg: RootConfig, spec: ModelSpec, model: nn.Module) -> Sha
 
 
 def initial_values(spec: ModelSpec, built: Built) -> ParamSource:
-    """Per name: pretrained weights for what the model's files hold, the seeded init for the
-    rest (what the steps added)."""
-    return spec.source(built.model, added=built.added)
+    """Per name: pretrained weights (or the model's seeded init) for the model's own
+    parameters, the adapters' seeded init for what the steps added."""
+    own = spec.source(built.model, added=built.added)
+    if not built.added:
+        return own
+    from rayzero.models.lora import AdapterInit
+
+    names = {n for n, _ in built.model.named_parameters()} - set(built.added)
+    return PerName(own, names, AdapterInit(built.model, spec.seed, built.adapters))
 
 
 def assemble(cfg: RootConfig, spec: ModelSpec, topo: Topology, axes: dict[str, Axis], device: torch.device):
@@ -117,7 +130,7 @@ def check_buildable(cfg: RootConfig, device: torch.device | None, spec: ModelSpe
     FSDP unit classes or checkpointed blocks that match no module, a dtype the device cannot
     compute in (not checked with `device=None`: the driver of a GPU job may have no GPU)."""
     sh = cfg.sharding
-    if model is None and (sh.strategy == "optim_grads_params" or cfg.model.checkpoint_every):
+    if model is None and (sh.strategy == "optim_grads_params" or cfg.model.checkpoint_every or cfg.model.lora):
         spec = spec if spec is not None else make_spec(cfg)
         model = build_model(cfg, spec).model
     if sh.strategy == "optim_grads_params":

@@ -1,0 +1,305 @@
+"""LoRA adapters through PEFT, on a model built on the meta device, before it is sharded.
+
+    added, adapters = add_lora(model, settings)   # PEFT's LoRA layers injected, the base frozen
+    source = AdapterInit(model, seed)             # the adapters' initial values, by name
+    read = merged_reader(read, adapters)          # exports: base weights with the adapters merged
+    tensors, config = peft_plan(model, ...)       # exports: the adapter alone, as PEFT writes it
+
+PEFT wraps each adapted linear layer (`q_proj`) in a layer of its own that keeps the original
+as `q_proj.base_layer`. The names checkpoints, exports and pretrained weights see stay the
+model's own: the wrapper registers the base layer's parameters under their old names too
+(`q_proj.weight`: `named_parameters()` lists a parameter once, under the name it meets first)
+and its `state_dict()` leaves out the `base_layer.` copies. The adapters are
+`q_proj.lora_A.default.weight` and `q_proj.lora_B.default.weight`.
+
+The base weights are frozen (no gradient, no main copy, no optimizer state: the strategies keep
+frozen parameters in the compute dtype only), `modules_to_save` train whole, and the adapters
+start from PEFT's own init seeded by the module's name (lora_B zero), so every world size and
+strategy trains the same adapters.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import json
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from rayzero.models.errors import ModelError
+from rayzero.sharding.flat_buffer import ParamSource
+
+ADAPTER = "default"  # PEFT's name for the one adapter a model has
+PEFT_PREFIX = "base_model.model."  # the prefix PEFT's adapter files give every key
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One adapted linear layer: its base weight, its two adapter matrices (by parameter
+    name), and how they merge: W + scaling * (B @ A), transposed for a layer that keeps its
+    weight as (in, out) (GPT-2's Conv1D)."""
+
+    module: str
+    base: str
+    a: str
+    b: str
+    scaling: float
+    fan_in_fan_out: bool
+
+    def delta(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        d = (b.float() @ a.float()) * self.scaling
+        return d.T if self.fan_in_fan_out else d
+
+
+def _linear_types() -> tuple[type, ...]:
+    from transformers.pytorch_utils import Conv1D
+
+    return nn.Linear, Conv1D
+
+
+def _matches(name: str, entry: str) -> bool:
+    """PEFT's rule for a `target_modules` entry: the module's whole name, or its last parts."""
+    return name == entry or name.endswith("." + entry)
+
+
+def linear_layers(model: nn.Module) -> list[str]:
+    """The distinct last names of the model's linear layers (what `target_modules` takes)."""
+    names = [n for n, m in model.named_modules() if isinstance(m, _linear_types())]
+    return sorted({n.rpartition(".")[2] for n in names})
+
+
+def _tied(model: nn.Module) -> dict[int, list[str]]:
+    names: dict[int, list[str]] = {}
+    for key, v in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(v), []).append(key)
+    return names
+
+
+def targets(model: nn.Module, settings) -> list[str]:
+    """The modules `settings.target_modules` names (PEFT's default for the architecture when
+    empty). ModelError for an entry that matches nothing, a module that is not a linear layer,
+    or one whose weight is tied to another (a GPT's head shares the embedding)."""
+    modules = dict(model.named_modules())
+    entries = list(settings.target_modules)
+    candidates = ", ".join(linear_layers(model)) or "none"
+    if not entries:
+        from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
+
+        kind = getattr(getattr(model, "config", None), "model_type", None)
+        if kind not in DEFAULTS:
+            raise ModelError(f"model.lora.target_modules: PEFT has no default for {type(model).__name__}"
+                             f"{f' (model_type {kind!r})' if kind else ''}; name the layers to adapt, e.g. "
+                             f"model.lora.target_modules=... from its linear layers: {candidates}")
+        entries = list(DEFAULTS[kind])
+    tied = _tied(model)
+    chosen: list[str] = []
+    for entry in entries:
+        found = [n for n in modules if n and _matches(n, entry)]
+        if not found:
+            raise ModelError(f"model.lora.target_modules: {entry} matches no module; the linear layers are "
+                             f"{candidates}")
+        for n in found:
+            m = modules[n]
+            if not isinstance(m, _linear_types()):
+                raise ModelError(f"model.lora.target_modules: {entry} matches {n}, a {type(m).__name__}; LoRA "
+                                 f"adapts linear layers: {candidates}")
+            also = [k for k in tied.get(id(m.weight), []) if k != f"{n}.weight"]
+            if also:
+                raise ModelError(f"model.lora.target_modules: {n}.weight is tied to {also[0]}, so merging an "
+                                 f"adapter into it would change both; adapt other layers")
+        chosen += [n for n in found if n not in chosen]
+    return chosen
+
+
+def saved_modules(model: nn.Module, settings) -> list[str]:
+    """The modules `settings.modules_to_save` names: trained whole beside the adapters.
+    ModelError for an entry that matches nothing."""
+    modules = [n for n, m in model.named_modules() if n and any(True for _ in m.parameters(recurse=False))]
+    out: list[str] = []
+    for entry in settings.modules_to_save:
+        found = [n for n in modules if _matches(n, entry)]
+        if not found:
+            leaves = sorted({n.rpartition(".")[2] for n in modules})
+            raise ModelError(f"model.lora.modules_to_save: {entry} matches no module with parameters; they are "
+                             f"{', '.join(leaves)}")
+        out += [n for n in found if n not in out]
+    return out
+
+
+def peft_config(settings, target_modules: list[str], base: str = ""):
+    """PEFT's `LoraConfig` for these settings, the targets given by their full names."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+                      target_modules=target_modules, modules_to_save=list(settings.modules_to_save) or None,
+                      bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base or None)
+
+
+def add_lora(model: nn.Module, settings) -> tuple[frozenset[str], dict[str, Adapter]]:
+    """Inject PEFT's LoRA layers into `model` (on the meta device), in place: every other
+    parameter frozen but those of `modules_to_save`, the model's own names kept. Returns (the
+    adapters' parameter names, the adapters by base weight name)."""
+    from peft import inject_adapter_in_model
+    from peft.tuners.lora import LoraLayer
+
+    chosen = targets(model, settings)
+    keep = saved_modules(model, settings)
+    config = peft_config(settings, chosen)
+    config.modules_to_save = None  # trained in place here, not as PEFT's copies
+    before = {n for n, _ in model.named_parameters()}
+    inject_adapter_in_model(config, model, low_cpu_mem_usage=True)
+    for m in model.modules():
+        if isinstance(m, LoraLayer):
+            _keep_names(m)
+    adapters = adapters_of(model)
+    names = {n for n, _ in model.named_parameters()}
+    if names - {n for a in adapters.values() for n in (a.a, a.b)} != before:
+        raise ModelError("model.lora: PEFT's layers changed the model's own parameter names "
+                         f"({sorted((names - before))[:3]}): this layer type is not supported")
+    for n, p in model.named_parameters():
+        if any(n.startswith(k + ".") for k in keep):
+            p.requires_grad_(True)
+    return frozenset(n for a in adapters.values() for n in (a.a, a.b)), adapters
+
+
+def _keep_names(layer: nn.Module) -> None:
+    """The base layer's parameters under the wrapper's name too (`q_proj.weight`); its
+    state_dict without their `base_layer.` copies, and `load_state_dict` taking them by the
+    model's own names."""
+    base = layer.get_base_layer()
+    own = [a for a, p in base._parameters.items() if p is not None]
+
+    def alias(*_):
+        for attr in own:
+            layer._parameters[attr] = base._parameters[attr]  # `weight` is a property of PEFT's layer: no setattr
+
+    def drop_copies(_module, state, prefix, _meta):
+        for attr in own:
+            state.pop(f"{prefix}base_layer.{attr}", None)
+
+    def load_copies(_module, state, prefix, *_):
+        for attr in own:
+            if f"{prefix}{attr}" in state:
+                state.setdefault(f"{prefix}base_layer.{attr}", state[f"{prefix}{attr}"])
+
+    alias()
+    layer.register_state_dict_post_hook(drop_copies)
+    layer._register_load_state_dict_pre_hook(load_copies, with_module=True)
+    layer.register_load_state_dict_post_hook(alias)
+
+
+def adapters_of(model: nn.Module) -> dict[str, Adapter]:
+    """The adapters of a model `add_lora` changed, by base weight name."""
+    from peft.tuners.lora import LoraLayer
+
+    return {f"{n}.weight": Adapter(n, f"{n}.weight", f"{n}.lora_A.{ADAPTER}.weight", f"{n}.lora_B.{ADAPTER}.weight",
+                                   float(m.scaling[ADAPTER]), bool(getattr(m, "fan_in_fan_out", False)))
+            for n, m in model.named_modules() if isinstance(m, LoraLayer)}
+
+
+class AdapterInit(ParamSource):
+    """The adapters' initial values: PEFT's own `reset_lora_parameters` on real tensors, under
+    the global generator seeded by (seed, the layer's name), so a value depends on the seed
+    and names alone (lora_A as PEFT draws it, lora_B zero)."""
+
+    def __init__(self, model: nn.Module, seed: int, adapters: dict[str, Adapter]):
+        self.model, self.seed = model, seed
+        self.owner = {n: a for a in adapters.values() for n in (a.a, a.b)}
+        self._ready: dict[str, torch.Tensor] = {}
+
+    def fill(self, name: str, out: torch.Tensor) -> None:
+        if name not in self._ready:
+            self._init(self.owner[name])
+        out.copy_(self._ready.pop(name))
+
+    def _init(self, a: Adapter) -> None:
+        from rayzero.models.spec import name_seed
+
+        layer = self.model.get_submodule(a.module)
+        mods = {a.a: layer.lora_A[ADAPTER], a.b: layer.lora_B[ADAPTER]}
+        kept = {n: m._parameters["weight"] for n, m in mods.items()}
+        real = {n: torch.zeros(p.shape) for n, p in kept.items()}
+        try:
+            for n, m in mods.items():
+                m._parameters["weight"] = nn.Parameter(real[n], requires_grad=False)
+            with torch.random.fork_rng(devices=[]), torch.no_grad():
+                torch.manual_seed(name_seed(self.seed, a.module))
+                layer.reset_lora_parameters(ADAPTER, True)
+        finally:
+            for n, m in mods.items():
+                m._parameters["weight"] = kept[n]
+        self._ready.update(real)
+
+
+def merged_reader(read: Callable[[str, int, int], torch.Tensor], shape_of: Callable[[str], tuple],
+                  adapters: dict[str, Adapter]) -> Callable[[str, int, int], torch.Tensor]:
+    """`read(param, lo, hi)` (flat fp32 elements of a parameter) with each adapted base weight
+    read as W + scaling * (B @ A), merged in fp32 (the last one kept for its next slice)."""
+    last: dict[str, torch.Tensor] = {}
+
+    def numel(name):
+        return functools.reduce(lambda x, y: x * y, shape_of(name), 1)
+
+    def merged(name: str, lo: int, hi: int) -> torch.Tensor:
+        a = adapters.get(name)
+        if a is None:
+            return read(name, lo, hi)
+        if name not in last:
+            last.clear()
+            w = read(name, 0, numel(name)).float().view(shape_of(name))
+            da = read(a.a, 0, numel(a.a)).view(shape_of(a.a))
+            db = read(a.b, 0, numel(a.b)).view(shape_of(a.b))
+            last[name] = (w + a.delta(da, db)).reshape(-1)
+        return last[name][lo:hi]
+
+    return merged
+
+
+def merge_weights(weights: dict[str, torch.Tensor], adapters: dict[str, Adapter]) -> dict[str, torch.Tensor]:
+    """A whole state dict with the adapters merged into their base weights and left out."""
+    out = {k: v for k, v in weights.items() if not any(k in (a.a, a.b) for a in adapters.values())}
+    for name, a in adapters.items():
+        out[name] = (weights[name].float() + a.delta(weights[a.a], weights[a.b])).to(weights[name].dtype)
+    return out
+
+
+def peft_keys(adapters: dict[str, Adapter], saved: list[str]) -> dict[str, str]:
+    """The keys of PEFT's adapter file (`adapter_model.safetensors`), each to the parameter it
+    holds: `base_model.model.<layer>.lora_A.weight` (the adapter's name left out, as
+    `get_peft_model_state_dict` writes them), and a saved module's parameters under
+    `base_model.model.<name>`."""
+    out = {}
+    for a in adapters.values():
+        out[f"{PEFT_PREFIX}{a.module}.lora_A.weight"] = a.a
+        out[f"{PEFT_PREFIX}{a.module}.lora_B.weight"] = a.b
+    for n in saved:
+        out[PEFT_PREFIX + n] = n
+    return out
+
+
+def adapter_config(settings, adapters: dict[str, Adapter], base: str) -> bytes:
+    """`adapter_config.json`, as PEFT writes it, for `PeftModel.from_pretrained` onto `base`."""
+    config = peft_config(settings, sorted({a.module for a in adapters.values()}), base).to_dict()
+    config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
+    return json.dumps(config, indent=2, sort_keys=True).encode()
+
+
+def lora_of(spec, settings) -> tuple[dict[str, Adapter], list[str]]:
+    """(the adapters by base weight name, the parameters of `modules_to_save`) of the model
+    `spec` builds with `settings`: what an export needs to know (built on the meta device)."""
+    model = spec.build()
+    _, adapters = add_lora(model, settings)
+    return adapters, trained_names(model, settings)
+
+
+def trained_names(model: nn.Module, settings) -> list[str]:
+    """The parameters of `modules_to_save`, by name."""
+    keep = saved_modules(model, settings) if settings.modules_to_save else []
+    return [n for n, _ in model.named_parameters() if any(n.startswith(k + ".") for k in keep)]
+
+
+def is_adapter_dir(files: list[str]) -> bool:
+    return "adapter_config.json" in files and any(fnmatch.fnmatchcase(f, "adapter_model.*") for f in files)
