@@ -66,9 +66,23 @@ def rows(model: type[BaseModel], prefix: str) -> list[Row]:
         if nested is not None:
             out.extend(rows(nested, key))
             continue
+        optional = _optional_section(field.annotation)
+        if optional is not None:  # a section that is off by default (model.lora): its keys in the meaning
+            keys = "; ".join(f"`{r.key}` ({r.type}, default `{r.default}`): {r.meaning.rstrip('.')}" for r in rows(optional, key))
+            out.append(Row(key, "a section, or `null`", render_default(field),
+                           _clean(field.description or "") + f" Its keys: {keys}."))
+            continue
         out.append(Row(key, render_type(field), render_default(field), _clean(field.description or ""),
                        secret=_is_secret(field.annotation)))
     return out
+
+
+def _optional_section(tp: Any) -> type[BaseModel] | None:
+    """`Model | None` -> Model."""
+    if typing.get_origin(tp) not in (typing.Union, types.UnionType):
+        return None
+    members = [a for a in typing.get_args(tp) if a is not type(None)]
+    return _model_of(members[0]) if len(members) == 1 else None
 
 
 def render() -> str:

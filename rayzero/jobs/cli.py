@@ -189,6 +189,7 @@ def _print_plan(p: dict) -> None:
         f"  {p['world_size']} ranks{elastic} of {bundle} each, on {p['cluster']}\n"
         f"  strategy {p['strategy']}{hybrid}; params {p['param_dtype']}, grads {p['grad_dtype']}\n"
         f"  model {_model_line(p)}\n"
+        + (f"  {p['model']['lora']}\n" if p["model"].get("lora") else "")
         + (f"  {_params_line(p['num_params'], p['trainable_params'])}; model state per rank "
            f"{mem['bytes_per_param']:.2f} bytes/parameter = {mem['bytes_per_rank'] / 2**20:,.1f} MiB (Megatron's "
            f"formula, before padding and activations)\n" if p["num_params"] else

@@ -7,6 +7,8 @@ WEIGHTS is any of
     a checkpoint              (a checkpoint directory, its newest commit, or one step-… prefix):
                               the model is rebuilt from the manifest's record of it
     a Hugging Face directory  an `hf` export, or any model directory transformers loads
+    a PEFT adapter directory  a `peft` export: its LoRA adapters merged onto the base model it
+                              names (or `model.path=`, which must be that model)
     a safetensors file        a `safetensors` export, with the model's config as overrides
                               (`model.preset=small`, or the training job's `--config`)
 
@@ -187,6 +189,17 @@ def load_generator(weights: str, cfg: RootConfig | None = None, tokenizer: str |
     storage = cfg.checkpoint
     chosen = load_tokenizer(tokenizer) if tokenizer else None
     local = Path(weights).expanduser()
+    if local.is_dir() and (local / "adapter_config.json").is_file():  # LoRA adapters (a `peft` export)
+        import transformers as tf
+        from peft import PeftModel
+
+        base = adapter_base(local, cfg)
+        tf.logging.set_verbosity_error()
+        tf.logging.disable_progress_bar()
+        model = tf.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        model = PeftModel.from_pretrained(model, str(local)).merge_and_unload()
+        tok = chosen or find_tokenizer(base, None, storage)
+        return Generator(model, tok, eos_ids=_eos_ids(_model_files(base)))
     if local.is_dir() and (local / "config.json").is_file():  # a Hugging Face directory
         import transformers as tf
 
@@ -219,6 +232,36 @@ def load_generator(weights: str, cfg: RootConfig | None = None, tokenizer: str |
     if "config.json" not in files and (c.manifest.get("model_source") or {}).get("config"):
         files["config.json"] = json.dumps(c.manifest["model_source"]["config"]).encode()
     return Generator(model, tok, c.manifest.get("block_size"), eos_ids=_eos_ids(files))
+
+
+def adapter_base(adapter: Path, cfg: RootConfig) -> str:
+    """The base model a PEFT adapter directory goes onto: the one it names
+    (`base_model_name_or_path`), or `model.path` where given, which must be that same model
+    (by path, or by the hash of its config.json that rayzero's export recorded). ConfigError
+    saying which differs, or that the base is not there."""
+    import hashlib
+
+    from rayzero.checkpoint.export import read_export_identity
+
+    named = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+    given = cfg.model.path if cfg.model.kind == "hf" else ""
+    base = given or named
+    if not base:
+        raise ConfigError(f"{adapter}: the adapter names no base model (base_model_name_or_path): give "
+                          "model.path=BASE_DIR")
+    config = Path(base).expanduser() / "config.json"
+    if not config.is_file():
+        raise ConfigError(f"{adapter}: its base model {base} is not there (no config.json): give model.path=BASE_DIR")
+    identity = read_export_identity(str(adapter / "adapter_model.safetensors"), "safetensors") or {}
+    recorded = identity.get("config_sha256")
+    mine = hashlib.sha256(config.read_bytes()).hexdigest()[:16]
+    same_path = named and Path(named).expanduser().resolve() == Path(base).expanduser().resolve()
+    if (recorded and recorded != mine) or (not recorded and given and not same_path):
+        raise ConfigError(f"{adapter}: the adapter was trained on {named or 'another base'}"
+                          + (f" (config {recorded})" if recorded else "")
+                          + f", and model.path is {base} (config {mine}): another model; give the base it was "
+                          "trained on")
+    return base
 
 
 def _block_size(cfg: RootConfig) -> int | None:

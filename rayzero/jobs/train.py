@@ -251,8 +251,10 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
         buckets = [b.world.size for b in bucket_layout(cfg, spec, model).buckets]
         record = spec.record()
         shape = spec.activation_shape(model)
+        lora = lora_line(cfg, model)
     except ModelUnreachable as e:
         spec, note, num_params, trainable, buckets = None, f"not read from here: {e}", None, None, None
+        lora = None
         record = {"kind": cfg.model.kind, "source": cfg.model.path, "init": cfg.model.init}
         shape = None
     sh, t, c = cfg.sharding, cfg.train, cfg.cluster
@@ -278,7 +280,7 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
         "trainable_params": trainable,
         "model": {"kind": record["kind"], "source": record.get("source"), "init": record.get("init"),
                   "architecture": (record.get("architectures") or [None])[0] if record["kind"] == "hf" else None,
-                  "note": note},
+                  "note": note, "lora": lora},
         "global_batch_size": t.global_batch_size,
         "micro_batch_size": t.micro_batch_size,
         "grad_accum": cfg.grad_accum,
@@ -382,3 +384,17 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None) -> tuple[dic
     finally:
         if started_ray:
             ray.shutdown()
+
+
+def lora_line(cfg: RootConfig, model) -> str | None:
+    """What LoRA adapts, in a few words (None without LoRA)."""
+    lora = cfg.model.lora
+    if lora is None:
+        return None
+    from rayzero.models.lora import adapters_of
+
+    layers = adapters_of(model)
+    kinds = sorted({a.module.rpartition(".")[2] for a in layers.values()})
+    saved = f"; {', '.join(lora.modules_to_save)} trained whole" if lora.modules_to_save else ""
+    return (f"LoRA r={lora.r} alpha={lora.alpha:g} dropout={lora.dropout:g} on {len(layers)} linear layers "
+            f"({', '.join(kinds)}){saved}")

@@ -104,8 +104,8 @@ def targets(model: nn.Module, settings) -> list[str]:
         for n in found:
             m = modules[n]
             if not isinstance(m, _linear_types()):
-                raise ModelError(f"model.lora.target_modules: {entry} matches {n}, a {type(m).__name__}; LoRA "
-                                 f"adapts linear layers: {candidates}")
+                raise ModelError(f"model.lora.target_modules: {entry} matches {n} ({type(m).__name__}); LoRA "
+                                 f"here adapts linear layers: {candidates}")
             also = [k for k in tied.get(id(m.weight), []) if k != f"{n}.weight"]
             if also:
                 raise ModelError(f"model.lora.target_modules: {n}.weight is tied to {also[0]}, so merging an "

@@ -113,6 +113,27 @@ def model_dirs(tmp_path_factory):
      "decoder-only causal LMs"),
     (["model.kind=hf", "model.path=ROOT/t5"], "model.path: ROOT/t5 holds an encoder-decoder model (T5Config, model_type "
      "'t5'); rayzero trains decoder-only causal LMs"),
+    # LoRA
+    (["model.kind=hf", "model.path=ROOT/good", "model.lora.target_modules=q_proj,qproj"],
+     "model.lora.target_modules: qproj matches no module; the linear layers are down_proj, gate_proj, k_proj, "
+     "lm_head, o_proj, q_proj, up_proj, v_proj"),
+    (["model.kind=hf", "model.path=ROOT/good", "model.lora.target_modules=embed_tokens"],
+     "model.lora.target_modules: embed_tokens matches model.embed_tokens (Embedding); LoRA here adapts linear layers"),
+    (["model.kind=hf", "model.path=ROOT/good", "model.lora.r=8", "model.lora.modules_to_save=score"],
+     "model.lora.modules_to_save: score matches no module with parameters; they are down_proj, embed_tokens"),
+    (["model.kind=hf", "model.path=ROOT/good", "model.lora.r=0"], "model.lora.r: the rank must be a positive whole number, got 0"),
+    (["model.kind=hf", "model.path=ROOT/good", "model.lora.alpha=0"], "model.lora.alpha: must be positive, got 0"),
+    (["model.kind=hf", "model.path=ROOT/good", "model.lora.rank=8"], "model.lora.rank: unknown key (model.lora accepts: r, alpha, dropout, target_modules, modules_to_save)"),
+    (["model.kind=hf", "model.path=ROOT/good", "train.save_format=peft"],
+     "train.save_format: peft writes LoRA adapters, and this run has none"),
+    (["model.lora.r=8"], "model.lora.target_modules: PEFT has no default for GPT; name the layers to adapt, e.g. "
+     "model.lora.target_modules=... from its linear layers: fc, lm_head, proj, qkv"),
+    (["model.lora.target_modules=lm_head"],
+     "model.lora.target_modules: lm_head.weight is tied to wte.weight, so merging an adapter into it would change both"),
+    (["model.kind=module", "model.factory=tests.models:TinyLM", "model.lora.target_modules=emb"],
+     "model.lora.target_modules: emb matches emb (Embedding); LoRA here adapts linear layers: "),
+    (["model.kind=hf", "model.path=ROOT/good", "model.lora.r=8", "model.freeze=lm_head.*"],
+     "model.freeze: model.lora already freezes every base weight"),
 ])
 def test_a_bad_model_is_one_clear_message(model_dirs, small_dataset, capsys, monkeypatch, args, expected):
     root = str(model_dirs["root"])

@@ -105,6 +105,52 @@ def test_fine_tune_an_hf_llama_export_and_load_it_back(tmp_path, ray_cluster, sm
     assert not torch.equal(want, logits(llama, rows[:, :-1])), "training changed the model"
 
 
+def test_lora_fine_tune_through_ray_exports_the_adapter_peft_loads_and_generate_uses(
+        tmp_path, ray_cluster, llama, llama_data, capsys, monkeypatch):
+    """LoRA under ZeRO-3 on the cluster: only the adapters train; `train.save_format=peft`
+    writes an adapter directory that PEFT loads onto the base, giving the logits of the
+    checkpoint's merged export; `rayzero generate` takes the adapter directory, and refuses it
+    over another base model."""
+    import transformers as tf
+    from peft import PeftModel
+
+    def rayzero(*argv):
+        return cli_in_process(capsys, monkeypatch, tmp_path, *argv)
+
+    model = ["model.kind=hf", f"model.path={llama}", "model.lora.r=4", "model.lora.alpha=8",
+             "model.lora.target_modules=q_proj,v_proj,down_proj"]
+    adapter, summary = tmp_path / "adapter", tmp_path / "summary.json"
+    r = run_cli("train", *model, *FAST, f"data.path={llama_data}", "train.steps=4", "checkpoint.every_steps=4",
+                "optim.lr=1e-2", "sharding.strategy=optim_grads_params", f"train.save_final={adapter}",
+                "train.save_format=peft", f"cluster.address={ray_cluster}", "--summary-json", str(summary), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads(summary.read_text())
+    # r=4 on two layers' q_proj (32 -> 32), v_proj (32 -> 16) and down_proj (64 -> 32): r x (in + out) each
+    assert s["trainable_params"] == 2 * 4 * ((32 + 32) + (32 + 16) + (64 + 32))
+    assert s["num_params"] == 28_832 + s["trainable_params"]
+    assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+
+    merged = tmp_path / "merged"
+    code, out, err = rayzero("ckpt", "export", str(tmp_path / "runs" / "checkpoints"), str(merged), "--format", "hf")
+    assert code == 0 and "(a Hugging Face directory)" in out, err
+    x = global_rows(load_config(None, [*model, *FAST]), llama_data, 0)[:2, :-1]
+    base = tf.AutoModelForCausalLM.from_pretrained(str(llama))
+    with torch.no_grad():
+        tuned = PeftModel.from_pretrained(base, str(adapter))(input_ids=x).logits
+    want = logits(merged, x)
+    assert ((tuned - want).norm() / want.norm()).item() < 1e-5
+    assert not torch.allclose(want, logits(llama, x)), "training changed the model"
+
+    code, out, err = rayzero("generate", str(adapter), "--prompt", "import os", "--max-new-tokens", "8", "--raw")
+    assert code == 0, err
+    code, from_merged, err = rayzero("generate", str(merged), "--prompt", "import os", "--max-new-tokens", "8", "--raw")
+    assert code == 0 and out == from_merged and out.startswith("import os"), (out, from_merged)
+
+    other = save_hf_model("llama", tmp_path / "other", num_hidden_layers=3)
+    code, _, err = rayzero("generate", str(adapter), "--prompt", "x", "model.kind=hf", f"model.path={other}")
+    assert code == 2 and f"the adapter was trained on {llama}" in err and f"model.path is {other}" in err, err
+
+
 MYMODEL = '''
 import torch.nn as nn
 
