@@ -25,6 +25,13 @@ Targets: `full` step time <= 1.35x `none` (about one extra forward), its activat
 of `none`'s; `selective` in between.
 
     python benchmarks/memory.py --activations [--rounds 2] [--steps 4] [--json PATH]
+
+With `--lora`: LoRA (r=16 on every linear layer of the blocks) against full fine-tuning of the
+same ~100M HF Llama, bf16 parameters, 2 ranks ZeRO-3, in alternating rounds: the model state per
+rank from the ledger against the formula (18/d bytes per trained parameter, 2/d per frozen one)
+and the step time. Targets: LoRA's model state <= 0.30x full fine-tuning's; its step time below.
+
+    python benchmarks/memory.py --lora [--rounds 2] [--steps 4] [--json PATH]
 """
 
 from __future__ import annotations
@@ -119,7 +126,8 @@ def llama_100m(path: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _activations_rank(rank: int, model_dir: str, mode: str, steps: int, data_path: str, port: int, out) -> None:
+def _hf_rank(rank: int, model_dir: str, overrides: list[str], steps: int, data_path: str, port: int, out) -> None:
+    """One of 2 ZeRO-3 ranks training the HF Llama in `model_dir` with `overrides`."""
     import resource
     import time
 
@@ -127,7 +135,7 @@ def _activations_rank(rank: int, model_dir: str, mode: str, steps: int, data_pat
     cfg = load_config(None, [
         "cluster.num_workers=2", "model.kind=hf", f"model.path={model_dir}", "train.seq_len=1024",
         "train.global_batch_size=2", "train.micro_batch_size=1", "sharding.strategy=optim_grads_params",
-        f"model.activation_checkpointing={mode}", f"data.path={data_path}", "optim.warmup_steps=0",
+        f"data.path={data_path}", "optim.warmup_steps=0", *overrides,
     ])
     r = Rank(cfg, rank, 2, data_path)
     r.setup("127.0.0.1", port)
@@ -138,7 +146,7 @@ def _activations_rank(rank: int, model_dir: str, mode: str, steps: int, data_pat
         times.append(time.perf_counter() - t0)
     out[rank] = {"step_s": sorted(times[1:])[len(times[1:]) // 2], "activations": res["memory"]["activations_peak"],
                  "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                 "loss": res["loss_sum"] / res["tokens"]}
+                 "loss": res["loss_sum"] / res["tokens"], "memory": res["memory"]}
     r.close()
 
 
@@ -163,7 +171,8 @@ def activations(rounds: int, steps: int, data_path: str) -> dict:
             for mode in (MODES if k % 2 == 0 else MODES[::-1]):
                 with mp.Manager() as manager:
                     out = manager.dict()
-                    mp.spawn(_activations_rank, args=(tmp, mode, steps, data_path, free_port(), out), nprocs=2)
+                    mp.spawn(_hf_rank, args=(tmp, [f"model.activation_checkpointing={mode}"], steps, data_path,
+                                             free_port(), out), nprocs=2)
                     ranks = [out[r] for r in range(2)]
                 row[mode] = {"step_s": max(x["step_s"] for x in ranks),
                              "activations_mib": max(x["activations"] for x in ranks) / 2**20,
@@ -184,17 +193,68 @@ def activations(rounds: int, steps: int, data_path: str) -> dict:
             "estimate_mib": {m: v / 2**20 for m, v in estimate.items()}}
 
 
+LORA = ["model.lora.r=16", "model.lora.alpha=32",
+        "model.lora.target_modules=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"]
+STATE = ("compute_params", "main_params", "optimizer", "grads", "frozen_params")
+
+
+def lora(rounds: int, steps: int, data_path: str) -> dict:
+    """LoRA against full fine-tuning of the same model, bf16, 2 ranks ZeRO-3, in alternating rounds."""
+    import statistics
+    import tempfile
+
+    from rayzero.workers.assembly import build_model, make_spec
+
+    runs = {"full": ["sharding.param_dtype=bf16"], "lora": ["sharding.param_dtype=bf16", *LORA]}
+    with tempfile.TemporaryDirectory() as tmp:
+        n = llama_100m(tmp)
+        cfg = load_config(None, ["model.kind=hf", f"model.path={tmp}", *LORA])
+        spec = make_spec(cfg)
+        total, trainable = spec.num_params(build_model(cfg, spec).model)
+        # Megatron's ZeRO-3 with bf16 parameters: 18/d bytes per trained parameter; a frozen one
+        # holds its bf16 copy alone, sharded: 2/d
+        formula = {"full": 18 / 2 * n, "lora": 18 / 2 * trainable + 2 / 2 * (total - trainable)}
+        print(f"HF Llama, {n / 1e6:.0f}M parameters; LoRA r=16 on every linear layer of the blocks: "
+              f"{trainable:,} trained ({trainable / total:.2%}); seq 1,024, micro-batch 1, 2 ranks ZeRO-3, bf16; "
+              f"{rounds} round(s) of {steps} steps\n")
+        results: list[dict] = []
+        for k in range(rounds):
+            row = {}
+            for name in (("full", "lora") if k % 2 == 0 else ("lora", "full")):
+                with mp.Manager() as manager:
+                    out = manager.dict()
+                    mp.spawn(_hf_rank, args=(tmp, runs[name], steps, data_path, free_port(), out), nprocs=2)
+                    ranks = [out[r] for r in range(2)]
+                state = max(sum(x["memory"][key] for key in STATE) for x in ranks)
+                row[name] = {"step_s": max(x["step_s"] for x in ranks), "state_mib": state / 2**20,
+                             "formula_mib": formula[name] / 2**20,
+                             "peak_rss_mib": max(x["peak_rss"] for x in ranks) / 2**20, "loss": ranks[0]["loss"],
+                             "ledger": {key: ranks[0]["memory"][key] for key in STATE}}
+                m = row[name]
+                print(f"round {k + 1}  {name:<5}  step {m['step_s']:6.2f} s  model state per rank {m['state_mib']:7.1f} "
+                      f"MiB (formula {m['formula_mib']:7.1f})  peak RSS per rank {m['peak_rss_mib']:7.0f} MiB  "
+                      f"loss {m['loss']:.4f}")
+            results.append(row)
+    ratio = {key: statistics.median(r["lora"][key] / r["full"][key] for r in results)
+             for key in ("step_s", "state_mib", "peak_rss_mib")}
+    print(f"\nlora / full: model state {ratio['state_mib']:.3f}x, step time {ratio['step_s']:.3f}x, "
+          f"peak RSS {ratio['peak_rss_mib']:.3f}x (median over rounds)")
+    print("targets: model state <= 0.30x, step time below 1x")
+    return {"benchmark": "memory-lora", "num_params": n, "trainable": trainable, "rounds": results, "ratios": ratio}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", metavar="PATH", help="also write the table here as JSON")
     ap.add_argument("--preset", default="small", help="model.preset to measure (default small, 10.8M)")
     ap.add_argument("--activations", action="store_true", help="activation checkpointing none / selective / full")
+    ap.add_argument("--lora", action="store_true", help="LoRA against full fine-tuning, bf16, ZeRO-3")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
     args = ap.parse_args()
-    if args.activations:
+    if args.activations or args.lora:
         data_path = ensure_default_corpus("~/.cache/rayzero/datasets")
-        result = activations(args.rounds, args.steps, data_path)
+        result = (activations if args.activations else lora)(args.rounds, args.steps, data_path)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=2)

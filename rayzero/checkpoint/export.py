@@ -260,7 +260,7 @@ def save_final(spec, weights: dict[str, torch.Tensor], uri: str, fmt: str, metad
             write_peft_dir(uri, spec, lora, adapters, entries, lambda n, lo, hi: weights[n].reshape(-1)[lo:hi],
                            metadata)
             return
-        weights = merge_weights(weights, adapters)
+        weights = merge_weights(base_as_stored(spec, weights, adapters, saved), adapters)
     if fmt == "safetensors":
         save_safetensors(weights, uri, metadata)
         return
@@ -292,6 +292,30 @@ def hf_files(spec, dtype: str, tokenizer: Callable[[], dict[str, bytes]] | None 
 def _cast_dtype(t: torch.Tensor, dtype: str) -> torch.dtype:
     """Floating tensors go out in the export dtype; others (integer buffers) as they are."""
     return EXPORT_DTYPES[dtype] if t.is_floating_point() else t.dtype
+
+
+def base_as_stored(spec, weights: dict[str, torch.Tensor], adapters: dict, trained: list[str]) -> dict:
+    """`weights` with the frozen base as the model's source holds it (`model.path`'s tensors in
+    their own precision, as `ckpt export` reads them), not as the ranks computed with it (bf16
+    compute rounds an fp32 base); as they are where the source cannot be read from here."""
+    from rayzero.models import ModelError
+
+    skip = {n for a in adapters.values() for n in (a.a, a.b)} | set(trained)
+    model = spec.build()
+    try:
+        source = spec.source(model)
+    except ModelError:
+        return weights
+    out = dict(weights)
+    names = {id(p): n for n, p in model.named_parameters()}
+    for key, v in model.state_dict(keep_vars=True).items():
+        name = names.get(id(v))
+        if name is None or key in skip or key not in out:
+            continue
+        value = torch.empty(tuple(v.shape), dtype=torch.float32)
+        source.fill(name, value)
+        out[key] = value
+    return out
 
 
 def peft_entries(adapters: dict, saved: list[str], shapes: dict[str, tuple]) -> list:

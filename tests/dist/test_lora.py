@@ -1,5 +1,5 @@
-"""LoRA on real gloo groups: every world size and strategy trains the adapters a single-process
-PEFT run trains; the ledger holds optimizer state and gradients for the adapters only and the
+"""LoRA on real gloo groups: every world size and strategy (with activation checkpointing too)
+trains the adapters a single-process PEFT run trains; the ledger holds optimizer state and gradients for the adapters only and the
 base in the compute dtype only; resume is bitwise and reshards; the merged and the adapter
 exports load with transformers and PEFT and give rayzero's logits."""
 
@@ -91,7 +91,8 @@ def global_losses(out, label, world):
 
 
 CASES = {1: [("zero3", "optim_grads_params", ())],
-         2: [("zero3", "optim_grads_params", ()), ("zero1", "optim", ()),
+         2: [("zero3", "optim_grads_params", ()), ("zero1", "optim", ()), ("ddp", "no_shard", ()),
+             ("zero2+selective", "optim_grads", ("model.activation_checkpointing=selective",)),
              ("zero3+full", "optim_grads_params", ("model.activation_checkpointing=full",)),
              ("zero3+bf16", "optim_grads_params", ("sharding.param_dtype=bf16",))],
          4: [("zero3", "optim_grads_params", ("cluster.cpus_per_worker=0.5",))]}
@@ -190,6 +191,16 @@ def test_a_lora_resume_is_bitwise_and_reshards(llama, small_dataset, tmp_path):
         f"base_model.model.{n.replace('.default', '')}" for n in final if ".lora_" in n}
     config_json = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config_json["peft_type"] == "LORA" and config_json["r"] == 4 and config_json["base_model_name_or_path"] == str(llama)
+    # The end of training's own exports are those of its last checkpoint
+    from rayzero.checkpoint.export import save_final
+    from rayzero.workers.assembly import make_spec
+
+    save_final(make_spec(zero3), final, str(tmp_path / "final"), "hf", {})
+    save_final(make_spec(zero3), final, str(tmp_path / "final-adapter"), "peft", {})
+    for name in ("final", "final-adapter"):
+        a, b = (load_file(str(f)) for f in (next((tmp_path / name).glob("*.safetensors")),
+                                            next((tmp_path / ("merged" if name == "final" else "adapter")).glob("*.safetensors"))))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
     original, exported = load_file(str(llama / "model.safetensors")), load_file(str(tmp_path / "merged" / "model.safetensors"))
     assert exported.keys() == original.keys()
     targets = ("q_proj", "v_proj", "down_proj")
