@@ -145,6 +145,9 @@ def test_lora_fine_tune_through_ray_exports_the_adapter_peft_loads_and_generate_
     assert code == 0, err
     code, from_merged, err = rayzero("generate", str(merged), "--prompt", "import os", "--max-new-tokens", "8", "--raw")
     assert code == 0 and out == from_merged and out.startswith("import os"), (out, from_merged)
+    code, from_checkpoint, err = rayzero("generate", str(tmp_path / "runs" / "checkpoints"), "--prompt", "import os",
+                                         "--max-new-tokens", "8", "--raw")
+    assert code == 0 and from_checkpoint == out, (from_checkpoint, err)
 
     other = save_hf_model("llama", tmp_path / "other", num_hidden_layers=3)
     code, _, err = rayzero("generate", str(adapter), "--prompt", "x", "model.kind=hf", f"model.path={other}")
