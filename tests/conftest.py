@@ -25,6 +25,13 @@ def pytest_sessionstart(session):
     _started["wall"], _started["epoch"] = time.monotonic(), time.time()
 
 
+def pytest_runtest_setup(item):
+    """Past the gloo tier, its kept rank processes only cost CPU: end them."""
+    pool = sys.modules.get("tests.dist.pool")
+    if pool is not None and "dist" not in Path(str(item.path)).parent.parts[-1:]:
+        pool.close()
+
+
 def pytest_terminal_summary(terminalreporter):
     """The suite's wall time, on a line of its own before pytest's closing line; under
     `.ci/run` (which exports when it began) also the install's time before it."""

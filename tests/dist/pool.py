@@ -8,21 +8,37 @@ jobs a process is brought back to what a new one would be for a test: no process
 default seed. A job that fails on any rank (the others may be stuck in a collective waiting for
 it) ends every process; the next job starts new ones.
 
+gloo leaves threads behind when a process group is destroyed (its TCP loops, which keep waking):
+a process that has gathered `MAX_THREADS` of them is replaced after its job, and the pool is
+closed once the tests leave the gloo tier (`tests/conftest.py`), so that idle rank processes
+take no CPU from the tests after them.
+
 Tests that measure the process itself (its live tensors, its memory limit) keep spawning
 processes of their own."""
 
 from __future__ import annotations
 
 import atexit
+import os
 import queue
+import threading
 import time
 import traceback
 
 import torch.multiprocessing as mp
 
 MAX_WORLD = 4
+MAX_THREADS = 100  # gloo's leftover threads in a rank process before it is replaced
 TIMEOUT_S = 600.0  # one job, on every rank; pytest's own timeout is the same
 _DEFAULT_SEED = 67280421310721  # what torch seeds a new process with
+
+
+def _native_threads() -> int:
+    """Threads of this process that Python did not start (gloo's), from /proc where there is one."""
+    try:
+        return len(os.listdir("/proc/self/task")) - threading.active_count()
+    except OSError:
+        return 0
 
 
 def _serve(rank: int, jobs, results) -> None:
@@ -40,14 +56,15 @@ def _serve(rank: int, jobs, results) -> None:
         torch.manual_seed(_DEFAULT_SEED)
         random.seed()
         np.random.seed()
+        error = None
         try:
             fn(rank, *args)
-            results.put((rank, None))
         except BaseException:  # noqa: BLE001 (the test sees it, with the rank's traceback)
-            results.put((rank, traceback.format_exc()))
+            error = traceback.format_exc()
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
+        results.put((rank, error, threading.active_count() + _native_threads()))
 
 
 class RankPool:
@@ -72,13 +89,14 @@ class RankPool:
         self._start(nprocs)
         for rank in range(nprocs):
             self.jobs[rank].put((fn, args))
-        error, pending = None, set(range(nprocs))
+        error, pending, threads = None, set(range(nprocs)), 0
         deadline = time.monotonic() + TIMEOUT_S
         try:
             while pending and error is None:
                 try:
-                    rank, error = self.results.get(timeout=1.0)
+                    rank, error, n = self.results.get(timeout=1.0)
                     pending.discard(rank)
+                    threads = max(threads, n)
                     continue
                 except queue.Empty:
                     pass
@@ -93,6 +111,8 @@ class RankPool:
         if error is not None:  # the other ranks may wait on it forever: end them all
             self.close()
             raise RuntimeError(f"rank {rank} failed in {fn.__qualname__}:\n{error}")
+        if threads > MAX_THREADS:  # new processes for the next job, without gloo's leftovers
+            self.close()
 
     def close(self) -> None:
         for p in self.procs:
@@ -109,3 +129,8 @@ atexit.register(_pool.close)
 def spawn(fn, args: tuple = (), nprocs: int = 1) -> None:
     """`torch.multiprocessing.spawn(fn, args, nprocs)` on the session's rank processes."""
     _pool.spawn(fn, args, nprocs)
+
+
+def close() -> None:
+    """End the session's rank processes (the next `spawn` starts new ones)."""
+    _pool.close()
