@@ -132,3 +132,15 @@ class ValidationRows:
         tokens, labels = self._rows(list(range(first, first + self.rows_per_rank)))
         tokens, labels = torch.from_numpy(tokens), torch.from_numpy(labels)
         return [(t[:, :-1], lab[:, 1:]) for t, lab in zip(tokens.split(self.micro_batch), labels.split(self.micro_batch))]
+
+
+def validation_split(cfg, dataset):
+    """(what training reads, what evaluation reads or None) for a run's config: documents held
+    out of `dataset` by `data.val_fraction`, or the dataset at `data.val_path`."""
+    if cfg.data.val_fraction:
+        return split(dataset, cfg.data.val_fraction)
+    if cfg.data.val_path:
+        from rayzero.data.tokens import TokenDataset
+
+        return dataset, TokenDataset(cfg.data.val_path, storage_cfg=cfg.checkpoint)
+    return dataset, None

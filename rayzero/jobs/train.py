@@ -62,7 +62,7 @@ def steps_in_epochs(cfg: RootConfig, data_path) -> int:
     """The steps `data.epochs` passes over the data take."""
     import math
 
-    from rayzero.workers.rank import validation_split
+    from rayzero.data.validation import validation_split
 
     t = cfg.train
     ds, _ = validation_split(cfg, open_dataset(cfg, data_path))
@@ -106,7 +106,7 @@ def check_validation(cfg: RootConfig, meta: dict, data_path) -> None:
     if not (cfg.data.val_path or cfg.data.val_fraction):
         return
     from rayzero.data.validation import ValidationRows
-    from rayzero.workers.rank import validation_split
+    from rayzero.data.validation import validation_split
 
     if cfg.data.val_path:
         val = read_meta(cfg.data.val_path, cfg.checkpoint)

@@ -25,22 +25,12 @@ from rayzero.checkpoint.storage import Storage
 from rayzero.config import RootConfig
 from rayzero.data.batches import RankBatches
 from rayzero.data.tokens import TokenDataset
-from rayzero.data.validation import ValidationRows, split
+from rayzero.data.validation import ValidationRows, validation_split
 from rayzero.models.spec import IGNORE_INDEX
 from rayzero.sharding import Topology
 from rayzero.sharding.comm import Axis, wait
 from rayzero.workers.activations import ActivationMeter
 from rayzero.workers.assembly import assemble, make_spec
-
-
-def validation_split(cfg: RootConfig, dataset: TokenDataset):
-    """(what training reads, what evaluation reads or None): documents held out of `dataset`
-    by `data.val_fraction`, or the dataset at `data.val_path`."""
-    if cfg.data.val_fraction:
-        return split(dataset, cfg.data.val_fraction)
-    if cfg.data.val_path:
-        return dataset, TokenDataset(cfg.data.val_path, storage_cfg=cfg.checkpoint)
-    return dataset, None
 
 
 def batches_for(dataset: TokenDataset) -> type:

@@ -141,7 +141,7 @@ def test_the_validation_loss_equals_a_single_process_computation(world, strategy
     import transformers as tf
 
     from rayzero.data.validation import ValidationRows
-    from rayzero.workers.rank import validation_split
+    from rayzero.data.validation import validation_split
     from tests.conftest import free_port
 
     model, data, meta = setup
