@@ -122,7 +122,8 @@ def test_lora_fine_tune_through_ray_exports_the_adapter_peft_loads_and_generate_
     adapter, summary = tmp_path / "adapter", tmp_path / "summary.json"
     r = run_cli("train", *model, *FAST, f"data.path={llama_data}", "train.steps=4", "checkpoint.every_steps=4",
                 "optim.lr=1e-2", "sharding.strategy=optim_grads_params", f"train.save_final={adapter}",
-                "train.save_format=peft", f"cluster.address={ray_cluster}", "--summary-json", str(summary), cwd=tmp_path)
+                "train.save_format=peft", "tracking.enabled=false", f"cluster.address={ray_cluster}", "--summary-json",
+                str(summary), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads(summary.read_text())
     # r=4 on two layers' q_proj (32 -> 32), v_proj (32 -> 16) and down_proj (64 -> 32): r x (in + out) each
