@@ -99,3 +99,30 @@ def test_the_rank_reports_its_device_and_the_summary_its_mfu(small_dataset):
     if peak_flops(info["device_name"]) is None:
         pytest.skip(f"{info['device_name']}: no dense bf16 peak known")
     assert 0 < rate["mfu"] < 1
+
+
+def test_lora_on_cuda_holds_the_base_in_bf16_alone_and_trains(small_dataset, tmp_path):
+    """LoRA under ZeRO-3 on one GPU: the frozen base is its bf16 copy alone (2 bytes per
+    parameter), what the CUDA allocator holds at rest is the ledger, and the adapters train."""
+    from tests.models import save_hf_model
+
+    d = save_hf_model("llama", tmp_path / "llama")
+    cfg = load_config(None, ["cluster.num_workers=1", "cluster.use_gpu=true", "model.kind=hf", f"model.path={d}",
+                             "model.lora.r=8", "model.lora.target_modules=q_proj,v_proj,down_proj",
+                             "sharding.strategy=optim_grads_params", "sharding.param_dtype=bf16", "train.seq_len=64",
+                             "train.steps=20", "optim.warmup_steps=2", "optim.lr=1e-2"])
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    rank = Rank(cfg, 0, 1, small_dataset)
+    info = rank.setup("127.0.0.1", free_port())
+    held = torch.cuda.memory_allocated() - before
+    mem, frozen = info["memory"], info["num_params"] - info["trainable_params"]
+    assert mem["frozen_params"] == pytest.approx(2 * frozen, rel=0.02)
+    assert mem["optimizer"] == pytest.approx(8 * info["trainable_params"], rel=0.05)
+    assert mem["total"] <= held <= mem["total"] + 2**20
+    losses = []
+    for step in range(cfg.train.steps):
+        out = rank.iteration({"step": step, "lr": lr_at(step, cfg.train.steps, cfg.optim)})
+        losses.append(out["loss_sum"] / out["tokens"])
+    rank.close()
+    assert losses[-1] < losses[0]
