@@ -297,12 +297,15 @@ def _cast_dtype(t: torch.Tensor, dtype: str) -> torch.dtype:
 def base_as_stored(spec, weights: dict[str, torch.Tensor], adapters: dict, trained: list[str]) -> dict:
     """`weights` with the frozen base as the model's source holds it (`model.path`'s tensors in
     their own precision, as `ckpt export` reads them), not as the ranks computed with it (bf16
-    compute rounds an fp32 base); as they are where the source cannot be read from here."""
+    compute rounds an fp32 base); as they are for a seeded base, or where the source cannot be
+    read from here."""
     from rayzero.models import ModelError
 
     skip = {n for a in adapters.values() for n in (a.a, a.b)} | set(trained)
     model = spec.build()
     try:
+        if spec.weights is None:  # a seeded base: no stored values to prefer
+            return weights
         source = spec.source(model)
     except ModelError:
         return weights
@@ -336,5 +339,5 @@ def write_peft_dir(uri: str, spec, settings, adapters: dict, entries: list, read
 
     shape_of = {e.param: e.shape for e in entries}.__getitem__
     tensors = [Tensor(e.name, e.shape, torch.float32, lambda e=e: e.produce(shape_of, read)) for e in entries]
-    files = {"adapter_config.json": adapter_config(settings, adapters, getattr(spec, "path", "") or "")}
+    files = {"adapter_config.json": adapter_config(settings, adapters, spec.cfg.path)}
     return write_hf_dir(uri, tensors, files, 2**62, metadata, stem="adapter_model")

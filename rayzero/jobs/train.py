@@ -105,8 +105,7 @@ def check_validation(cfg: RootConfig, meta: dict, data_path) -> None:
     """Validation data that exists, is made with the training data's tokenizer, and holds a row."""
     if not (cfg.data.val_path or cfg.data.val_fraction):
         return
-    from rayzero.data.validation import ValidationRows
-    from rayzero.data.validation import validation_split
+    from rayzero.data.validation import ValidationRows, validation_split
 
     if cfg.data.val_path:
         val = read_meta(cfg.data.val_path, cfg.checkpoint)

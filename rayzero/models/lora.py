@@ -1,9 +1,9 @@
 """LoRA adapters through PEFT, on a model built on the meta device, before it is sharded.
 
-    added, adapters = add_lora(model, settings)   # PEFT's LoRA layers injected, the base frozen
-    source = AdapterInit(model, seed)             # the adapters' initial values, by name
-    read = merged_reader(read, adapters)          # exports: base weights with the adapters merged
-    tensors, config = peft_plan(model, ...)       # exports: the adapter alone, as PEFT writes it
+    added, adapters = add_lora(model, settings)       # PEFT's LoRA layers injected, the base frozen
+    source = AdapterInit(model, seed, adapters)       # the adapters' initial values, by name
+    read = merged_reader(read, shape_of, adapters)    # exports: base weights with the adapters merged
+    keys = peft_keys(adapters, saved)                 # exports: the adapter alone, as PEFT writes it
 
 PEFT wraps each adapted linear layer (`q_proj`) in a layer of its own that keeps the original
 as `q_proj.base_layer`. The names checkpoints, exports and pretrained weights see stay the
@@ -20,9 +20,8 @@ strategy trains the same adapters.
 
 from __future__ import annotations
 
-import fnmatch
-import functools
 import json
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -241,7 +240,7 @@ def merged_reader(read: Callable[[str, int, int], torch.Tensor], shape_of: Calla
     last: dict[str, torch.Tensor] = {}
 
     def numel(name):
-        return functools.reduce(lambda x, y: x * y, shape_of(name), 1)
+        return math.prod(shape_of(name))
 
     def merged(name: str, lo: int, hi: int) -> torch.Tensor:
         a = adapters.get(name)
@@ -291,15 +290,5 @@ def lora_of(spec, settings) -> tuple[dict[str, Adapter], list[str]]:
     """(the adapters by base weight name, the parameters of `modules_to_save`) of the model
     `spec` builds with `settings`: what an export needs to know (built on the meta device)."""
     model = spec.build()
-    _, adapters = add_lora(model, settings)
-    return adapters, trained_names(model, settings)
-
-
-def trained_names(model: nn.Module, settings) -> list[str]:
-    """The parameters of `modules_to_save`, by name."""
-    keep = saved_modules(model, settings) if settings.modules_to_save else []
-    return [n for n, _ in model.named_parameters() if any(n.startswith(k + ".") for k in keep)]
-
-
-def is_adapter_dir(files: list[str]) -> bool:
-    return "adapter_config.json" in files and any(fnmatch.fnmatchcase(f, "adapter_model.*") for f in files)
+    added, adapters = add_lora(model, settings)
+    return adapters, [n for n, p in model.named_parameters() if p.requires_grad and n not in added]

@@ -33,12 +33,12 @@ TIMEOUT_S = 600.0  # one job, on every rank; pytest's own timeout is the same
 _DEFAULT_SEED = 67280421310721  # what torch seeds a new process with
 
 
-def _native_threads() -> int:
-    """Threads of this process that Python did not start (gloo's), from /proc where there is one."""
+def _threads() -> int:
+    """This process's threads, gloo's included (from /proc where there is one)."""
     try:
-        return len(os.listdir("/proc/self/task")) - threading.active_count()
+        return len(os.listdir("/proc/self/task"))
     except OSError:
-        return 0
+        return threading.active_count()
 
 
 def _serve(rank: int, jobs, results) -> None:
@@ -64,7 +64,7 @@ def _serve(rank: int, jobs, results) -> None:
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
-        results.put((rank, error, threading.active_count() + _native_threads()))
+        results.put((rank, error, _threads()))
 
 
 class RankPool:
