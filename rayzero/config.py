@@ -21,7 +21,7 @@ from rayzero.checkpoint.config import CheckpointConfig
 from rayzero.cluster.config import ClusterConfig, FailureConfig, TrackingConfig
 from rayzero.data.config import DataConfig
 from rayzero.models.config import ModelConfig
-from rayzero.sharding.config import OptimConfig, ShardingConfig
+from rayzero.sharding.config import OptimConfig, ParallelConfig, ShardingConfig
 
 
 class ConfigError(ValueError):
@@ -116,6 +116,7 @@ class RootConfig(Frozen):
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     sharding: ShardingConfig = ShardingConfig()
+    parallel: ParallelConfig = ParallelConfig()
     train: RunConfig = RunConfig()
     optim: OptimConfig = OptimConfig()
     tracking: TrackingConfig = TrackingConfig()
@@ -124,17 +125,18 @@ class RootConfig(Frozen):
 
     @model_validator(mode="after")
     def _check(self):
+        n, outer, tp = self.cluster.num_workers, self.sharding.dp_outer, self.parallel.tp
+        if n % (outer * tp):
+            what = (f"sharding.dp_outer: {outer}" if tp == 1 else f"parallel.tp: {tp}" if outer == 1
+                    else f"sharding.dp_outer x parallel.tp: {outer} x {tp} = {outer * tp}")
+            raise ValueError(f"{what} does not divide cluster.num_workers ({n}): the ranks form "
+                             "replicate (dp_outer) x shard x tp groups")
         t, dp = self.train, self.dp_size
         if t.global_batch_size % (t.micro_batch_size * dp):
             raise ValueError(
                 f"train.global_batch_size: {t.global_batch_size} is not divisible by "
                 f"train.micro_batch_size ({t.micro_batch_size}) x data-parallel size ({dp}) "
                 f"= {t.micro_batch_size * dp}"
-            )
-        if self.cluster.num_workers % self.sharding.dp_outer:
-            raise ValueError(
-                f"sharding.dp_outer: {self.sharding.dp_outer} does not divide cluster.num_workers "
-                f"({self.cluster.num_workers})"
             )
         low = self.cluster.min_workers
         if low is not None and low > self.cluster.num_workers:
@@ -147,6 +149,7 @@ class RootConfig(Frozen):
                 f"train.global_batch_size ({t.global_batch_size}) divisible by train.micro_batch_size "
                 f"({t.micro_batch_size}) x world size"
                 + (f" and is a multiple of sharding.dp_outer ({self.sharding.dp_outer})" if self.sharding.dp_outer > 1 else "")
+                + (f" and of parallel.tp ({tp}), over which the world size is divided" if tp > 1 else "")
             )
         if self.model.block_size is not None and self.model.block_size < t.seq_len:
             raise ValueError(
@@ -175,7 +178,8 @@ class RootConfig(Frozen):
 
     @property
     def dp_size(self) -> int:
-        return self.cluster.num_workers
+        """Data-parallel ranks: the world over the tensor-parallel size."""
+        return self.cluster.num_workers // self.parallel.tp
 
     @property
     def grad_accum(self) -> int:
@@ -185,12 +189,13 @@ class RootConfig(Frozen):
     def world_sizes(self) -> list[int]:
         """The world sizes this run may train at, largest first: `cluster.num_workers`, then
         (elastic) every smaller one down to `cluster.min_workers` that divides the global batch
-        into whole micro-batches and is a multiple of `sharding.dp_outer`."""
-        t, c = self.train, self.cluster
+        into whole micro-batches and is a multiple of `sharding.dp_outer` x `parallel.tp`
+        (a smaller world drops whole tensor-parallel groups)."""
+        t, c, tp = self.train, self.cluster, self.parallel.tp
         low = c.min_workers or c.num_workers
         return [w for w in range(c.num_workers, low - 1, -1)
-                if w == c.num_workers or (t.global_batch_size % (t.micro_batch_size * w) == 0
-                                          and w % self.sharding.dp_outer == 0)]
+                if w == c.num_workers or (w % (self.sharding.dp_outer * tp) == 0
+                                          and t.global_batch_size % (t.micro_batch_size * (w // tp)) == 0)]
 
     def at_world_size(self, world: int) -> "RootConfig":
         """This config with `world` ranks (an elastic resize; nothing else changes)."""

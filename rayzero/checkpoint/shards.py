@@ -2,9 +2,12 @@
 (and reshard) its new shard from a committed checkpoint with ranged reads.
 
 Flat-buffer coordinates make resharding arithmetic: a saved shard file holds the rank's owned
-world ranges, concatenated; a parameter's elements sit at its saved world offset; the new
-rank intersects each range it now owns with the saved parameter ranges and reads just those
-bytes from the files that hold them.
+world ranges, concatenated. A checkpoint is read in global terms (`SavedIndex`): every
+parameter's whole tensor, flattened, at an offset of its own; a saved piece is the run of
+global elements it holds (for a tensor-parallel shard, the rows or columns of the whole tensor
+its TP rank held). The new rank maps each range it now owns to global elements the same way,
+through its own TP split, and reads just those bytes from the files that hold them. So a
+checkpoint resumes at another world size, strategy or tensor-parallel size.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import torch
 from rayzero.checkpoint.manifest import shard_name
 from rayzero.checkpoint.shard_file import NAMES, ShardReader, write_shard
 from rayzero.checkpoint.storage import Storage
+from rayzero.sharding.layout import Range
 from rayzero.sharding.strategies import Strategy
+from rayzero.sharding.tensor_parallel import Split
 
 log = logging.getLogger(__name__)
 READ_CHUNK = 16 << 20 >> 2  # elements per ranged read (16 MiB)
@@ -39,6 +44,9 @@ def layout_record(strategy: Strategy) -> dict:
         "buckets": [[b.world.start, b.world.end] for b in lay.buckets],
         "param_order": list(strategy.buffer.names),
         "param_world": [[p.world.start, p.world.end] for p in lay.params],
+        # tensor parallelism: each split tensor's placement and global shape (the manifest's
+        # `params` hold global shapes); a shard file's `tp_rank` says which slice it holds
+        "tp": strategy.tp.record() if strategy.tp is not None else None,
     }
 
 
@@ -81,7 +89,8 @@ class ShardSaver:
                 t = time.perf_counter()
                 entry = _with_retries(storage, lambda: write_shard(storage, key, snapshot, meta, self._moved))
                 with self._lock:
-                    self._done.append({"step": step, "rank": rank, "file": key, "pieces": pieces,
+                    self._done.append({"step": step, "rank": rank, "tp_rank": s.topo.tp_rank, "file": key,
+                                       "pieces": pieces,
                                        "adam_steps": adam_steps, "upload_s": time.perf_counter() - t, **entry})
             except BaseException as e:  # reported to the controller on the next call
                 self._error = e
@@ -134,13 +143,11 @@ def _with_retries(storage: Storage, fn):
 
 
 def read_shard(strategy: Strategy, storage: Storage, manifest: dict) -> dict[str, torch.Tensor]:
-    """This rank's main parameters and Adam moments from a checkpoint saved at any world size
-    and strategy, reading (and verifying) only the byte ranges that cover them. No collective
-    runs here: a rank that fails leaves the others free to try another checkpoint."""
-    lay = manifest["layout"]
-    saved_at = {n: w[0] for n, w in zip(lay["param_order"], lay["param_world"])}
-    # Every saved piece: (world start, world end, file index, offset in that file's tensors).
-    pieces, starts = saved_pieces(manifest)
+    """This rank's main parameters and Adam moments from a checkpoint saved at any world size,
+    strategy and tensor-parallel size, reading (and verifying) only the byte ranges that cover
+    them. No collective runs here: a rank that fails leaves the others free to try another
+    checkpoint."""
+    index = SavedIndex(manifest)
     readers: dict[int, ShardReader] = {}
 
     def reader(f: int) -> ShardReader:
@@ -152,15 +159,20 @@ def read_shard(strategy: Strategy, storage: Storage, manifest: dict) -> dict[str
     targets = {"main": torch.zeros(sum(m.numel() for m in strategy.main_params)),
                "exp_avg": torch.zeros_like(opt.exp_avg, device="cpu"),
                "exp_avg_sq": torch.zeros_like(opt.exp_avg_sq, device="cpu")}
-    layout, names = strategy.buffer.layout, strategy.buffer.names
+    layout, names, tp = strategy.buffer.layout, strategy.buffer.names, strategy.tp
     copies = []  # (file, offset in the file's tensors, length, offset in this rank's shard)
     local = 0
     for own in strategy.owned_pieces():
         for span in layout.params:
             cut = span.world.intersect(own)
-            if cut is not None:
-                src = saved_at[names[span.index]] + (cut.start - span.world.start)
-                copies += locate_saved(src, src + cut.size, local + (cut.start - own.start), pieces, starts)
+            if cut is None:
+                continue
+            name = names[span.index]
+            lo, dst = cut.start - span.world.start, local + (cut.start - own.start)
+            split = tp.split.get(name) if tp is not None else None
+            shape = tp.global_shape.get(name) if tp is not None else None
+            for g, n, d in global_runs(split, shape, tp.size if tp else 1, tp.rank if tp else 0, lo, lo + cut.size):
+                copies += index.locate(name, g, g + n, dst + d)
         local += own.size
     # Parallel ranged reads of at most READ_CHUNK each: object stores serve several GETs at
     # once faster than one long one, and hashing (which releases the GIL) overlaps them.
@@ -185,6 +197,70 @@ def read_shard(strategy: Strategy, storage: Storage, manifest: dict) -> dict[str
     return targets
 
 
+def global_runs(split: Split | None, shape, tp: int, tp_rank: int, lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """Local flat elements [lo, hi) of a parameter (a TP rank's slice when `split`) as runs of
+    the whole tensor's flat elements: (global start, length, offset from lo)."""
+    if split is None:
+        return [(lo, hi - lo, 0)]
+    out = []
+    for local, glob, n in split.runs(tuple(shape), tp, tp_rank):
+        a, b = max(lo, local), min(hi, local + n)
+        if a < b:
+            out.append((glob + a - local, b - a, a - lo))
+    return out
+
+
+class SavedIndex:
+    """A checkpoint's saved elements in global terms: parameter `name`'s whole tensor, flat,
+    sits at `offset[name]`; `locate` finds global elements in the shard files. Replicated
+    parameters saved by several TP ranks are read from the first's files."""
+
+    def __init__(self, manifest: dict):
+        lay = manifest["layout"]
+        tp = lay.get("tp") or {"tp": 1, "split": {}}
+        shapes = {p["name"]: p["shape"] for p in manifest["params"]}
+        self.offset, off = {}, 0
+        for name, (start, end) in zip(lay["param_order"], lay["param_world"]):
+            self.offset[name] = off
+            off += _numel(shapes.get(name)) if name in shapes else end - start
+        spans = sorted((start, end, name) for name, (start, end) in zip(lay["param_order"], lay["param_world"]))
+        span_starts = [s[0] for s in spans]
+        pieces = []
+        for f, shard in enumerate(manifest["shards"]):
+            t, file_off = shard.get("tp_rank", 0), 0
+            for start, end in shard["pieces"]:
+                i = max(bisect.bisect_right(span_starts, start) - 1, 0)
+                while i < len(spans) and spans[i][0] < end:
+                    p_start, p_end, name = spans[i]
+                    cut = Range(p_start, p_end).intersect(Range(start, end))
+                    i += 1
+                    if cut is None or not cut.size:
+                        continue
+                    placed = tp["split"].get(name)
+                    if placed is None and t != 0:
+                        continue  # replicated over TP: rank 0 of the group's copy
+                    split = Split(placed["dim"], placed["parts"]) if placed else None
+                    lo = cut.start - p_start
+                    base = file_off + (cut.start - start)
+                    for g, n, d in global_runs(split, shapes.get(name), tp["tp"], t, lo, lo + cut.size):
+                        pieces.append((self.offset[name] + g, self.offset[name] + g + n, f, base + d))
+                file_off += end - start
+        pieces.sort()
+        self.pieces, self.starts = pieces, [p[0] for p in pieces]
+
+    def locate(self, name: str, lo: int, hi: int, dst: int = 0) -> list[tuple[int, int, int, int]]:
+        """Where global elements [lo, hi) of `name` are: (file, offset, length, dst + ...)."""
+        base = self.offset[name]
+        return locate_saved(base + lo, base + hi, dst, self.pieces, self.starts)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
 def apply_shard(strategy: Strategy, targets: dict[str, torch.Tensor], adam_steps: int) -> None:
     """Install what `read_shard` read; collective (parameters are made whole): every rank."""
     opt = strategy.optimizer
@@ -197,19 +273,6 @@ def apply_shard(strategy: Strategy, targets: dict[str, torch.Tensor], adam_steps
         opt.exp_avg_sq.copy_(targets["exp_avg_sq"])
     opt.step_count = adam_steps
     strategy.after_load()
-
-
-def saved_pieces(manifest: dict) -> tuple[list[tuple[int, int, int, int]], list[int]]:
-    """Every saved piece as (world start, world end, file index, offset in that file's
-    tensors), sorted, and their starts (for bisect)."""
-    pieces = []
-    for f, shard in enumerate(manifest["shards"]):
-        off = 0
-        for start, end in shard["pieces"]:
-            pieces.append((start, end, f, off))
-            off += end - start
-    pieces.sort()
-    return pieces, [p[0] for p in pieces]
 
 
 def locate_saved(src: int, src_end: int, dst: int, pieces, starts) -> list[tuple[int, int, int, int]]:

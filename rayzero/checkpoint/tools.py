@@ -16,7 +16,7 @@ from rayzero.checkpoint.export import (
 )
 from rayzero.checkpoint.manifest import CheckpointError, Committed, committed
 from rayzero.checkpoint.shard_file import ShardReader, verify
-from rayzero.checkpoint.shards import locate_saved, saved_pieces
+from rayzero.checkpoint.shards import SavedIndex
 from rayzero.checkpoint.storage import Storage
 from rayzero.models import ModelError, ModelSpec, spec_from_manifest
 from rayzero.models.spec import ExportEntry
@@ -50,10 +50,8 @@ class CheckpointWeights:
     def __init__(self, c: Committed, storage_cfg=None):
         self.c = c
         m = c.manifest
-        lay = m["layout"]
-        self.world = dict(zip(lay["param_order"], lay["param_world"]))
         self.frozen = set(m.get("frozen", []))
-        self.pieces, self.starts = saved_pieces(m)
+        self.index = SavedIndex(m)
         self.readers: dict[int, ShardReader] = {}
         self.shapes = {p["name"]: tuple(p["shape"]) for p in m["params"]}
         self._source = None
@@ -115,11 +113,10 @@ class CheckpointWeights:
                 self._source.fill(name, out)
                 self._frozen = (name, out.view(-1))
             return self._frozen[1][lo:hi]
-        start = self.world[name][0]
         m = self.c.manifest
         out = np.empty(hi - lo, dtype=np.float32)
         try:
-            found = locate_saved(start + lo, start + hi, 0, self.pieces, self.starts)
+            found = self.index.locate(name, lo, hi)
         except ValueError as e:
             raise CheckpointError(f"{self.c.uri}: {name}: {e}") from None
         for f, off, n, dst in found:

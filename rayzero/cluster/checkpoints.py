@@ -109,7 +109,8 @@ class Checkpoints:
             "params": self.params,
             "frozen": self.frozen,
             "layout": self.layout,
-            "shards": [{k: u[k] for k in ("rank", "file", "size", "block", "sha256", "pieces")} for u in shards],
+            "shards": [{k: u[k] for k in ("rank", "tp_rank", "file", "size", "block", "sha256", "pieces")}
+                       for u in shards],
             "optimizer": {"name": "adamw", "step_count": shards[0]["adam_steps"]},
             "schedule": {"step": step, "total_steps": self.schedule_steps, "lr": entry["lr"],
                          "name": cfg.optim.schedule},

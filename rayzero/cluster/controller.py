@@ -182,7 +182,8 @@ class Controller:
         self.state = "RENDEZVOUS"
         infos = self.group.rendezvous()
         self.pids = {i["pid"]: i["rank"] for i in infos}
-        self.num_params = infos[0]["num_params"]
+        # Per rank (a tensor-parallel rank holds its share): what bytes per parameter divide by.
+        self.num_params = infos[0]["params_per_rank"]
         self.flops_per_token, self.device_name = infos[0]["flops_per_token"], infos[0]["device_name"]
         self._mark("rendezvous")
         self.state = "BUILD"
@@ -583,6 +584,7 @@ class Controller:
             "world_size": self.world,
             "num_workers": self.cfg.cluster.num_workers,
             "strategy": cfg.sharding.strategy,
+            "tp": cfg.parallel.tp,
             "grad_accum": cfg.grad_accum,
             "num_params": rank0_info["num_params"],
             "trainable_params": rank0_info["trainable_params"],

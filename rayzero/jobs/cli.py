@@ -188,15 +188,19 @@ def _print_plan(p: dict) -> None:
         f"plan (dry run: nothing started)\n"
         f"  {p['world_size']} ranks{elastic} of {bundle} each, on {p['cluster']}\n"
         f"  strategy {p['strategy']}{hybrid}; params {p['param_dtype']}, grads {p['grad_dtype']}\n"
-        f"  model {_model_line(p)}\n"
+        + ("".join(f"  {line}\n" for line in p["mesh"]) if p["tp"] > 1 else "")
+        + f"  model {_model_line(p)}\n"
         + (f"  {p['model']['lora']}\n" if p["model"].get("lora") else "")
-        + (f"  {_params_line(p['num_params'], p['trainable_params'])}; model state per rank "
+        + (f"  {_params_line(p['num_params'], p['trainable_params'])}"
+           + (f" ({p['params_per_rank']:,} on each rank: its tensor-parallel share)" if p["tp"] > 1 else "")
+           + "; model state per rank "
            f"{mem['bytes_per_param']:.2f} bytes/parameter = {mem['bytes_per_rank'] / 2**20:,.1f} MiB (Megatron's "
            f"formula, before padding and activations)\n" if p["num_params"] else
            f"  model state per rank {mem['bytes_per_param']:.2f} bytes/parameter (Megatron's formula)\n")
         + (f"  {_activations_line(mem)}\n" if mem.get("activations_bytes") is not None else "")
         + (f"  {_buckets_line(p['buckets'])}\n" if p["buckets"]["numel"] else "")
-        + f"  {p['global_batch_size']} sequences per step = {p['world_size']} ranks x {p['grad_accum']} "
+        + f"  {p['global_batch_size']} sequences per step = {p['world_size'] // p['tp']} "
+        + ("data-parallel ranks" if p["tp"] > 1 else "ranks") + f" x {p['grad_accum']} "
         f"micro-batches x {p['micro_batch_size']}; {p['tokens_per_step']:,} tokens per step, {p['steps']} steps\n"
         f"  {p['schedule']}\n"
         f"  data {p['data']}\n"
@@ -263,7 +267,8 @@ def _print_summary(s: dict) -> None:
            if s.get("final_val_loss") is not None else "")
         + (f"; router load-balancing loss {s['final_router_aux_loss']:.4f}"
            if s.get("final_router_aux_loss") is not None else "") + "\n"
-        f"  {ranks}, strategy {s['strategy']}, {_params_line(s['num_params'], s['trainable_params'])}, "
+        f"  {ranks}, strategy {s['strategy']}" + (f", tensor parallel {s['tp']}" if s.get("tp", 1) > 1 else "")
+        + f", {_params_line(s['num_params'], s['trainable_params'])}, "
         f"{s['grad_accum']} micro-batches/step\n"
         f"  {s['tokens_per_s']:,.0f} tokens/s ({s['tokens_per_s_per_rank']:,.0f} per rank"
         + (f", MFU {s['mfu']:.1%} of the {s['device']}'s dense bf16 peak" if s.get("mfu") is not None else "")

@@ -25,6 +25,7 @@ from rayzero.jobs.preflight import (
     check_local_capacity, nothing_to_train, quiet_logs, resume_preview, resumed_run_dir, say_resume,
     starts_local_ray,
 )
+from rayzero.sharding.topology import Topology
 from rayzero.workers.assembly import bucket_layout, build_model, check_buildable, make_spec
 
 
@@ -245,29 +246,35 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
         if not read_model:
             raise ModelUnreachable(f"model.path {cfg.model.path} is on the cluster's machines")
         spec, note = check_model(cfg, resolve_factory(cfg, factory)), None
-        model = build_model(cfg, spec).model  # what the ranks will shard
-        num_params, trainable = spec.num_params(model)
+        built = build_model(cfg, spec)  # what the ranks will shard (one TP rank's share)
+        model = built.model
+        num_params, trainable = spec.num_params(model)  # per TP rank
+        tp_extra = built.tp.split_numel() if built.tp is not None else 0
         buckets = [b.world.size for b in bucket_layout(cfg, spec, model).buckets]
         record = spec.record()
         shape = spec.activation_shape(model)
         lora = lora_line(cfg, model)
     except ModelUnreachable as e:
         spec, note, num_params, trainable, buckets = None, f"not read from here: {e}", None, None, None
-        lora = None
+        lora, tp_extra = None, 0
         record = {"kind": cfg.model.kind, "source": cfg.model.path, "init": cfg.model.init}
         shape = None
     sh, t, c = cfg.sharding, cfg.train, cfg.cluster
-    d = c.num_workers // sh.dp_outer  # ranks a shard is split over
+    d = cfg.dp_size // sh.dp_outer  # ranks a shard is split over
     param_bytes = DTYPES[sh.param_dtype].itemsize
     grad_bytes = DTYPES[sh.grad_dtype].itemsize
-    d_optim = c.num_workers if sh.dp_outer > 1 and sh.outer_strategy == "optim" else d
+    d_optim = cfg.dp_size if sh.dp_outer > 1 and sh.outer_strategy == "optim" else d
     per_param = formula_bytes_per_param(sh.strategy, d, param_bytes, grad_bytes, d_optim)
     # Frozen parameters hold only their compute copy (sharded under ZeRO-3).
     frozen_per_param = param_bytes / (d if sh.strategy == "optim_grads_params" else 1)
+    # Per rank: its tensor-parallel share of the parameters (split ones / tp, replicated whole).
     bytes_per_rank = (int(per_param * trainable + frozen_per_param * (num_params - trainable))
                       if num_params else None)
+    topo = Topology(c.num_workers, 0, sh.dp_outer, cfg.parallel.tp)
     return {
         "world_size": c.num_workers,
+        "tp": cfg.parallel.tp,
+        "mesh": topo.describe(),
         "world_sizes": cfg.world_sizes(),
         "cluster": c.address or "local Ray",
         "bundle": {"CPU": c.cpus_per_worker, **({"GPU": 1} if c.use_gpu else {})},
@@ -275,8 +282,9 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
         "dp_outer": sh.dp_outer,
         "param_dtype": sh.param_dtype,
         "grad_dtype": sh.grad_dtype,
-        "num_params": num_params,
-        "trainable_params": trainable,
+        "num_params": num_params + tp_extra if num_params else num_params,  # the whole model's
+        "trainable_params": trainable + tp_extra if num_params else trainable,
+        "params_per_rank": num_params,
         "model": {"kind": record["kind"], "source": record.get("source"), "init": record.get("init"),
                   "architecture": (record.get("architectures") or [None])[0] if record["kind"] == "hf" else None,
                   "note": note, "lora": lora},

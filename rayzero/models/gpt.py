@@ -24,18 +24,20 @@ __all__ = ["GPT", "GPTSpec", "ModelConfig", "PRESETS", "build_model"]
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_head = cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
         self.dropout = cfg.dropout
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        # Head counts follow from the shapes, so a tensor-parallel rank (its share of the
+        # heads in q|k|v) runs the same code.
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=2)
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
         drop = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)
-        return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+        return self.proj(y.transpose(1, 2).contiguous().view(b, t, -1))
 
 
 class MLP(nn.Module):
@@ -144,6 +146,16 @@ class GPTSpec(ModelSpec):
 
     def blocks(self, model) -> tuple[str, ...]:
         return ("Block",)
+
+    def tp_plan(self, model) -> dict:
+        """Megatron's split of a GPT block: q|k|v column-parallel part by part (each rank its
+        heads of each), the attention output row-parallel; the MLP's fc column-, proj row-parallel."""
+        from rayzero.sharding.tensor_parallel import Style
+
+        return {"blocks.*.attn.qkv": Style("column", parts=3, heads=self.cfg.n_head),
+                "blocks.*.attn.proj": Style("row"),
+                "blocks.*.mlp.fc": Style("column"),
+                "blocks.*.mlp.proj": Style("row")}
 
     def attention_shape(self, model) -> tuple[int, int]:
         return self.cfg.n_layer, self.cfg.n_embd

@@ -25,7 +25,7 @@ from rayzero.checkpoint.storage import Storage, StorageError
 from rayzero.models.config import ModelConfig
 from rayzero.models.conversions import Part, load_layout, saved_keys
 from rayzero.models.spec import (
-    ExportEntry, ModelError, ModelSpec, ModelUnavailable, SeededInit, params_on_meta, weights_record,
+    ExportEntry, ModelError, ModelSpec, ModelUnavailable, SeededInit, global_shapes, params_on_meta, weights_record,
 )
 from rayzero.sharding.flat_buffer import ParamSource
 
@@ -94,7 +94,8 @@ class HFSpec(ModelSpec):
 
         return SeededInit(twin, self.seed, lambda name, _m: fns[name], fallback)
 
-    def resolve(self, model: nn.Module, skip: frozenset[str] = frozenset()) -> None:
+    def resolve(self, model: nn.Module, skip: frozenset[str] = frozenset(),
+                shapes: dict[str, tuple[int, ...]] | None = None) -> None:
         """Match the checkpoint's tensors to the model's parameters as `from_pretrained` does:
         through the architecture's weight conversions (renamed tensors, per-expert tensors that
         make one fused parameter), a checkpoint of the base model (GPT-2's `h.0...`) under the
@@ -102,7 +103,7 @@ class HFSpec(ModelSpec):
         transform ranged reads cannot follow."""
         if getattr(self, "_resolved", False):
             return
-        params = {n: tuple(p.shape) for n, p in model.named_parameters() if n not in skip}
+        params = global_shapes(model, skip, shapes)
         keys = {k: info.shape for k, info in self.weights.tensors.items()}
         layout = load_layout(model, keys, params)
         prefix = getattr(model, "base_model_prefix", "")
@@ -136,6 +137,48 @@ class HFSpec(ModelSpec):
             raise ModelError(f"{self.where}: {type(model).__name__} names no _no_split_modules, so activation "
                              "checkpointing has no default blocks; set model.checkpoint_blocks to its layer's class")
         return layers
+
+    # -- tensor parallelism -------------------------------------------------------------
+    TP_STYLES = ("colwise", "rowwise")
+
+    def tp_plan(self, model: nn.Module) -> dict:
+        """transformers' own plan, the config's `base_model_tp_plan` (keys below the base
+        model), in the two styles of Megatron's split; the query heads and the key/value heads
+        named so that a size that does not divide them is refused, and key/value heads fewer
+        than the TP ranks replicated."""
+        from rayzero.sharding.tensor_parallel import Style
+
+        c = self.text_config
+        plan = getattr(c, "base_model_tp_plan", None)
+        if not plan:
+            super().tp_plan(model)
+        odd = {k: v for k, v in plan.items() if v not in self.TP_STYLES}
+        if odd:
+            raise ModelError(f"parallel.tp: {type(model).__name__}'s tensor-parallel plan has styles rayzero does not "
+                             f"split by ({', '.join(f'{k}: {v}' for k, v in sorted(odd.items()))}); it splits "
+                             f"{' and '.join(self.TP_STYLES)} linears only")
+        heads = c.num_attention_heads
+        kv = getattr(c, "num_key_value_heads", None) or heads
+        prefix = getattr(model, "base_model_prefix", "")
+        out = {}
+        for key, style in plan.items():
+            leaf = key.rpartition(".")[2]
+            if style == "rowwise":
+                out[f"{prefix}.{key}" if prefix else key] = Style("row")
+            else:
+                head = {"q_proj": (heads, False), "k_proj": (kv, True), "v_proj": (kv, True)}.get(leaf, (None, False))
+                out[f"{prefix}.{key}" if prefix else key] = Style("column", heads=head[0], kv=head[1])
+        return out
+
+    def parallelize(self, model: nn.Module, axis):
+        """transformers' attention takes its head counts from the shapes, but for the ratio
+        of query to key/value heads (`num_key_value_groups`): set to this rank's."""
+        layout = super().parallelize(model, axis)
+        for m in model.modules():
+            if hasattr(m, "num_key_value_groups") and hasattr(m, "q_proj") and hasattr(m, "k_proj"):
+                rows = m.k_proj.rows if hasattr(m.k_proj, "rows") else slice(0, m.k_proj.out_features)
+                m.num_key_value_groups = m.q_proj.out_features // (rows.stop - rows.start)
+        return layout
 
     def attention_shape(self, model: nn.Module) -> tuple[int, int] | None:
         c = self.text_config

@@ -191,6 +191,12 @@ class ExportEntry:
         return out.view(self.shape)
 
 
+def global_shapes(model: nn.Module, skip=frozenset(), shapes: dict | None = None) -> dict[str, tuple[int, ...]]:
+    """Each parameter's whole shape (`shapes` for those the model holds a shard of), but `skip`."""
+    shapes = shapes or {}
+    return {n: tuple(shapes.get(n, p.shape)) for n, p in model.named_parameters() if n not in skip}
+
+
 class ModelSpec:
     """What the trainer needs to know of one model; see the module docstring."""
 
@@ -225,27 +231,31 @@ class ModelSpec:
     def _build(self) -> nn.Module:
         raise NotImplementedError
 
-    def source(self, model: nn.Module, added: frozenset[str] = frozenset()) -> ParamSource:
-        """Initial values of the model's own parameters: the pretrained weights (`model.path`)
-        where there are any, else the seeded init. `added`: parameters the assembly added to
-        the model (adapters), which the files are never asked for (the assembly gives them
-        values of their own)."""
+    def source(self, model: nn.Module, added: frozenset[str] = frozenset(),
+               shapes: dict[str, tuple[int, ...]] | None = None) -> ParamSource:
+        """Initial values of the model's own parameters, whole (global) tensors: the pretrained
+        weights (`model.path`) where there are any, else the seeded init. `added`: parameters
+        the assembly added to the model (adapters), which the files are never asked for (the
+        assembly gives them values of their own). `shapes`: the global shapes of parameters
+        the model holds a tensor-parallel shard of."""
         if self.weights is None:
             return self.seeded(model)
-        self.resolve(model, skip=added)
+        self.resolve(model, skip=added, shapes=shapes)
         return self.weights
 
     def seeded(self, model: nn.Module) -> ParamSource:
         """The model's own initialization, each value a function of (seed, name) alone."""
         raise NotImplementedError
 
-    def resolve(self, model: nn.Module, skip: frozenset[str] = frozenset()) -> None:
-        """Match the pretrained weights' tensors to the model's parameters (but `skip`):
-        ModelError listing every mismatch. Other names of a parameter (a tied head) and
-        persistent buffers may be in the files; they are not read."""
+    def resolve(self, model: nn.Module, skip: frozenset[str] = frozenset(),
+                shapes: dict[str, tuple[int, ...]] | None = None) -> None:
+        """Match the pretrained weights' tensors to the model's parameters (but `skip`; of
+        global shape `shapes[name]` where given): ModelError listing every mismatch. Other
+        names of a parameter (a tied head) and persistent buffers may be in the files; they
+        are not read."""
         if getattr(self, "_resolved", False):
             return
-        params = {n: tuple(p.shape) for n, p in model.named_parameters() if n not in skip}
+        params = global_shapes(model, skip, shapes)
         aliases = set(model.state_dict(keep_vars=True)) - set(params)
         self.weights.resolve(params, prefix=self._prefix(model), aliases=aliases, ignore=self._ignored(model))
         self._resolved = True
@@ -265,6 +275,20 @@ class ModelSpec:
         """The classes of the model's repeated blocks (its transformer layers): what
         activation checkpointing recomputes when `model.checkpoint_blocks` is left empty."""
         raise NotImplementedError
+
+    def tp_plan(self, model: nn.Module) -> dict:
+        """Tensor parallelism: module-name pattern -> `tensor_parallel.Style` for each linear
+        that is split (the rest is replicated)."""
+        raise ModelError(f"parallel.tp: model.kind={self.kind} has no tensor-parallel plan (the built-in GPT and "
+                         "Hugging Face models whose config has a base_model_tp_plan, such as Llama, Qwen2 and "
+                         "Mistral, have one); set parallel.tp=1")
+
+    def parallelize(self, model: nn.Module, axis):
+        """Split the model over the TP `axis` (`tensor_parallel.parallelize` with its plan);
+        the `TPLayout`."""
+        from rayzero.sharding.tensor_parallel import parallelize
+
+        return parallelize(model, self.tp_plan(model), axis)
 
     @staticmethod
     def decays(name: str, param: torch.Tensor) -> bool:

@@ -18,11 +18,13 @@ class Axis:
     """One group of ranks: its size, this rank's index in it, and its collectives."""
 
     def __init__(self, group: dist.ProcessGroup | None, size: int, rank: int):
+        """`group` None with `size` > 1: the shape of an axis, for building on the meta
+        device before any process group exists (its collectives must not be called)."""
         self.group, self.size, self.rank = group, size, rank
         # gloo has no reduce-scatter: it emulates one with an all-reduce plus copies, which
         # for a 16 MiB bucket allocates ~130 MiB. An in-place all-reduce gives the same sums
         # in this rank's chunk with no allocation (the rest of the tensor is scratch).
-        self._gloo = size > 1 and dist.get_backend(group) == "gloo"
+        self._gloo = size > 1 and group is not None and dist.get_backend(group) == "gloo"
 
     def chunk(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's equal share of `full` (a view)."""

@@ -109,6 +109,19 @@ class ShardingConfig(Frozen):
         return self.comm_dtype or self.grad_dtype
 
 
+class ParallelConfig(Frozen):
+    """Model parallelism inside each data-parallel rank."""
+
+    tp: int = Field(
+        default=1, ge=1,
+        description="Tensor-parallel size: each attention and MLP block is split Megatron style across this many "
+        "consecutive ranks (column-parallel, then row-parallel linears; attention heads split, key/value heads "
+        "split or, when there are fewer of them than ranks, replicated), which see the same micro-batches. The "
+        "strategy shards each rank's part over the data-parallel ranks. The world is `sharding.dp_outer` x shards x "
+        "`tp` ranks; 1 = no tensor parallelism.",
+    )
+
+
 class OptimConfig(Frozen):
     """AdamW and its learning-rate schedule: linear warmup to `lr`, then `schedule` (cosine
     decay by default) down to `min_lr` at the last step."""

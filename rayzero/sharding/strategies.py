@@ -37,6 +37,7 @@ from rayzero.sharding.flat_buffer import Fill, FlatBuffer, ParamSource, as_sourc
 from rayzero.sharding.layout import Bucket, Layout, Range, auto_bucket_numel, build_layout
 from rayzero.sharding.memory import MemoryLedger
 from rayzero.sharding.precision import Precision, build_loss_scaler
+from rayzero.sharding.tensor_parallel import TPLayout, gather_global
 from rayzero.sharding.topology import Topology
 
 
@@ -61,11 +62,13 @@ class Strategy:
         decays: Callable[[str, torch.Tensor], bool] = lambda name, p: p.dim() >= 2,
         source: ParamSource | Fill | None = None,
         device: torch.device | str = "cpu",
+        tp: TPLayout | None = None,
     ):
         """`model` may be on the meta device when `source` gives each parameter's initial fp32
         values (a `ParamSource`, or a `fill(name, out)` function); without it the model's
         current values are copied. Parameters with `requires_grad=False` stay frozen: they
-        get buckets of their own, with no gradient, main copy or optimizer state."""
+        get buckets of their own, with no gradient, main copy or optimizer state. `tp`: what
+        tensor parallelism split (the model's parameters are then this rank's local shards)."""
         self.model = model
         self.topo = topo
         self.cfg = sharding
@@ -73,6 +76,7 @@ class Strategy:
         self.axes = axes
         self.shard_axis = axes["shard"]
         self.replicate_axis = axes["replicate"]
+        self.tp = tp if tp is not None and tp.size > 1 else None
         self.precision = Precision.from_config(sharding)
         self.scaler = build_loss_scaler(sharding)
         self.ledger = MemoryLedger()
@@ -311,6 +315,7 @@ class Strategy:
         """Clip to the global gradient norm, update the owned shard, start the all-gather.
         With loss scaling, a step whose gradients are not finite is skipped."""
         self.finish_param_sync()  # the update must not race a gather still writing the buffer
+        self._sum_partial_grads_over_tp()
         scale = self.scaler.scale if self.scaler is not None else 1.0
         norm = self.grad_norm() / scale
         if self.scaler is not None:
@@ -345,13 +350,44 @@ class Strategy:
         """After forwards without backward (evaluation): nothing is left gathered."""
 
     def grad_norm(self) -> float:
-        """The L2 norm of the full gradient; each element counted once across the group."""
+        """The L2 norm of the full gradient; each element counted once across the group: with
+        tensor parallelism, a split parameter's shards summed over the TP ranks, a replicated
+        one (the same on each) counted once."""
         sq = torch.zeros((), dtype=torch.float64, device=self.buffer.device)
-        for g in self.main_grads:
-            sq += torch.linalg.vector_norm(g.float()).double() ** 2
+        if self.tp is None:
+            for g in self.main_grads:
+                sq += torch.linalg.vector_norm(g.float()).double() ** 2
+        else:
+            for b, cut, name in self._owned_params():
+                weight = 1.0 if name in self.tp.split else 1.0 / self.tp.size
+                sq += weight * torch.linalg.vector_norm(self.main_grads[b][cut].float()).double() ** 2
         if self.owner_axis is not None and self.owner_axis.size > 1:
             dist.all_reduce(sq, group=self.owner_axis.group)
+        if self.tp is not None:
+            dist.all_reduce(sq, group=self.axes["tp"].group)
         return float(sq.sqrt())
+
+    def _owned_params(self) -> list[tuple[int, slice, str]]:
+        """(bucket, slice of its owned shard, parameter name) for every parameter in the owned shards."""
+        if not hasattr(self, "_owned_params_cache"):
+            out = []
+            for b in self._trainable_buckets():
+                own = self.owned(b)
+                for i in b.params:
+                    cut = self.buffer.layout.params[i].world.intersect(own)
+                    if cut is not None and cut.size:
+                        out.append((b.index, cut.shift(-own.start).slice(), self.buffer.names[i]))
+            self._owned_params_cache = out
+        return self._owned_params_cache
+
+    def _sum_partial_grads_over_tp(self) -> None:
+        """Replicated parameters whose gradient each TP rank holds a part of (key/value heads
+        fewer than the TP ranks): the parts summed, on the reduced shards."""
+        if self.tp is None or not self.tp.partial:
+            return
+        for b, cut, name in self._owned_params():
+            if name in self.tp.partial:
+                dist.all_reduce(self.main_grads[b][cut], group=self.axes["tp"].group)
 
     # -- outside the iteration -------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -372,6 +408,9 @@ class Strategy:
                 span = self.buffer.layout.params[i].world
                 by_name[self.buffer.names[i]] = full[self._local(span, b)].view(
                     self.buffer.params[i].shape).cpu().clone()
+        if self.tp is not None:  # the TP ranks' shards, whole (every rank of the group in one order)
+            for name in sorted(n for n in by_name if n in self.tp.split):
+                by_name[name] = gather_global(name, by_name[name], self.tp, self.axes["tp"])
         name_of = {id(p): n for n, p in zip(self.buffer.names, self.buffer.params)}
         out, used = {}, set()
         for key, v in self.model.state_dict(keep_vars=True).items():
@@ -404,7 +443,7 @@ class Strategy:
         so replicas (DDP ranks, HSDP replicas) other than the first leave it to that one."""
         axis = self.owner_axis
         if axis is None:
-            return self.topo.rank == 0
+            return self.topo.dp_rank == 0
         if axis is self.shard_axis:
             return self.topo.replica_rank == 0
         return True

@@ -55,7 +55,7 @@ class ShardOptim(Strategy):
 
     @property
     def owner_axis(self) -> Axis:
-        return self.axes["world"] if self._hybrid_optim else self.shard_axis
+        return self.axes["dp"] if self._hybrid_optim else self.shard_axis
 
     def _launch_reduce(self, b):
         grad = self.grads[b.index]

@@ -1,6 +1,6 @@
 """How a rank assembles its model: one place, one fixed order.
 
-    build on meta → adapters → [tensor parallel] → activation checkpointing
+    build on meta → adapters → tensor parallel → activation checkpointing
                   → sharding strategy (over whatever the steps before left local)
                   → initial values, per name
 
@@ -25,6 +25,7 @@ from rayzero.sharding import STRATEGY_CLASSES, Layout, ShardingConfig, Topology,
 from rayzero.sharding.comm import Axis
 from rayzero.sharding.flat_buffer import ParamSource, PerName
 from rayzero.sharding.fsdp import find_units
+from rayzero.sharding.tensor_parallel import TPLayout, TPSlices
 from rayzero.sharding.precision import DTYPES, check_device_supports
 from rayzero.workers.activations import blocks_of, checkpoint_activations
 
@@ -42,15 +43,18 @@ class Built:
     model: nn.Module
     added: frozenset[str] = frozenset()  # parameters the files are never asked for (adapters)
     adapters: dict = field(default_factory=dict)  # LoRA: base weight name -> `lora.Adapter`
+    tp: TPLayout | None = None  # what tensor parallelism split, and each split tensor's global shape
 
 
 # -- the steps, in order ---------------------------------------------------------------------------
 
-def build_model(cfg: RootConfig, spec: ModelSpec) -> Built:
+def build_model(cfg: RootConfig, spec: ModelSpec, tp_axis: Axis | None = None) -> Built:
     """Build on meta → adapters → tensor parallel → activation checkpointing: the model a
-    strategy shards (parameters still on the meta device)."""
+    strategy shards (parameters still on the meta device). `tp_axis`: this rank's TP group
+    (the driver's checks pass none: the shapes are the same on every rank)."""
     built = Built(spec.build())
     add_adapters(built, cfg, spec)
+    tensor_parallel(built, cfg, spec, tp_axis or Axis(None, cfg.parallel.tp, 0))
     checkpoint_blocks(built, cfg, spec)
     return built
 
@@ -63,6 +67,18 @@ def add_adapters(built: Built, cfg: RootConfig, spec: ModelSpec) -> None:
     from rayzero.models.lora import add_lora
 
     built.added, built.adapters = add_lora(built.model, cfg.model.lora)
+
+
+def tensor_parallel(built: Built, cfg: RootConfig, spec: ModelSpec, axis: Axis) -> None:
+    """`parallel.tp`: the model's plan (`spec.tp_plan`) splits its attention and MLP linears
+    over the TP group (`sharding/tensor_parallel.py`). ModelError for a model without a plan,
+    TPError for sizes that do not divide."""
+    if axis.size == 1:
+        return
+    if built.adapters:
+        raise ValueError(f"parallel.tp={axis.size}: LoRA adapters are not split over tensor-parallel ranks; "
+                         "train them with parallel.tp=1")
+    built.tp = spec.parallelize(built.model, axis)
 
 
 def checkpoint_blocks(built: Built, cfg: RootConfig, spec: ModelSpec) -> None:
@@ -91,7 +107,9 @@ def resolved_sharding(cfg: RootConfig, spec: ModelSpec, model: nn.Module) -> Sha
 def initial_values(spec: ModelSpec, built: Built) -> ParamSource:
     """Per name: pretrained weights (or the model's seeded init) for the model's own
     parameters, the adapters' seeded init for what the steps added."""
-    own = spec.source(built.model, added=built.added)
+    own = spec.source(built.model, added=built.added, shapes=built.tp.global_shape if built.tp else None)
+    if built.tp is not None:  # each rank its slice of the whole tensors
+        own = TPSlices(own, built.tp)
     if not built.added:
         return own
     from rayzero.models.lora import AdapterInit
@@ -102,7 +120,7 @@ def initial_values(spec: ModelSpec, built: Built) -> ParamSource:
 
 def assemble(cfg: RootConfig, spec: ModelSpec, topo: Topology, axes: dict[str, Axis], device: torch.device):
     """Every step, on this rank: (the model, its strategy, where its initial values came from)."""
-    built = build_model(cfg, spec)
+    built = build_model(cfg, spec, axes.get("tp"))
     model = built.model
     for module in model.modules():  # buffers (RoPE frequencies, masks) are real: move them
         for name, b in module._buffers.items():
@@ -112,7 +130,7 @@ def assemble(cfg: RootConfig, spec: ModelSpec, topo: Topology, axes: dict[str, A
     sharding = resolved_sharding(cfg, spec, model)
     source = initial_values(spec, built)
     strategy = build_strategy(sharding.strategy, model, topo, sharding, cfg.optim, axes, decays=spec.decays,
-                              source=source, device=device)
+                              source=source, device=device, tp=built.tp)
     return model, strategy, source
 
 
@@ -121,7 +139,7 @@ def assemble(cfg: RootConfig, spec: ModelSpec, topo: Topology, axes: dict[str, A
 def bucket_layout(cfg: RootConfig, spec: ModelSpec, model: nn.Module) -> Layout:
     """The buckets the ranks will build for `model` (on the meta device is enough)."""
     sharding = resolved_sharding(cfg, spec, model)
-    return STRATEGY_CLASSES[sharding.strategy].layout(model, sharding, cfg.cluster.num_workers)[1]
+    return STRATEGY_CLASSES[sharding.strategy].layout(model, sharding, cfg.dp_size)[1]
 
 
 def check_buildable(cfg: RootConfig, device: torch.device | None, spec: ModelSpec | None = None,
@@ -130,7 +148,8 @@ def check_buildable(cfg: RootConfig, device: torch.device | None, spec: ModelSpe
     FSDP unit classes or checkpointed blocks that match no module, a dtype the device cannot
     compute in (not checked with `device=None`: the driver of a GPU job may have no GPU)."""
     sh = cfg.sharding
-    if model is None and (sh.strategy == "optim_grads_params" or cfg.model.checkpoint_every or cfg.model.lora):
+    if model is None and (sh.strategy == "optim_grads_params" or cfg.model.checkpoint_every or cfg.model.lora
+                          or cfg.parallel.tp > 1):
         spec = spec if spec is not None else make_spec(cfg)
         model = build_model(cfg, spec).model
     if sh.strategy == "optim_grads_params":

@@ -88,7 +88,7 @@ class Rank:
         """`factory`: the model's callable when given from Python (`model.kind=module`)."""
         self.cfg = cfg
         self.factory = factory
-        self.topo = Topology(world_size=world_size, rank=rank, dp_outer=cfg.sharding.dp_outer)
+        self.topo = Topology(world_size=world_size, rank=rank, dp_outer=cfg.sharding.dp_outer, tp=cfg.parallel.tp)
         self.data_path = data_path
         self.device = torch.device("cpu")
         self._times: dict[str, float] = {}
@@ -157,7 +157,9 @@ class Rank:
         self.meter = ActivationMeter(lambda: {d.untyped_storage().data_ptr() for d in buffer.data if d is not None})
         self._activations_peak = 0
         self._micro_per_step = cfg.train.global_batch_size // cfg.train.micro_batch_size
-        num_params, trainable = self.spec.num_params(self.model)
+        num_params, trainable = self.spec.num_params(self.model)  # this rank's: its TP share
+        tp = self.strategy.tp
+        whole = tp.split_numel() if tp is not None else 0  # what the other TP ranks add
         return {
             "rank": self.topo.rank,
             "pid": os.getpid(),
@@ -165,8 +167,10 @@ class Rank:
             "device": str(self.device),
             "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
             "flops_per_token": self.spec.flops_per_token(self.model, cfg.train.seq_len),
-            "num_params": num_params,
-            "trainable_params": trainable,
+            "num_params": num_params + whole,
+            "trainable_params": trainable + whole,
+            "params_per_rank": num_params,
+            "tp": tp.record() if tp is not None else None,
             "frozen": sorted(n for n, p in self.model.named_parameters() if not p.requires_grad),
             "model": self.spec.record(),
             "source_bytes_read": getattr(source, "bytes_read", None),
@@ -175,7 +179,9 @@ class Rank:
             "memory": self._memory(),
             "saves_shard": self.strategy.saves_shard,
             "layout": layout_record(self.strategy),
-            "params": {n: list(p.shape) for n, p in self.model.named_parameters()},
+            # whole shapes (a TP rank holds a slice of the split ones): what checkpoints record
+            "params": {n: list(tp.global_shape.get(n, p.shape) if tp is not None else p.shape)
+                       for n, p in self.model.named_parameters()},
         }
 
     def _memory(self) -> dict[str, int]:
@@ -183,17 +189,23 @@ class Rank:
         return {**self.strategy.memory(), "activations_peak": self._activations_peak}
 
     def _make_axes(self) -> dict[str, Axis]:
-        """The named axes' process groups. Every rank creates every group, in the same order."""
+        """The named axes' process groups (`world`, `replicate`, `shard`, `tp`, `dp`): an axis
+        of one rank has no group, one that spans the world is the world's. Every rank creates
+        every other group, in the same order."""
         t = self.topo
         world = Axis(dist.group.WORLD, t.world_size, t.rank)
-        if t.dp_outer == 1:
-            return {"world": world, "shard": world, "replicate": Axis(None, 1, 0)}
         axes = {"world": world}
-        for name in ("shard", "replicate"):
-            for ranks in t.groups(name):
-                group = dist.new_group(ranks)
-                if t.rank in ranks:
-                    axes[name] = Axis(group, len(ranks), t.axis_rank(name))
+        for name in ("shard", "replicate", "tp", "dp"):
+            size = t.size(name)
+            if size == 1:
+                axes[name] = Axis(None, 1, 0)
+            elif size == t.world_size:
+                axes[name] = world
+            else:
+                for ranks in t.groups(name):
+                    group = dist.new_group(ranks)
+                    if t.rank in ranks:
+                        axes[name] = Axis(group, len(ranks), t.axis_rank(name))
         return axes
 
     # -- phases --------------------------------------------------------------------------
@@ -231,7 +243,7 @@ class Rank:
         if self.data.masks_labels:
             local = sum(int((y != IGNORE_INDEX).sum()) for _, y in self._micro)
             self._valid = torch.tensor([float(local)], dtype=torch.float64, device=self.device)
-            self._valid_work = self.axes["world"].start_all_reduce(self._valid)
+            self._valid_work = self.axes["dp"].start_all_reduce(self._valid)
 
     @watched("forward")
     def forward(self, _prev: dict) -> dict:
@@ -289,9 +301,10 @@ class Rank:
             "rank": self.topo.rank,
             "step": self.plan["step"],
             "lr": self.plan["lr"],
-            "loss_sum": float(self._loss_sum),
-            "tokens": self._tokens,
-            "aux_loss_sum": float(self._aux_sum) if self.spec.aux_coef else None,
+            # The ranks of a tensor-parallel group computed one loss on one micro-batch: it counts once.
+            "loss_sum": float(self._loss_sum) if self._counts else 0.0,
+            "tokens": self._tokens if self._counts else 0,
+            "aux_loss_sum": (float(self._aux_sum) if self._counts else 0.0) if self.spec.aux_coef else None,
             "grad_norm": grad_norm,
             "skipped": self.strategy.last_step_skipped,
             "loss_scale": self.strategy.scaler.scale if self.strategy.scaler is not None else None,
@@ -333,7 +346,14 @@ class Rank:
         finally:
             self.model.train()
             self.strategy.after_forward_only()
+        if not self._counts:  # counted once per tensor-parallel group
+            return 0.0, 0
         return float(loss_sum), count
+
+    @property
+    def _counts(self) -> bool:
+        """Whether this rank's losses count: the first of its tensor-parallel group."""
+        return self.topo.tp_rank == 0
 
     def iteration(self, plan: dict) -> dict:
         """Every phase of one iteration, in order, in this process: what the controller's

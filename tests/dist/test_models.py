@@ -104,7 +104,7 @@ def key_bias(name: str, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | N
     near its start; everything else to 1e-5."""
     if name.endswith("k_proj.bias"):
         return t[:0], t
-    if name.endswith(("attn.c_attn.bias", "in_proj_bias")):  # GPT-2, nn.MultiheadAttention: q, k, v in one
+    if name.endswith(("attn.c_attn.bias", "in_proj_bias", "attn.qkv.bias")):  # GPT-2, torch, rayzero GPT: q|k|v
         q, k, v = t.chunk(3)
         return torch.cat([q, v]), k
     return t, None

@@ -20,6 +20,12 @@ from tests.e2e.conftest import run_cli
      "sharding.fsdp_units: no module of GPT has class Blok; its module classes are"),
     (["cluster.num_workers=4", "sharding.dp_outer=3"], "sharding.dp_outer: 3 does not divide cluster.num_workers (4)"),
     (["sharding.param_dtype=fp16", "sharding.loss_scale=none"], "fp16 parameters need loss scaling"),
+    # tensor parallelism: the mesh, then the model's shapes, before anything starts
+    (["cluster.num_workers=4", "parallel.tp=3"], "parallel.tp: 3 does not divide cluster.num_workers (4)"),
+    (["cluster.num_workers=4", "sharding.dp_outer=2", "parallel.tp=4", "sharding.strategy=optim_grads_params"],
+     "sharding.dp_outer x parallel.tp: 2 x 4 = 8 does not divide cluster.num_workers (4)"),
+    (["data.path=DATA", "cluster.num_workers=8", "cluster.cpus_per_worker=0.25", "parallel.tp=8",
+      "train.global_batch_size=8"], "blocks.0.attn.qkv: parallel.tp=8 does not divide its 4 attention heads"),
     (["--config", "/nonexistent.yaml"], "config file /nonexistent.yaml does not exist"),
     (["data.path=/nonexistent/data"], "no dataset at /nonexistent/data"),
     (["cluster.address=127.0.0.1:1", "data.path=DATA"], "cluster.address: cannot connect"),
@@ -72,7 +78,7 @@ def model_dirs(tmp_path_factory):
     vocabulary smaller than the data's; and a module file with a forward of the wrong shape."""
     from safetensors.torch import load_file, save_file
 
-    from tests.models import save_hf_model
+    from tests.models import hf_config, save_hf_model
 
     root = tmp_path_factory.mktemp("models")
     (root / "empty").mkdir()
@@ -85,6 +91,8 @@ def model_dirs(tmp_path_factory):
     save_hf_model("llama", root / "small_vocab", vocab_size=200)
     import transformers as tf
 
+    tf.LlamaConfig(**{**hf_config("llama").to_dict(), "hidden_size": 48, "num_attention_heads": 6,
+                      "num_key_value_heads": 4, "intermediate_size": 63}).save_pretrained(root / "tp_odd")
     tf.BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
                   vocab_size=320).save_pretrained(root / "bert")
     tf.T5Config(d_model=16, d_ff=16, num_layers=1, num_heads=2, vocab_size=320).save_pretrained(root / "t5")
@@ -134,6 +142,17 @@ def model_dirs(tmp_path_factory):
      "model.lora.target_modules: emb matches emb (Embedding); LoRA here adapts linear layers: "),
     (["model.kind=hf", "model.path=ROOT/good", "model.lora.r=8", "model.freeze=lm_head.*"],
      "model.freeze: model.lora already freezes every base weight"),
+    # tensor parallelism (6 heads, 4 key/value heads, an MLP 63 wide)
+    (["model.kind=hf", "model.path=ROOT/good", "cluster.num_workers=8", "cluster.cpus_per_worker=0.25", "parallel.tp=8",
+      "train.global_batch_size=8"], "model.layers.0.self_attn.q_proj: parallel.tp=8 does not divide its 4 attention heads"),
+    (["model.kind=hf", "model.path=ROOT/tp_odd", "cluster.num_workers=3", "parallel.tp=3", "cluster.cpus_per_worker=0.5"],
+     "model.layers.0.self_attn.k_proj: parallel.tp=3 neither divides its 4 key/value heads nor is a multiple of them"),
+    (["model.kind=hf", "model.path=ROOT/tp_odd", "cluster.num_workers=2", "parallel.tp=2"],
+     "model.layers.0.mlp.gate_proj: parallel.tp=2 does not divide its 63 output features"),
+    (["model.kind=module", "model.factory=tests.models:TinyLM", "cluster.num_workers=2", "parallel.tp=2"],
+     "parallel.tp: model.kind=module has no tensor-parallel plan"),
+    (["model.kind=hf", "model.path=ROOT/good", "model.lora.r=8", "cluster.num_workers=2", "parallel.tp=2"],
+     "parallel.tp=2: LoRA adapters are not split over tensor-parallel ranks"),
 ])
 def test_a_bad_model_is_one_clear_message(model_dirs, small_dataset, capsys, monkeypatch, args, expected):
     root = str(model_dirs["root"])

@@ -1,11 +1,15 @@
-"""Named axes from world size and dp_outer; FSDP unit discovery on the built-in GPT."""
+"""Named axes from world size, dp_outer and tp; tensor-parallel slices of whole tensors; FSDP
+unit discovery on the built-in GPT."""
 
 import pytest
+import torch
 
 from rayzero.models.gpt import ModelConfig, build_model
 from rayzero.sharding.fsdp import ROOT, find_units
 from rayzero.sharding.layout import build_layout
-from rayzero.sharding.topology import Topology
+from rayzero.sharding.flat_buffer import FillSource
+from rayzero.sharding.tensor_parallel import Split, TPLayout, TPSlices
+from rayzero.sharding.topology import MeshError, Topology
 
 
 @pytest.mark.parametrize("world, outer", [(1, 1), (4, 1), (4, 2), (6, 3), (6, 2), (8, 4), (4, 4)])
@@ -31,6 +35,58 @@ def test_shard_groups_are_consecutive_ranks():
 def test_impossible_topologies_are_refused(world, rank, outer):
     with pytest.raises(ValueError):
         Topology(world, rank, outer)
+
+
+@pytest.mark.parametrize("world, outer, tp", [(4, 1, 2), (4, 1, 4), (4, 2, 2), (8, 2, 2), (8, 1, 2), (6, 1, 3), (2, 2, 1)])
+def test_the_mesh_has_every_rank_once_per_axis_and_tp_groups_are_consecutive(world, outer, tp):
+    t0 = Topology(world, 0, outer, tp)
+    for axis, size in (("shard", world // (outer * tp)), ("replicate", outer), ("tp", tp), ("dp", world // tp)):
+        groups = t0.groups(axis)
+        assert sorted(r for g in groups for r in g) == list(range(world)), axis
+        assert all(len(g) == size for g in groups), axis
+    assert all(g == list(range(g[0], g[0] + tp)) for g in t0.groups("tp"))
+    for rank in range(world):
+        t = Topology(world, rank, outer, tp)
+        for axis in ("shard", "replicate", "tp", "dp"):
+            assert t.my_group(axis)[t.axis_rank(axis)] == rank, axis
+        assert set(t.my_group("tp")) & set(t.my_group("dp")) == {rank}
+        # a data-parallel rank's TP group sees one part of the batch: dp rank is the group's index
+        assert {Topology(world, r, outer, tp).dp_rank for r in t.my_group("tp")} == {t.dp_rank}
+        assert t.dp_rank == t.replica_rank * t.dp_shard + t.shard_rank
+
+
+def test_the_mesh_in_words_and_a_wrong_product_named():
+    assert Topology(8, 0, 2, 2).describe() == [
+        "mesh: replicate 2 x shard 2 x tp 2 = 8 ranks",
+        "  replicate groups [0, 4] [1, 5] [2, 6] [3, 7]",
+        "  shard     groups [0, 2] [1, 3] [4, 6] [5, 7]",
+        "  tp        groups [0, 1] [2, 3] [4, 5] [6, 7]",
+        "  dp        groups [0, 2, 4, 6] [1, 3, 5, 7]"]
+    with pytest.raises(MeshError, match=r"dp_outer=2 x parallel.tp=4 x .* dp_outer x tp \(8\) must divide num_workers"):
+        Topology(4, 0, 2, 4)
+
+
+@pytest.mark.parametrize("split, shape, tp", [(Split(0), (8, 3), 2), (Split(1), (4, 6), 3), (Split(0, parts=3), (12, 2), 2),
+                                              (Split(0), (8,), 4)])
+def test_each_tp_rank_reads_exactly_its_slice_of_the_whole_tensor(split, shape, tp):
+    """TPSlices maps a rank's local elements (whole or any range of them) to the whole
+    tensor's, as Megatron splits it: rows, columns, or each fused part's rows."""
+    whole = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).view(shape)
+    if split.dim == 0:
+        expect = [torch.cat([p.chunk(tp)[r] for p in whole.chunk(split.parts)]) for r in range(tp)]
+    else:
+        expect = list(whole.chunk(tp, dim=1))
+    source = FillSource(lambda name, out: out.copy_(whole))
+    for r in range(tp):
+        layout = TPLayout(tp, r, {"w": split}, {"w": shape})
+        local = torch.empty(split.local_shape(shape, tp))
+        TPSlices(source, layout).fill("w", local)
+        assert torch.equal(local, expect[r])
+        from rayzero.sharding.flat_buffer import Piece
+
+        part = torch.empty(local.numel() - 2)  # a range that starts and ends inside runs
+        TPSlices(source, layout).fill_pieces([Piece("w", 1, local.numel() - 1, tuple(local.shape), part)])
+        assert torch.equal(part, expect[r].reshape(-1)[1:-1])
 
 
 def gpt(n_layer=2):

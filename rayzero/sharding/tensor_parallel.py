@@ -1,0 +1,319 @@
+"""Megatron-style tensor parallelism on local shards: column-parallel then row-parallel linears.
+
+In an attention block the query/key/value projections are column-parallel (each rank computes
+its own heads), the output projection row-parallel (each rank multiplies its heads' part of
+the input and the partial outputs are summed); in the MLP the up (and gate) projections are
+column-parallel and the down projection row-parallel. Two operators carry the communication,
+Megatron's "f" and "g":
+
+    f  copy_to_tp       forward: identity          backward: all-reduce over the TP group
+    g  reduce_from_tp   forward: all-reduce        backward: identity
+
+so one block costs two all-reduces of (batch, seq, hidden) in forward and two in backward.
+
+Why our own layers rather than DTensor: the strategies keep every parameter as a plain view
+into a flat bucket (`FlatBuffer.install`), which suits a layer whose parameter *is* the local
+shard; a DTensor parameter would have to be unwrapped into that buffer and rewrapped around
+every use. The layers below subclass `nn.Linear`, keep its parameter names (`weight`, `bias`)
+and differ only in `forward`, so checkpoints, exports and PEFT see the model's own names.
+
+Embeddings, norms and the output head stay replicated on every rank of the TP group: their
+inputs are the same on every rank (the row-parallel outputs are all-reduced), so their
+gradients are too, and the loss needs no vocabulary-parallel cross-entropy. The price is the
+full logits (batch x seq x vocab) on every TP rank, and the head's matmul done tp times; the
+strategies still shard the replicated parameters over the data-parallel ranks.
+
+Key/value heads fewer than the TP ranks (grouped-query attention with few kv heads) are
+replicated: each rank holds the whole projection and computes only the kv heads its query
+heads attend with. Its gradient then holds only those heads' rows, a part of the whole: it is
+summed over the TP group after backward (`TPLayout.partial`).
+
+Pure torch (no Ray): `parallelize` works on a model on the meta device, before a strategy.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from rayzero.sharding.comm import Axis
+from rayzero.sharding.flat_buffer import ParamSource, Piece
+
+
+class TPError(ValueError):
+    """A tensor-parallel size the model's shapes cannot be split by."""
+
+
+# -- Megatron's f and g ----------------------------------------------------------------------------
+
+class _CopyToTP(torch.autograd.Function):
+    """f: the same input on every TP rank; the gradients each rank's part computes are summed."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, axis: Axis) -> torch.Tensor:
+        ctx.axis = axis
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.axis.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """g: the partial outputs of the TP ranks, summed; the gradient passes through whole."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, axis: Axis) -> torch.Tensor:
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=axis.group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def copy_to_tp(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    return x if axis.size == 1 else _CopyToTP.apply(x, axis)
+
+
+def reduce_from_tp(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    return x if axis.size == 1 else _ReduceFromTP.apply(x, axis)
+
+
+# -- where each parameter's elements come from ------------------------------------------------------
+
+@dataclass(frozen=True)
+class Split:
+    """A parameter split over the TP group along `dim` (0: output rows, column-parallel; 1:
+    input columns, row-parallel). With `parts` > 1 the tensor is several fused along `dim`
+    (the GPT's q|k|v) and each part is split on its own, so a rank holds its heads of each."""
+
+    dim: int
+    parts: int = 1
+
+    def local_shape(self, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+        out = list(shape)
+        out[self.dim] //= tp
+        return tuple(out)
+
+    def runs(self, shape: tuple[int, ...], tp: int, tp_rank: int) -> list[tuple[int, int, int]]:
+        """Where the local tensor's elements sit in the global one, as contiguous runs
+        (local flat start, global flat start, length), in local order."""
+        if self.dim == 0:
+            row = _numel(shape[1:])
+            part_rows = shape[0] // self.parts
+            local_rows = part_rows // tp
+            return [(p * local_rows * row, (p * part_rows + tp_rank * local_rows) * row, local_rows * row)
+                    for p in range(self.parts)]
+        rows, cols = shape[0], _numel(shape[1:])  # dim 1 of a matrix: each row a run
+        local_cols = cols // tp
+        return [(r * local_cols, r * cols + tp_rank * local_cols, local_cols) for r in range(rows)]
+
+    def record(self) -> dict:
+        return {"dim": self.dim, "parts": self.parts}
+
+
+@dataclass
+class TPLayout:
+    """What `parallelize` did: per split parameter its placement and global shape; the
+    replicated parameters whose gradient is a partial sum over the TP group."""
+
+    size: int
+    rank: int
+    split: dict[str, Split] = field(default_factory=dict)
+    global_shape: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    partial: set[str] = field(default_factory=set)
+
+    def split_numel(self) -> int:
+        """Elements of the split parameters that the other TP ranks hold (whole model - this rank's)."""
+        return sum(_numel(g) - _numel(g) // self.size for g in self.global_shape.values())
+
+    def record(self) -> dict:
+        """The manifest's note: each split tensor's global shape and placement."""
+        return {"tp": self.size, "split": {n: {**s.record(), "global_shape": list(self.global_shape[n])}
+                                           for n, s in sorted(self.split.items())},
+                "replicated_partial_grad": sorted(self.partial)}
+
+
+# -- the layers --------------------------------------------------------------------------------------
+
+class ColumnParallelLinear(nn.Linear):
+    """y_local = f(x) W_local^T + b_local: this rank's share of the output features."""
+
+    axis: Axis
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_tp(x, self.axis), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Linear):
+    """y = g(x_local W_local^T) + b: the partial products over this rank's input features,
+    summed over the group; the bias (replicated) added once, after the sum."""
+
+    axis: Axis
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_from_tp(F.linear(x, self.weight), self.axis)
+        return y if self.bias is None else y + self.bias
+
+
+class HeadSelectLinear(nn.Linear):
+    """A key or value projection with fewer heads than TP ranks: the whole (replicated) weight,
+    of which this rank computes the rows of the one head its query heads use."""
+
+    axis: Axis
+    rows: slice
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias[self.rows]
+        return F.linear(copy_to_tp(x, self.axis), self.weight[self.rows], bias)
+
+
+def _swap(linear: nn.Linear, cls: type, in_features: int, out_features: int, axis: Axis) -> nn.Linear:
+    """`cls` in place of `linear`, with parameters of the new shape on the meta device and
+    the same trainability."""
+    new = cls(in_features, out_features, bias=linear.bias is not None, device="meta", dtype=linear.weight.dtype)
+    new.axis = axis
+    for name in ("weight", "bias"):
+        old = getattr(linear, name)
+        if old is not None:
+            getattr(new, name).requires_grad_(old.requires_grad)
+    return new
+
+
+# -- applying a plan ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Style:
+    """How one linear is split. `column` over `parts` fused outputs, or `row`. A column split
+    of attention heads names how many heads the output holds (`heads`, per part); key/value
+    heads (`kv`) fewer than the TP ranks, and dividing them, are replicated instead, each rank
+    computing the one its query heads use."""
+
+    kind: str  # "column" or "row"
+    parts: int = 1
+    heads: int | None = None
+    kv: bool = False
+
+
+def parallelize(model: nn.Module, plan: dict[str, Style], axis: Axis) -> TPLayout:
+    """Swap the linears named in `plan` (module-name patterns, `*` for one name part) for
+    their tensor-parallel versions over `axis`. TPError naming the layer and the sizes when a
+    shape does not divide; the patterns must each match a linear."""
+    tp, rank = axis.size, axis.rank
+    layout = TPLayout(tp, rank)
+    modules = dict(model.named_modules())
+    for pattern, style in plan.items():
+        names = [n for n in modules if _match(pattern, n)]
+        if not names:
+            raise TPError(f"the tensor-parallel plan names {pattern!r}, which matches no module of "
+                          f"{type(model).__name__}")
+        for name in names:
+            linear = modules[name]
+            if not isinstance(linear, nn.Linear):
+                raise TPError(f"{name}: the tensor-parallel plan splits linear layers, and this is a "
+                              f"{type(linear).__name__}")
+            new = _split_linear(name, linear, style, axis, layout)
+            parent, _, attr = name.rpartition(".")
+            setattr(modules[parent] if parent else model, attr, new)
+    return layout
+
+
+def _split_linear(name: str, linear: nn.Linear, style: Style, axis: Axis, layout: TPLayout) -> nn.Linear:
+    tp, rank = axis.size, axis.rank
+    out_f, in_f = linear.out_features, linear.in_features
+    if style.kind == "row":
+        if in_f % tp:
+            raise TPError(f"{name}: parallel.tp={tp} does not divide its {in_f} input features")
+        layout.split[f"{name}.weight"] = Split(1)
+        layout.global_shape[f"{name}.weight"] = (out_f, in_f)
+        return _swap(linear, RowParallelLinear, in_f // tp, out_f, axis)
+    if style.heads is not None and style.heads % tp:
+        if not style.kv:
+            raise TPError(f"{name}: parallel.tp={tp} does not divide its {style.heads} attention heads")
+        if tp % style.heads:
+            raise TPError(f"{name}: parallel.tp={tp} neither divides its {style.heads} key/value heads nor is a "
+                          f"multiple of them (each would be replicated on tp / heads ranks)")
+        new = _swap(linear, HeadSelectLinear, in_f, out_f, axis)
+        head_dim = out_f // style.heads
+        h = rank * style.heads // tp  # the key/value head of this rank's query heads
+        new.rows = slice(h * head_dim, (h + 1) * head_dim)
+        layout.partial |= {f"{name}.{p}" for p, _ in new.named_parameters()}
+        return new
+    if out_f % (style.parts * tp):
+        what = f"{out_f} output features" + (f" ({style.parts} fused parts)" if style.parts > 1 else "")
+        raise TPError(f"{name}: parallel.tp={tp} does not divide its {what}")
+    for p in ("weight", "bias"):
+        t = getattr(linear, p)
+        if t is not None:
+            layout.split[f"{name}.{p}"] = Split(0, style.parts)
+            layout.global_shape[f"{name}.{p}"] = tuple(t.shape)
+    return _swap(linear, ColumnParallelLinear, in_f, out_f // tp, axis)
+
+
+def _match(pattern: str, name: str) -> bool:
+    parts, pats = name.split("."), pattern.split(".")
+    return len(parts) == len(pats) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(parts, pats))
+
+
+# -- initial values: each rank its slice of the global tensor ----------------------------------------
+
+class TPSlices(ParamSource):
+    """A source of global tensors seen through a TP layout: a split parameter's local
+    elements are read as the ranges of the global tensor they are (whole rows of it; for a
+    row-parallel weight, a run per row), so pretrained weights are read by range, never whole."""
+
+    def __init__(self, inner: ParamSource, layout: TPLayout):
+        self.inner, self.layout = inner, layout
+        self.partial = inner.partial
+
+    def fill(self, name: str, out: torch.Tensor) -> None:
+        if name not in self.layout.split:
+            self.inner.fill(name, out)
+            return
+        self.fill_pieces([Piece(name, 0, out.numel(), tuple(out.shape), out.view(-1))])
+
+    def fill_pieces(self, pieces: list[Piece]) -> None:
+        mapped = []
+        for p in pieces:
+            split = self.layout.split.get(p.name)
+            if split is None:
+                mapped.append(p)
+                continue
+            shape = self.layout.global_shape[p.name]
+            for local, glob, n in split.runs(shape, self.layout.size, self.layout.rank):
+                lo, hi = max(p.start, local), min(p.end, local + n)
+                if lo < hi:
+                    mapped.append(Piece(p.name, glob + lo - local, glob + hi - local, shape,
+                                        p.out[lo - p.start: hi - p.start]))
+        self.inner.fill_pieces(mapped)
+
+    @property
+    def bytes_read(self):
+        return getattr(self.inner, "bytes_read", None)
+
+
+def gather_global(name: str, local: torch.Tensor, layout: TPLayout, axis: Axis) -> torch.Tensor:
+    """The global tensor of a split parameter from every TP rank's `local` (all must call)."""
+    split = layout.split[name]
+    pieces = [torch.empty_like(local) for _ in range(axis.size)]
+    dist.all_gather(pieces, local.contiguous(), group=axis.group)
+    if split.dim == 1:
+        return torch.cat(pieces, dim=1)
+    parts = [p.chunk(split.parts, dim=0) for p in pieces]
+    return torch.cat([parts[r][k] for k in range(split.parts) for r in range(axis.size)], dim=0)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
