@@ -301,7 +301,7 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
                    # a micro-batch's saved activations, estimated from the model's shape (None: unknown)
                    "activations_bytes": activation_bytes(
                        shape, t.seq_len, t.micro_batch_size, param_bytes, cfg.model.checkpoint_every,
-                       cfg.model.activation_checkpointing == "selective") if shape is not None else None,
+                       cfg.model.activation_checkpointing == "selective", cfg.parallel.tp) if shape is not None else None,
                    "activation_checkpointing": cfg.model.activation_checkpointing},
         "checkpoint": ({"dir": checkpoint_root(cfg), "every_steps": cfg.checkpoint.every_steps,
                         "resume": cfg.checkpoint.resume} if cfg.checkpoint.dir else None),

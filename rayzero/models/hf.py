@@ -176,8 +176,9 @@ class HFSpec(ModelSpec):
         layout = super().parallelize(model, axis)
         for m in model.modules():
             if hasattr(m, "num_key_value_groups") and hasattr(m, "q_proj") and hasattr(m, "k_proj"):
-                rows = m.k_proj.rows if hasattr(m.k_proj, "rows") else slice(0, m.k_proj.out_features)
-                m.num_key_value_groups = m.q_proj.out_features // (rows.stop - rows.start)
+                q, k = (getattr(p, "base_layer", p) for p in (m.q_proj, m.k_proj))  # under LoRA: its base
+                rows = k.rows if hasattr(k, "rows") else slice(0, k.out_features)
+                m.num_key_value_groups = q.out_features // (rows.stop - rows.start)
         return layout
 
     def attention_shape(self, model: nn.Module) -> tuple[int, int] | None:

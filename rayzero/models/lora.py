@@ -168,10 +168,10 @@ def _keep_names(layer: nn.Module) -> None:
     """The base layer's parameters under the wrapper's name too (`q_proj.weight`); its
     state_dict without their `base_layer.` copies, and `load_state_dict` taking them by the
     model's own names."""
-    base = layer.get_base_layer()
-    own = [a for a, p in base._parameters.items() if p is not None]
+    own = [a for a, p in layer.get_base_layer()._parameters.items() if p is not None]
 
     def alias(*_):
+        base = layer.get_base_layer()  # looked up each time: tensor parallelism may replace it
         for attr in own:
             layer._parameters[attr] = base._parameters[attr]  # `weight` is a property of PEFT's layer: no setattr
 
@@ -202,10 +202,13 @@ def adapters_of(model: nn.Module) -> dict[str, Adapter]:
 class AdapterInit(ParamSource):
     """The adapters' initial values: PEFT's own `reset_lora_parameters` on real tensors, under
     the global generator seeded by (seed, the layer's name), so a value depends on the seed
-    and names alone (lora_A as PEFT draws it, lora_B zero)."""
+    and names alone (lora_A as PEFT draws it, lora_B zero), whole (a tensor-parallel rank takes
+    its slice through `TPSlices`)."""
 
-    def __init__(self, model: nn.Module, seed: int, adapters: dict[str, Adapter]):
-        self.model, self.seed = model, seed
+    def __init__(self, model: nn.Module, seed: int, adapters: dict[str, Adapter],
+                 shapes: dict[str, tuple[int, ...]] | None = None):
+        """`shapes`: the whole shapes of adapters the model holds a tensor-parallel slice of."""
+        self.model, self.seed, self.shapes = model, seed, shapes or {}
         self.owner = {n: a for a in adapters.values() for n in (a.a, a.b)}
         self._ready: dict[str, torch.Tensor] = {}
 
@@ -220,7 +223,7 @@ class AdapterInit(ParamSource):
         layer = self.model.get_submodule(a.module)
         mods = {a.a: layer.lora_A[ADAPTER], a.b: layer.lora_B[ADAPTER]}
         kept = {n: m._parameters["weight"] for n, m in mods.items()}
-        real = {n: torch.zeros(p.shape) for n, p in kept.items()}
+        real = {n: torch.zeros(self.shapes.get(n, p.shape)) for n, p in kept.items()}
         try:
             for n, m in mods.items():
                 m._parameters["weight"] = nn.Parameter(real[n], requires_grad=False)

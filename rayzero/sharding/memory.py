@@ -92,7 +92,7 @@ class ActivationShape:
 
 
 def activation_bytes(shape: ActivationShape, seq: int, micro_batch: int, elem_bytes: int = 4, every: int = 0,
-                     selective: bool = False) -> int:
+                     selective: bool = False, tp: int = 1) -> int:
     """What one micro-batch's forward keeps for backward, estimated from the model's shape.
 
     Korthikanti et al. 2022 count a transformer layer's saved activations as s·b·h·(34 + 5·a·s/h)
@@ -109,17 +109,24 @@ def activation_bytes(shape: ActivationShape, seq: int, micro_batch: int, elem_by
 
     outside the layers: the final norm and the fp32 log-softmax of the logits (V). With
     activation checkpointing a recomputed layer keeps only its input (h); `selective` keeps its
-    input and its matrix multiplications' and attention's outputs. Not counted: what a recompute
+    input and its matrix multiplications' and attention's outputs.
+
+    With `tp` tensor-parallel ranks (Korthikanti's s·b·h·(10 + 24/t + 5·a·s/(h·t))), a rank
+    keeps its heads' queries, keys, values and outputs (key/value heads fewer than the ranks:
+    one of each) and its share of the MLP's width; the norms' tensors, the residual dropouts'
+    masks and the logits (the head is replicated) stay whole. Not counted: what a recompute
     holds while it runs (one layer's activations, inside backward), attention-probability
     dropout masks, the embeddings' and loss's small index tensors, and allocator overhead."""
     s, b, h = seq, micro_batch, shape.hidden
     tokens = s * b
     norm = 3 * h if shape.rms_norm else 2 * h
-    kv = shape.kv_heads / shape.heads
-    attention = (2 + 2 * kv) * h + (0 if shape.fused_attention else 2 * shape.heads * s)
-    mlp = (4 if shape.gated else 2) * shape.ffn
+    kv = max(shape.kv_heads / tp, 1) / shape.heads  # this rank's key/value heads, over all query heads
+    q = h / tp  # this rank's queries (and attention output)
+    attention = 2 * q + 2 * kv * h + (0 if shape.fused_attention else 2 * shape.heads * s / tp)
+    ffn = shape.ffn / tp
+    mlp = (4 if shape.gated else 2) * ffn
     full_layer = tokens * ((2 * norm + attention + mlp) * elem_bytes + (2 * h if shape.dropout else 0))
-    kept = h + (1 + 2 * kv) * h + h + h + ((2 if shape.gated else 1) * shape.ffn + h)  # selective's
+    kept = h + q + 2 * kv * h + q + h + ((2 if shape.gated else 1) * ffn + h)  # selective's
     recomputed_layer = tokens * elem_bytes * (kept if selective else h)
     n_recomputed = 0 if not every else (shape.layers + every - 1) // every
     layers = n_recomputed * recomputed_layer + (shape.layers - n_recomputed) * full_layer

@@ -9,7 +9,10 @@ Megatron's "f" and "g":
     f  copy_to_tp       forward: identity          backward: all-reduce over the TP group
     g  reduce_from_tp   forward: all-reduce        backward: identity
 
-so one block costs two all-reduces of (batch, seq, hidden) in forward and two in backward.
+so one block costs two all-reduces of (batch, seq, hidden) in forward and two in backward:
+the column-parallel linears of one module (q, k and v; gate and up) share one "f", applied
+once to the module's input (`_SharedInput`), so their input gradients are summed locally
+first and all-reduced once.
 
 Why our own layers rather than DTensor: the strategies keep every parameter as a plain view
 into a flat bucket (`FlatBuffer.install`), which suits a layer whose parameter *is* the local
@@ -145,13 +148,39 @@ class TPLayout:
 
 # -- the layers --------------------------------------------------------------------------------------
 
+class _SharedInput:
+    """One "f" for all the column-parallel linears of a module: a pre-hook copies the module's
+    input to the TP group once; a linear given that very tensor uses the copy, any other
+    input gets an "f" of its own (so a module that feeds its linears something else is still
+    right, only less frugal)."""
+
+    def __init__(self, module: nn.Module, axis: Axis):
+        self.axis = axis
+        self.source: torch.Tensor | None = None
+        self.copy: torch.Tensor | None = None
+        module.register_forward_pre_hook(self._before, with_kwargs=True)
+        module.register_forward_hook(self._after)
+
+    def _before(self, _module, args, kwargs):
+        x = args[0] if args else kwargs.get("hidden_states", kwargs.get("x"))
+        self.source, self.copy = x, (copy_to_tp(x, self.axis) if isinstance(x, torch.Tensor) else None)
+
+    def _after(self, *_):
+        self.source = self.copy = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.copy if x is self.source and self.copy is not None else copy_to_tp(x, self.axis)
+
+
 class ColumnParallelLinear(nn.Linear):
     """y_local = f(x) W_local^T + b_local: this rank's share of the output features."""
 
     axis: Axis
+    shared: _SharedInput | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_tp(x, self.axis), self.weight, self.bias)
+        x = self.shared(x) if self.shared is not None else copy_to_tp(x, self.axis)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Linear):
@@ -172,9 +201,12 @@ class HeadSelectLinear(nn.Linear):
     axis: Axis
     rows: slice
 
+    shared: _SharedInput | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias[self.rows]
-        return F.linear(copy_to_tp(x, self.axis), self.weight[self.rows], bias)
+        x = self.shared(x) if self.shared is not None else copy_to_tp(x, self.axis)
+        return F.linear(x, self.weight[self.rows], bias)
 
 
 def _swap(linear: nn.Linear, cls: type, in_features: int, out_features: int, axis: Axis) -> nn.Linear:
@@ -211,20 +243,56 @@ def parallelize(model: nn.Module, plan: dict[str, Style], axis: Axis) -> TPLayou
     tp, rank = axis.size, axis.rank
     layout = TPLayout(tp, rank)
     modules = dict(model.named_modules())
+    shared: dict[str, _SharedInput] = {}
     for pattern, style in plan.items():
         names = [n for n in modules if _match(pattern, n)]
         if not names:
             raise TPError(f"the tensor-parallel plan names {pattern!r}, which matches no module of "
                           f"{type(model).__name__}")
         for name in names:
-            linear = modules[name]
-            if not isinstance(linear, nn.Linear):
-                raise TPError(f"{name}: the tensor-parallel plan splits linear layers, and this is a "
-                              f"{type(linear).__name__}")
-            new = _split_linear(name, linear, style, axis, layout)
             parent, _, attr = name.rpartition(".")
-            setattr(modules[parent] if parent else model, attr, new)
+            owner = modules[parent] if parent else model
+            share = None
+            if style.kind == "column" and tp > 1 and owner is not model:  # one "f" per module input
+                if parent not in shared:
+                    shared[parent] = _SharedInput(owner, axis)
+                share = shared[parent]
+            target = modules[name]
+            if _is_adapted(target):
+                _split_adapted(name, target, style, axis, layout, share)
+                continue
+            if not isinstance(target, nn.Linear):
+                raise TPError(f"{name}: the tensor-parallel plan splits linear layers, and this is a "
+                              f"{type(target).__name__}")
+            new = _split_linear(name, target, style, axis, layout)
+            new.shared = share if style.kind == "column" else None
+            setattr(owner, attr, new)
     return layout
+
+
+def _is_adapted(module: nn.Module) -> bool:
+    """A linear wrapped with low-rank adapters, as PEFT's LoRA layers are: `base_layer` and the
+    `lora_A` / `lora_B` dictionaries of linears."""
+    return isinstance(getattr(module, "base_layer", None), nn.Linear) and hasattr(module, "lora_A")
+
+
+def _split_adapted(name: str, wrapper: nn.Module, style: Style, axis: Axis, layout: TPLayout,
+                   share: _SharedInput | None) -> None:
+    """A LoRA layer split to match its base: column-parallel, B splits its outputs as the base
+    does (with its own "f" on A's output) and A stays whole; row-parallel, A splits its inputs as
+    the base does (its partial products summed, "g") and B stays whole. Every gradient is then
+    complete on each rank: no partial sums beyond the base's own."""
+    base = _split_linear(name, wrapper.base_layer, style, axis, layout)
+    base.shared = share if style.kind == "column" else None
+    wrapper.base_layer = base
+    for attr, p in base._parameters.items():  # the model's own names (`q_proj.weight`) alias the base's
+        if attr in wrapper._parameters:
+            wrapper._parameters[attr] = p
+    for key in list(wrapper.lora_A.keys()):
+        if style.kind == "column":
+            wrapper.lora_B[key] = _split_linear(f"{name}.lora_B.{key}", wrapper.lora_B[key], style, axis, layout)
+        else:
+            wrapper.lora_A[key] = _split_linear(f"{name}.lora_A.{key}", wrapper.lora_A[key], style, axis, layout)
 
 
 def _split_linear(name: str, linear: nn.Linear, style: Style, axis: Axis, layout: TPLayout) -> nn.Linear:

@@ -75,9 +75,6 @@ def tensor_parallel(built: Built, cfg: RootConfig, spec: ModelSpec, axis: Axis) 
     TPError for sizes that do not divide."""
     if axis.size == 1:
         return
-    if built.adapters:
-        raise ValueError(f"parallel.tp={axis.size}: LoRA adapters are not split over tensor-parallel ranks; "
-                         "train them with parallel.tp=1")
     built.tp = spec.parallelize(built.model, axis)
 
 
@@ -107,15 +104,14 @@ def resolved_sharding(cfg: RootConfig, spec: ModelSpec, model: nn.Module) -> Sha
 def initial_values(spec: ModelSpec, built: Built) -> ParamSource:
     """Per name: pretrained weights (or the model's seeded init) for the model's own
     parameters, the adapters' seeded init for what the steps added."""
-    own = spec.source(built.model, added=built.added, shapes=built.tp.global_shape if built.tp else None)
-    if built.tp is not None:  # each rank its slice of the whole tensors
-        own = TPSlices(own, built.tp)
-    if not built.added:
-        return own
-    from rayzero.models.lora import AdapterInit
+    shapes = built.tp.global_shape if built.tp is not None else None
+    source = spec.source(built.model, added=built.added, shapes=shapes)
+    if built.added:
+        from rayzero.models.lora import AdapterInit
 
-    names = {n for n, _ in built.model.named_parameters()} - set(built.added)
-    return PerName(own, names, AdapterInit(built.model, spec.seed, built.adapters))
+        names = {n for n, _ in built.model.named_parameters()} - set(built.added)
+        source = PerName(source, names, AdapterInit(built.model, spec.seed, built.adapters, shapes))
+    return TPSlices(source, built.tp) if built.tp is not None else source  # each rank its slice
 
 
 def assemble(cfg: RootConfig, spec: ModelSpec, topo: Topology, axes: dict[str, Axis], device: torch.device):

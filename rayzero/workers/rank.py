@@ -201,6 +201,8 @@ class Rank:
                 axes[name] = Axis(None, 1, 0)
             elif size == t.world_size:
                 axes[name] = world
+            elif name == "dp" and t.dp_outer == 1:  # the same ranks as the shard groups
+                axes[name] = axes["shard"]
             else:
                 for ranks in t.groups(name):
                     group = dist.new_group(ranks)

@@ -120,3 +120,39 @@ def test_a_tensor_parallel_checkpoint_resumes_bitwise_and_reshards_across_tp(sma
     grown = ckpt_helpers.run(tp2, small_dataset, 4, 8, resume=(c1.uri, c1.manifest))
     for k, v in straight["state"].items():
         assert rel_error(grown["state"][k], v) <= 1e-5, k
+
+
+def test_lora_under_tp2_x_dp2_trains_what_a_single_process_peft_run_trains(small_dataset, tmp_path):
+    """Adapters on column-parallel (q_proj, v_proj: B split) and row-parallel (down_proj: A
+    split) linears, ZeRO-3 and DDP over the data-parallel ranks: within 1e-5 of PEFT in one
+    process, from the same initial adapters as a run without TP; the base does not move.
+    At lr 1e-3: at test_lora's 1e-2, Adam turns the rounding of the row-parallel partial sums
+    into 2e-5 on the last layer's down_proj lora_A (7.5e-8 at 1e-3, a drop no systematic
+    error in the gradient would show; without TP, 3e-7 and 1e-8)."""
+    from tests.dist.test_lora import config as lora_config
+    from tests.dist.test_lora import global_losses, initial_adapters, peft_reference, run
+    from tests.dist.reference import rel_error
+
+    llama = save_hf_model("llama-untied", tmp_path / "llama")
+    runs = [(label, lora_config(llama, WORLD, strategy, ["parallel.tp=2", "optim.lr=1e-3"]))
+            for label, strategy in (("tp2/zero3", "optim_grads_params"), ("tp2/ddp", "no_shard"))]
+    out = run(runs, WORLD, small_dataset)
+    first = out[(runs[0][0], 0)]
+    adapters = [n for n in first["state"] if ".lora_" in n]
+    assert len(adapters) == 12
+    expected = initial_adapters(lora_config(llama, 1, "optim"))  # without TP: the same values
+    assert all(torch.equal(first["initial"][n], expected[n]) for n in adapters)
+    ref_state, ref_losses = peft_reference(llama, runs[0][1], first["initial"], small_dataset)
+    for label, _ in runs:
+        state = out[(label, 0)]["state"]
+        for n in adapters:
+            assert rel_error(state[n], ref_state[n]) <= 1e-5, (label, n)
+        assert all(torch.equal(state[n], v) for n, v in first["initial"].items() if n not in adapters), label
+        assert global_losses(out, label, WORLD) == pytest.approx(ref_losses, rel=1e-5), label
+    held = dict(zip(first["info"]["layout"]["param_order"], first["info"]["layout"]["param_world"]))
+    numel = {n: end - start for n, (start, end) in held.items()}
+    b = "model.layers.0.self_attn.q_proj.lora_B.default.weight"
+    a = "model.layers.0.mlp.down_proj.lora_A.default.weight"
+    assert numel[b] == first["state"][b].numel() // 2 and numel[a] == first["state"][a].numel() // 2
+    assert numel["model.layers.0.self_attn.q_proj.lora_A.default.weight"] == first["state"][
+        "model.layers.0.self_attn.q_proj.lora_A.default.weight"].numel()
