@@ -13,8 +13,9 @@ a process that has gathered `MAX_THREADS` of them is replaced after its job, and
 closed once the tests leave the gloo tier (`tests/conftest.py`), so that idle rank processes
 take no CPU from the tests after them.
 
-Tests that measure the process itself (its live tensors, its memory limit) keep spawning
-processes of their own."""
+Tests that measure the process itself through its memory limit keep spawning processes of
+their own; those that count its live tensors count from a baseline taken in the job, which a
+kept process serves as well as a new one."""
 
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ from rayzero.config import load_config
 from rayzero.sharding.memory import bytes_per_param, formula_bytes_per_param, live_tensor_bytes
 from rayzero.workers.rank import Rank
 from tests.conftest import free_port
+from tests.dist.pool import spawn
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +60,7 @@ def measured(request, small_dataset):
     with mp.Manager() as manager:
         out = manager.dict()
         ports = [free_port() for _ in range(len(STRATEGIES) * len(DTYPES))]
-        mp.spawn(_worker, args=(world, ports, small_dataset, out), nprocs=world)
+        spawn(_worker, args=(world, ports, small_dataset, out), nprocs=world)
         return world, dict(out)
 
 

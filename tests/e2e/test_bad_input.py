@@ -151,8 +151,6 @@ def model_dirs(tmp_path_factory):
      "model.layers.0.mlp.gate_proj: parallel.tp=2 does not divide its 63 output features"),
     (["model.kind=module", "model.factory=tests.models:TinyLM", "cluster.num_workers=2", "parallel.tp=2"],
      "parallel.tp: model.kind=module has no tensor-parallel plan"),
-    (["model.kind=hf", "model.path=ROOT/good", "model.lora.r=8", "cluster.num_workers=2", "parallel.tp=2"],
-     "parallel.tp=2: LoRA adapters are not split over tensor-parallel ranks"),
 ])
 def test_a_bad_model_is_one_clear_message(model_dirs, small_dataset, capsys, monkeypatch, args, expected):
     root = str(model_dirs["root"])

@@ -129,7 +129,9 @@ def test_too_many_workers_fails_after_the_placement_wait(tmp_path, ray_cluster, 
 
 SHARDED = [
     pytest.param(2, ["sharding.strategy=optim_grads"], 4 + 12 / 2, id="zero2"),
-    pytest.param(2, ["sharding.strategy=optim_grads_params", "sharding.param_dtype=bf16"], 18 / 2, id="zero3-bf16"),
+    # tensor parallel 2 x ZeRO-3 over 2 data-parallel ranks: 18/d per parameter a rank holds
+    pytest.param(4, ["sharding.strategy=optim_grads_params", "sharding.param_dtype=bf16", "parallel.tp=2",
+                     "cluster.cpus_per_worker=0.5"], 18 / 2, id="tp2-zero3-bf16"),
     pytest.param(2, ["sharding.strategy=optim", "sharding.param_dtype=fp16", "sharding.initial_loss_scale=1e6",
                   "optim.warmup_steps=0"],
                  6 + 12 / 2, id="zero1-fp16-overflowing"),
@@ -157,6 +159,9 @@ def test_sharded_strategies_train_through_ray_and_report_their_memory(tmp_path, 
         assert mem["transient_bytes"] > 0
     assert "memory per rank, bytes/parameter" in r.stdout
     client = MlflowClient(s["mlflow_tracking_uri"])
+    tp = 2 if "parallel.tp=2" in extra else 1
+    assert s["tp"] == tp and client.get_run(s["mlflow_run_id"]).data.params["parallel.tp"] == str(tp)
+    assert ("tensor parallel 2" in r.stdout) == (tp == 2)
     if "sharding.param_dtype=fp16" in extra:  # the overflowing first steps are skipped, and say so
         assert s["skipped_steps"] > 0 and "skipped by loss scaling" in r.stdout
         skipped = client.get_metric_history(s["mlflow_run_id"], "skipped_step")

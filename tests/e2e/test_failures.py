@@ -254,7 +254,7 @@ def test_giving_up_after_max_restarts_names_the_cause_and_leaves_nothing(tmp_pat
 
 
 def test_the_controller_killed_and_the_command_rerun_resumes(tmp_path, ray_cluster, small_dataset, reference):
-    args = cli_args(tmp_path, small_dataset, f"cluster.address={ray_cluster}")
+    args = cli_args(tmp_path, small_dataset, f"cluster.address={ray_cluster}", "tracking.enabled=false")
     env = {**os.environ, "RAY_AUTH_MODE": "token"}
     proc = subprocess.Popen([str(BIN / "rayzero"), *args], cwd=tmp_path, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

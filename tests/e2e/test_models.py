@@ -73,7 +73,8 @@ def test_fine_tune_an_hf_llama_export_and_load_it_back(tmp_path, ray_cluster, sm
     final, summary = tmp_path / "final", tmp_path / "summary.json"
     r = run_cli("train", *model, *FAST, f"data.path={llama_data}", "train.steps=6", "checkpoint.every_steps=3",
                 "sharding.strategy=optim_grads_params", f"train.save_final={final}", "train.save_format=hf",
-                f"cluster.address={ray_cluster}", "--summary-json", str(summary), cwd=tmp_path)
+                f"cluster.address={ray_cluster}", "tracking.enabled=false", "--summary-json", str(summary),
+                cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads(summary.read_text())
     assert s["num_params"] == 28_832 and s["steps"] == 6
@@ -182,7 +183,7 @@ def test_a_module_from_the_working_directory_trains_on_a_cluster(tmp_path, ray_c
     r = run_cli("train", "model.kind=module", "model.factory=mymodel:Bigram", "model.kwargs.dim=24", *FAST,
                 f"data.path={small_dataset}", f"cluster.address={ray_cluster}", "train.steps=20",
                 "optim.lr=1e-2", "sharding.strategy=optim_grads_params", f"train.save_final={weights}",
-                "--summary-json", str(tmp_path / "s.json"), cwd=tmp_path)
+                "tracking.enabled=false", "--summary-json", str(tmp_path / "s.json"), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads((tmp_path / "s.json").read_text())
     assert s["final_loss"] < s["first_loss"] - 0.5
