@@ -11,6 +11,9 @@ beside:
 
   - TP: 4 all-reduces of b·s·h elements per layer and micro-batch (Megatron's f and g: 2 in
     forward after the attention and MLP outputs, 2 in backward at their inputs), times 4 bytes;
+    with sequence parallelism (`2sp`, `4sp`) 8 all-gathers and reduce-scatters of b·s·h per
+    layer (gloo has no reduce-scatter: an all-reduce of b·s·h), plus the final norm's gather
+    and the first block's input gradient's;
   - DP, ZeRO-1 on gloo: the gradient buckets all-reduced and the parameters all-gathered, 2 x
     this rank's parameters (its TP share, padded) x 4 bytes (plus the step's scalar all-reduces);
   - model state per rank: Megatron's formula (ZeRO-1: 4 + 4 + 8/d bytes per parameter) x this
@@ -20,7 +23,7 @@ beside:
 
 On a CPU the step time of TP says nothing about a GPU: bytes and memory only.
 
-    python benchmarks/tp.py [--tp 1,2,4] [--seq 256] [--json PATH]
+    python benchmarks/tp.py [--tp 1,2,4,2sp,4sp] [--seq 256] [--json PATH]
 """
 
 from __future__ import annotations
@@ -78,7 +81,7 @@ class Counter:
     def install(self) -> None:
         import rayzero.sharding.comm as comm
 
-        all_reduce, all_gather = dist.all_reduce, comm._all_gather
+        all_reduce, all_gather, all_gather_list = dist.all_reduce, comm._all_gather, dist.all_gather
 
         def counted_all_reduce(t, op=dist.ReduceOp.SUM, group=None, async_op=False):
             self.count(group, t, "all-reduce")
@@ -88,11 +91,16 @@ class Counter:
             self.count(group, out, "all-gather")
             return all_gather(out, local, group=group, async_op=async_op)
 
+        def counted_all_gather_list(outs, local, group=None, async_op=False):
+            self.count(group, torch.cat([o.reshape(-1) for o in outs]), "all-gather")
+            return all_gather_list(outs, local, group=group, async_op=async_op)
+
         dist.all_reduce = counted_all_reduce
         comm._all_gather = counted_all_gather
+        dist.all_gather = counted_all_gather_list
 
 
-def _rank(rank: int, tp: int, model_dir: str, data_path: str, seq: int, port: int, out) -> None:
+def _rank(rank: int, tp: int, sp: bool, model_dir: str, data_path: str, seq: int, port: int, out) -> None:
     from rayzero.cluster.schedule import lr_at
     from rayzero.config import load_config
     from rayzero.workers.rank import Rank
@@ -100,7 +108,8 @@ def _rank(rank: int, tp: int, model_dir: str, data_path: str, seq: int, port: in
     torch.set_num_threads(1)
     dp = WORLD // tp
     cfg = load_config(None, [
-        f"cluster.num_workers={WORLD}", f"parallel.tp={tp}", "model.kind=hf", f"model.path={model_dir}",
+        f"cluster.num_workers={WORLD}", f"parallel.tp={tp}", f"parallel.sequence_parallel={str(sp).lower()}",
+        "model.kind=hf", f"model.path={model_dir}",
         f"train.seq_len={seq}", f"train.global_batch_size={dp}", "train.micro_batch_size=1",
         "sharding.strategy=optim", f"data.path={data_path}", "optim.warmup_steps=0",
     ])
@@ -120,7 +129,7 @@ def _rank(rank: int, tp: int, model_dir: str, data_path: str, seq: int, port: in
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tp", default="1,2,4")
+    ap.add_argument("--tp", default="1,2,4,2sp,4sp", help="TP sizes; `sp`: with sequence parallelism")
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
@@ -140,29 +149,36 @@ def main() -> None:
         b, s, h, layers = 1, args.seq, shape.hidden, shape.layers
         print(f"HF Llama, {n / 1e6:.1f}M parameters ({layers} layers, h {h}, 12 heads, 4 key/value heads), "
               f"world {WORLD}, ZeRO-1, fp32, seq {s}, micro-batch {b}, one micro-batch per data-parallel rank\n")
-        for tp in map(int, args.tp.split(",")):
+        for size in args.tp.split(","):
+            sp = size.endswith("sp")
+            tp = int(size.removesuffix("sp"))
             dp = WORLD // tp
             with mp.Manager() as manager:
                 out = manager.dict()
-                mp.spawn(_rank, args=(tp, tmp, data_path, s, free_port(), out), nprocs=WORLD)
+                mp.spawn(_rank, args=(tp, sp, tmp, data_path, s, free_port(), out), nprocs=WORLD)
                 ranks = [out[r] for r in range(WORLD)]
             r0 = ranks[0]
             micro = 1
-            tp_formula = 4 * layers * b * s * h * 4 * micro if tp > 1 else 0
+            # an all-reduce, or with SP an all-gather or (gloo: all-reduce for) reduce-scatter, of b·s·h
+            # each: 4 per block, or 8 with SP plus the final norm's gather and the first block's
+            # input gradient's
+            per_step = (8 * layers + 2) if sp else 4 * layers
+            tp_formula = per_step * b * s * h * 4 * micro if tp > 1 else 0
             dp_formula = 2 * r0["padded"] * 4 if dp > 1 else 0
             state = max(sum(x["memory"][k] for k in ("compute_params", "main_params", "optimizer", "grads"))
                         for x in ranks)
             state_formula = formula_bytes_per_param("optim", dp) * r0["params_per_rank"]
             act = max(x["memory"]["activations_peak"] for x in ranks)
-            act_formula = activation_bytes(shape, s, b, 4, tp=tp)
-            row = {"tp": tp, "dp": dp, "params_per_rank": r0["params_per_rank"],
+            act_formula = activation_bytes(shape, s, b, 4, tp=tp, sequence_parallel=sp)
+            row = {"tp": tp, "sequence_parallel": sp, "dp": dp, "params_per_rank": r0["params_per_rank"],
                    "tp_bytes": max(x["bytes"].get("tp", 0) for x in ranks), "tp_formula": tp_formula,
                    "dp_bytes": max(x["bytes"].get("dp", 0) for x in ranks), "dp_formula": dp_formula,
                    "calls": r0["calls"], "state_bytes": state, "state_formula": state_formula,
                    "activations_bytes": act, "activations_estimate": act_formula, "loss": r0["loss"]}
             rows.append(row)
             mib = 2**20
-            print(f"tp {tp} x dp {dp}: {row['params_per_rank']:,} parameters per rank")
+            print(f"tp {tp} x dp {dp}{' with sequence parallelism' if sp else ''}: "
+                  f"{row['params_per_rank']:,} parameters per rank")
             print(f"  TP axis  {row['tp_bytes'] / mib:9.2f} MiB per step per rank   formula {tp_formula / mib:9.2f} MiB"
                   + (f"   ratio {row['tp_bytes'] / tp_formula:.3f}" if tp_formula else ""))
             print(f"  DP axis  {row['dp_bytes'] / mib:9.2f} MiB per step per rank   formula {dp_formula / mib:9.2f} MiB"

@@ -132,6 +132,9 @@ class RootConfig(Frozen):
             raise ValueError(f"{what} does not divide cluster.num_workers ({n}): the ranks form "
                              "replicate (dp_outer) x shard x tp groups")
         t, dp = self.train, self.dp_size
+        if self.parallel.sequence_parallel and t.seq_len % tp:
+            raise ValueError(f"train.seq_len: {t.seq_len} is not divisible by parallel.tp ({tp}), over which "
+                             "parallel.sequence_parallel splits the sequence")
         if t.global_batch_size % (t.micro_batch_size * dp):
             raise ValueError(
                 f"train.global_batch_size: {t.global_batch_size} is not divisible by "

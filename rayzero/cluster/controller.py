@@ -585,6 +585,7 @@ class Controller:
             "num_workers": self.cfg.cluster.num_workers,
             "strategy": cfg.sharding.strategy,
             "tp": cfg.parallel.tp,
+            "sequence_parallel": cfg.parallel.sequence_parallel,
             "grad_accum": cfg.grad_accum,
             "num_params": rank0_info["num_params"],
             "trainable_params": rank0_info["trainable_params"],

@@ -189,6 +189,7 @@ def _print_plan(p: dict) -> None:
         f"  {p['world_size']} ranks{elastic} of {bundle} each, on {p['cluster']}\n"
         f"  strategy {p['strategy']}{hybrid}; params {p['param_dtype']}, grads {p['grad_dtype']}\n"
         + ("".join(f"  {line}\n" for line in p["mesh"]) if p["tp"] > 1 else "")
+        + ("  sequence parallel: norms and residuals on 1/tp of the sequence\n" if p["sequence_parallel"] else "")
         + f"  model {_model_line(p)}\n"
         + (f"  {p['model']['lora']}\n" if p["model"].get("lora") else "")
         + (f"  {_params_line(p['num_params'], p['trainable_params'])}"

@@ -274,6 +274,7 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
     return {
         "world_size": c.num_workers,
         "tp": cfg.parallel.tp,
+        "sequence_parallel": cfg.parallel.sequence_parallel,
         "mesh": topo.describe(),
         "world_sizes": cfg.world_sizes(),
         "cluster": c.address or "local Ray",
@@ -301,7 +302,8 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
                    # a micro-batch's saved activations, estimated from the model's shape (None: unknown)
                    "activations_bytes": activation_bytes(
                        shape, t.seq_len, t.micro_batch_size, param_bytes, cfg.model.checkpoint_every,
-                       cfg.model.activation_checkpointing == "selective", cfg.parallel.tp) if shape is not None else None,
+                       cfg.model.activation_checkpointing == "selective", cfg.parallel.tp,
+                       cfg.parallel.sequence_parallel) if shape is not None else None,
                    "activation_checkpointing": cfg.model.activation_checkpointing},
         "checkpoint": ({"dir": checkpoint_root(cfg), "every_steps": cfg.checkpoint.every_steps,
                         "resume": cfg.checkpoint.resume} if cfg.checkpoint.dir else None),

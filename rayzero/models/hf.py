@@ -170,10 +170,20 @@ class HFSpec(ModelSpec):
                 out[f"{prefix}.{key}" if prefix else key] = Style("column", heads=head[0], kv=head[1])
         return out
 
-    def parallelize(self, model: nn.Module, axis):
+    def sequence_ends(self, model: nn.Module) -> tuple[str, str]:
+        """The first decoder layer and the decoder's final norm (`model.norm`)."""
+        classes = set(self.blocks(model))
+        names = {id(m): n for n, m in model.named_modules()}
+        first = next(n for n, m in model.named_modules() if type(m).__name__ in classes)
+        norm = getattr(model.get_decoder(), "norm", None)
+        if norm is None:
+            raise ModelError(f"parallel.sequence_parallel: {type(model).__name__}'s decoder has no final `norm`")
+        return first, names[id(norm)]
+
+    def parallelize(self, model: nn.Module, axis, sequence_parallel: bool = False):
         """transformers' attention takes its head counts from the shapes, but for the ratio
         of query to key/value heads (`num_key_value_groups`): set to this rank's."""
-        layout = super().parallelize(model, axis)
+        layout = super().parallelize(model, axis, sequence_parallel)
         for m in model.modules():
             if hasattr(m, "num_key_value_groups") and hasattr(m, "q_proj") and hasattr(m, "k_proj"):
                 q, k = (getattr(p, "base_layer", p) for p in (m.q_proj, m.k_proj))  # under LoRA: its base

@@ -283,12 +283,17 @@ class ModelSpec:
                          "Hugging Face models whose config has a base_model_tp_plan, such as Llama, Qwen2 and "
                          "Mistral, have one); set parallel.tp=1")
 
-    def parallelize(self, model: nn.Module, axis):
-        """Split the model over the TP `axis` (`tensor_parallel.parallelize` with its plan);
-        the `TPLayout`."""
+    def sequence_ends(self, model: nn.Module) -> tuple[str, str]:
+        """Sequence parallelism's region: (the first block, the final norm after the last)."""
+        raise ModelError(f"parallel.sequence_parallel: model.kind={self.kind} does not say where its blocks begin "
+                         "and end")
+
+    def parallelize(self, model: nn.Module, axis, sequence_parallel: bool = False):
+        """Split the model over the TP `axis` (`tensor_parallel.parallelize` with its plan),
+        with sequence parallelism between `sequence_ends`; the `TPLayout`."""
         from rayzero.sharding.tensor_parallel import parallelize
 
-        return parallelize(model, self.tp_plan(model), axis)
+        return parallelize(model, self.tp_plan(model), axis, self.sequence_ends(model) if sequence_parallel else None)
 
     @staticmethod
     def decays(name: str, param: torch.Tensor) -> bool:

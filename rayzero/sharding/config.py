@@ -120,6 +120,18 @@ class ParallelConfig(Frozen):
         "strategy shards each rank's part over the data-parallel ranks. The world is `sharding.dp_outer` x shards x "
         "`tp` ranks; 1 = no tensor parallelism.",
     )
+    sequence_parallel: bool = Field(
+        default=False,
+        description="Megatron's sequence parallelism (needs `tp` > 1): between the tensor-parallel regions the "
+        "activations are split along the sequence over the TP ranks, so norms, residuals and dropout keep 1/tp "
+        "of theirs; the all-reduces become all-gathers and reduce-scatters. `train.seq_len` must divide by `tp`.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel: splits the sequence over tensor-parallel ranks; set parallel.tp > 1")
+        return self
 
 
 class OptimConfig(Frozen):

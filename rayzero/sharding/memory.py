@@ -92,7 +92,7 @@ class ActivationShape:
 
 
 def activation_bytes(shape: ActivationShape, seq: int, micro_batch: int, elem_bytes: int = 4, every: int = 0,
-                     selective: bool = False, tp: int = 1) -> int:
+                     selective: bool = False, tp: int = 1, sequence_parallel: bool = False) -> int:
     """What one micro-batch's forward keeps for backward, estimated from the model's shape.
 
     Korthikanti et al. 2022 count a transformer layer's saved activations as s·b·h·(34 + 5·a·s/h)
@@ -114,8 +114,12 @@ def activation_bytes(shape: ActivationShape, seq: int, micro_batch: int, elem_by
     With `tp` tensor-parallel ranks (Korthikanti's s·b·h·(10 + 24/t + 5·a·s/(h·t))), a rank
     keeps its heads' queries, keys, values and outputs (key/value heads fewer than the ranks:
     one of each) and its share of the MLP's width; the norms' tensors, the residual dropouts'
-    masks and the logits (the head is replicated) stay whole. Not counted: what a recompute
-    holds while it runs (one layer's activations, inside backward), attention-probability
+    masks and the logits (the head is replicated) stay whole. With `sequence_parallel` the norms'
+    inputs, the dropout masks and a recomputed block's input are a rank's sequence shard
+    (1/tp), and a norm's output is kept as the gathered whole the next layer multiplies (h per
+    token; the shard itself is not kept).
+
+    Not counted: what a recompute holds while it runs (one layer's activations, inside backward), attention-probability
     dropout masks, the embeddings' and loss's small index tensors, and allocator overhead."""
     s, b, h = seq, micro_batch, shape.hidden
     tokens = s * b
@@ -125,10 +129,14 @@ def activation_bytes(shape: ActivationShape, seq: int, micro_batch: int, elem_by
     attention = 2 * q + 2 * kv * h + (0 if shape.fused_attention else 2 * shape.heads * s / tp)
     ffn = shape.ffn / tp
     mlp = (4 if shape.gated else 2) * ffn
-    full_layer = tokens * ((2 * norm + attention + mlp) * elem_bytes + (2 * h if shape.dropout else 0))
-    kept = h + q + 2 * kv * h + q + h + ((2 if shape.gated else 1) * ffn + h)  # selective's
-    recomputed_layer = tokens * elem_bytes * (kept if selective else h)
+    sp = tp if sequence_parallel else 1  # what the sequence shards divide
+    # with sequence parallelism a norm's output shard is not kept: the gathered whole is (h)
+    norm_kept = (norm - h) / sp + h if sequence_parallel else norm
+    norms = 2 * norm_kept
+    full_layer = tokens * ((norms + attention + mlp) * elem_bytes + (2 * h / sp if shape.dropout else 0))
+    kept = h / sp + q + 2 * kv * h + q + h / sp + ((2 if shape.gated else 1) * ffn + h / sp)  # selective's
+    recomputed_layer = tokens * elem_bytes * (kept if selective else h / sp)
     n_recomputed = 0 if not every else (shape.layers + every - 1) // every
     layers = n_recomputed * recomputed_layer + (shape.layers - n_recomputed) * full_layer
-    outside = tokens * (norm * elem_bytes + 4 * shape.vocab)
+    outside = tokens * (norm_kept * elem_bytes + 4 * shape.vocab)
     return int(layers + outside)

@@ -23,6 +23,7 @@ replicas too, and parameters are all-gathered across them after the step.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -358,7 +359,7 @@ class Strategy:
             for g in self.main_grads:
                 sq += torch.linalg.vector_norm(g.float()).double() ** 2
         else:
-            for b, cut, name in self._owned_params():
+            for b, cut, name in self._owned_params:
                 weight = 1.0 if name in self.tp.split else 1.0 / self.tp.size
                 sq += weight * torch.linalg.vector_norm(self.main_grads[b][cut].float()).double() ** 2
         if self.owner_axis is not None and self.owner_axis.size > 1:
@@ -367,25 +368,24 @@ class Strategy:
             dist.all_reduce(sq, group=self.axes["tp"].group)
         return float(sq.sqrt())
 
+    @functools.cached_property
     def _owned_params(self) -> list[tuple[int, slice, str]]:
         """(bucket, slice of its owned shard, parameter name) for every parameter in the owned shards."""
-        if not hasattr(self, "_owned_params_cache"):
-            out = []
-            for b in self._trainable_buckets():
-                own = self.owned(b)
-                for i in b.params:
-                    cut = self.buffer.layout.params[i].world.intersect(own)
-                    if cut is not None and cut.size:
-                        out.append((b.index, cut.shift(-own.start).slice(), self.buffer.names[i]))
-            self._owned_params_cache = out
-        return self._owned_params_cache
+        out = []
+        for b in self._trainable_buckets():
+            own = self.owned(b)
+            for i in b.params:
+                cut = self.buffer.layout.params[i].world.intersect(own)
+                if cut is not None and cut.size:
+                    out.append((b.index, cut.shift(-own.start).slice(), self.buffer.names[i]))
+        return out
 
     def _sum_partial_grads_over_tp(self) -> None:
         """Replicated parameters whose gradient each TP rank holds a part of (key/value heads
         fewer than the TP ranks): the parts summed, on the reduced shards."""
         if self.tp is None or not self.tp.partial:
             return
-        for b, cut, name in self._owned_params():
+        for b, cut, name in self._owned_params:
             if name in self.tp.partial:
                 dist.all_reduce(self.main_grads[b][cut], group=self.axes["tp"].group)
 

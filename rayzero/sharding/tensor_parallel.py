@@ -14,6 +14,16 @@ the column-parallel linears of one module (q, k and v; gate and up) share one "f
 once to the module's input (`_SharedInput`), so their input gradients are summed locally
 first and all-reduced once.
 
+Sequence parallelism (Megatron's, `sequence_parallel=True`): between the tensor-parallel
+regions the activations are split along the sequence over the TP ranks, so the norms, the
+residual adds and dropout run on a rank's sequence shard and keep 1/tp of those activations.
+"f" becomes an all-gather of the sequence shards (backward: a reduce-scatter) and "g" a
+reduce-scatter to them (backward: an all-gather): the same bytes as the all-reduces they
+replace. The first block's input is split (its gradient all-gathered back) and the final
+norm's output gathered (its gradient split), so the embeddings, the replicated head and the
+loss see the whole sequence. The norms and the row-parallel biases then see a part of the
+tokens each: their gradients are summed over the TP group (`TPLayout.partial`).
+
 Why our own layers rather than DTensor: the strategies keep every parameter as a plain view
 into a flat bucket (`FlatBuffer.install`), which suits a layer whose parameter *is* the local
 shard; a DTensor parameter would have to be unwrapped into that buffer and rewrapped around
@@ -91,6 +101,106 @@ def reduce_from_tp(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     return x if axis.size == 1 else _ReduceFromTP.apply(x, axis)
 
 
+SEQ = 1  # activations are (batch, sequence, features)
+
+
+def _all_gather_seq(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(axis.size)]
+    dist.all_gather(parts, x.contiguous(), group=axis.group)
+    return torch.cat(parts, dim=SEQ)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """The sum over the group of `x`, this rank's sequence chunk of it. gloo has no
+    reduce-scatter: an all-reduce of the whole (the same bytes as the all-reduce it replaces)."""
+    x = x.contiguous()
+    if axis._gloo:
+        whole = x.clone()
+        dist.all_reduce(whole, group=axis.group)
+        return whole.chunk(axis.size, dim=SEQ)[axis.rank].contiguous()
+    out = torch.empty_like(x.chunk(axis.size, dim=SEQ)[0])
+    dist.reduce_scatter(out, [c.contiguous() for c in x.chunk(axis.size, dim=SEQ)], group=axis.group)
+    return out
+
+
+def _own_chunk(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    return x.chunk(axis.size, dim=SEQ)[axis.rank].contiguous()
+
+
+class _GatherSequence(torch.autograd.Function):
+    """f with sequence parallelism: the sequence shards gathered; gradient reduce-scattered."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return _all_gather_seq(x, axis)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_seq(grad, ctx.axis), None
+
+
+class _ScatterSequence(torch.autograd.Function):
+    """g with sequence parallelism: partial outputs summed into sequence shards; gradient gathered."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return _reduce_scatter_seq(x, axis)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_seq(grad, ctx.axis), None
+
+
+class _SplitSequence(torch.autograd.Function):
+    """Into the sequence-parallel region: this rank's chunk of a whole (identical) sequence;
+    gradient gathered."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return _own_chunk(x, axis)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_seq(grad, ctx.axis), None
+
+
+class _WholeSequence(torch.autograd.Function):
+    """Out of the sequence-parallel region, to replicated layers: the shards gathered; the
+    gradient (the same on every rank) split back."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return _all_gather_seq(x, axis)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _own_chunk(grad, ctx.axis), None
+
+
+@dataclass(frozen=True)
+class TPComm:
+    """The TP group's transitions: into the column-parallel region ("f", or with sequence
+    parallelism an all-gather of the sequence shards) and out of the row-parallel one ("g",
+    or a reduce-scatter to sequence shards)."""
+
+    axis: Axis
+    sequence_parallel: bool = False
+
+    def into_columns(self, x: torch.Tensor) -> torch.Tensor:
+        if self.axis.size == 1:
+            return x
+        return _GatherSequence.apply(x, self.axis) if self.sequence_parallel else copy_to_tp(x, self.axis)
+
+    def out_of_rows(self, y: torch.Tensor) -> torch.Tensor:
+        if self.axis.size == 1:
+            return y
+        return _ScatterSequence.apply(y, self.axis) if self.sequence_parallel else reduce_from_tp(y, self.axis)
+
+
 # -- where each parameter's elements come from ------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -149,48 +259,61 @@ class TPLayout:
 # -- the layers --------------------------------------------------------------------------------------
 
 class _SharedInput:
-    """One "f" for all the column-parallel linears of a module: a pre-hook copies the module's
-    input to the TP group once; a linear given that very tensor uses the copy, any other
-    input gets an "f" of its own (so a module that feeds its linears something else is still
-    right, only less frugal)."""
+    """One "f" for all the column-parallel linears of a module: a pre-hook passes the module
+    f(input) instead of its input (with sequence parallelism, the gathered sequence, so the
+    module, attention included, sees the whole sequence); a linear given that tensor uses it
+    as it is, any other input gets an "f" of its own (so a module that feeds its linears
+    something else is still right, only less frugal)."""
 
-    def __init__(self, module: nn.Module, axis: Axis):
-        self.axis = axis
-        self.source: torch.Tensor | None = None
+    def __init__(self, module: nn.Module, comm: TPComm):
+        self.comm = comm
         self.copy: torch.Tensor | None = None
         module.register_forward_pre_hook(self._before, with_kwargs=True)
         module.register_forward_hook(self._after)
 
     def _before(self, _module, args, kwargs):
-        x = args[0] if args else kwargs.get("hidden_states", kwargs.get("x"))
-        self.source, self.copy = x, (copy_to_tp(x, self.axis) if isinstance(x, torch.Tensor) else None)
+        if args and isinstance(args[0], torch.Tensor):
+            self.copy = self.comm.into_columns(args[0])
+            return (self.copy, *args[1:]), kwargs
+        key = "hidden_states" if "hidden_states" in kwargs else "x"
+        if isinstance(kwargs.get(key), torch.Tensor):
+            self.copy = self.comm.into_columns(kwargs[key])
+            return args, {**kwargs, key: self.copy}
+        return None
 
     def _after(self, *_):
-        self.source = self.copy = None
+        self.copy = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.copy if x is self.source and self.copy is not None else copy_to_tp(x, self.axis)
+        return x if x is self.copy else self.comm.into_columns(x)
+
+
+def _into_columns(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A column-parallel layer's input: the module's shared "f", its own, or (`comm` None: a
+    LoRA B, whose input A computed after the transition) none."""
+    if layer.shared is not None:
+        return layer.shared(x)
+    return x if layer.comm is None else layer.comm.into_columns(x)
 
 
 class ColumnParallelLinear(nn.Linear):
     """y_local = f(x) W_local^T + b_local: this rank's share of the output features."""
 
-    axis: Axis
+    comm: TPComm | None
     shared: _SharedInput | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.shared(x) if self.shared is not None else copy_to_tp(x, self.axis)
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(_into_columns(self, x), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Linear):
     """y = g(x_local W_local^T) + b: the partial products over this rank's input features,
     summed over the group; the bias (replicated) added once, after the sum."""
 
-    axis: Axis
+    comm: TPComm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tp(F.linear(x, self.weight), self.axis)
+        y = self.comm.out_of_rows(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 
@@ -198,22 +321,20 @@ class HeadSelectLinear(nn.Linear):
     """A key or value projection with fewer heads than TP ranks: the whole (replicated) weight,
     of which this rank computes the rows of the one head its query heads use."""
 
-    axis: Axis
+    comm: TPComm | None
     rows: slice
-
     shared: _SharedInput | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias[self.rows]
-        x = self.shared(x) if self.shared is not None else copy_to_tp(x, self.axis)
-        return F.linear(x, self.weight[self.rows], bias)
+        return F.linear(_into_columns(self, x), self.weight[self.rows], bias)
 
 
-def _swap(linear: nn.Linear, cls: type, in_features: int, out_features: int, axis: Axis) -> nn.Linear:
+def _swap(linear: nn.Linear, cls: type, in_features: int, out_features: int, comm: TPComm) -> nn.Linear:
     """`cls` in place of `linear`, with parameters of the new shape on the meta device and
     the same trainability."""
     new = cls(in_features, out_features, bias=linear.bias is not None, device="meta", dtype=linear.weight.dtype)
-    new.axis = axis
+    new.comm = comm
     for name in ("weight", "bias"):
         old = getattr(linear, name)
         if old is not None:
@@ -236,12 +357,15 @@ class Style:
     kv: bool = False
 
 
-def parallelize(model: nn.Module, plan: dict[str, Style], axis: Axis) -> TPLayout:
+def parallelize(model: nn.Module, plan: dict[str, Style], axis: Axis,
+                sequence: tuple[str, str] | None = None) -> TPLayout:
     """Swap the linears named in `plan` (module-name patterns, `*` for one name part) for
     their tensor-parallel versions over `axis`. TPError naming the layer and the sizes when a
-    shape does not divide; the patterns must each match a linear."""
+    shape does not divide; the patterns must each match a linear. `sequence`: (the first
+    block, the final norm) for sequence parallelism between them."""
     tp, rank = axis.size, axis.rank
     layout = TPLayout(tp, rank)
+    comm = TPComm(axis, sequence is not None)
     modules = dict(model.named_modules())
     shared: dict[str, _SharedInput] = {}
     for pattern, style in plan.items():
@@ -255,19 +379,45 @@ def parallelize(model: nn.Module, plan: dict[str, Style], axis: Axis) -> TPLayou
             share = None
             if style.kind == "column" and tp > 1 and owner is not model:  # one "f" per module input
                 if parent not in shared:
-                    shared[parent] = _SharedInput(owner, axis)
+                    shared[parent] = _SharedInput(owner, comm)
                 share = shared[parent]
             target = modules[name]
             if _is_adapted(target):
-                _split_adapted(name, target, style, axis, layout, share)
+                _split_adapted(name, target, style, comm, layout, share)
                 continue
             if not isinstance(target, nn.Linear):
                 raise TPError(f"{name}: the tensor-parallel plan splits linear layers, and this is a "
                               f"{type(target).__name__}")
-            new = _split_linear(name, target, style, axis, layout)
+            new = _split_linear(name, target, style, comm, layout)
             new.shared = share if style.kind == "column" else None
             setattr(owner, attr, new)
+    if sequence is not None and tp > 1:
+        _sequence_parallel(model, modules, sequence, axis, layout)
     return layout
+
+
+def _sequence_parallel(model: nn.Module, modules: dict, ends: tuple[str, str], axis: Axis, layout: TPLayout) -> None:
+    """Split the sequence at the first block's input, gather it at the final norm's output;
+    every replicated parameter in between (norms, row-parallel biases, LoRA's unsplit halves)
+    sees a part of the tokens: its gradient is a partial sum."""
+    first, last = ends
+    for name in ends:
+        if name not in modules:
+            raise TPError(f"sequence parallelism: {type(model).__name__} has no module {name!r}")
+
+    def split_input(_module, args, kwargs):
+        if args:
+            return (_SplitSequence.apply(args[0], axis), *args[1:]), kwargs
+        key = "hidden_states" if "hidden_states" in kwargs else "x"
+        return args, {**kwargs, key: _SplitSequence.apply(kwargs[key], axis)}
+
+    modules[first].register_forward_pre_hook(split_input, with_kwargs=True)
+    modules[last].register_forward_hook(lambda _m, _args, out: _WholeSequence.apply(out, axis))
+    block_prefix = first.rpartition(".")[0] + "."  # every block: the list the first one is in
+    for name, _ in model.named_parameters():
+        inside = name.startswith(block_prefix) or name.startswith(last + ".")
+        if inside and name not in layout.split:
+            layout.partial.add(name)
 
 
 def _is_adapted(module: nn.Module) -> bool:
@@ -276,13 +426,13 @@ def _is_adapted(module: nn.Module) -> bool:
     return isinstance(getattr(module, "base_layer", None), nn.Linear) and hasattr(module, "lora_A")
 
 
-def _split_adapted(name: str, wrapper: nn.Module, style: Style, axis: Axis, layout: TPLayout,
+def _split_adapted(name: str, wrapper: nn.Module, style: Style, comm: TPComm, layout: TPLayout,
                    share: _SharedInput | None) -> None:
     """A LoRA layer split to match its base: column-parallel, B splits its outputs as the base
-    does (with its own "f" on A's output) and A stays whole; row-parallel, A splits its inputs as
-    the base does (its partial products summed, "g") and B stays whole. Every gradient is then
-    complete on each rank: no partial sums beyond the base's own."""
-    base = _split_linear(name, wrapper.base_layer, style, axis, layout)
+    does and A stays whole, taking the base's input transition (its gradient a partial sum over
+    the TP ranks); row-parallel, A splits its inputs as the base does (its partial products
+    summed, "g") and B stays whole."""
+    base = _split_linear(name, wrapper.base_layer, style, comm, layout)
     base.shared = share if style.kind == "column" else None
     wrapper.base_layer = base
     for attr, p in base._parameters.items():  # the model's own names (`q_proj.weight`) alias the base's
@@ -290,12 +440,23 @@ def _split_adapted(name: str, wrapper: nn.Module, style: Style, axis: Axis, layo
             wrapper._parameters[attr] = p
     for key in list(wrapper.lora_A.keys()):
         if style.kind == "column":
-            wrapper.lora_B[key] = _split_linear(f"{name}.lora_B.{key}", wrapper.lora_B[key], style, axis, layout)
+            # A (whole) takes the base's input transition, B splits its outputs as the base does
+            # and needs none; A's gradient is then each rank's part of the sum over B's shards
+            a = wrapper.lora_A[key]
+            wrapper.lora_A[key] = _swap(a, ColumnParallelLinear, a.in_features, a.out_features, comm)
+            wrapper.lora_A[key].shared = share
+            layout.partial |= {f"{name}.lora_A.{key}.{p}" for p, _ in wrapper.lora_A[key].named_parameters()}
+            wrapper.lora_B[key] = _split_linear(f"{name}.lora_B.{key}", wrapper.lora_B[key], style, None, layout,
+                                                comm.axis)
         else:
-            wrapper.lora_A[key] = _split_linear(f"{name}.lora_A.{key}", wrapper.lora_A[key], style, axis, layout)
+            wrapper.lora_A[key] = _split_linear(f"{name}.lora_A.{key}", wrapper.lora_A[key], style, comm, layout)
 
 
-def _split_linear(name: str, linear: nn.Linear, style: Style, axis: Axis, layout: TPLayout) -> nn.Linear:
+def _split_linear(name: str, linear: nn.Linear, style: Style, comm: TPComm | None, layout: TPLayout,
+                  axis: Axis | None = None) -> nn.Linear:
+    """`linear`'s tensor-parallel version; `comm` None (with the group's `axis`): a column split
+    with no input transition."""
+    axis = comm.axis if comm is not None else axis
     tp, rank = axis.size, axis.rank
     out_f, in_f = linear.out_features, linear.in_features
     if style.kind == "row":
@@ -303,14 +464,14 @@ def _split_linear(name: str, linear: nn.Linear, style: Style, axis: Axis, layout
             raise TPError(f"{name}: parallel.tp={tp} does not divide its {in_f} input features")
         layout.split[f"{name}.weight"] = Split(1)
         layout.global_shape[f"{name}.weight"] = (out_f, in_f)
-        return _swap(linear, RowParallelLinear, in_f // tp, out_f, axis)
+        return _swap(linear, RowParallelLinear, in_f // tp, out_f, comm)
     if style.heads is not None and style.heads % tp:
         if not style.kv:
             raise TPError(f"{name}: parallel.tp={tp} does not divide its {style.heads} attention heads")
         if tp % style.heads:
             raise TPError(f"{name}: parallel.tp={tp} neither divides its {style.heads} key/value heads nor is a "
                           f"multiple of them (each would be replicated on tp / heads ranks)")
-        new = _swap(linear, HeadSelectLinear, in_f, out_f, axis)
+        new = _swap(linear, HeadSelectLinear, in_f, out_f, comm)
         head_dim = out_f // style.heads
         h = rank * style.heads // tp  # the key/value head of this rank's query heads
         new.rows = slice(h * head_dim, (h + 1) * head_dim)
@@ -324,7 +485,7 @@ def _split_linear(name: str, linear: nn.Linear, style: Style, axis: Axis, layout
         if t is not None:
             layout.split[f"{name}.{p}"] = Split(0, style.parts)
             layout.global_shape[f"{name}.{p}"] = tuple(t.shape)
-    return _swap(linear, ColumnParallelLinear, in_f, out_f // tp, axis)
+    return _swap(linear, ColumnParallelLinear, in_f, out_f // tp, comm)
 
 
 def _match(pattern: str, name: str) -> bool:

@@ -78,7 +78,8 @@ class Topology:
         return self.dp_rank // self.dp_shard
 
     def size(self, axis: str) -> int:
-        return {"shard": self.dp_shard, "replicate": self.dp_outer, "tp": self.tp, "dp": self.dp_size}[self._known(axis)]
+        sizes = {"shard": self.dp_shard, "replicate": self.dp_outer, "tp": self.tp, "dp": self.dp_size}
+        return sizes[self._known(axis)]
 
     def axis_rank(self, axis: str) -> int:
         return {"shard": self.shard_rank, "replicate": self.replica_rank, "tp": self.tp_rank,

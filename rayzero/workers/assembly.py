@@ -75,7 +75,7 @@ def tensor_parallel(built: Built, cfg: RootConfig, spec: ModelSpec, axis: Axis) 
     TPError for sizes that do not divide."""
     if axis.size == 1:
         return
-    built.tp = spec.parallelize(built.model, axis)
+    built.tp = spec.parallelize(built.model, axis, cfg.parallel.sequence_parallel)
 
 
 def checkpoint_blocks(built: Built, cfg: RootConfig, spec: ModelSpec) -> None:

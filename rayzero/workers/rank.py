@@ -166,7 +166,8 @@ class Rank:
             "backend": backend,
             "device": str(self.device),
             "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
-            "flops_per_token": self.spec.flops_per_token(self.model, cfg.train.seq_len),
+            # the whole model's (6 per parameter a TP rank does not hold, too): tokens count once per TP group
+            "flops_per_token": self.spec.flops_per_token(self.model, cfg.train.seq_len) + 6.0 * whole,
             "num_params": num_params + whole,
             "trainable_params": trainable + whole,
             "params_per_rank": num_params,

@@ -1,7 +1,8 @@
 """Tensor parallelism composed with every strategy equals a plain single-process torch run.
 
 World 4 as tp 2 x dp 2 (every strategy, and ZeRO-3 with activation checkpointing), tp 2 x
-replicate 2 (HSDP) and tp 4 x dp 1: after 10 steps every parameter, gathered whole from the TP
+replicate 2 (HSDP) and tp 4 x dp 1, and with sequence parallelism (tp 2 under ZeRO-2 and
+ZeRO-3 with activation checkpointing, tp 4 under DDP): after 10 steps every parameter, gathered whole from the TP
 shards, is within 1e-5 of `torch.optim.AdamW` on the same model and batches, with clipping
 engaged (so the gradient norm counts each element once across TP). The built-in GPT (q|k|v
 fused), an HF Llama with grouped-query attention (4 heads, 2 key/value heads: split at tp 2,
@@ -21,12 +22,17 @@ from tests.models import save_hf_model
 pytestmark = pytest.mark.slow
 
 STEPS, MICRO, WORLD = 10, 2, 4
-TP2 = ["parallel.tp=2"]
-RUNS = [(f"tp2/{s}", [*TP2, f"sharding.strategy={s}"]) for s in ("no_shard", "optim", "optim_grads", "optim_grads_params")]
+TP2, SP = ["parallel.tp=2"], "parallel.sequence_parallel=true"
+RUNS = [(f"tp2/{s}", [*TP2, f"sharding.strategy={s}"])
+        for s in ("no_shard", "optim", "optim_grads", "optim_grads_params")]
 RUNS += [
     ("tp2/zero3+ac", [*TP2, "sharding.strategy=optim_grads_params", "model.activation_checkpointing=full"]),
     ("tp2/hsdp", [*TP2, "sharding.strategy=optim_grads_params", "sharding.dp_outer=2"]),
     ("tp4/optim", ["parallel.tp=4", "sharding.strategy=optim"]),
+    # sequence parallelism: norms and residuals on sequence shards
+    ("tp2+sp/optim_grads", [*TP2, SP, "sharding.strategy=optim_grads"]),
+    ("tp2+sp/zero3+ac", [*TP2, SP, "sharding.strategy=optim_grads_params", "model.activation_checkpointing=full"]),
+    ("tp4+sp/no_shard", ["parallel.tp=4", SP, "sharding.strategy=no_shard"]),
 ]
 GPT = ["model.n_layer=2", "model.n_embd=64", "model.n_head=4", "model.bias=true"]
 
@@ -58,7 +64,7 @@ def test_tensor_parallel_strategies_equal_plain_torch(name, tp_dirs, small_datas
     ref_state, ref_losses = train_reference(ref, base, small_dataset, STEPS)
     runs = [(label, config(keys, extra)) for label, extra in RUNS]
     if name in ("llama-kv1", "qwen2"):  # the other runs add nothing the GPT and Llama do not show
-        runs = [r for r in runs if r[0] in ("tp2/optim_grads_params", "tp4/optim")]
+        runs = [r for r in runs if r[0] in ("tp2/optim_grads_params", "tp4/optim", "tp2+sp/zero3+ac")]
     results = run_ranks(WORLD, runs, small_dataset)
     for label, _ in runs:
         assert_matches(results, label, WORLD, ref_state, ref_losses)
@@ -134,8 +140,9 @@ def test_lora_under_tp2_x_dp2_trains_what_a_single_process_peft_run_trains(small
     from tests.dist.reference import rel_error
 
     llama = save_hf_model("llama-untied", tmp_path / "llama")
-    runs = [(label, lora_config(llama, WORLD, strategy, ["parallel.tp=2", "optim.lr=1e-3"]))
-            for label, strategy in (("tp2/zero3", "optim_grads_params"), ("tp2/ddp", "no_shard"))]
+    runs = [(label, lora_config(llama, WORLD, strategy, ["parallel.tp=2", "optim.lr=1e-3", *extra]))
+            for label, strategy, extra in (("tp2/zero3", "optim_grads_params", ()), ("tp2/ddp", "no_shard", ()),
+                                           ("tp2+sp/zero3", "optim_grads_params", (SP,)))]
     out = run(runs, WORLD, small_dataset)
     first = out[(runs[0][0], 0)]
     adapters = [n for n in first["state"] if ".lora_" in n]

@@ -37,7 +37,8 @@ def test_impossible_topologies_are_refused(world, rank, outer):
         Topology(world, rank, outer)
 
 
-@pytest.mark.parametrize("world, outer, tp", [(4, 1, 2), (4, 1, 4), (4, 2, 2), (8, 2, 2), (8, 1, 2), (6, 1, 3), (2, 2, 1)])
+@pytest.mark.parametrize("world, outer, tp", [(4, 1, 2), (4, 1, 4), (4, 2, 2), (8, 2, 2), (8, 1, 2), (6, 1, 3),
+                                              (2, 2, 1)])
 def test_the_mesh_has_every_rank_once_per_axis_and_tp_groups_are_consecutive(world, outer, tp):
     t0 = Topology(world, 0, outer, tp)
     for axis, size in (("shard", world // (outer * tp)), ("replicate", outer), ("tp", tp), ("dp", world // tp)):
@@ -66,8 +67,8 @@ def test_the_mesh_in_words_and_a_wrong_product_named():
         Topology(4, 0, 2, 4)
 
 
-@pytest.mark.parametrize("split, shape, tp", [(Split(0), (8, 3), 2), (Split(1), (4, 6), 3), (Split(0, parts=3), (12, 2), 2),
-                                              (Split(0), (8,), 4)])
+@pytest.mark.parametrize("split, shape, tp", [(Split(0), (8, 3), 2), (Split(1), (4, 6), 3),
+                                              (Split(0, parts=3), (12, 2), 2), (Split(0), (8,), 4)])
 def test_each_tp_rank_reads_exactly_its_slice_of_the_whole_tensor(split, shape, tp):
     """TPSlices maps a rank's local elements (whole or any range of them) to the whole
     tensor's, as Megatron splits it: rows, columns, or each fused part's rows."""
