@@ -244,6 +244,7 @@ class Controller:
                     strategy=c.placement_strategy,
                     # The first try waits for resources to appear; smaller ones only take what is free.
                     placement_timeout_s=c.placement_timeout_s if first_error is None else min(c.placement_timeout_s, 2.0),
+                    same_node=self.cfg.parallel.tp,
                 )
             except PlacementError as e:
                 first_error = first_error or e

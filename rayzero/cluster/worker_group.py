@@ -33,8 +33,11 @@ class WorkerGroup:
         *,
         strategy: str = "PACK",
         placement_timeout_s: float = 60.0,
+        same_node: int = 1,
     ) -> "WorkerGroup":
-        """Reserve one `bundle` per rank, then start `actor_cls(*actor_args(rank))` in each."""
+        """Reserve one `bundle` per rank, then start `actor_cls(*actor_args(rank))` in each.
+        `same_node`: each run of that many consecutive ranks (a tensor-parallel group) must
+        have landed on one node; PlacementError naming the groups that did not."""
         bundles = [dict(bundle) for _ in range(num_workers)]
         pg = placement_group(bundles, strategy=strategy)
         try:
@@ -48,6 +51,17 @@ class WorkerGroup:
                 f"the cluster has {available}. Use fewer workers, a smaller "
                 f"cluster.cpus_per_worker, or a bigger cluster."
             ) from None
+        if same_node > 1:
+            nodes = placement_group_table(pg)["bundles_to_node_id"]
+            split = [list(range(g, g + same_node)) for g in range(0, num_workers, same_node)
+                     if len({nodes[i] for i in range(g, g + same_node)}) > 1]
+            if split:
+                remove_placement_group(pg)
+                raise PlacementError(
+                    f"parallel.tp={same_node}: the ranks of tensor-parallel group(s) {split} were placed on "
+                    f"different nodes, and their per-layer all-reduces need one node's interconnect; give each "
+                    f"node room for a multiple of {same_node} workers (cluster.placement_strategy=PACK places "
+                    f"them in order)")
         actors = []
         try:
             for rank in range(num_workers):
