@@ -1,7 +1,8 @@
 """Tensor parallelism composed with every strategy equals a plain single-process torch run.
 
 World 4 as tp 2 x dp 2 (every strategy, and ZeRO-3 with activation checkpointing), tp 2 x
-replicate 2 (HSDP) and tp 4 x dp 1, and with sequence parallelism (tp 2 under ZeRO-1, ZeRO-2
+replicate 2 (HSDP, and Hybrid-FSDP: the optimizer state split across the replicas) and
+tp 4 x dp 1, and with sequence parallelism (tp 2 under ZeRO-1, ZeRO-2
 and ZeRO-3 with activation checkpointing, tp 4 under DDP): after 10 steps every parameter,
 gathered whole from the TP shards, is within 1e-5 of `torch.optim.AdamW` on the same model and
 batches, with clipping engaged (so the gradient norm counts each element once across TP). The
@@ -29,6 +30,8 @@ RUNS = [(f"tp2/{s}", [*TP2, f"sharding.strategy={s}"])
 RUNS += [
     ("tp2/zero3+ac", [*TP2, "sharding.strategy=optim_grads_params", "model.activation_checkpointing=full"]),
     ("tp2/hsdp", [*TP2, "sharding.strategy=optim_grads_params", "sharding.dp_outer=2"]),
+    ("tp2/hybrid_fsdp", [*TP2, "sharding.strategy=optim_grads_params", "sharding.dp_outer=2",
+                         "sharding.outer_strategy=optim"]),
     ("tp4/optim", ["parallel.tp=4", "sharding.strategy=optim"]),
     # sequence parallelism: norms and residuals on sequence shards
     ("tp2+sp/optim", [*TP2, SP, "sharding.strategy=optim"]),
