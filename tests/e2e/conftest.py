@@ -22,14 +22,11 @@ from tests.conftest import free_port
 BIN = Path(sys.executable).parent
 
 
-def run_cli(*args: str, cwd: Path, timeout: float = 300, env: dict | None = None,
-            address: str | None = None) -> subprocess.CompletedProcess:
-    """`rayzero ARGS…` exactly as a user types it; with `address`, in an environment whose
-    RAY_ADDRESS names that cluster (what `ray job submit` gives a job), so that a run with no
-    `cluster.address` joins it instead of starting a local Ray."""
+def run_cli(*args: str, cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`rayzero ARGS…` exactly as a user types it, in a process of its own."""
     return subprocess.run(
         [str(BIN / "rayzero"), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, "RAY_AUTH_MODE": "token", **({"RAY_ADDRESS": address} if address else {}), **(env or {})},
+        env={**os.environ, "RAY_AUTH_MODE": "token", **(env or {})},
     )
 
 

@@ -1,6 +1,7 @@
-"""Checkpoints through the CLI, against a real S3 server (SeaweedFS) and local paths. The runs
-join the session's Ray cluster through RAY_ADDRESS (as a job submitted with `ray job submit`
-does); `rayzero ckpt` and the failures found before training run `main` in this process."""
+"""Checkpoints through the CLI, against a real S3 server (SeaweedFS) and local paths. `rayzero
+train` and `rayzero ckpt` run by the CLI's `main` in this process (what is tested is the
+checkpoints, not the entry point, which test_cli.py and test_job_submit.py run as processes);
+the runs join the session's Ray cluster (`cluster.address`)."""
 
 import json
 import shutil
@@ -13,7 +14,6 @@ from safetensors.torch import load_file
 from rayzero.config import load_config
 from rayzero.models.gpt import build_model
 from tests.conftest import cli_in_process
-from tests.e2e.conftest import run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 FAST = ["model.n_layer=2", "model.n_embd=64", "model.n_head=4", "train.seq_len=64",
@@ -21,10 +21,16 @@ FAST = ["model.n_layer=2", "model.n_embd=64", "model.n_head=4", "train.seq_len=6
         "optim.warmup_steps=2"]
 
 
-def train(tmp_path, address, data, *args, name="s.json"):
-    r = run_cli("train", "--no-progress", "--summary-json", str(tmp_path / name), f"data.path={data}", *FAST, *args,
-                cwd=tmp_path, address=address)
-    return r, (json.loads((tmp_path / name).read_text()) if r.returncode == 0 else None)
+@pytest.fixture
+def train(tmp_path, ray_cluster, small_dataset, capsys, monkeypatch):
+    """`rayzero train ARGS…` on the session's cluster, in this process: (exit code, stdout,
+    stderr, the summary of a run that succeeded, else None)."""
+    def run(*args, name="s.json"):
+        code, out, err = cli_in_process(capsys, monkeypatch, tmp_path, "train", "--no-progress", "--summary-json",
+                                        str(tmp_path / name), f"data.path={small_dataset}", *FAST,
+                                        f"cluster.address={ray_cluster}", *args)
+        return code, out, err, (json.loads((tmp_path / name).read_text()) if code == 0 else None)
+    return run
 
 
 @pytest.fixture
@@ -33,14 +39,14 @@ def ckpt(tmp_path, capsys, monkeypatch):
     return lambda *args: cli_in_process(capsys, monkeypatch, tmp_path, "ckpt", *args)
 
 
-def test_s3_checkpoints_resume_list_verify_and_export(tmp_path, ray_cluster, small_dataset, s3_server, ckpt):
+def test_s3_checkpoints_resume_list_verify_and_export(tmp_path, s3_server, ckpt, train):
     s3 = s3_server.overrides()
     where = "checkpoint.dir=s3://ckpt/run-a"
-    r, s = train(tmp_path, ray_cluster, small_dataset, where, *s3, "train.steps=10", "checkpoint.every_steps=4",
-                 "checkpoint.keep_last=2", f"train.save_final={tmp_path / 'final.safetensors'}")
-    assert r.returncode == 0, r.stderr[-3000:]
+    code, out, err, s = train(where, *s3, "train.steps=10", "checkpoint.every_steps=4",
+                              "checkpoint.keep_last=2", f"train.save_final={tmp_path / 'final.safetensors'}")
+    assert code == 0, err[-3000:]
     assert s["checkpoint"] == "s3://ckpt/run-a/step-000010" and s["checkpoints_committed"] == 3
-    assert s3_server.KEY not in r.stdout + r.stderr and s3_server.SECRET not in r.stdout + r.stderr
+    assert s3_server.KEY not in out + err and s3_server.SECRET not in out + err
 
     code, out, err = ckpt("ls", "s3://ckpt/run-a", *s3)
     assert code == 0, err
@@ -65,35 +71,31 @@ def test_s3_checkpoints_resume_list_verify_and_export(tmp_path, ray_cluster, sma
     assert loss.item() == F.cross_entropy(model(x).flatten(0, 1), x.flatten()).item()
 
     # The same command with more steps continues from the last commit, up to the new total.
-    r, s = train(tmp_path, ray_cluster, small_dataset, where, *s3, "train.steps=14", "checkpoint.every_steps=4",
-                 name="b.json")
-    assert r.returncode == 0, r.stderr[-3000:]
+    code, out, err, s = train(where, *s3, "train.steps=14", "checkpoint.every_steps=4", name="b.json")
+    assert code == 0, err[-3000:]
     assert s["start_step"] == 10 and s["steps"] == 4 and s["resumed_from"] == "s3://ckpt/run-a/step-000010"
 
 
-def test_a_damaged_shard_is_named_and_auto_falls_back(tmp_path, ray_cluster, small_dataset, ckpt):
+def test_a_damaged_shard_is_named_and_auto_falls_back(tmp_path, ckpt, train, caplog):
     root = tmp_path / "ck"
-    r, s = train(tmp_path, ray_cluster, small_dataset, f"checkpoint.dir={root}", "train.steps=6",
-                 "checkpoint.every_steps=3")
-    assert r.returncode == 0, r.stderr[-3000:]
+    code, out, err, s = train(f"checkpoint.dir={root}", "train.steps=6", "checkpoint.every_steps=3")
+    assert code == 0, err[-3000:]
     shard = root / "step-000006" / "shard-00001-of-00002.safetensors"
     data = bytearray(shard.read_bytes())
     data[-100] ^= 0xFF
     shard.write_bytes(bytes(data))
     code, _, err = ckpt("verify", str(root / "step-000006"))
     assert code == 2 and "shard-00001-of-00002.safetensors" in err and "checksum" in err
-    r, s = train(tmp_path, ray_cluster, small_dataset, f"checkpoint.dir={root}", "train.steps=8",
-                 "checkpoint.every_steps=3", name="b.json")
-    assert r.returncode == 0, r.stderr[-3000:]
+    code, out, err, s = train(f"checkpoint.dir={root}", "train.steps=8", "checkpoint.every_steps=3", name="b.json")
+    assert code == 0, err[-3000:]
     assert s["start_step"] == 3, "the damaged step-6 checkpoint is skipped for step 3"
-    assert "step-000006 is damaged" in r.stderr and "shard-00001-of-00002.safetensors" in r.stderr
+    assert "step-000006 is damaged" in caplog.text and "shard-00001-of-00002.safetensors" in caplog.text
 
 
-def test_another_model_and_uncommitted_prefixes(tmp_path, ray_cluster, small_dataset, capsys, monkeypatch):
+def test_another_model_and_uncommitted_prefixes(tmp_path, ray_cluster, small_dataset, capsys, monkeypatch, train):
     root = tmp_path / "ck"
-    r, _ = train(tmp_path, ray_cluster, small_dataset, f"checkpoint.dir={root}", "train.steps=3",
-                 "checkpoint.every_steps=3")
-    assert r.returncode == 0, r.stderr[-3000:]
+    code, out, err, _ = train(f"checkpoint.dir={root}", "train.steps=3", "checkpoint.every_steps=3")
+    assert code == 0, err[-3000:]
     # Another model into the same directory: refused before anything starts, both models named.
     import ray
 
@@ -110,19 +112,18 @@ def test_another_model_and_uncommitted_prefixes(tmp_path, ray_cluster, small_dat
                      "scratch beside them")
     assert "blocks.2.attn.qkv.weight: missing from the checkpoint" in err and "Traceback" not in err
     # The second way out: from scratch beside them. Its rotation leaves the first model's alone.
-    r, s = train(tmp_path, ray_cluster, small_dataset, *other, "checkpoint.resume=none", "checkpoint.every_steps=2",
-                 "checkpoint.keep_last=1", name="o.json")
-    assert r.returncode == 0, r.stderr[-3000:]
+    code, out, err, s = train(*other, "checkpoint.resume=none", "checkpoint.every_steps=2", "checkpoint.keep_last=1",
+                              name="o.json")
+    assert code == 0, err[-3000:]
     assert s["start_step"] == 0 and sorted(p.name for p in root.iterdir()) == ["step-000003", "step-000006"]
     # A prefix without a manifest (a crash mid-upload) is not a checkpoint: skipped, then pruned.
     orphan = root / "step-000005"
     shutil.copytree(root / "step-000003", orphan)
     (orphan / "manifest.json").unlink()
-    r, s = train(tmp_path, ray_cluster, small_dataset, f"checkpoint.dir={root}", "train.steps=6",
-                 "checkpoint.every_steps=3", name="c.json")
-    assert r.returncode == 0, r.stderr[-3000:]
+    code, out, err, s = train(f"checkpoint.dir={root}", "train.steps=6", "checkpoint.every_steps=3", name="c.json")
+    assert code == 0, err[-3000:]
     assert s["start_step"] == 3 and not orphan.exists(), "the first model's own newest commit, not the other's"
-    assert f"rayzero: resuming from {root / 'step-000003'} at step 3 of 6" in r.stderr
+    assert f"rayzero: resuming from {root / 'step-000003'} at step 3 of 6" in err
     # Nothing left to do: said before Ray starts.
     code, out, err = cli_in_process(capsys, monkeypatch, tmp_path, "train", "--no-progress", *FAST,
                                     f"data.path={small_dataset}", f"checkpoint.dir={root}", "train.steps=6",
@@ -188,7 +189,7 @@ def test_unusable_storage_is_found_before_training(tmp_path, small_dataset, s3_s
     assert "not-the-secret" not in out + err
 
 
-def test_storage_stopped_mid_run_leaves_the_last_commit_intact(tmp_path, ray_cluster, small_dataset, ckpt):
+def test_storage_stopped_mid_run_leaves_the_last_commit_intact(tmp_path, ckpt, train):
     import threading
     import time
 
@@ -203,8 +204,8 @@ def test_storage_stopped_mid_run_leaves_the_last_commit_intact(tmp_path, ray_clu
         # A rank stuck on dead storage is caught by the watchdog; no restarts: this is about the commit.
         args = ["checkpoint.dir=s3://ckpt/run-s", *s3, "checkpoint.every_steps=2", "cluster.pg_timeout_s=60",
                 "failure.max_restarts=0", "failure.phase_timeout_s=10"]
-        r, s = train(tmp_path, ray_cluster, small_dataset, *args, "train.steps=4")
-        assert r.returncode == 0, r.stderr[-3000:]
+        code, out, err, s = train(*args, "train.steps=4")
+        assert code == 0, err[-3000:]
 
         # Stop the server while the next run trains and uploads (once it has committed past
         # step 4, with most of its 400 steps to go): the run fails, the commit stays.
@@ -223,14 +224,14 @@ def test_storage_stopped_mid_run_leaves_the_last_commit_intact(tmp_path, ray_clu
 
         stopper = threading.Thread(target=stop_mid_run, daemon=True)
         stopper.start()
-        r, _ = train(tmp_path, ray_cluster, small_dataset, *args, "train.steps=400", name="b.json")
+        code, out, err, _ = train(*args, "train.steps=400", name="b.json")
         stopper.join()
-        assert r.returncode != 0
+        assert code != 0
         server.start()
         code, out, err = ckpt("verify", "s3://ckpt/run-s", *s3)
         assert code == 0, err
-        r, s = train(tmp_path, ray_cluster, small_dataset, *args, "train.steps=6", name="c.json")
-        assert r.returncode == 0, r.stderr[-3000:]
+        code, out, err, s = train(*args, "train.steps=6", name="c.json")
+        assert code == 0, err[-3000:]
         assert s["start_step"] >= 4 and s["resumed_from"].startswith("s3://ckpt/run-s/step-")
     finally:
         server.stop()
@@ -249,7 +250,8 @@ class DiesDuringUpload:
         return out
 
 
-def test_a_rank_killed_during_an_upload_leaves_the_last_commit_usable(tmp_path, ray_cluster, small_dataset, ckpt):
+def test_a_rank_killed_during_an_upload_leaves_the_last_commit_usable(tmp_path, ray_cluster, small_dataset, ckpt,
+                                                                      train):
     import sys
 
     import ray
@@ -280,7 +282,6 @@ def test_a_rank_killed_during_an_upload_leaves_the_last_commit_usable(tmp_path, 
     assert actors == [] and groups == []
     code, out, err = ckpt("verify", str(root))
     assert code == 0 and "step-000002" in out, err
-    r, s = train(tmp_path, ray_cluster, small_dataset, f"checkpoint.dir={root}", "train.steps=8",
-                 "checkpoint.every_steps=2")
-    assert r.returncode == 0, r.stderr[-3000:]
+    code, out, err, s = train(f"checkpoint.dir={root}", "train.steps=8", "checkpoint.every_steps=2")
+    assert code == 0, err[-3000:]
     assert s["start_step"] == 2 and s["checkpoint"].endswith("step-000008")

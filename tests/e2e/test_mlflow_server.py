@@ -1,5 +1,6 @@
 """A real `mlflow server` on loopback: what a run logs arrives, and a server that is down or
-frozen for a while neither crashes nor stalls training; its metrics arrive when it answers."""
+frozen for a while neither crashes nor stalls training; its metrics arrive when it answers. The
+runs are `rayzero train` by the CLI's `main` in this process, on the session's Ray cluster."""
 
 import json
 import os
@@ -10,8 +11,8 @@ import time
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import free_port
-from tests.e2e.conftest import MlflowServer, run_cli
+from tests.conftest import cli_in_process, free_port
+from tests.e2e.conftest import MlflowServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 RUN = ["--no-progress", "model.n_layer=2", "model.n_embd=64", "model.n_head=4", "train.seq_len=64",
@@ -27,18 +28,24 @@ def server(tmp_path):
     s.stop()
 
 
-def train(tmp_path, data, address, *args):
-    r = run_cli("train", "--summary-json", str(tmp_path / "s.json"), f"data.path={data}",
-                f"cluster.address={address}", f"train.output_dir={tmp_path / 'runs'}", *RUN, *args, cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r, json.loads((tmp_path / "s.json").read_text())
+@pytest.fixture
+def train(tmp_path, ray_cluster, small_dataset, capsys, monkeypatch, caplog):
+    """`rayzero train ARGS…` on the session's cluster, in this process: (stdout, stderr with
+    the run's log lines, the summary)."""
+    def run(*args):
+        code, out, err = cli_in_process(capsys, monkeypatch, tmp_path, "train", "--summary-json",
+                                        str(tmp_path / "s.json"), f"data.path={small_dataset}",
+                                        f"cluster.address={ray_cluster}", f"train.output_dir={tmp_path / 'runs'}",
+                                        *RUN, *args)
+        assert code == 0, err[-3000:]
+        return out, err + caplog.text, json.loads((tmp_path / "s.json").read_text())
+    return run
 
 
-def test_params_metrics_tags_and_config_arrive_and_link_the_checkpoint(tmp_path, mlflow_server, ray_cluster,
-                                                                        small_dataset):
+def test_params_metrics_tags_and_config_arrive_and_link_the_checkpoint(tmp_path, mlflow_server, train):
     server = mlflow_server
-    r, s = train(tmp_path, small_dataset, ray_cluster, f"tracking.uri={server.uri}", "tracking.experiment=e2e",
-                 "train.steps=12", "checkpoint.every_steps=6")
+    out, err, s = train(f"tracking.uri={server.uri}", "tracking.experiment=e2e", "train.steps=12",
+                        "checkpoint.every_steps=6")
     client = MlflowClient(server.uri)
     run = client.get_run(s["mlflow_run_id"])
     assert s["mlflow_tracking_uri"] == server.uri and run.info.status == "FINISHED"
@@ -54,11 +61,10 @@ def test_params_metrics_tags_and_config_arrive_and_link_the_checkpoint(tmp_path,
     assert tags["strategy"] == "optim" and tags["world_size"] == "2"
     local = client.download_artifacts(run.info.run_id, "config.json", str(tmp_path))
     assert json.loads(open(local).read())["train"]["steps"] == 12
-    assert "does not answer" not in r.stderr
+    assert "does not answer" not in err
 
 
-def test_a_tracking_server_down_at_the_start_and_frozen_later_loses_nothing(tmp_path, server, ray_cluster,
-                                                                             small_dataset):
+def test_a_tracking_server_down_at_the_start_and_frozen_later_loses_nothing(tmp_path, server, train):
     """The server is not up when training starts (the run warns once and goes on), comes up
     some seconds in, is frozen (SIGSTOP: it accepts connections and never answers) for a while,
     and thaws; every step's metrics arrive all the same, and the run finishes normally."""
@@ -76,11 +82,11 @@ def test_a_tracking_server_down_at_the_start_and_frozen_later_loses_nothing(tmp_
 
     thread = threading.Thread(target=chaos, daemon=True)
     thread.start()
-    r, s = train(tmp_path, small_dataset, ray_cluster, f"tracking.uri={server.uri}", "train.steps=300",
-                 "checkpoint.every_steps=60", "tracking.flush_timeout_s=120")
+    out, err, s = train(f"tracking.uri={server.uri}", "train.steps=300", "checkpoint.every_steps=60",
+                        "tracking.flush_timeout_s=120")
     thread.join()
-    assert "MLflow at " + server.uri + " does not answer" in r.stderr
-    assert "Check tracking.uri" in r.stderr, "the warning says what to check"
+    assert "MLflow at " + server.uri + " does not answer" in err
+    assert "Check tracking.uri" in err, "the warning says what to check"
     assert s["steps"] == 300 and s["mlflow_unsent"] is None
     client = MlflowClient(server.uri)
     run_id = s["mlflow_run_id"]
@@ -89,12 +95,11 @@ def test_a_tracking_server_down_at_the_start_and_frozen_later_loses_nothing(tmp_
     assert client.get_run(run_id).info.status == "FINISHED"
 
 
-def test_a_server_that_never_answers_leaves_the_metrics_in_the_run_directory(tmp_path, ray_cluster, small_dataset):
+def test_a_server_that_never_answers_leaves_the_metrics_in_the_run_directory(train):
     dead = f"http://127.0.0.1:{free_port()}"
-    r, s = train(tmp_path, small_dataset, ray_cluster, f"tracking.uri={dead}", "train.steps=6",
-                 "tracking.flush_timeout_s=3")
-    assert f"MLflow at {dead} does not answer" in r.stderr
+    out, err, s = train(f"tracking.uri={dead}", "train.steps=6", "tracking.flush_timeout_s=3")
+    assert f"MLflow at {dead} does not answer" in err
     assert s["steps"] == 6 and s["mlflow_run_id"] is None
     unsent = json.loads(open(s["mlflow_unsent"]).read())
     assert sorted({m["step"] for m in unsent["metrics"] if m["key"] == "loss"}) == list(range(6))
-    assert f"did not answer; unsent metrics in {s['mlflow_unsent']}" in r.stdout
+    assert f"did not answer; unsent metrics in {s['mlflow_unsent']}" in out

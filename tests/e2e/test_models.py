@@ -57,7 +57,7 @@ def test_fine_tune_an_hf_llama_export_and_load_it_back(tmp_path, ray_cluster, sm
                                                        capsys, monkeypatch):
     import transformers as tf
 
-    def rayzero(*argv):  # the commands that touch no cluster, in this process
+    def rayzero(*argv):  # the CLI's `main`, in this process
         return cli_in_process(capsys, monkeypatch, tmp_path, *argv)
 
     model = ["model.kind=hf", f"model.path={llama}"]
@@ -71,11 +71,11 @@ def test_fine_tune_an_hf_llama_export_and_load_it_back(tmp_path, ray_cluster, sm
     assert code == 2 and "was tokenized with bytes, not with the tokenizer of model.path" in err
 
     final, summary = tmp_path / "final", tmp_path / "summary.json"
-    r = run_cli("train", *model, *FAST, f"data.path={llama_data}", "train.steps=6", "checkpoint.every_steps=3",
-                "sharding.strategy=optim_grads_params", f"train.save_final={final}", "train.save_format=hf",
-                f"cluster.address={ray_cluster}", "tracking.enabled=false", "--summary-json", str(summary),
-                cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
+    code, _, err = rayzero("train", *model, *FAST, f"data.path={llama_data}", "train.steps=6",
+                           "checkpoint.every_steps=3", "sharding.strategy=optim_grads_params",
+                           f"train.save_final={final}", "train.save_format=hf", f"cluster.address={ray_cluster}",
+                           "tracking.enabled=false", "--summary-json", str(summary))
+    assert code == 0, err[-3000:]
     s = json.loads(summary.read_text())
     assert s["num_params"] == 28_832 and s["steps"] == 6
 
@@ -121,11 +121,11 @@ def test_lora_fine_tune_through_ray_exports_the_adapter_peft_loads_and_generate_
     model = ["model.kind=hf", f"model.path={llama}", "model.lora.r=4", "model.lora.alpha=8",
              "model.lora.target_modules=q_proj,v_proj,down_proj"]
     adapter, summary = tmp_path / "adapter", tmp_path / "summary.json"
-    r = run_cli("train", *model, *FAST, f"data.path={llama_data}", "train.steps=4", "checkpoint.every_steps=4",
-                "optim.lr=1e-2", "sharding.strategy=optim_grads_params", f"train.save_final={adapter}",
-                "train.save_format=peft", "tracking.enabled=false", f"cluster.address={ray_cluster}", "--summary-json",
-                str(summary), cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
+    code, _, err = rayzero("train", *model, *FAST, f"data.path={llama_data}", "train.steps=4",
+                           "checkpoint.every_steps=4", "optim.lr=1e-2", "sharding.strategy=optim_grads_params",
+                           f"train.save_final={adapter}", "train.save_format=peft", "tracking.enabled=false",
+                           f"cluster.address={ray_cluster}", "--summary-json", str(summary))
+    assert code == 0, err[-3000:]
     s = json.loads(summary.read_text())
     # r=4 on two layers' q_proj (32 -> 32), v_proj (32 -> 16) and down_proj (64 -> 32): r x (in + out) each
     assert s["trainable_params"] == 2 * 4 * ((32 + 32) + (32 + 16) + (64 + 32))

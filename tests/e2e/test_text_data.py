@@ -1,6 +1,7 @@
 """Real text through the CLI: a tiny HF Llama with its own BPE tokenizer, fine-tuned on JSONL
-instruction data with held-out validation, then `rayzero generate` on the export and on the
-checkpoint, and from Python with `Result.generate`."""
+instruction data with held-out validation (the CLI's `main` in this process, on the session's
+Ray cluster), then `rayzero generate` on the export and on the checkpoint, and from Python with
+`Result.generate`."""
 
 import json
 import random
@@ -38,12 +39,14 @@ def test_fine_tune_on_instructions_with_validation_then_generate(tmp_path, ray_c
     assert "from 200 examples" in out and "tokenizer tiny-llama (300 ids" in out
 
     summary = tmp_path / "summary.json"
-    r = run_cli("train", "model.kind=hf", f"model.path={model}", f"data.path={tmp_path / 'data'}",
-                "data.val_fraction=0.1", "train.eval_every=4", "train.eval_batches=2", "train.steps=10",
-                "train.seq_len=48", "train.global_batch_size=8", "train.micro_batch_size=2", "optim.lr=3e-3",
-                "optim.warmup_steps=2", "checkpoint.every_steps=5", f"train.save_final={tmp_path / 'final'}",
-                "train.save_format=hf", "--summary-json", str(summary), cwd=tmp_path, address=ray_cluster)
-    assert r.returncode == 0, r.stderr[-3000:]
+    code, _, err = cli_in_process(capsys, monkeypatch, tmp_path, "train", "model.kind=hf", f"model.path={model}",
+                                  f"data.path={tmp_path / 'data'}", "data.val_fraction=0.1", "train.eval_every=4",
+                                  "train.eval_batches=2", "train.steps=10", "train.seq_len=48",
+                                  "train.global_batch_size=8", "train.micro_batch_size=2", "optim.lr=3e-3",
+                                  "optim.warmup_steps=2", "checkpoint.every_steps=5",
+                                  f"train.save_final={tmp_path / 'final'}", "train.save_format=hf",
+                                  f"cluster.address={ray_cluster}", "--summary-json", str(summary))
+    assert code == 0, err[-3000:]
     s = json.loads(summary.read_text())
     # before the first step (the curve's baseline, at step -1), every 4 steps and after the last
     assert [v[0] for v in s["val_losses"]] == [-1, 3, 7, 9]
