@@ -1,4 +1,6 @@
-"""The CLI as a user types it, on real Ray clusters, with MLflow read back afterwards."""
+"""The CLI as a user types it, on real Ray clusters, with MLflow read back afterwards. The
+sharded strategies' runs call the CLI's `main` in this process (what they test is the strategy
+through Ray and its report, not the entry point, which the other tests here run as processes)."""
 
 import json
 import time
@@ -11,6 +13,7 @@ from safetensors.torch import load_file
 
 from rayzero.config import load_config
 from rayzero.models.gpt import build_model
+from tests.conftest import cli_in_process
 from tests.e2e.conftest import leftovers, run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -141,13 +144,14 @@ SHARDED = [
 
 
 @pytest.mark.parametrize("world, extra, formula", SHARDED)
-def test_sharded_strategies_train_through_ray_and_report_their_memory(tmp_path, ray_cluster, small_dataset,
-                                                                       world, extra, formula):
+def test_sharded_strategies_train_through_ray_and_report_their_memory(tmp_path, ray_cluster, small_dataset, capsys,
+                                                                       monkeypatch, world, extra, formula):
     weights = tmp_path / "final.safetensors"
-    r = run_cli("train", f"cluster.address={ray_cluster}", f"cluster.num_workers={world}",
-                f"data.path={small_dataset}", "train.steps=6", f"train.save_final={weights}", *FAST, *extra,
-                "--no-progress", "--summary-json", str(tmp_path / "s.json"), cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
+    code, out, err = cli_in_process(capsys, monkeypatch, tmp_path, "train", f"cluster.address={ray_cluster}",
+                                    f"cluster.num_workers={world}", f"data.path={small_dataset}", "train.steps=6",
+                                    f"train.save_final={weights}", *FAST, *extra, "--no-progress", "--summary-json",
+                                    str(tmp_path / "s.json"))
+    assert code == 0, err[-3000:]
     s = json.loads((tmp_path / "s.json").read_text())
     assert s["final_loss"] < s["first_loss"] and s["world_size"] == world
     mem = s["memory"]
@@ -157,13 +161,13 @@ def test_sharded_strategies_train_through_ray_and_report_their_memory(tmp_path, 
         assert formula <= mem["bytes_per_param"]["total"] <= formula * 1.05
     if any(e.startswith("sharding.strategy=optim_grads") for e in extra):  # full gradient buckets
         assert mem["transient_bytes"] > 0
-    assert "memory per rank, bytes/parameter" in r.stdout
+    assert "memory per rank, bytes/parameter" in out
     client = MlflowClient(s["mlflow_tracking_uri"])
     tp = 2 if "parallel.tp=2" in extra else 1
     assert s["tp"] == tp and client.get_run(s["mlflow_run_id"]).data.params["parallel.tp"] == str(tp)
-    assert ("tensor parallel 2" in r.stdout) == (tp == 2)
+    assert ("tensor parallel 2" in out) == (tp == 2)
     if "sharding.param_dtype=fp16" in extra:  # the overflowing first steps are skipped, and say so
-        assert s["skipped_steps"] > 0 and "skipped by loss scaling" in r.stdout
+        assert s["skipped_steps"] > 0 and "skipped by loss scaling" in out
         skipped = client.get_metric_history(s["mlflow_run_id"], "skipped_step")
         assert sum(m.value for m in skipped) == s["skipped_steps"]
         assert len(client.get_metric_history(s["mlflow_run_id"], "loss_scale")) == s["steps"]
