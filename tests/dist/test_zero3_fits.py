@@ -39,6 +39,12 @@ def vm_data() -> int:
     raise RuntimeError("no VmData in /proc/self/status")
 
 
+def _config(model: list[str], strategy: str, world: int):
+    return load_config(None, [f"cluster.num_workers={world}", *model, "train.seq_len=64", "train.global_batch_size=4",
+                              "train.micro_batch_size=1", "train.steps=5", f"sharding.strategy={strategy}",
+                              "optim.warmup_steps=0"])
+
+
 def _attempt(cfg, rank: int, world: int, data_path: str, port: int) -> dict:
     """Build `cfg` under the cap (what this process uses now plus BUDGET) and train 5 steps."""
     r = Rank(cfg, rank, world, data_path)
@@ -69,19 +75,12 @@ def _worker(rank: int, ports: dict, data_path: str, models: dict, out: dict):
     warm.iteration({"step": 0, "lr": 1e-3})
     warm.close()
     del warm
-    results = {}
-    for name, model in models.items():
-        def cfg(strategy: str, world: int):
-            return load_config(None, [
-                f"cluster.num_workers={world}", *model, "train.seq_len=64", "train.global_batch_size=4",
-                "train.micro_batch_size=1", "train.steps=5", f"sharding.strategy={strategy}",
-                "optim.warmup_steps=0"])
-        # The proof that the cap binds: the unsharded model, built by this process alone (a
-        # group of one: a build that fails midway leaves no collective half sent to a peer).
-        results[name] = {"no_shard": _attempt(cfg("no_shard", 1), 0, 1, data_path, ports[name, rank])}
-        results[name]["optim_grads_params"] = _attempt(cfg("optim_grads_params", WORLD), rank, WORLD, data_path,
-                                                       ports[name])
-    out[rank] = results
+    # Per model, the proof that the cap binds first: the unsharded model, built by this process
+    # alone (a group of one: a build that fails midway leaves no collective half sent to a peer).
+    out[rank] = {name: {"no_shard": _attempt(_config(model, "no_shard", 1), 0, 1, data_path, ports[name, rank]),
+                        "optim_grads_params": _attempt(_config(model, "optim_grads_params", WORLD), rank, WORLD,
+                                                       data_path, ports[name])}
+                 for name, model in models.items()}
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ environment, as `ray job submit` gives a job); only the tests of starting Ray it
 (`rayzero train` with no address, the notebook's `fit()`) and the elastic test (a 2-node
 cluster it takes nodes from) start a Ray of their own."""
 
+import json
 import os
 import signal
 import subprocess
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import cli_in_process, free_port
 
 BIN = Path(sys.executable).parent
 
@@ -28,6 +29,19 @@ def run_cli(*args: str, cwd: Path, timeout: float = 300, env: dict | None = None
         [str(BIN / "rayzero"), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
         env={**os.environ, "RAY_AUTH_MODE": "token", **(env or {})},
     )
+
+
+@pytest.fixture
+def train_here(tmp_path, ray_cluster, capsys, monkeypatch, caplog):
+    """`rayzero train ARGS…` by the CLI's `main` in this process, from `tmp_path`, on the
+    session's cluster, for tests of what a run does rather than of the entry point (a `rayzero`
+    process costs about 5 s more: imports and a driver of its own): (exit code, stdout, stderr
+    followed by the log records so far, the summary of a run that succeeded, else None)."""
+    def run(*args: str, summary: str = "s.json"):
+        code, out, err = cli_in_process(capsys, monkeypatch, tmp_path, "train", "--no-progress", "--summary-json",
+                                        str(tmp_path / summary), f"cluster.address={ray_cluster}", *args)
+        return code, out, err + caplog.text, (json.loads((tmp_path / summary).read_text()) if code == 0 else None)
+    return run
 
 
 class RayHead:

@@ -13,7 +13,6 @@ from safetensors.torch import load_file
 
 from rayzero.config import load_config
 from rayzero.models.gpt import build_model
-from tests.conftest import cli_in_process
 from tests.e2e.conftest import leftovers, run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -144,15 +143,12 @@ SHARDED = [
 
 
 @pytest.mark.parametrize("world, extra, formula", SHARDED)
-def test_sharded_strategies_train_through_ray_and_report_their_memory(tmp_path, ray_cluster, small_dataset, capsys,
-                                                                       monkeypatch, world, extra, formula):
+def test_sharded_strategies_train_through_ray_and_report_their_memory(tmp_path, ray_cluster, small_dataset,
+                                                                       train_here, world, extra, formula):
     weights = tmp_path / "final.safetensors"
-    code, out, err = cli_in_process(capsys, monkeypatch, tmp_path, "train", f"cluster.address={ray_cluster}",
-                                    f"cluster.num_workers={world}", f"data.path={small_dataset}", "train.steps=6",
-                                    f"train.save_final={weights}", *FAST, *extra, "--no-progress", "--summary-json",
-                                    str(tmp_path / "s.json"))
+    code, out, err, s = train_here(f"cluster.num_workers={world}", f"data.path={small_dataset}", "train.steps=6",
+                                   f"train.save_final={weights}", *FAST, *extra)
     assert code == 0, err[-3000:]
-    s = json.loads((tmp_path / "s.json").read_text())
     assert s["final_loss"] < s["first_loss"] and s["world_size"] == world
     mem = s["memory"]
     assert set(mem["bytes_per_param"]) == {"compute_params", "main_params", "optimizer", "grads", "frozen_params",

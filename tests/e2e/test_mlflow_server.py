@@ -11,11 +11,11 @@ import time
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import cli_in_process, free_port
+from tests.conftest import free_port
 from tests.e2e.conftest import MlflowServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-RUN = ["--no-progress", "model.n_layer=2", "model.n_embd=64", "model.n_head=4", "train.seq_len=64",
+RUN = ["model.n_layer=2", "model.n_embd=64", "model.n_head=4", "train.seq_len=64",
        "train.global_batch_size=8", "train.micro_batch_size=2", "optim.warmup_steps=2"]
 
 
@@ -29,16 +29,13 @@ def server(tmp_path):
 
 
 @pytest.fixture
-def train(tmp_path, ray_cluster, small_dataset, capsys, monkeypatch, caplog):
-    """`rayzero train ARGS…` on the session's cluster, in this process: (stdout, stderr with
-    the run's log lines, the summary)."""
+def train(train_here, tmp_path, small_dataset):
+    """A run that must succeed (`train_here`): (stdout, stderr with the log records, summary)."""
     def run(*args):
-        code, out, err = cli_in_process(capsys, monkeypatch, tmp_path, "train", "--summary-json",
-                                        str(tmp_path / "s.json"), f"data.path={small_dataset}",
-                                        f"cluster.address={ray_cluster}", f"train.output_dir={tmp_path / 'runs'}",
-                                        *RUN, *args)
+        code, out, err, s = train_here(f"data.path={small_dataset}", f"train.output_dir={tmp_path / 'runs'}", *RUN,
+                                       *args)
         assert code == 0, err[-3000:]
-        return out, err + caplog.text, json.loads((tmp_path / "s.json").read_text())
+        return out, err, s
     return run
 
 

@@ -53,8 +53,8 @@ def logits(directory, x):
         return model(input_ids=x).logits
 
 
-def test_fine_tune_an_hf_llama_export_and_load_it_back(tmp_path, ray_cluster, small_dataset, llama, llama_data,
-                                                       capsys, monkeypatch):
+def test_fine_tune_an_hf_llama_export_and_load_it_back(tmp_path, small_dataset, llama, llama_data, capsys,
+                                                       monkeypatch, train_here):
     import transformers as tf
 
     def rayzero(*argv):  # the CLI's `main`, in this process
@@ -70,13 +70,11 @@ def test_fine_tune_an_hf_llama_export_and_load_it_back(tmp_path, ray_cluster, sm
     code, _, err = rayzero("train", *model, *FAST, f"data.path={small_dataset}")
     assert code == 2 and "was tokenized with bytes, not with the tokenizer of model.path" in err
 
-    final, summary = tmp_path / "final", tmp_path / "summary.json"
-    code, _, err = rayzero("train", *model, *FAST, f"data.path={llama_data}", "train.steps=6",
-                           "checkpoint.every_steps=3", "sharding.strategy=optim_grads_params",
-                           f"train.save_final={final}", "train.save_format=hf", f"cluster.address={ray_cluster}",
-                           "tracking.enabled=false", "--summary-json", str(summary))
+    final = tmp_path / "final"
+    code, _, err, s = train_here(*model, *FAST, f"data.path={llama_data}", "train.steps=6", "checkpoint.every_steps=3",
+                                 "sharding.strategy=optim_grads_params", f"train.save_final={final}",
+                                 "train.save_format=hf", "tracking.enabled=false")
     assert code == 0, err[-3000:]
-    s = json.loads(summary.read_text())
     assert s["num_params"] == 28_832 and s["steps"] == 6
 
     # The first reported loss is the pretrained model's own loss on that batch.
@@ -107,7 +105,7 @@ def test_fine_tune_an_hf_llama_export_and_load_it_back(tmp_path, ray_cluster, sm
 
 
 def test_lora_fine_tune_through_ray_exports_the_adapter_peft_loads_and_generate_uses(
-        tmp_path, ray_cluster, llama, llama_data, capsys, monkeypatch):
+        tmp_path, llama, llama_data, capsys, monkeypatch, train_here):
     """LoRA under ZeRO-3 on the cluster: only the adapters train; `train.save_format=peft`
     writes an adapter directory that PEFT loads onto the base, giving the logits of the
     checkpoint's merged export; `rayzero generate` takes the adapter directory, and refuses it
@@ -120,13 +118,11 @@ def test_lora_fine_tune_through_ray_exports_the_adapter_peft_loads_and_generate_
 
     model = ["model.kind=hf", f"model.path={llama}", "model.lora.r=4", "model.lora.alpha=8",
              "model.lora.target_modules=q_proj,v_proj,down_proj"]
-    adapter, summary = tmp_path / "adapter", tmp_path / "summary.json"
-    code, _, err = rayzero("train", *model, *FAST, f"data.path={llama_data}", "train.steps=4",
-                           "checkpoint.every_steps=4", "optim.lr=1e-2", "sharding.strategy=optim_grads_params",
-                           f"train.save_final={adapter}", "train.save_format=peft", "tracking.enabled=false",
-                           f"cluster.address={ray_cluster}", "--summary-json", str(summary))
+    adapter = tmp_path / "adapter"
+    code, _, err, s = train_here(*model, *FAST, f"data.path={llama_data}", "train.steps=4", "checkpoint.every_steps=4",
+                                 "optim.lr=1e-2", "sharding.strategy=optim_grads_params",
+                                 f"train.save_final={adapter}", "train.save_format=peft", "tracking.enabled=false")
     assert code == 0, err[-3000:]
-    s = json.loads(summary.read_text())
     # r=4 on two layers' q_proj (32 -> 32), v_proj (32 -> 16) and down_proj (64 -> 32): r x (in + out) each
     assert s["trainable_params"] == 2 * 4 * ((32 + 32) + (32 + 16) + (64 + 32))
     assert s["num_params"] == 28_832 + s["trainable_params"]
@@ -215,23 +211,18 @@ def test_trainer_takes_a_model_defined_in_the_caller(tmp_path, ray_cluster, smal
     assert leftovers(ray_cluster) == ([], [])
 
 
-def test_a_mixture_of_experts_fine_tunes_with_its_router_loss_reported_apart(tmp_path, ray_cluster, small_dataset,
-                                                                             capsys, monkeypatch):
+def test_a_mixture_of_experts_fine_tunes_with_its_router_loss_reported_apart(tmp_path, small_dataset, train_here):
     """A Mixtral saved by `save_pretrained` (one tensor per expert on disk) through the CLI: its
     router's load-balancing loss goes to MLflow and the summary beside the token loss, and the
     export is in transformers' layout again."""
     from mlflow.tracking import MlflowClient
 
     d = save_hf_model("mixtral", tmp_path / "mixtral")
-    summary = tmp_path / "s.json"
-    code, out, err = cli_in_process(capsys, monkeypatch, tmp_path, "train", "--no-progress", "model.kind=hf",
-                                    f"model.path={d}", *FAST, f"data.path={small_dataset}", "train.steps=3",
-                                    "checkpoint.dir=", "sharding.strategy=optim_grads_params",
-                                    f"train.save_final={tmp_path / 'final'}", "train.save_format=hf",
-                                    f"train.output_dir={tmp_path / 'runs'}", f"cluster.address={ray_cluster}",
-                                    "--summary-json", str(summary))
+    code, out, err, s = train_here("model.kind=hf", f"model.path={d}", *FAST, f"data.path={small_dataset}",
+                                   "train.steps=3", "checkpoint.dir=", "sharding.strategy=optim_grads_params",
+                                   f"train.save_final={tmp_path / 'final'}", "train.save_format=hf",
+                                   f"train.output_dir={tmp_path / 'runs'}")
     assert code == 0, err
-    s = json.loads(summary.read_text())
     assert s["final_router_aux_loss"] > 0 and f"router load-balancing loss {s['final_router_aux_loss']:.4f}" in out
     history = MlflowClient(s["mlflow_tracking_uri"]).get_metric_history(s["mlflow_run_id"], "router_aux_loss")
     assert sorted(m.step for m in history) == [0, 1, 2]

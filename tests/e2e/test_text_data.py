@@ -28,7 +28,7 @@ def instruction_records(n: int) -> list[dict]:
     return out
 
 
-def test_fine_tune_on_instructions_with_validation_then_generate(tmp_path, ray_cluster, capsys, monkeypatch):
+def test_fine_tune_on_instructions_with_validation_then_generate(tmp_path, capsys, monkeypatch, train_here):
     model = save_hf_model("llama", tmp_path / "tiny-llama")
     save_tokenizer(model, [Path(sys.modules["json"].__file__).read_text()], vocab=300)
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in instruction_records(200)))
@@ -38,16 +38,13 @@ def test_fine_tune_on_instructions_with_validation_then_generate(tmp_path, ray_c
     assert code == 0, err
     assert "from 200 examples" in out and "tokenizer tiny-llama (300 ids" in out
 
-    summary = tmp_path / "summary.json"
-    code, _, err = cli_in_process(capsys, monkeypatch, tmp_path, "train", "model.kind=hf", f"model.path={model}",
-                                  f"data.path={tmp_path / 'data'}", "data.val_fraction=0.1", "train.eval_every=4",
-                                  "train.eval_batches=2", "train.steps=10", "train.seq_len=48",
-                                  "train.global_batch_size=8", "train.micro_batch_size=2", "optim.lr=3e-3",
-                                  "optim.warmup_steps=2", "checkpoint.every_steps=5",
-                                  f"train.save_final={tmp_path / 'final'}", "train.save_format=hf",
-                                  f"cluster.address={ray_cluster}", "--summary-json", str(summary))
+    code, _, err, s = train_here("model.kind=hf", f"model.path={model}", f"data.path={tmp_path / 'data'}",
+                                 "data.val_fraction=0.1", "train.eval_every=4", "train.eval_batches=2",
+                                 "train.steps=10", "train.seq_len=48", "train.global_batch_size=8",
+                                 "train.micro_batch_size=2", "optim.lr=3e-3", "optim.warmup_steps=2",
+                                 "checkpoint.every_steps=5",
+                                 f"train.save_final={tmp_path / 'final'}", "train.save_format=hf")
     assert code == 0, err[-3000:]
-    s = json.loads(summary.read_text())
     # before the first step (the curve's baseline, at step -1), every 4 steps and after the last
     assert [v[0] for v in s["val_losses"]] == [-1, 3, 7, 9]
     assert s["final_val_loss"] == s["val_losses"][-1][1] < s["val_losses"][0][1]
