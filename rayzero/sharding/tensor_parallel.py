@@ -3,26 +3,14 @@
 In an attention block the query/key/value projections are column-parallel (each rank computes
 its own heads), the output projection row-parallel (each rank multiplies its heads' part of
 the input and the partial outputs are summed); in the MLP the up (and gate) projections are
-column-parallel and the down projection row-parallel. Two operators carry the communication,
-Megatron's "f" and "g":
-
-    f  copy_to_tp       forward: identity          backward: all-reduce over the TP group
-    g  reduce_from_tp   forward: all-reduce        backward: identity
-
-so one block costs two all-reduces of (batch, seq, hidden) in forward and two in backward:
-the column-parallel linears of one module (q, k and v; gate and up) share one "f", applied
-once to the module's input (`_SharedInput`), so their input gradients are summed locally
-first and all-reduced once.
-
-Sequence parallelism (Megatron's, `sequence_parallel=True`): between the tensor-parallel
-regions the activations are split along the sequence over the TP ranks, so the norms, the
-residual adds and dropout run on a rank's sequence shard and keep 1/tp of those activations.
-"f" becomes an all-gather of the sequence shards (backward: a reduce-scatter) and "g" a
-reduce-scatter to them (backward: an all-gather): the same bytes as the all-reduces they
-replace. The first block's input is split (its gradient all-gathered back) and the final
-norm's output gathered (its gradient split), so the embeddings, the replicated head and the
-loss see the whole sequence. The norms and the row-parallel biases then see a part of the
-tokens each: their gradients are summed over the TP group (`TPLayout.partial`).
+column-parallel and the down projection row-parallel. The communication, Megatron's "f" and
+"g" and their sequence-parallel forms, is in `rayzero.sharding.tp_comm`; a block costs two
+all-reduces of (batch, seq, hidden) in forward and two in backward. With sequence parallelism (Megatron's, `sequence_parallel=True`) the
+activations between the tensor-parallel regions are split along the sequence over the TP
+ranks, so the norms, the residual adds and dropout run on a rank's sequence shard; the first
+block's input is split and the final norm's output gathered, so the embeddings, the replicated
+head and the loss see the whole sequence. The norms and the row-parallel biases then see a part
+of the tokens each: their gradients are summed over the TP group (`TPLayout.partial`).
 
 Why our own layers rather than DTensor: the strategies keep every parameter as a plain view
 into a flat bucket (`FlatBuffer.install`), which suits a layer whose parameter *is* the local
@@ -56,149 +44,11 @@ import torch.nn.functional as F
 
 from rayzero.sharding.comm import Axis
 from rayzero.sharding.flat_buffer import ParamSource, Piece
+from rayzero.sharding.tp_comm import TPComm, split_sequence, whole_sequence
 
 
 class TPError(ValueError):
     """A tensor-parallel size the model's shapes cannot be split by."""
-
-
-# -- Megatron's f and g ----------------------------------------------------------------------------
-
-class _CopyToTP(torch.autograd.Function):
-    """f: the same input on every TP rank; the gradients each rank's part computes are summed."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, axis: Axis) -> torch.Tensor:
-        ctx.axis = axis
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.axis.group)
-        return grad, None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    """g: the partial outputs of the TP ranks, summed; the gradient passes through whole."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, axis: Axis) -> torch.Tensor:
-        out = x.contiguous().clone()
-        dist.all_reduce(out, group=axis.group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
-
-
-def copy_to_tp(x: torch.Tensor, axis: Axis) -> torch.Tensor:
-    return x if axis.size == 1 else _CopyToTP.apply(x, axis)
-
-
-def reduce_from_tp(x: torch.Tensor, axis: Axis) -> torch.Tensor:
-    return x if axis.size == 1 else _ReduceFromTP.apply(x, axis)
-
-
-SEQ = 1  # activations are (batch, sequence, features)
-
-
-def _all_gather_seq(x: torch.Tensor, axis: Axis) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(axis.size)]
-    dist.all_gather(parts, x.contiguous(), group=axis.group)
-    return torch.cat(parts, dim=SEQ)
-
-
-def _reduce_scatter_seq(x: torch.Tensor, axis: Axis) -> torch.Tensor:
-    """The sum over the group of `x`, this rank's sequence chunk of it. gloo has no
-    reduce-scatter: an all-reduce of the whole (the same bytes as the all-reduce it replaces)."""
-    x = x.contiguous()
-    if axis._gloo:
-        whole = x.clone()
-        dist.all_reduce(whole, group=axis.group)
-        return whole.chunk(axis.size, dim=SEQ)[axis.rank].contiguous()
-    out = torch.empty_like(x.chunk(axis.size, dim=SEQ)[0])
-    dist.reduce_scatter(out, [c.contiguous() for c in x.chunk(axis.size, dim=SEQ)], group=axis.group)
-    return out
-
-
-def _own_chunk(x: torch.Tensor, axis: Axis) -> torch.Tensor:
-    return x.chunk(axis.size, dim=SEQ)[axis.rank].contiguous()
-
-
-class _GatherSequence(torch.autograd.Function):
-    """f with sequence parallelism: the sequence shards gathered; gradient reduce-scattered."""
-
-    @staticmethod
-    def forward(ctx, x, axis):
-        ctx.axis = axis
-        return _all_gather_seq(x, axis)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_seq(grad, ctx.axis), None
-
-
-class _ScatterSequence(torch.autograd.Function):
-    """g with sequence parallelism: partial outputs summed into sequence shards; gradient gathered."""
-
-    @staticmethod
-    def forward(ctx, x, axis):
-        ctx.axis = axis
-        return _reduce_scatter_seq(x, axis)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_seq(grad, ctx.axis), None
-
-
-class _SplitSequence(torch.autograd.Function):
-    """Into the sequence-parallel region: this rank's chunk of a whole (identical) sequence;
-    gradient gathered."""
-
-    @staticmethod
-    def forward(ctx, x, axis):
-        ctx.axis = axis
-        return _own_chunk(x, axis)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_seq(grad, ctx.axis), None
-
-
-class _WholeSequence(torch.autograd.Function):
-    """Out of the sequence-parallel region, to replicated layers: the shards gathered; the
-    gradient (the same on every rank) split back."""
-
-    @staticmethod
-    def forward(ctx, x, axis):
-        ctx.axis = axis
-        return _all_gather_seq(x, axis)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _own_chunk(grad, ctx.axis), None
-
-
-@dataclass(frozen=True)
-class TPComm:
-    """The TP group's transitions: into the column-parallel region ("f", or with sequence
-    parallelism an all-gather of the sequence shards) and out of the row-parallel one ("g",
-    or a reduce-scatter to sequence shards)."""
-
-    axis: Axis
-    sequence_parallel: bool = False
-
-    def into_columns(self, x: torch.Tensor) -> torch.Tensor:
-        if self.axis.size == 1:
-            return x
-        return _GatherSequence.apply(x, self.axis) if self.sequence_parallel else copy_to_tp(x, self.axis)
-
-    def out_of_rows(self, y: torch.Tensor) -> torch.Tensor:
-        if self.axis.size == 1:
-            return y
-        return _ScatterSequence.apply(y, self.axis) if self.sequence_parallel else reduce_from_tp(y, self.axis)
 
 
 # -- where each parameter's elements come from ------------------------------------------------------
@@ -407,12 +257,12 @@ def _sequence_parallel(model: nn.Module, modules: dict, ends: tuple[str, str], a
 
     def split_input(_module, args, kwargs):
         if args:
-            return (_SplitSequence.apply(args[0], axis), *args[1:]), kwargs
+            return (split_sequence(args[0], axis), *args[1:]), kwargs
         key = "hidden_states" if "hidden_states" in kwargs else "x"
-        return args, {**kwargs, key: _SplitSequence.apply(kwargs[key], axis)}
+        return args, {**kwargs, key: split_sequence(kwargs[key], axis)}
 
     modules[first].register_forward_pre_hook(split_input, with_kwargs=True)
-    modules[last].register_forward_hook(lambda _m, _args, out: _WholeSequence.apply(out, axis))
+    modules[last].register_forward_hook(lambda _m, _args, out: whole_sequence(out, axis))
     block_prefix = first.rpartition(".")[0] + "."  # every block: the list the first one is in
     for name, _ in model.named_parameters():
         inside = name.startswith(block_prefix) or name.startswith(last + ".")
