@@ -15,7 +15,6 @@ import signal
 import threading
 import time
 from pathlib import Path
-from statistics import mean
 
 import ray
 from tqdm.auto import tqdm  # a widget in Jupyter, a text bar in terminals
@@ -34,10 +33,10 @@ from rayzero.cluster.schedule import evaluates, lr_at, schedule_length
 from rayzero.cluster.throughput import throughput
 from rayzero.cluster.watchdog import Watchdog
 from rayzero.cluster.history import PHASES, History, load_rows, memory_metrics
+from rayzero.cluster.report import run_summary, step_metrics
 from rayzero.cluster.worker_group import PlacementError, WorkerGroup, free_bundles
 from rayzero.config import RootConfig
 from rayzero.data.tokens import dataset_tokenizer_files
-from rayzero.sharding.memory import bytes_per_param
 from rayzero.workers.actor import RankActor
 from rayzero.workers.assembly import make_spec
 
@@ -342,33 +341,12 @@ class Controller:
         """One iteration's results into the history, MLflow and the checkpoints. True when
         early stopping ends the run after it."""
         h = self.history
-        lr = results[0]["lr"]
-        loss = sum(r["loss_sum"] for r in results) / sum(r["tokens"] for r in results)
-        phase = {p: max(r["phase_s"][p] for r in results) for p in PHASES}
-        h.record(step, loss, dt, phase)
+        phase = {p: max(r["phase_s"][p] for r in results) for p in PHASES}  # the slowest rank's
+        metrics = step_metrics(results, phase, dt, tokens_per_step, self.world,
+                               throughput(tokens_per_step / dt, self.world, self.flops_per_token, self.device_name),
+                               cfg.train.global_batch_size // cfg.train.micro_batch_size)
+        h.record(step, metrics["loss"], dt, phase)
         skipped = results[0]["skipped"]
-        metrics = {
-            "loss": loss,
-            "skipped_step": float(skipped),  # fp16 loss scaling found inf/NaN: no update
-            "lr": lr,
-            "grad_norm": results[0]["grad_norm"],
-            "tokens_per_s": tokens_per_step / dt,
-            "tokens_per_s_per_rank": tokens_per_step / dt / self.world,
-            "step_ms": dt * 1e3,
-            # Wall time outside the slowest rank's phases: dispatch, transfer, waiting.
-            "dispatch_overhead_ms": max(0.0, dt - sum(phase.values())) * 1e3,
-            # The ranks' reading of their rows (a step ahead, in a thread): part of gather.
-            "data_ms": max(r["phase_s"].get("data", 0.0) for r in results) * 1e3,
-            **{f"phase_{p}_ms": v * 1e3 for p, v in phase.items()},
-        }
-        rate = throughput(tokens_per_step / dt, self.world, self.flops_per_token, self.device_name)
-        if rate["mfu"] is not None:
-            metrics["mfu"] = rate["mfu"]
-        if results[0]["loss_scale"] is not None:
-            metrics["loss_scale"] = results[0]["loss_scale"]
-        if results[0].get("aux_loss_sum") is not None:  # a mixture of experts: its router's loss, apart
-            micro = cfg.train.global_batch_size // cfg.train.micro_batch_size
-            metrics["router_aux_loss"] = sum(r["aux_loss_sum"] for r in results) / micro
         stop = False
         if "val0_loss_sum" in results[0]:  # before the first step: the curve's baseline, at step -1
             base = self._val_loss(results, "val0_")
@@ -552,70 +530,4 @@ class Controller:
                 log.warning("shutting the group down failed: %s", e)
 
     def summary(self, rank0_info: dict) -> dict:
-        cfg, h = self.cfg.at_world_size(self.world), self.history
-        trained = bool(h.losses)
-        step_s = mean(h.timed(h.step_s)) if trained else None
-        memory = h.memory or [rank0_info["memory"]]
-        ckpt = self.checkpoints
-        tokens_per_s = cfg.train.global_batch_size * cfg.train.seq_len / step_s if trained else None
-        rate = throughput(tokens_per_s, self.world, rank0_info["flops_per_token"], rank0_info["device_name"]) \
-            if trained else {}
-        best = ckpt.best if ckpt is not None else None
-        return {
-            "first_loss": h.losses[0] if trained else None,
-            "final_loss": h.losses[-1] if trained else None,
-            "final_val_loss": h.val_losses[-1] if h.val_losses else None,
-            # a mixture of experts: the router's load-balancing loss (its mean over the last step's
-            # micro-batches), which joins the training loss weighted by router_aux_loss_coef
-            "final_router_aux_loss": next((r["router_aux_loss"] for r in reversed(h.rows) if "router_aux_loss" in r),
-                                          None),
-            "val_losses": [[s, v] for s, v in zip(h.val_steps, h.val_losses)],
-            "steps": len(h.losses),
-            "start_step": self.first_start[0],
-            "total_steps": cfg.train.steps,
-            "tokens_per_s": tokens_per_s,
-            "tokens_per_s_per_rank": rate.get("tokens_per_s_per_rank"),
-            "mfu": rate.get("mfu"),  # None on a CPU or a device whose peak is not known
-            "model_flops_per_token": rank0_info["flops_per_token"],
-            "device": rank0_info["device_name"],
-            "step_ms": step_s * 1e3 if trained else None,
-            "phase_ms": {p: mean(h.timed(v)) * 1e3 for p, v in h.phase_s.items()} if trained else {},
-            "data_ms": mean(h.timed(data_ms)) if (data_ms := [r["data_ms"] for r in h.rows if "data_ms" in r
-                                                             and r["step"] >= self.first_start[0]]) else None,
-            "world_size": self.world,
-            "num_workers": self.cfg.cluster.num_workers,
-            "strategy": cfg.sharding.strategy,
-            "tp": cfg.parallel.tp,
-            "sequence_parallel": cfg.parallel.sequence_parallel,
-            "grad_accum": cfg.grad_accum,
-            "num_params": rank0_info["num_params"],
-            "trainable_params": rank0_info["trainable_params"],
-            "backend": rank0_info["backend"],
-            "dispatch": cfg.cluster.dispatch,
-            "mlflow_run_id": self.tracker.run_id,
-            "mlflow_tracking_uri": self.tracker.uri,
-            "mlflow_unsent": self.tracker.spilled_to,
-            "run_dir": self.run_dir,
-            "final_weights": cfg.train.save_final or None,
-            "skipped_steps": h.skipped,
-            "resumed_from": self.first_start[1],
-            "checkpoint": ckpt.last_committed if ckpt is not None else None,
-            "checkpoints_committed": ckpt.commits if ckpt is not None else 0,
-            "best_checkpoint": best.uri if best is not None else None,
-            "best_val_loss": best.manifest["metrics"]["val_loss"] if best is not None else None,
-            "stopped_early": ({"step": self.early.stopped_after, "reason": self.early.stopped}
-                              if self.early.stopped else None),
-            "schedule_steps": self.schedule_steps,
-            "restarts": len(self.failures),
-            "failures": [f.record() for f in self.failures],
-            "resizes": self.resizes,
-            "memory": {
-                "bytes_per_param": bytes_per_param(memory, self.num_params),
-                "transient_bytes": max(r["transient_peak"] for r in memory),
-                # what a micro-batch's forward leaves saved for its backward, at its peak (the most on any rank)
-                "activations_peak_bytes": max(r.get("activations_peak", 0) for r in memory),
-                "per_rank": memory,
-                "param_dtype": cfg.sharding.param_dtype,
-                "grad_dtype": cfg.sharding.grad_dtype,
-            },
-        }
+        return run_summary(self, rank0_info)

@@ -1,0 +1,110 @@
+"""What the controller reports: each step's metrics (to MLflow and the run's history) from the
+ranks' results, and the run's summary at the end."""
+
+from __future__ import annotations
+
+from statistics import mean
+
+from rayzero.cluster.history import PHASES
+from rayzero.cluster.throughput import throughput
+from rayzero.sharding.memory import bytes_per_param
+
+
+def step_metrics(results: list[dict], phase: dict[str, float], dt: float, tokens_per_step: int, world: int,
+                 rate: dict, micro: int) -> dict:
+    """One iteration's metrics from every rank's results: `phase` the slowest rank's seconds in
+    each phase, `dt` the iteration's wall time, `rate` its throughput (`throughput`), `micro`
+    the micro-batches a step."""
+    metrics = {
+        "loss": sum(r["loss_sum"] for r in results) / sum(r["tokens"] for r in results),
+        "skipped_step": float(results[0]["skipped"]),  # fp16 loss scaling found inf/NaN: no update
+        "lr": results[0]["lr"],
+        "grad_norm": results[0]["grad_norm"],
+        "tokens_per_s": tokens_per_step / dt,
+        "tokens_per_s_per_rank": tokens_per_step / dt / world,
+        "step_ms": dt * 1e3,
+        # Wall time outside the slowest rank's phases: dispatch, transfer, waiting.
+        "dispatch_overhead_ms": max(0.0, dt - sum(phase.values())) * 1e3,
+        # The ranks' reading of their rows (a step ahead, in a thread): part of gather.
+        "data_ms": max(r["phase_s"].get("data", 0.0) for r in results) * 1e3,
+        **{f"phase_{p}_ms": v * 1e3 for p, v in phase.items()},
+    }
+    if rate["mfu"] is not None:
+        metrics["mfu"] = rate["mfu"]
+    if results[0]["loss_scale"] is not None:
+        metrics["loss_scale"] = results[0]["loss_scale"]
+    if results[0].get("aux_loss_sum") is not None:  # a mixture of experts: its router's loss, apart
+        metrics["router_aux_loss"] = sum(r["aux_loss_sum"] for r in results) / micro
+    return metrics
+
+
+def run_summary(c, rank0_info: dict) -> dict:
+    """The run's summary (what `--summary-json` writes and `Result.summary` holds), from the
+    controller `c` at the end of `fit`, and rank 0's build info."""
+    cfg, h = c.cfg.at_world_size(c.world), c.history
+    trained = bool(h.losses)
+    step_s = mean(h.timed(h.step_s)) if trained else None
+    memory = h.memory or [rank0_info["memory"]]
+    ckpt = c.checkpoints
+    tokens_per_s = cfg.train.global_batch_size * cfg.train.seq_len / step_s if trained else None
+    rate = throughput(tokens_per_s, c.world, rank0_info["flops_per_token"], rank0_info["device_name"]) \
+        if trained else {}
+    best = ckpt.best if ckpt is not None else None
+    return {
+        "first_loss": h.losses[0] if trained else None,
+        "final_loss": h.losses[-1] if trained else None,
+        "final_val_loss": h.val_losses[-1] if h.val_losses else None,
+        # a mixture of experts: the router's load-balancing loss (its mean over the last step's
+        # micro-batches), which joins the training loss weighted by router_aux_loss_coef
+        "final_router_aux_loss": next((r["router_aux_loss"] for r in reversed(h.rows) if "router_aux_loss" in r),
+                                      None),
+        "val_losses": [[s, v] for s, v in zip(h.val_steps, h.val_losses)],
+        "steps": len(h.losses),
+        "start_step": c.first_start[0],
+        "total_steps": cfg.train.steps,
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_per_rank": rate.get("tokens_per_s_per_rank"),
+        "mfu": rate.get("mfu"),  # None on a CPU or a device whose peak is not known
+        "model_flops_per_token": rank0_info["flops_per_token"],
+        "device": rank0_info["device_name"],
+        "step_ms": step_s * 1e3 if trained else None,
+        "phase_ms": {p: mean(h.timed(v)) * 1e3 for p, v in h.phase_s.items()} if trained else {},
+        "data_ms": mean(h.timed(data_ms)) if (data_ms := [r["data_ms"] for r in h.rows if "data_ms" in r
+                                                         and r["step"] >= c.first_start[0]]) else None,
+        "world_size": c.world,
+        "num_workers": c.cfg.cluster.num_workers,
+        "strategy": cfg.sharding.strategy,
+        "tp": cfg.parallel.tp,
+        "sequence_parallel": cfg.parallel.sequence_parallel,
+        "grad_accum": cfg.grad_accum,
+        "num_params": rank0_info["num_params"],
+        "trainable_params": rank0_info["trainable_params"],
+        "backend": rank0_info["backend"],
+        "dispatch": cfg.cluster.dispatch,
+        "mlflow_run_id": c.tracker.run_id,
+        "mlflow_tracking_uri": c.tracker.uri,
+        "mlflow_unsent": c.tracker.spilled_to,
+        "run_dir": c.run_dir,
+        "final_weights": cfg.train.save_final or None,
+        "skipped_steps": h.skipped,
+        "resumed_from": c.first_start[1],
+        "checkpoint": ckpt.last_committed if ckpt is not None else None,
+        "checkpoints_committed": ckpt.commits if ckpt is not None else 0,
+        "best_checkpoint": best.uri if best is not None else None,
+        "best_val_loss": best.manifest["metrics"]["val_loss"] if best is not None else None,
+        "stopped_early": ({"step": c.early.stopped_after, "reason": c.early.stopped}
+                          if c.early.stopped else None),
+        "schedule_steps": c.schedule_steps,
+        "restarts": len(c.failures),
+        "failures": [f.record() for f in c.failures],
+        "resizes": c.resizes,
+        "memory": {
+            "bytes_per_param": bytes_per_param(memory, c.num_params),
+            "transient_bytes": max(r["transient_peak"] for r in memory),
+            # what a micro-batch's forward leaves saved for its backward, at its peak (the most on any rank)
+            "activations_peak_bytes": max(r.get("activations_peak", 0) for r in memory),
+            "per_rank": memory,
+            "param_dtype": cfg.sharding.param_dtype,
+            "grad_dtype": cfg.sharding.grad_dtype,
+        },
+    }
