@@ -319,7 +319,7 @@ class Controller:
             # except after an evaluation that may end the run, which must be read first.
             hold = bool(self.early.patience) and plans.pop(step)["evaluate"]
             queued = dispatch.submit(plan(step + 1)) if more and not hold else None
-            results = dispatch.collect(pending)
+            results = dispatch.collect(pending, queued=queued is not None)
             now = time.perf_counter()
             dt, last = now - last, now
             stop = self._record_step(cfg, step, results, dt, tokens_per_step, first)

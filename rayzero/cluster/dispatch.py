@@ -29,7 +29,9 @@ from ray.dag import InputNode, MultiOutputNode
 # when it was submitted, whichever is later, and lasts about as long as recent ones (the
 # median of what the slowest rank reports of its phases, `phase_s`). Waking late costs the
 # ranks nothing: the controller keeps the next iteration queued, so they work on it while the
-# driver sleeps; waking early spins for the rest. The driver's own clock cannot anchor it: a
+# driver sleeps; waking early spins for the rest. With nothing queued behind it (the run's last
+# iteration, or one whose evaluation may end the run) a late wake would only hold up what comes
+# next, so that one is read as soon as it is done. The driver's own clock cannot anchor it: a
 # result that was ready when the driver woke may have been ready for a while, and a guess
 # made from that drifts later each iteration until the ranks run out of queued work.
 NAP_MIN_S = 0.005
@@ -104,7 +106,8 @@ class _Dispatch:
     def submit(self, plan: dict) -> Pending:
         return Pending(self._submit(plan), time.time())
 
-    def collect(self, pending: Pending) -> list[dict]:
+    def collect(self, pending: Pending, queued: bool = True) -> list[dict]:
+        """The ranks' results of `pending`; `queued`: whether another iteration is queued behind it."""
         return ray.get(pending.handle, timeout=self.timeout_s)
 
     def _submit(self, plan: dict):
@@ -131,8 +134,8 @@ class CompiledDispatch(_Dispatch):
     def _submit(self, plan: dict):
         return self.graph.execute(plan)
 
-    def collect(self, pending: Pending) -> list[dict]:
-        wake = self.nap.wake_at(pending.submitted_at, time.time())
+    def collect(self, pending: Pending, queued: bool = True) -> list[dict]:
+        wake = self.nap.wake_at(pending.submitted_at, time.time()) if queued else None
         if wake is not None:
             time.sleep(max(0.0, wake - time.time()))
         woke = time.time()
@@ -174,7 +177,7 @@ class PerPhaseDispatch(_Dispatch):
     def _submit(self, plan: dict):
         return plan  # nothing runs until collect: one phase at a time
 
-    def collect(self, pending: Pending) -> list[dict]:
+    def collect(self, pending: Pending, queued: bool = True) -> list[dict]:
         outs = [pending.handle] * len(self.actors)
         for name in self.names:
             outs = ray.get(
