@@ -1,5 +1,6 @@
 """Tensor parallelism: bytes communicated per step per rank on each axis, counted at the
-collectives, and memory per rank, against the formulas, at tp 1, 2 and 4.
+collectives, and memory per rank, against the formulas, at tp 1, 2 and 4, with the
+vocabulary (32k) split over the TP ranks (the default) and replicated (`2r`, `4r`).
 
 An HF Llama of about 100M parameters (10 layers of width 768, 12 heads and 4 key/value heads,
 MLP 2,048, a 32k vocabulary, from its config, random init) at world 4 as tp 1 x dp 4,
@@ -13,17 +14,20 @@ beside:
     forward after the attention and MLP outputs, 2 in backward at their inputs), times 4 bytes;
     with sequence parallelism (`2sp`, `4sp`) 8 all-gathers and reduce-scatters of b·s·h per
     layer (gloo has no reduce-scatter: an all-reduce of b·s·h), plus the final norm's gather
-    and the first block's input gradient's;
+    and the first block's input gradient's; with the vocabulary split, 2 more of b·s·h (the
+    embedding's partial lookups summed, the head's "f" in backward) and the loss's 3·b·s floats
+    (the row maximum; the sum of exponentials and the target's logit);
   - DP, ZeRO-1 on gloo: the gradient buckets all-reduced and the parameters all-gathered, 2 x
     this rank's parameters (its TP share, padded) x 4 bytes (plus the step's scalar all-reduces);
   - model state per rank: Megatron's formula (ZeRO-1: 4 + 4 + 8/d bytes per parameter) x this
-    rank's parameters (the split ones / tp, the replicated whole), against the ledger;
+    rank's parameters (the split ones / tp, the vocabulary's rows ceil(V / tp) when split, the
+    replicated whole), against the ledger;
   - activations per micro-batch: the dry run's estimate (Korthikanti's count with tp) against
     what the rank measures its forward leaves saved for backward.
 
 On a CPU the step time of TP says nothing about a GPU: bytes and memory only.
 
-    python benchmarks/tp.py [--tp 1,2,4,2sp,4sp] [--seq 256] [--json PATH]
+    python benchmarks/tp.py [--tp 1,2,4,2sp,4sp,2r,4r] [--seq 256] [--json PATH]
 """
 
 from __future__ import annotations
@@ -100,7 +104,8 @@ class Counter:
         dist.all_gather = counted_all_gather_list
 
 
-def _rank(rank: int, tp: int, sp: bool, model_dir: str, data_path: str, seq: int, port: int, out) -> None:
+def _rank(rank: int, tp: int, sp: bool, vocab: bool, model_dir: str, data_path: str, seq: int, port: int,
+          out) -> None:
     from rayzero.cluster.schedule import lr_at
     from rayzero.config import load_config
     from rayzero.workers.rank import Rank
@@ -109,7 +114,7 @@ def _rank(rank: int, tp: int, sp: bool, model_dir: str, data_path: str, seq: int
     dp = WORLD // tp
     cfg = load_config(None, [
         f"cluster.num_workers={WORLD}", f"parallel.tp={tp}", f"parallel.sequence_parallel={str(sp).lower()}",
-        "model.kind=hf", f"model.path={model_dir}",
+        f"parallel.vocab_parallel={str(vocab).lower()}", "model.kind=hf", f"model.path={model_dir}",
         f"train.seq_len={seq}", f"train.global_batch_size={dp}", "train.micro_batch_size=1",
         "sharding.strategy=optim", f"data.path={data_path}", "optim.warmup_steps=0",
     ])
@@ -129,7 +134,8 @@ def _rank(rank: int, tp: int, sp: bool, model_dir: str, data_path: str, seq: int
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tp", default="1,2,4,2sp,4sp", help="TP sizes; `sp`: with sequence parallelism")
+    ap.add_argument("--tp", default="1,2,4,2sp,4sp,2r,4r",
+                    help="TP sizes; `sp`: with sequence parallelism; `r`: the vocabulary replicated, not split")
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
@@ -150,34 +156,39 @@ def main() -> None:
         print(f"HF Llama, {n / 1e6:.1f}M parameters ({layers} layers, h {h}, 12 heads, 4 key/value heads), "
               f"world {WORLD}, ZeRO-1, fp32, seq {s}, micro-batch {b}, one micro-batch per data-parallel rank\n")
         for size in args.tp.split(","):
-            sp = size.endswith("sp")
-            tp = int(size.removesuffix("sp"))
+            sp, vocab = size.endswith("sp"), not size.endswith("r")
+            tp = int(size.removesuffix("sp").removesuffix("r"))
             dp = WORLD // tp
             with mp.Manager() as manager:
                 out = manager.dict()
-                mp.spawn(_rank, args=(tp, sp, tmp, data_path, s, free_port(), out), nprocs=WORLD)
+                mp.spawn(_rank, args=(tp, sp, vocab, tmp, data_path, s, free_port(), out), nprocs=WORLD)
                 ranks = [out[r] for r in range(WORLD)]
             r0 = ranks[0]
             micro = 1
+            split = vocab and tp > 1
             # an all-reduce, or with SP an all-gather or (gloo: all-reduce for) reduce-scatter, of b·s·h
             # each: 4 per block, or 8 with SP plus the final norm's gather and the first block's
-            # input gradient's
-            per_step = (8 * layers + 2) if sp else 4 * layers
-            tp_formula = per_step * b * s * h * 4 * micro if tp > 1 else 0
+            # input gradient's; the vocabulary split: the embedding's sum and the head's "f", and the
+            # loss's 3 floats per token
+            per_step = ((8 * layers + 2) if sp else 4 * layers) + (2 if split else 0)
+            tp_formula = (per_step * b * s * h + (3 * b * s if split else 0)) * 4 * micro if tp > 1 else 0
             dp_formula = 2 * r0["padded"] * 4 if dp > 1 else 0
             state = max(sum(x["memory"][k] for k in ("compute_params", "main_params", "optimizer", "grads"))
                         for x in ranks)
             state_formula = formula_bytes_per_param("optim", dp) * r0["params_per_rank"]
             act = max(x["memory"]["activations_peak"] for x in ranks)
-            act_formula = activation_bytes(shape, s, b, 4, tp=tp, sequence_parallel=sp)
-            row = {"tp": tp, "sequence_parallel": sp, "dp": dp, "params_per_rank": r0["params_per_rank"],
+            act_formula = activation_bytes(shape, s, b, 4, tp=tp, sequence_parallel=sp, vocab_parallel=split)
+            row = {"tp": tp, "sequence_parallel": sp, "vocab_parallel": split, "dp": dp,
+                   "params_per_rank": r0["params_per_rank"],
                    "tp_bytes": max(x["bytes"].get("tp", 0) for x in ranks), "tp_formula": tp_formula,
                    "dp_bytes": max(x["bytes"].get("dp", 0) for x in ranks), "dp_formula": dp_formula,
                    "calls": r0["calls"], "state_bytes": state, "state_formula": state_formula,
                    "activations_bytes": act, "activations_estimate": act_formula, "loss": r0["loss"]}
             rows.append(row)
             mib = 2**20
-            print(f"tp {tp} x dp {dp}{' with sequence parallelism' if sp else ''}: "
+            how = [w for w, on in (("sequence parallelism", sp), ("the vocabulary split", split),
+                                   ("the vocabulary replicated", tp > 1 and not vocab)) if on]
+            print(f"tp {tp} x dp {dp}{' with ' + ' and '.join(how) if how else ''}: "
                   f"{row['params_per_rank']:,} parameters per rank")
             print(f"  TP axis  {row['tp_bytes'] / mib:9.2f} MiB per step per rank   formula {tp_formula / mib:9.2f} MiB"
                   + (f"   ratio {row['tp_bytes'] / tp_formula:.3f}" if tp_formula else ""))
@@ -188,9 +199,27 @@ def main() -> None:
             print(f"  activations {act / mib:8.1f} MiB a micro-batch   estimate {act_formula / mib:8.1f} MiB   "
                   f"ratio {act / act_formula:.3f}")
             print(f"  collectives: {', '.join(f'{k} x{v}' for k, v in sorted(r0['calls'].items()))}\n")
+    _vocab_table(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"benchmark": "tp", "num_params": n, "seq": args.seq, "rows": rows}, f, indent=2)
+
+
+def _vocab_table(rows: list[dict]) -> None:
+    """Memory per rank with the 32k vocabulary split against replicated, at each TP size run both ways."""
+    mib = 2**20
+    split = {r["tp"]: r for r in rows if not r["sequence_parallel"] and r["vocab_parallel"]}
+    replicated = {r["tp"]: r for r in rows if not r["sequence_parallel"] and not r["vocab_parallel"] and r["tp"] > 1}
+    pairs = [(t, split[t], replicated[t]) for t in sorted(split) if t in replicated]
+    if not pairs:
+        return
+    print("the 32k vocabulary split against replicated (memory per rank, measured; the formula's ratio beside):")
+    for t, v, r in pairs:  # v: the vocabulary split, r: replicated
+        print(f"  tp {t}: model state {v['state_bytes'] / mib:.1f} vs {r['state_bytes'] / mib:.1f} MiB "
+              f"({v['state_bytes'] / r['state_bytes']:.3f}x; formula {v['state_formula'] / r['state_formula']:.3f}x), "
+              f"activations {v['activations_bytes'] / mib:.1f} vs {r['activations_bytes'] / mib:.1f} MiB "
+              f"({v['activations_bytes'] / r['activations_bytes']:.3f}x; "
+              f"estimate {v['activations_estimate'] / r['activations_estimate']:.3f}x)")
 
 
 if __name__ == "__main__":

@@ -142,18 +142,60 @@ def describe_model(record: dict | None) -> str:
         f" from {record['source']}" if record.get("source") else "")
 
 
+# Config entries that say nothing of the model itself (which library wrote it, from where).
+_NOT_THE_MODEL = {"transformers_version", "_name_or_path", "_commit_hash", "dtype", "torch_dtype"}
+DETAIL_LINES = 4
+
+
+def what_differs(was: dict | None, now: dict | None) -> str | None:
+    """What makes two models (`ModelSpec.record()`s) different, in a few words, where their
+    records say: the kind, the LoRA settings, the config keys, the source; None where they say
+    nothing (the same model, configured alike)."""
+    was, now = was or {"kind": "gpt"}, now or {"kind": "gpt"}
+
+    def pairs(a: dict, b: dict, prefix: str = "", skip=()) -> list[str]:
+        keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and k not in skip]
+        out = [f"{prefix}{k} {_brief(a.get(k))} in the checkpoint, {_brief(b.get(k))} here" for k in keys[:3]]
+        return out + ([f"and {len(keys) - 3} more"] if len(keys) > 3 else [])
+
+    if was.get("kind") != now.get("kind"):
+        return f"model.kind {was.get('kind')} in the checkpoint, {now.get('kind')} here"
+    lora_was, lora_now = was.get("lora"), now.get("lora")
+    if lora_was != lora_now:
+        if not lora_was or not lora_now:
+            return "LoRA adapters " + ("here, none in the checkpoint" if lora_now else "in the checkpoint, none here")
+        return ", ".join(pairs(lora_was, lora_now, "model.lora."))
+    config = pairs(was.get("config") or {}, now.get("config") or {}, skip=_NOT_THE_MODEL)
+    if config:
+        return ", ".join(config)
+    for key, label in (("factory", "model.factory"), ("kwargs", "model.kwargs"), ("source", "model.path")):
+        if was.get(key) != now.get(key):
+            return f"{label} {_brief(was.get(key))} in the checkpoint, {_brief(now.get(key))} here"
+    return None
+
+
+def _brief(value) -> str:
+    text = str(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def different_model(uri: str, manifest: dict, problems: list[str], model: dict | None) -> CheckpointError:
-    """The error for resuming another model: one line naming both models, how many tensors
-    differ, and the two ways out; then the differences, one a line (the first 20)."""
+    """The error for resuming another model: one line leading with what differs (the config
+    key, the LoRA setting, else the first tensor) and the two ways out; then both models, if
+    their descriptions differ, and the first few tensor differences, one a line."""
     held, here = describe_model(manifest.get("model_source")), describe_model(model)
-    if held == here:
-        here += " as configured now"
+    lead = what_differs(manifest.get("model_source"), model)
+    n = len(problems)
+    if lead is not None:
+        lead += f", so {n} tensor{'s differ' if n != 1 else ' differs'}"
+    else:
+        lead = problems[0] + (f" and {n - 1} more difference{'s' if n > 2 else ''}" if n > 1 else "")
+    details = ([f"checkpoints of {held}; this run trains {here}"] if held != here else []) + problems[:DETAIL_LINES]
     return CheckpointError(
-        f"{uri} holds a different model: checkpoints of {held}, not of {here} ({len(problems)} difference"
-        f"{'s' if len(problems) != 1 else ''}, e.g. {problems[0]}); train it into another checkpoint.dir, or set "
+        f"{uri} holds a different model: {lead}; train it into another checkpoint.dir, or set "
         f"checkpoint.resume=none to start from scratch beside them"
-        + "".join(f"\n  {p}" for p in problems[:20])
-        + (f"\n  … and {len(problems) - 20} more" if len(problems) > 20 else ""))
+        + "".join(f"\n  {p}" for p in details)
+        + (f"\n  … and {n - DETAIL_LINES} more" if n > DETAIL_LINES else ""))
 
 
 def check_model(manifest: dict, params: dict[str, list[int]], uri: str, frozen: list[str] | None = None,

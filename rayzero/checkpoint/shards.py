@@ -239,7 +239,7 @@ class SavedIndex:
                     placed = tp["split"].get(name)
                     if placed is None and t != 0:
                         continue  # replicated over TP: rank 0 of the group's copy
-                    split = Split(placed["dim"], placed["parts"]) if placed else None
+                    split = Split.from_record(placed) if placed else None
                     lo = cut.start - p_start
                     base = file_off + (cut.start - start)
                     for g, n, d in global_runs(split, shapes.get(name), tp["tp"], t, lo, lo + cut.size):

@@ -30,7 +30,7 @@ class Checkpoints:
     def __init__(self, cfg: RootConfig):
         self.cfg = cfg
         self.root = Storage(checkpoint_root(cfg), cfg.checkpoint)
-        self.pending: dict[int, dict] = {}  # step -> {"uploads": [...], "rng": [...], ...}
+        self.pending: dict[int, dict] = {}  # step -> {"uploads": [...], "lr": ..., ...}
         self.saving_ranks = 0
         self.layout: dict = {}
         self.params: list[dict] = []
@@ -83,9 +83,8 @@ class Checkpoints:
         """Reports from one iteration's results; commits every checkpoint now complete.
         `record`: what the manifest of a checkpoint taken after this step also keeps (the
         validation loss, early stopping's state)."""
-        if results[0].get("rng") is not None:  # the ranks took a checkpoint after this step
+        if results[0].get("checkpointed"):  # the ranks took a checkpoint after this step
             entry = self.pending.setdefault(step + 1, {"uploads": []})
-            entry["rng"] = [r["rng"] for r in sorted(results, key=lambda r: r["rank"])]
             entry["loss_scale"] = results[0]["loss_scale"]
             entry["lr"] = results[0]["lr"]
             entry["record"] = record or {}
@@ -95,7 +94,7 @@ class Checkpoints:
         for u in uploads:
             self.pending.setdefault(u["step"], {"uploads": []})["uploads"].append(u)
         for step in sorted(self.pending):
-            if len(self.pending[step]["uploads"]) == self.saving_ranks and "rng" in self.pending[step]:
+            if len(self.pending[step]["uploads"]) == self.saving_ranks and "lr" in self.pending[step]:
                 self._commit(step, self.pending.pop(step))
 
     def _commit(self, step: int, entry: dict) -> None:
@@ -116,7 +115,6 @@ class Checkpoints:
                          "name": cfg.optim.schedule},
             "data": {"seed": cfg.train.seed, "global_batch_size": cfg.train.global_batch_size,
                      "seq_len": cfg.train.seq_len, "position": step, "path": self.run.get("data_path")},
-            "rng": entry["rng"],
             "loss_scale": entry["loss_scale"],
             "mlflow_run_id": self.mlflow_run_id,
             "run": {"lineage": self.lineage, **{k: v for k, v in self.run.items() if k != "data_path"}},

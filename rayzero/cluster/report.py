@@ -76,6 +76,8 @@ def run_summary(c, rank0_info: dict) -> dict:
         "strategy": cfg.sharding.strategy,
         "tp": cfg.parallel.tp,
         "sequence_parallel": cfg.parallel.sequence_parallel,
+        # the embedding, head and logits split over the TP ranks (what the ranks built, not only what was asked)
+        "vocab_parallel": bool((rank0_info.get("tp") or {}).get("vocab_parallel")),
         "grad_accum": cfg.grad_accum,
         "num_params": rank0_info["num_params"],
         "trainable_params": rank0_info["trainable_params"],

@@ -190,6 +190,9 @@ def _print_plan(p: dict) -> None:
         f"  strategy {p['strategy']}{hybrid}; params {p['param_dtype']}, grads {p['grad_dtype']}\n"
         + ("".join(f"  {line}\n" for line in p["mesh"]) if p["tp"] > 1 else "")
         + ("  sequence parallel: norms and residuals on 1/tp of the sequence\n" if p["sequence_parallel"] else "")
+        + ("  vocabulary parallel: embedding, head and logits split over the tp ranks, the loss on the shards\n"
+           if p["tp"] > 1 and p["vocab_parallel"] else "")
+        + (f"  note: {p['vocab_note']}\n" if p.get("vocab_note") else "")
         + f"  model {_model_line(p)}\n"
         + (f"  {p['model']['lora']}\n" if p["model"].get("lora") else "")
         + (f"  {_params_line(p['num_params'], p['trainable_params'])}"

@@ -17,7 +17,7 @@ from rayzero.cluster.checkpoints import Checkpoints
 from rayzero.cluster.history import load_rows
 from rayzero.config import ConfigError, RootConfig
 from rayzero.models import ModelSpec
-from rayzero.workers.assembly import build_model
+from rayzero.workers.assembly import build_model, whole_shapes
 
 
 class _DropNotice(logging.Filter):
@@ -82,9 +82,9 @@ def resume_preview(checkpoints: Checkpoints, spec: ModelSpec):
     """The commit the run will resume from (None: it starts from scratch), chosen as the
     controller will choose it, before anything starts: a directory holding only another
     model's checkpoints is refused here, in one line, not after the cluster is up."""
-    model = build_model(checkpoints.cfg, spec).model  # what the ranks will build
-    params = {n: list(p.shape) for n, p in model.named_parameters()}
-    frozen = sorted(n for n, p in model.named_parameters() if not p.requires_grad)
+    built = build_model(checkpoints.cfg, spec)  # what the ranks will build: one TP rank's share of it
+    params = whole_shapes(built.model, built.tp)  # checkpoints hold whole tensors, whatever the TP size
+    frozen = sorted(n for n, p in built.model.named_parameters() if not p.requires_grad)
     try:
         found = checkpoints.resume_target(params, frozen, spec.record())
     except StorageError as e:

@@ -254,9 +254,10 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
         record = spec.record()
         shape = spec.activation_shape(model)
         lora = lora_line(cfg, model)
+        vocab = {"parallel": built.tp is not None and built.tp.vocab is not None, "note": vocab_note(cfg, built)}
     except ModelUnreachable as e:
         spec, note, num_params, trainable, buckets = None, f"not read from here: {e}", None, None, None
-        lora, tp_extra = None, 0
+        lora, tp_extra, vocab = None, 0, {"parallel": cfg.parallel.tp > 1 and cfg.parallel.vocab_parallel, "note": None}
         record = {"kind": cfg.model.kind, "source": cfg.model.path, "init": cfg.model.init}
         shape = None
     sh, t, c = cfg.sharding, cfg.train, cfg.cluster
@@ -275,6 +276,8 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
         "world_size": c.num_workers,
         "tp": cfg.parallel.tp,
         "sequence_parallel": cfg.parallel.sequence_parallel,
+        "vocab_parallel": vocab["parallel"],
+        "vocab_note": vocab["note"],
         "mesh": topo.describe(),
         "world_sizes": cfg.world_sizes(),
         "cluster": c.address or "local Ray",
@@ -303,7 +306,7 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
                    "activations_bytes": activation_bytes(
                        shape, t.seq_len, t.micro_batch_size, param_bytes, cfg.model.checkpoint_every,
                        cfg.model.activation_checkpointing == "selective", cfg.parallel.tp,
-                       cfg.parallel.sequence_parallel) if shape is not None else None,
+                       cfg.parallel.sequence_parallel, vocab["parallel"]) if shape is not None else None,
                    "activation_checkpointing": cfg.model.activation_checkpointing},
         "checkpoint": ({"dir": checkpoint_root(cfg), "every_steps": cfg.checkpoint.every_steps,
                         "resume": cfg.checkpoint.resume} if cfg.checkpoint.dir else None),
@@ -341,6 +344,9 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None) -> tuple[dic
     note_cut_examples(cfg, meta, dataset)
     cfg = limit_to_epochs(cfg, dataset)
     spec = check_model(cfg, factory, data_vocab=meta["vocab_size"])
+    note = vocab_note(cfg, build_model(cfg, spec)) if cfg.parallel.tp > 1 and cfg.parallel.vocab_parallel else None
+    if note:
+        print(f"rayzero: note: {note}", file=sys.stderr)
     if cfg.train.save_final:
         try:
             check_final(cfg.train.save_final, cfg.train.save_format, export_identity(spec.record()),
@@ -393,6 +399,16 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None) -> tuple[dic
     finally:
         if started_ray:
             ray.shutdown()
+
+
+def vocab_note(cfg: RootConfig, built) -> str | None:
+    """Why the vocabulary is not split over the TP ranks although `parallel.vocab_parallel`
+    asks for it, and what is done instead (None: it is split, or not asked for)."""
+    if built.tp is None or built.tp.vocab_note is None or not cfg.parallel.vocab_parallel:
+        return None
+    return (f"parallel.vocab_parallel: {type(built.model).__name__}'s vocabulary is not split over the "
+            f"{cfg.parallel.tp} tensor-parallel ranks, as {built.tp.vocab_note}; its embedding and head stay whole "
+            "on every TP rank, with the full logits on each (parallel.vocab_parallel=false asks for that)")
 
 
 def lora_line(cfg: RootConfig, model) -> str | None:

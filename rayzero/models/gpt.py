@@ -150,6 +150,9 @@ class GPTSpec(ModelSpec):
     def sequence_ends(self, model) -> tuple[str, str]:
         return "blocks.0", "ln_f"
 
+    def vocab_ends(self, model) -> tuple[str, str]:
+        return "wte", "lm_head"
+
     def tp_plan(self, model) -> dict:
         """Megatron's split of a GPT block: q|k|v column-parallel part by part (each rank its
         heads of each), the attention output row-parallel; the MLP's fc column-, proj row-parallel."""

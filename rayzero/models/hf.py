@@ -180,10 +180,17 @@ class HFSpec(ModelSpec):
             raise ModelError(f"parallel.sequence_parallel: {type(model).__name__}'s decoder has no final `norm`")
         return first, names[id(norm)]
 
-    def parallelize(self, model: nn.Module, axis, sequence_parallel: bool = False):
+    def vocab_ends(self, model: nn.Module) -> tuple[str | None, str | None]:
+        """The modules `get_input_embeddings()` and `get_output_embeddings()` give."""
+        names = {id(m): n for n, m in model.named_modules()}
+        ends = (model.get_input_embeddings(), model.get_output_embeddings())
+        return tuple(names.get(id(m)) if m is not None else None for m in ends)
+
+    def parallelize(self, model: nn.Module, axis, sequence_parallel: bool = False, vocab_parallel: bool = True,
+                    streams=None):
         """transformers' attention takes its head counts from the shapes, but for the ratio
         of query to key/value heads (`num_key_value_groups`): set to this rank's."""
-        layout = super().parallelize(model, axis, sequence_parallel)
+        layout = super().parallelize(model, axis, sequence_parallel, vocab_parallel, streams)
         for m in model.modules():
             if hasattr(m, "num_key_value_groups") and hasattr(m, "q_proj") and hasattr(m, "k_proj"):
                 q, k = (getattr(p, "base_layer", p) for p in (m.q_proj, m.k_proj))  # under LoRA: its base

@@ -10,6 +10,7 @@ checkpoint tools and the CLI ask it, and never name a model class:
     spec.decays(name, p)         which parameters take weight decay
     spec.loss(model, x, y)       a micro-batch's summed loss over valid tokens, their count, and
                                  its auxiliary loss (a mixture of experts' router loss) if any
+    spec.parallelize(model, ...) tensor parallelism: its plan applied, its vocabulary split
     spec.record()                what a checkpoint notes of the model (kind, source, config hash)
     spec.export_plan(model)      the names an export writes, and what each one holds
     spec.check(seq_len, ...)     what can be checked in the driver, before any cluster starts
@@ -32,8 +33,7 @@ import torch.nn.functional as F
 
 from rayzero.models.errors import ModelError, ModelUnavailable  # noqa: F401 (raised here, named from here too)
 from rayzero.sharding.flat_buffer import ParamSource
-
-IGNORE_INDEX = -100  # labels equal to this take no part in the loss (torch's and HF's convention)
+from rayzero.sharding.vocab_parallel import IGNORE_INDEX  # noqa: F401 (labels equal to it take no part in the loss)
 
 
 @contextlib.contextmanager
@@ -288,12 +288,20 @@ class ModelSpec:
         raise ModelError(f"parallel.sequence_parallel: model.kind={self.kind} does not say where its blocks begin "
                          "and end")
 
-    def parallelize(self, model: nn.Module, axis, sequence_parallel: bool = False):
+    def vocab_ends(self, model: nn.Module) -> tuple[str | None, str | None]:
+        """(the input embedding, the output head) by module name, which tensor parallelism splits
+        over the vocabulary; None for one the model does not have."""
+        return None, None
+
+    def parallelize(self, model: nn.Module, axis, sequence_parallel: bool = False, vocab_parallel: bool = True,
+                    streams=None):
         """Split the model over the TP `axis` (`tensor_parallel.parallelize` with its plan),
-        with sequence parallelism between `sequence_ends`; the `TPLayout`."""
+        with sequence parallelism between `sequence_ends` and, with `vocab_parallel`, the
+        embedding and head over the vocabulary; dropout drawn from `streams`. The `TPLayout`."""
         from rayzero.sharding.tensor_parallel import parallelize
 
-        return parallelize(model, self.tp_plan(model), axis, self.sequence_ends(model) if sequence_parallel else None)
+        return parallelize(model, self.tp_plan(model), axis, self.sequence_ends(model) if sequence_parallel else None,
+                           vocab=self.vocab_ends(model) if vocab_parallel else None, streams=streams)
 
     @staticmethod
     def decays(name: str, param: torch.Tensor) -> bool:
@@ -304,26 +312,28 @@ class ModelSpec:
     def logits(self, model: nn.Module, x: torch.Tensor):
         return model(x)
 
-    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, check: bool = False):
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, check: bool = False, vocab=None):
         """(summed cross-entropy over valid targets, their count, the model's auxiliary loss or
         None) for one micro-batch; with `check`, the forward's output is checked to be
         [B, T, V] logits first. The auxiliary loss (a mixture of experts' router
         load-balancing loss, as the model computes it for this micro-batch) enters training
-        scaled by `aux_coef`."""
+        scaled by `aux_coef`. `vocab`: this rank's `VocabShard` when the head is split over the
+        vocabulary: the logits are its rows, and the loss is computed on the shards."""
+        loss_of = vocab.token_loss if vocab is not None else token_loss
         if not check:
             out = self.logits(model, x)
-            return (*token_loss(getattr(out, "logits", out), y), self.aux_loss(out))
+            return (*loss_of(getattr(out, "logits", out), y), self.aux_loss(out))
         try:
             out = self.logits(model, x)
         except IndexError as e:  # an embedding lookup past the table
             raise ModelError(f"{self.where}: the forward failed on token ids up to {int(x.max())} "
                              f"(IndexError: {e}): is its vocabulary smaller than the data's?") from None
         logits = check_logits(out, x, self.where)
-        vocab, top = logits.shape[-1], int(max(x.max(), y.max()))
-        if top >= vocab:
-            raise ModelError(f"{self.where}: its vocabulary of {vocab} tokens is smaller than the data's: "
+        vocab_size, top = vocab.size if vocab is not None else logits.shape[-1], int(max(x.max(), y.max()))
+        if top >= vocab_size:
+            raise ModelError(f"{self.where}: its vocabulary of {vocab_size} tokens is smaller than the data's: "
                              f"the batch holds token id {top}")
-        return (*token_loss(logits, y), self.aux_loss(out))
+        return (*loss_of(logits, y), self.aux_loss(out))
 
     aux_coef = 0.0  # the weight of `aux_loss` in the training loss; 0: the model has none
 

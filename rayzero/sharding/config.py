@@ -126,6 +126,14 @@ class ParallelConfig(Frozen):
         "activations are split along the sequence over the TP ranks, so norms, residuals and dropout keep 1/tp "
         "of theirs; the all-reduces become all-gathers and reduce-scatters. `train.seq_len` must divide by `tp`.",
     )
+    vocab_parallel: bool = Field(
+        default=True,
+        description="With `tp` > 1, split the input embedding and the output head (one tensor when tied) over the "
+        "vocabulary, Megatron style: each TP rank holds ceil(V / tp) rows of them and of the logits, and the "
+        "cross-entropy is computed on the logit shards, never on the full logits (a vocabulary `tp` does not divide "
+        "is padded; the padding is in no checkpoint or export). `false`, or a model whose embedding or head is not a "
+        "plain layer (said before the run starts): replicated on every TP rank, with the full logits on each.",
+    )
 
     @model_validator(mode="after")
     def _check(self):

@@ -42,20 +42,26 @@ class Units:
     users: dict[str, frozenset[int]]  # hooked module name -> units it needs whole to run
 
 
+def class_names(module: nn.Module) -> set[str]:
+    """The names of `module`'s class and of the module classes it derives from: a unit named
+    `Embedding` is also the vocabulary-parallel embedding tensor parallelism puts in its place."""
+    return {c.__name__ for c in type(module).__mro__ if issubclass(c, nn.Module) and c is not nn.Module}
+
+
 def find_units(model: nn.Module, classes: tuple[str, ...]) -> Units:
-    """Match `classes` against module class names; the outermost match wins. Raises a
-    ValueError for a class name that matches no module."""
-    names = {type(m).__name__ for m in model.modules()}
+    """Match `classes` against module class names (a class or one it derives from); the
+    outermost match wins. Raises a ValueError for a class name that matches no module."""
+    names = set().union(*(class_names(m) for m in model.modules()))
     missing = [c for c in classes if c not in names]
     if missing:
         raise ValueError(
             f"sharding.fsdp_units: no module of {type(model).__name__} has class {', '.join(missing)}; "
-            f"its module classes are {', '.join(sorted(names))}"
+            f"its module classes are {', '.join(sorted({type(m).__name__ for m in model.modules()}))}"
         )
     unit_modules: list[str] = []
     for name, m in model.named_modules():
         inside = any(name.startswith(u + ".") for u in unit_modules)
-        if name and type(m).__name__ in classes and not inside:
+        if name and class_names(m) & set(classes) and not inside:
             unit_modules.append(name)
     owner: dict[str, int] = {}
     ident: dict[int, str] = {}  # parameter identity -> its named_parameters name

@@ -92,7 +92,8 @@ class ActivationShape:
 
 
 def activation_bytes(shape: ActivationShape, seq: int, micro_batch: int, elem_bytes: int = 4, every: int = 0,
-                     selective: bool = False, tp: int = 1, sequence_parallel: bool = False) -> int:
+                     selective: bool = False, tp: int = 1, sequence_parallel: bool = False,
+                     vocab_parallel: bool = False) -> int:
     """What one micro-batch's forward keeps for backward, estimated from the model's shape.
 
     Korthikanti et al. 2022 count a transformer layer's saved activations as s·b·h·(34 + 5·a·s/h)
@@ -107,14 +108,15 @@ def activation_bytes(shape: ActivationShape, seq: int, micro_batch: int, elem_by
         MLP          2f, or 4f gated                     the activation's input and output
         dropout      2h bytes where dropout > 0          the residual dropouts' masks
 
-    outside the layers: the final norm and the fp32 log-softmax of the logits (V). With
+    outside the layers: the final norm and the fp32 log-softmax of the logits (V; with
+    `vocab_parallel`, the fp32 softmax of a rank's ceil(V/tp) logits the sharded loss keeps). With
     activation checkpointing a recomputed layer keeps only its input (h); `selective` keeps its
     input and its matrix multiplications' and attention's outputs.
 
     With `tp` tensor-parallel ranks (Korthikanti's s·b·h·(10 + 24/t + 5·a·s/(h·t))), a rank
     keeps its heads' queries, keys, values and outputs (key/value heads fewer than the ranks:
     one of each) and its share of the MLP's width; the norms' tensors, the residual dropouts'
-    masks and the logits (the head is replicated) stay whole. With `sequence_parallel` the norms'
+    masks and (unless `vocab_parallel`) the logits stay whole. With `sequence_parallel` the norms'
     inputs, the dropout masks and a recomputed block's input are a rank's sequence shard
     (1/tp), and a norm's output is kept as the gathered whole the next layer multiplies (h per
     token; the shard itself is not kept).
@@ -138,5 +140,6 @@ def activation_bytes(shape: ActivationShape, seq: int, micro_batch: int, elem_by
     recomputed_layer = tokens * elem_bytes * (kept if selective else h / sp)
     n_recomputed = 0 if not every else (shape.layers + every - 1) // every
     layers = n_recomputed * recomputed_layer + (shape.layers - n_recomputed) * full_layer
-    outside = tokens * (norm_kept * elem_bytes + 4 * shape.vocab)
+    vocab = -(-shape.vocab // tp) if vocab_parallel else shape.vocab  # a rank's logits
+    outside = tokens * (norm_kept * elem_bytes + 4 * vocab)
     return int(layers + outside)

@@ -18,11 +18,16 @@ shard; a DTensor parameter would have to be unwrapped into that buffer and rewra
 every use. The layers below subclass `nn.Linear`, keep its parameter names (`weight`, `bias`)
 and differ only in `forward`, so checkpoints, exports and PEFT see the model's own names.
 
-Embeddings, norms and the output head stay replicated on every rank of the TP group: their
-inputs are the same on every rank (the row-parallel outputs are all-reduced), so their
-gradients are too, and the loss needs no vocabulary-parallel cross-entropy. The price is the
-full logits (batch x seq x vocab) on every TP rank, and the head's matmul done tp times; the
-strategies still shard the replicated parameters over the data-parallel ranks.
+The input embedding and the output head are split over the vocabulary, one parameter where
+they are tied (`rayzero.sharding.vocab_parallel`: Megatron's vocabulary-parallel embedding,
+column-parallel head and cross-entropy on the logit shards), where the model's are the plain
+layers; otherwise (`TPLayout.vocab_note` says why) and with `parallel.vocab_parallel=false` they
+stay replicated, with the full logits on every TP rank. Norms stay replicated: their inputs are
+the same on every rank (the row-parallel outputs are all-reduced), so are their gradients; the
+strategies shard the replicated parameters over the data-parallel ranks.
+
+Dropout draws from streams the layers switch at the regions' boundaries (`rayzero.sharding.rng`):
+a rank's own inside a split region, one common to the TP group outside it.
 
 Key/value heads fewer than the TP ranks (grouped-query attention with few kv heads) are
 replicated: each rank holds the whole projection and computes only the kv heads its query
@@ -44,7 +49,9 @@ import torch.nn.functional as F
 
 from rayzero.sharding.comm import Axis
 from rayzero.sharding.flat_buffer import ParamSource, Piece
+from rayzero.sharding.rng import RandomStreams
 from rayzero.sharding.tp_comm import TPComm, split_sequence, whole_sequence
+from rayzero.sharding.vocab_parallel import VocabShard, split_embedding, split_head, why_not_split
 
 
 class TPError(ValueError):
@@ -57,53 +64,69 @@ class TPError(ValueError):
 class Split:
     """A parameter split over the TP group along `dim` (0: output rows, column-parallel; 1:
     input columns, row-parallel). With `parts` > 1 the tensor is several fused along `dim`
-    (the GPT's q|k|v) and each part is split on its own, so a rank holds its heads of each."""
+    (the GPT's q|k|v) and each part is split on its own, so a rank holds its heads of each.
+    `padded` (dim 0, a vocabulary): each rank holds ceil(rows / tp) rows, the last rank's last
+    ones padding that no global element maps to."""
 
     dim: int
     parts: int = 1
+    padded: bool = False
+
+    def local_rows(self, rows: int, tp: int) -> int:
+        """A rank's share of `rows` (one part's)."""
+        return -(-rows // tp) if self.padded else rows // tp
 
     def local_shape(self, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
         out = list(shape)
-        out[self.dim] //= tp
+        out[self.dim] = self.parts * self.local_rows(shape[self.dim] // self.parts, tp)
         return tuple(out)
 
     def runs(self, shape: tuple[int, ...], tp: int, tp_rank: int) -> list[tuple[int, int, int]]:
         """Where the local tensor's elements sit in the global one, as contiguous runs
-        (local flat start, global flat start, length), in local order."""
+        (local flat start, global flat start, length), in local order; padding is in none."""
         if self.dim == 0:
             row = _numel(shape[1:])
             part_rows = shape[0] // self.parts
-            local_rows = part_rows // tp
-            return [(p * local_rows * row, (p * part_rows + tp_rank * local_rows) * row, local_rows * row)
-                    for p in range(self.parts)]
+            local_rows = self.local_rows(part_rows, tp)
+            real = max(0, min(local_rows, part_rows - tp_rank * local_rows))
+            return [(p * local_rows * row, (p * part_rows + tp_rank * local_rows) * row, real * row)
+                    for p in range(self.parts) if real]
         rows, cols = shape[0], _numel(shape[1:])  # dim 1 of a matrix: each row a run
         local_cols = cols // tp
         return [(r * local_cols, r * cols + tp_rank * local_cols, local_cols) for r in range(rows)]
 
     def record(self) -> dict:
-        return {"dim": self.dim, "parts": self.parts}
+        return {"dim": self.dim, "parts": self.parts, **({"padded": True} if self.padded else {})}
+
+    @classmethod
+    def from_record(cls, placed: dict) -> "Split":
+        return cls(placed["dim"], placed["parts"], placed.get("padded", False))
 
 
 @dataclass
 class TPLayout:
     """What `parallelize` did: per split parameter its placement and global shape; the
-    replicated parameters whose gradient is a partial sum over the TP group."""
+    replicated parameters whose gradient is a partial sum over the TP group; the vocabulary
+    shard when the embedding and head are split (`vocab_parallel`), else why they are not."""
 
     size: int
     rank: int
     split: dict[str, Split] = field(default_factory=dict)
     global_shape: dict[str, tuple[int, ...]] = field(default_factory=dict)
     partial: set[str] = field(default_factory=set)
+    vocab: VocabShard | None = None
+    vocab_note: str | None = None  # why the vocabulary stays whole on every TP rank
 
     def split_numel(self) -> int:
         """Elements of the split parameters that the other TP ranks hold (whole model - this rank's)."""
-        return sum(_numel(g) - _numel(g) // self.size for g in self.global_shape.values())
+        return sum(_numel(g) - _numel(self.split[n].local_shape(g, self.size)) for n, g in self.global_shape.items())
 
     def record(self) -> dict:
         """The manifest's note: each split tensor's global shape and placement."""
         return {"tp": self.size, "split": {n: {**s.record(), "global_shape": list(self.global_shape[n])}
                                            for n, s in sorted(self.split.items())},
-                "replicated_partial_grad": sorted(self.partial)}
+                "replicated_partial_grad": sorted(self.partial),
+                "vocab_parallel": self.vocab is not None}
 
 
 # -- the layers --------------------------------------------------------------------------------------
@@ -207,17 +230,23 @@ class Style:
     kv: bool = False
 
 
-def parallelize(model: nn.Module, plan: dict[str, Style], axis: Axis,
-                sequence: tuple[str, str] | None = None) -> TPLayout:
+def parallelize(model: nn.Module, plan: dict[str, Style], axis: Axis, sequence: tuple[str, str] | None = None,
+                vocab: tuple[str | None, str | None] | None = None, streams: RandomStreams | None = None) -> TPLayout:
     """Swap the linears named in `plan` (module-name patterns, `*` for one name part) for
     their tensor-parallel versions over `axis`. TPError naming the layer and the sizes when a
     shape does not divide; the patterns must each match a linear. `sequence`: (the first
-    block, the final norm) for sequence parallelism between them."""
+    block, the final norm) for sequence parallelism between them. `vocab`: (the input
+    embedding, the output head) to split over the vocabulary (`vocab_parallel`), where they can
+    be (else `vocab_note` says why not). `streams`: the rank's dropout streams, switched at the
+    regions' boundaries (`rng`): a split region (from a column-parallel output to the end of the
+    row-parallel layer after it) draws from its TP rank's stream, the rest from the stream its
+    activations call for (replicated, or the sequence shard's)."""
     tp, rank = axis.size, axis.rank
     layout = TPLayout(tp, rank)
     comm = TPComm(axis, sequence is not None)
     modules = dict(model.named_modules())
     shared: dict[str, _SharedInput] = {}
+    outside = "sequence" if sequence is not None else "replicated"  # the stream between split regions
     for pattern, style in plan.items():
         names = [n for n in modules if _match(pattern, n)]
         if not names:
@@ -233,36 +262,82 @@ def parallelize(model: nn.Module, plan: dict[str, Style], axis: Axis,
                 share = shared[parent]
             target = modules[name]
             if _is_adapted(target):
-                _split_adapted(name, target, style, comm, layout, share)
-                continue
-            if not isinstance(target, nn.Linear):
+                _split_adapted(name, target, style, comm, layout, share, streams)
+                placed = target
+            elif isinstance(target, nn.Linear):
+                placed = _split_linear(name, target, style, comm, layout)
+                placed.shared = share if style.kind == "column" else None
+                setattr(owner, attr, placed)
+            else:
                 raise TPError(f"{name}: the tensor-parallel plan splits linear layers, and this is a "
                               f"{type(target).__name__}")
-            new = _split_linear(name, target, style, comm, layout)
-            new.shared = share if style.kind == "column" else None
-            setattr(owner, attr, new)
+            if streams is not None and tp > 1:
+                region = "tp" if style.kind == "column" else outside  # what the layer's output feeds
+                placed.register_forward_hook(lambda *_, region=region: streams.enter(region))
+    if vocab is not None and tp > 1:
+        _split_vocabulary(model, modules, vocab, axis, layout)
     if sequence is not None and tp > 1:
-        _sequence_parallel(model, modules, sequence, axis, layout)
+        _sequence_parallel(model, modules, sequence, axis, layout, streams)
     return layout
 
 
-def _sequence_parallel(model: nn.Module, modules: dict, ends: tuple[str, str], axis: Axis, layout: TPLayout) -> None:
+def _split_vocabulary(model: nn.Module, modules: dict, ends: tuple[str | None, str | None], axis: Axis,
+                      layout: TPLayout) -> None:
+    """The input embedding and the output head split over the vocabulary's rows, one parameter
+    where they are tied (`vocab_parallel`); left whole, with the reason in `layout.vocab_note`,
+    where they cannot be."""
+    emb_name, head_name = ends
+    embedding, head = modules.get(emb_name) if emb_name else None, modules.get(head_name) if head_name else None
+    problem = why_not_split(embedding, head)
+    if problem is not None:
+        layout.vocab_note = problem
+        return
+    if axis.size > embedding.num_embeddings:
+        raise TPError(f"parallel.tp={axis.size} exceeds the vocabulary ({embedding.num_embeddings} tokens) that the "
+                      "embedding and head are split over; use a smaller parallel.tp, or parallel.vocab_parallel=false")
+    shard = VocabShard(axis, embedding.num_embeddings)
+    tied = head.weight is embedding.weight
+    new_emb = split_embedding(embedding, shard)
+    new_head = split_head(head, shard, new_emb.weight if tied else None)
+    for name, new in ((emb_name, new_emb), (head_name, new_head)):
+        parent, _, attr = name.rpartition(".")
+        setattr(modules[parent] if parent else model, attr, new)
+    names = {id(p): n for n, p in model.named_parameters()}  # a tied weight: by its one name
+    whole = {new_emb.weight: embedding.weight.shape, new_head.weight: head.weight.shape}
+    if head.bias is not None:
+        whole[new_head.bias] = head.bias.shape
+    for p, shape in whole.items():
+        layout.split[names[id(p)]] = Split(0, padded=True)
+        layout.global_shape[names[id(p)]] = tuple(shape)
+    layout.vocab = shard
+
+
+def _sequence_parallel(model: nn.Module, modules: dict, ends: tuple[str, str], axis: Axis, layout: TPLayout,
+                       streams: RandomStreams | None = None) -> None:
     """Split the sequence at the first block's input, gather it at the final norm's output;
     every replicated parameter in between (norms, row-parallel biases, LoRA's unsplit halves)
-    sees a part of the tokens: its gradient is a partial sum."""
+    sees a part of the tokens: its gradient is a partial sum. Dropout in between draws from the
+    sequence shard's stream."""
     first, last = ends
     for name in ends:
         if name not in modules:
             raise TPError(f"sequence parallelism: {type(model).__name__} has no module {name!r}")
 
     def split_input(_module, args, kwargs):
+        if streams is not None:
+            streams.enter("sequence")
         if args:
             return (split_sequence(args[0], axis), *args[1:]), kwargs
         key = "hidden_states" if "hidden_states" in kwargs else "x"
         return args, {**kwargs, key: split_sequence(kwargs[key], axis)}
 
+    def gather_output(_module, _args, out):
+        if streams is not None:
+            streams.enter("replicated")
+        return whole_sequence(out, axis)
+
     modules[first].register_forward_pre_hook(split_input, with_kwargs=True)
-    modules[last].register_forward_hook(lambda _m, _args, out: whole_sequence(out, axis))
+    modules[last].register_forward_hook(gather_output)
     block_prefix = first.rpartition(".")[0] + "."  # every block: the list the first one is in
     for name, _ in model.named_parameters():
         inside = name.startswith(block_prefix) or name.startswith(last + ".")
@@ -277,11 +352,13 @@ def _is_adapted(module: nn.Module) -> bool:
 
 
 def _split_adapted(name: str, wrapper: nn.Module, style: Style, comm: TPComm, layout: TPLayout,
-                   share: _SharedInput | None) -> None:
+                   share: _SharedInput | None, streams: RandomStreams | None = None) -> None:
     """A LoRA layer split to match its base: column-parallel, B splits its outputs as the base
     does and A stays whole, taking the base's input transition (its gradient a partial sum over
     the TP ranks); row-parallel, A splits its inputs as the base does (its partial products
-    summed, "g") and B stays whole."""
+    summed, "g") and B stays whole. The adapters' dropout on a column-parallel layer's input
+    (the same on every TP rank) draws alike on every rank; on a row-parallel one's (a rank's
+    split features), from the rank's own stream."""
     base = _split_linear(name, wrapper.base_layer, style, comm, layout)
     base.shared = share if style.kind == "column" else None
     wrapper.base_layer = base
@@ -298,8 +375,25 @@ def _split_adapted(name: str, wrapper: nn.Module, style: Style, comm: TPComm, la
             layout.partial |= {f"{name}.lora_A.{key}.{p}" for p, _ in wrapper.lora_A[key].named_parameters()}
             wrapper.lora_B[key] = _split_linear(f"{name}.lora_B.{key}", wrapper.lora_B[key], style, None, layout,
                                                 comm.axis)
+            if streams is not None and key in getattr(wrapper, "lora_dropout", {}):
+                _draw_in(wrapper.lora_dropout[key], streams, "replicated")
         else:
             wrapper.lora_A[key] = _split_linear(f"{name}.lora_A.{key}", wrapper.lora_A[key], style, comm, layout)
+
+
+def _draw_in(module: nn.Module, streams: RandomStreams, region: str) -> None:
+    """`module`'s forward draws from `region`'s stream, whatever stream is active around it."""
+    open_regions: list = []
+
+    def enter(*_):
+        open_regions.append(streams.region(region))
+        open_regions[-1].__enter__()
+
+    def leave(*_):
+        open_regions.pop().__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave)
 
 
 def _split_linear(name: str, linear: nn.Linear, style: Style, comm: TPComm | None, layout: TPLayout,
@@ -368,6 +462,8 @@ class TPSlices(ParamSource):
                 mapped.append(p)
                 continue
             shape = self.layout.global_shape[p.name]
+            if split.padded:  # rows past the vocabulary: no global element, zero
+                p.out.zero_()
             for local, glob, n in split.runs(shape, self.layout.size, self.layout.rank):
                 lo, hi = max(p.start, local), min(p.end, local + n)
                 if lo < hi:
@@ -388,7 +484,8 @@ def gather_global(name: str, local: torch.Tensor, layout: TPLayout, axis: Axis) 
     if split.dim == 1:
         return torch.cat(pieces, dim=1)
     parts = [p.chunk(split.parts, dim=0) for p in pieces]
-    return torch.cat([parts[r][k] for k in range(split.parts) for r in range(axis.size)], dim=0)
+    part_rows = layout.global_shape[name][0] // split.parts  # a padded split's padding is each part's tail
+    return torch.cat([torch.cat([parts[r][k] for r in range(axis.size)])[:part_rows] for k in range(split.parts)])
 
 
 def _numel(shape) -> int:

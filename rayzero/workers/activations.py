@@ -1,8 +1,9 @@
 """Activations: recomputed in backward instead of kept (activation checkpointing), and measured.
 
 `checkpoint_activations(model, blocks, mode)` makes each chosen block run its forward under
-`torch.utils.checkpoint` (non-reentrant, the RNG state kept, so dropout draws the same numbers
-when the block is recomputed and results are bitwise those of a run without it). The block's
+`torch.utils.checkpoint` (non-reentrant, the RNG state kept, and the rank's dropout streams
+(`sharding.rng`) put back where they stood before the block, so dropout draws the same numbers
+when the block is recomputed, in every stream, and results are bitwise those of a run without it). The block's
 `forward` is replaced on the instance, not wrapped in another module: parameter and module
 names stay the model's own, for checkpoints, exports and pretrained weights alike. `selective`
 keeps the outputs of the block's matrix multiplications (and attention) and recomputes the
@@ -23,6 +24,8 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from rayzero.sharding.rng import RandomStreams
 
 _aten = torch.ops.aten
 # What `selective` keeps: the outputs of matrix multiplications and of attention, the costly
@@ -105,16 +108,17 @@ def _output_bytes(op, args) -> int:
     return q.numel() // q.shape[-1] * v.shape[-1] * q.element_size()
 
 
-def checkpoint_activations(model: nn.Module, blocks: list[str], selective: bool = False) -> None:
+def checkpoint_activations(model: nn.Module, blocks: list[str], selective: bool = False,
+                           streams: RandomStreams | None = None) -> None:
     """Recompute the named blocks' activations in backward (see the module doc)."""
     modules = dict(model.named_modules())
     context = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls) if selective else None
     for name in blocks:
         module = modules[name]
-        module.forward = _recomputed(module.forward, context)
+        module.forward = _recomputed(module.forward, context, streams)
 
 
-def _recomputed(forward, context):
+def _recomputed(forward, context, streams: RandomStreams | None):
     @functools.wraps(forward)
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():  # evaluation: nothing would be kept anyway
@@ -124,7 +128,15 @@ def _recomputed(forward, context):
             for a in tree_leaves((args, kwargs)):
                 meter.add(a)
         extra = {"context_fn": context} if context is not None else {}
-        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+        if streams is None:
+            return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+        before = streams.state()  # the recompute starts every stream from here again
+
+        def replay(*a, **k):
+            streams.restore(before)
+            return forward(*a, **k)
+
+        return checkpoint(replay, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
     return run
 

@@ -27,6 +27,7 @@ from rayzero.sharding.flat_buffer import ParamSource, PerName
 from rayzero.sharding.fsdp import find_units
 from rayzero.sharding.tensor_parallel import TPLayout, TPSlices
 from rayzero.sharding.precision import DTYPES, check_device_supports
+from rayzero.sharding.rng import RandomStreams
 from rayzero.workers.activations import blocks_of, checkpoint_activations
 
 
@@ -48,15 +49,24 @@ class Built:
 
 # -- the steps, in order ---------------------------------------------------------------------------
 
-def build_model(cfg: RootConfig, spec: ModelSpec, tp_axis: Axis | None = None) -> Built:
+def build_model(cfg: RootConfig, spec: ModelSpec, tp_axis: Axis | None = None,
+                streams: RandomStreams | None = None) -> Built:
     """Build on meta → adapters → tensor parallel → activation checkpointing: the model a
     strategy shards (parameters still on the meta device). `tp_axis`: this rank's TP group
-    (the driver's checks pass none: the shapes are the same on every rank)."""
+    (the driver's checks pass none: the shapes are the same on every rank). `streams`: the
+    rank's dropout streams, which the TP regions switch and a recompute replays."""
     built = Built(spec.build())
     add_adapters(built, cfg, spec)
-    tensor_parallel(built, cfg, spec, tp_axis or Axis(None, cfg.parallel.tp, 0))
-    checkpoint_blocks(built, cfg, spec)
+    tensor_parallel(built, cfg, spec, tp_axis or Axis(None, cfg.parallel.tp, 0), streams)
+    checkpoint_blocks(built, cfg, spec, streams)
     return built
+
+
+def whole_shapes(model: nn.Module, tp: TPLayout | None) -> dict[str, list[int]]:
+    """Every parameter's whole shape, as checkpoints record them (a TP rank holds a slice of the
+    split ones): what a resume compares, at any TP size."""
+    shapes = tp.global_shape if tp is not None else {}
+    return {n: list(shapes.get(n, p.shape)) for n, p in model.named_parameters()}
 
 
 def add_adapters(built: Built, cfg: RootConfig, spec: ModelSpec) -> None:
@@ -69,24 +79,28 @@ def add_adapters(built: Built, cfg: RootConfig, spec: ModelSpec) -> None:
     built.added, built.adapters = add_lora(built.model, cfg.model.lora)
 
 
-def tensor_parallel(built: Built, cfg: RootConfig, spec: ModelSpec, axis: Axis) -> None:
+def tensor_parallel(built: Built, cfg: RootConfig, spec: ModelSpec, axis: Axis,
+                    streams: RandomStreams | None = None) -> None:
     """`parallel.tp`: the model's plan (`spec.tp_plan`) splits its attention and MLP linears
-    over the TP group (`sharding/tensor_parallel.py`). ModelError for a model without a plan,
-    TPError for sizes that do not divide."""
+    over the TP group, and (`parallel.vocab_parallel`) its embedding and head over the
+    vocabulary (`sharding/tensor_parallel.py`). ModelError for a model without a plan, TPError
+    for sizes that do not divide."""
     if axis.size == 1:
         return
-    built.tp = spec.parallelize(built.model, axis, cfg.parallel.sequence_parallel)
+    p = cfg.parallel
+    built.tp = spec.parallelize(built.model, axis, p.sequence_parallel, p.vocab_parallel, streams)
 
 
-def checkpoint_blocks(built: Built, cfg: RootConfig, spec: ModelSpec) -> None:
+def checkpoint_blocks(built: Built, cfg: RootConfig, spec: ModelSpec, streams: RandomStreams | None = None) -> None:
     """`model.activation_checkpointing`: the chosen blocks recompute their activations in
-    backward. ValueError for blocks that cannot be found."""
+    backward, replaying the dropout streams' draws. ValueError for blocks that cannot be found."""
     every = cfg.model.checkpoint_every
     if not every:
         return
     classes = tuple(cfg.model.checkpoint_blocks) or spec.blocks(built.model)
     blocks = blocks_of(built.model, classes, every)
-    checkpoint_activations(built.model, blocks, selective=cfg.model.activation_checkpointing == "selective")
+    checkpoint_activations(built.model, blocks, selective=cfg.model.activation_checkpointing == "selective",
+                           streams=streams)
 
 
 def fsdp_units(cfg: RootConfig, spec: ModelSpec, model: nn.Module) -> tuple[str, ...]:
@@ -114,9 +128,10 @@ def initial_values(spec: ModelSpec, built: Built) -> ParamSource:
     return TPSlices(source, built.tp) if built.tp is not None else source  # each rank its slice
 
 
-def assemble(cfg: RootConfig, spec: ModelSpec, topo: Topology, axes: dict[str, Axis], device: torch.device):
+def assemble(cfg: RootConfig, spec: ModelSpec, topo: Topology, axes: dict[str, Axis], device: torch.device,
+             streams: RandomStreams | None = None):
     """Every step, on this rank: (the model, its strategy, where its initial values came from)."""
-    built = build_model(cfg, spec, axes.get("tp"))
+    built = build_model(cfg, spec, axes.get("tp"), streams)
     model = built.model
     for module in model.modules():  # buffers (RoPE frequencies, masks) are real: move them
         for name, b in module._buffers.items():

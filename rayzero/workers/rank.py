@@ -29,8 +29,9 @@ from rayzero.data.validation import ValidationRows, validation_split
 from rayzero.models.spec import IGNORE_INDEX
 from rayzero.sharding import Topology
 from rayzero.sharding.comm import Axis, wait
+from rayzero.sharding.rng import RandomStreams
 from rayzero.workers.activations import ActivationMeter
-from rayzero.workers.assembly import assemble, make_spec
+from rayzero.workers.assembly import assemble, make_spec, whole_shapes
 
 
 def batches_for(dataset: TokenDataset) -> type:
@@ -133,10 +134,15 @@ class Rank:
         )
         self.spec = make_spec(cfg, self.factory)
         self.axes = self._make_axes()
+        # Dropout's streams, seeded afresh at each micro-batch's forward (`sharding/rng.py`):
+        # nothing drawn in setup, evaluation or a restart shifts what training draws.
+        self.streams = RandomStreams(cfg.train.seed, self.topo.tp_rank, self.device)
         # Built on the meta device, in assembly's fixed order: the strategy materializes its
         # buckets (ZeRO-3: one unit at a time, keeping only the shard), so no rank ever holds
         # more than it must.
-        self.model, self.strategy, source = assemble(cfg, self.spec, self.topo, self.axes, self.device)
+        self.model, self.strategy, source = assemble(cfg, self.spec, self.topo, self.axes, self.device, self.streams)
+        tp = self.strategy.tp
+        self.vocab = tp.vocab if tp is not None else None  # the head split over the vocabulary: the loss on shards
         dataset, val = validation_split(cfg, TokenDataset(self.data_path, storage_cfg=cfg.checkpoint))
         self.val = None if val is None else ValidationRows(
             val, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch_size,
@@ -158,7 +164,6 @@ class Rank:
         self._activations_peak = 0
         self._micro_per_step = cfg.train.global_batch_size // cfg.train.micro_batch_size
         num_params, trainable = self.spec.num_params(self.model)  # this rank's: its TP share
-        tp = self.strategy.tp
         whole = tp.split_numel() if tp is not None else 0  # what the other TP ranks add
         return {
             "rank": self.topo.rank,
@@ -172,6 +177,7 @@ class Rank:
             "trainable_params": trainable + whole,
             "params_per_rank": num_params,
             "tp": tp.record() if tp is not None else None,
+            "vocab_note": tp.vocab_note if tp is not None else None,
             "frozen": sorted(n for n, p in self.model.named_parameters() if not p.requires_grad),
             "model": self.spec.record(),
             "source_bytes_read": getattr(source, "bytes_read", None),
@@ -180,9 +186,7 @@ class Rank:
             "memory": self._memory(),
             "saves_shard": self.strategy.saves_shard,
             "layout": layout_record(self.strategy),
-            # whole shapes (a TP rank holds a slice of the split ones): what checkpoints record
-            "params": {n: list(tp.global_shape.get(n, p.shape) if tp is not None else p.shape)
-                       for n, p in self.model.named_parameters()},
+            "params": whole_shapes(self.model, tp),  # what checkpoints record: whole, at any TP size
         }
 
     def _memory(self) -> dict[str, int]:
@@ -228,6 +232,8 @@ class Rank:
         ]
         t_data = time.perf_counter() - t_data
         self._next_micro = 0
+        # where this rank's micro-batches sit among the step's (the same rows at any world size)
+        self._first_micro = self.topo.dp_rank * len(self._micro)
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._aux_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._tokens = 0
@@ -252,8 +258,9 @@ class Rank:
     def forward(self, _prev: dict) -> dict:
         t0 = time.perf_counter()
         x, y = self._micro[self._next_micro]
+        self.streams.begin(self.plan["step"], self._first_micro + self._next_micro)
         with self.meter:  # what this micro-batch's forward leaves saved for its backward
-            loss_sum, valid, aux = self.spec.loss(self.model, x, y, check=not self._checked)
+            loss_sum, valid, aux = self.spec.loss(self.model, x, y, check=not self._checked, vocab=self.vocab)
         self._activations_peak = max(self._activations_peak, self.meter.bytes)
         self._checked = True
         if self._valid_work is not None:
@@ -314,7 +321,7 @@ class Rank:
             "memory": self._memory(),
             "phase_s": dict(self._times),
             "uploads": self.saver.reports() if self.saver is not None else [],
-            "rng": torch.get_rng_state().tolist() if self.plan.get("checkpoint") else None,
+            "checkpointed": bool(self.plan.get("checkpoint")),
         }
 
     @watched("evaluate")
@@ -343,7 +350,8 @@ class Rank:
             with torch.no_grad():
                 for batch in range(self.val.num_batches):
                     for x, y in self.val.microbatches(batch):
-                        part, valid, _ = self.spec.loss(self.model, x.to(self.device), y.to(self.device))
+                        part, valid, _ = self.spec.loss(self.model, x.to(self.device), y.to(self.device),
+                                                        vocab=self.vocab)
                         loss_sum += part.double()
                         count += int(valid)
         finally:
@@ -395,17 +403,15 @@ class Rank:
 
     @watched("apply_checkpoint")
     def apply_checkpoint(self) -> dict:
-        """Install the staged checkpoint (a collective: every rank), and the RNG state when the
-        world size is the one it was saved at."""
+        """Install the staged checkpoint (a collective: every rank). No random state: dropout's
+        streams are seeded by step and micro-batch (`sharding/rng.py`), so a resumed run, at any
+        world size, draws what the unbroken run drew."""
         t0 = time.perf_counter()
         targets, manifest = self._staged
         self._staged = None
         apply_shard(self.strategy, targets, manifest["optimizer"]["step_count"])
         if self.strategy.scaler is not None and manifest.get("loss_scale") is not None:
             self.strategy.scaler.scale = manifest["loss_scale"]
-        rng = manifest.get("rng") or []
-        if len(rng) == self.topo.world_size:
-            torch.set_rng_state(torch.tensor(rng[self.topo.rank], dtype=torch.uint8))
         return {"rank": self.topo.rank, "apply_s": time.perf_counter() - t0}
 
     # -- outside the iteration graph -------------------------------------------------

@@ -41,12 +41,15 @@ CHAIN = [(4, "optim_grads_params"), (2, "optim"), (3, "optim_grads"), (1, "no_sh
 @pytest.mark.slow
 def test_reshard_chain_continues_the_unbroken_run(tmp_path, small_dataset):
     """4 x ZeRO-3 -> 2 x ZeRO-1 -> 3 x ZeRO-2 -> 1 x DDP, five steps each, each resuming
-    from the last one's checkpoint: the losses follow an unbroken 20-step run (1e-5: fp32
-    sums in another order), and the final weights match it to 1e-5."""
-    unbroken = run(config(1, "no_shard", str(tmp_path / "unused")), small_dataset, 0, 20)
+    from the last one's checkpoint, with dropout 0.1: the losses follow an unbroken 20-step run
+    (1e-5: fp32 sums in another order), and the final weights match it to 1e-5. Each micro-batch
+    draws its masks by its place in the global batch, whatever the world size (`sharding/rng.py`),
+    so each world size draws what the unbroken run drew."""
+    dropout = ["model.dropout=0.1"]
+    unbroken = run(config(1, "no_shard", str(tmp_path / "unused"), dropout), small_dataset, 0, 20)
     losses, resume = [], None
     for i, (world, strategy) in enumerate(CHAIN):
-        cfg = config(world, strategy, str(tmp_path / f"ckpt{i}"))
+        cfg = config(world, strategy, str(tmp_path / f"ckpt{i}"), dropout)
         last = 5 * (i + 1)
         got = run(cfg, small_dataset, 5 * i, last, save_at=last if last < 20 else None, resume=resume)
         losses += got["losses"]

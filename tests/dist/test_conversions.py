@@ -46,14 +46,14 @@ def _load_save_train(rank, world, cfg, data_path, port, probe, out):
     ckpt = Checkpoints(cfg)
     r.plan = {"step": -1, "lr": 0.0, "checkpoint": {"uri": ckpt.root.child("step-000000").uri, "step": 0}}
     r._checkpoint(r.plan["checkpoint"])
-    uploads, rng = r.finish_checkpoints(), torch.get_rng_state().tolist()
+    uploads = r.finish_checkpoints()
     steps = [r.iteration({"step": k, "lr": lr_at(k, STEPS, cfg.optim)}) for k in range(STEPS)]
     with torch.no_grad():
         r.model.eval()
         logits = r.spec.logits(r.model, probe).logits.clone()
         r.strategy.after_forward_only()
     state = r.full_state_dict()
-    out[rank] = {"info": info, "uploads": uploads, "rng": rng, "steps": steps, "logits": logits,
+    out[rank] = {"info": info, "uploads": uploads, "steps": steps, "logits": logits,
                  **({"state": state} if rank == 0 else {})}
     r.close()
 
@@ -62,7 +62,7 @@ def commit_untouched(cfg, out: dict, world: int):
     """The step-0 checkpoint the ranks uploaded, committed as the controller does."""
     ckpt = Checkpoints(cfg)
     ckpt.configure([out[r]["info"] for r in range(world)], mlflow_run_id=None)
-    ckpt.collect(-1, [{"rank": r, "rng": out[r]["rng"], "loss_scale": None, "lr": 0.0, "uploads": []}
+    ckpt.collect(-1, [{"rank": r, "checkpointed": True, "loss_scale": None, "lr": 0.0, "uploads": []}
                       for r in range(world)])
     ckpt.add_uploads([u for r in range(world) for u in out[r]["uploads"]])
     return open_checkpoint(ckpt.last_committed)

@@ -10,6 +10,10 @@ built-in GPT (q|k|v fused) and an HF Llama with grouped-query attention (4 heads
 heads: split at tp 2, replicated at tp 4) run them all; one with a single key/value head
 (replicated at tp 2) and Qwen2 (biases on q/k/v, untied head) run ZeRO-3, tp 4 and ZeRO-3 with
 sequence parallelism and activation checkpointing.
+
+The embedding and head are split over the vocabulary (`parallel.vocab_parallel`, the
+default): the GPT (tied) and the Llama (tied, and untied) have 259 tokens, which neither 2 nor 4
+divides, so the last TP rank holds padding rows; Qwen2 (untied) 320.
 """
 
 import pytest
@@ -39,13 +43,15 @@ RUNS += [
     ("tp2+sp/zero3+ac", [*TP2, SP, "sharding.strategy=optim_grads_params", "model.activation_checkpointing=full"]),
     ("tp4+sp/no_shard", ["parallel.tp=4", SP, "sharding.strategy=no_shard"]),
 ]
-GPT = ["model.n_layer=2", "model.n_embd=64", "model.n_head=4", "model.bias=true"]
+ODD_VOCAB = 259  # the byte datasets use 257 ids; neither tp 2 nor tp 4 divides it
+GPT = ["model.n_layer=2", "model.n_embd=64", "model.n_head=4", "model.bias=true", f"model.vocab_size={ODD_VOCAB}"]
 
 
 @pytest.fixture(scope="module")
 def tp_dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tp")
-    return {"llama": str(save_hf_model("llama", root / "llama", seed=1)),
+    return {"llama": str(save_hf_model("llama", root / "llama", seed=1, vocab_size=ODD_VOCAB)),
+            "llama-untied": str(save_hf_model("llama-untied", root / "untied", seed=4, vocab_size=ODD_VOCAB)),
             "llama-kv1": str(save_hf_model("llama", root / "kv1", seed=2, num_key_value_heads=1)),
             "qwen2": str(save_hf_model("qwen2", root / "qwen2", seed=3))}
 
@@ -60,7 +66,7 @@ def config(model: list[str], extra=()):
     ])
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama", "llama-kv1", "qwen2"])
+@pytest.mark.parametrize("name", ["gpt", "llama", "llama-untied", "llama-kv1", "qwen2"])
 def test_tensor_parallel_strategies_equal_plain_torch(name, tp_dirs, small_dataset):
     keys = GPT if name == "gpt" else ["model.kind=hf", f"model.path={tp_dirs[name]}"]
     base = config(keys)
@@ -70,9 +76,11 @@ def test_tensor_parallel_strategies_equal_plain_torch(name, tp_dirs, small_datas
     runs = [(label, config(keys, extra)) for label, extra in RUNS]
     # The GPT and the Llama (grouped-query attention, RoPE, its config's plan) run every layout;
     # the single key/value head and Qwen2's biases touch only the layers' split, which ZeRO-3,
-    # tp 4 and sequence parallelism show.
+    # tp 4 and sequence parallelism show; an untied head split over the vocabulary, every strategy.
     if name in ("llama-kv1", "qwen2"):
         runs = [r for r in runs if r[0] in ("tp2/optim_grads_params", "tp4/optim", "tp2+sp/zero3+ac")]
+    if name == "llama-untied":
+        runs = [r for r in runs if r[0] in ("tp2/no_shard", "tp2/optim", "tp2/optim_grads", "tp2/optim_grads_params")]
     results = run_ranks(WORLD, runs, small_dataset)
     for label, _ in runs:
         assert_matches(results, label, WORLD, ref_state, ref_losses)
@@ -88,15 +96,22 @@ def test_tensor_parallel_strategies_equal_plain_torch(name, tp_dirs, small_datas
     assert held[up] == ref_state[up].numel() // tp and held[down] == ref_state[down].numel() // tp
     assert held[norm] == ref_state[norm].numel()
     assert info["params"][up] == list(ref_state[up].shape)
-    whole = sum(v.numel() for k, v in ref_state.items() if k != "lm_head.weight" or name in ("qwen2",))
+    whole = sum(v.numel() for k, v in ref_state.items() if k != "lm_head.weight" or name in ("qwen2", "llama-untied"))
     assert info["num_params"] == whole > info["params_per_rank"]
+    # the vocabulary's rows: ceil(V / tp) on each rank, the head's too (one tensor when tied)
+    emb = "wte.weight" if name == "gpt" else "model.embed_tokens.weight"
+    vocab = ref_state[emb].shape[0]
+    assert held[emb] == -(-vocab // tp) * ref_state[emb].shape[1] and info["tp"]["vocab_parallel"]
+    if "lm_head.weight" in held:
+        assert held["lm_head.weight"] == held[emb] and info["tp"]["split"]["lm_head.weight"]["padded"]
 
 
 def test_a_tensor_parallel_checkpoint_resumes_bitwise_and_reshards_across_tp(small_dataset, tmp_path):
-    """tp 2 x dp 2 under ZeRO-3: 8 steps straight against 4, a checkpoint, and 4 more at the
-    same layout (bitwise); the same checkpoint resumed at tp 1 x dp 2 under ZeRO-1 and at tp 4,
-    and a tp 1 checkpoint resumed at tp 2 x dp 2, all within 1e-5 of the unbroken run; the
-    export of the tp 2 checkpoint is the whole model, bit for bit."""
+    """tp 2 x dp 2 under ZeRO-3 (a 259-token vocabulary split, padded): 8 steps straight against
+    4, a checkpoint, and 4 more at the same layout (bitwise); the same checkpoint resumed at tp 1 x
+    dp 2 under ZeRO-1, at tp 4, and at tp 2 x dp 2 under DDP, ZeRO-1 and ZeRO-2, and a tp 1
+    checkpoint resumed at tp 2 x dp 2, all within 1e-5 of the unbroken run; the export of the
+    tp 2 checkpoint is the whole model (259 rows), bit for bit."""
     from rayzero.checkpoint.manifest import open_checkpoint
     from rayzero.checkpoint.tools import export_checkpoint
     from safetensors.torch import load_file
@@ -105,7 +120,8 @@ def test_a_tensor_parallel_checkpoint_resumes_bitwise_and_reshards_across_tp(sma
     from tests.dist.reference import rel_error
 
     root = str(tmp_path / "ckpt")
-    tp2 = ckpt_helpers.config(4, "optim_grads_params", root, ["parallel.tp=2"])
+    odd = f"model.vocab_size={ODD_VOCAB}"  # the split vocabulary's padding: in no checkpoint, at any tp
+    tp2 = ckpt_helpers.config(4, "optim_grads_params", root, ["parallel.tp=2", odd])
     straight = ckpt_helpers.run(tp2, small_dataset, 0, 8)
     first = ckpt_helpers.run(tp2, small_dataset, 0, 4, save_at=4)
     c = open_checkpoint(first["committed"])
@@ -119,17 +135,22 @@ def test_a_tensor_parallel_checkpoint_resumes_bitwise_and_reshards_across_tp(sma
     resumed = ckpt_helpers.run(tp2, small_dataset, 4, 8, resume=(c.uri, c.manifest))
     assert resumed["losses"] == straight["losses"][4:]
     assert all(torch.equal(resumed["state"][k], v) for k, v in straight["state"].items())
-    for other in (ckpt_helpers.config(2, "optim", root), ckpt_helpers.config(4, "no_shard", root, ["parallel.tp=4"])):
+    assert lay["tp"]["split"]["wte.weight"] == {"dim": 0, "parts": 1, "padded": True, "global_shape": [ODD_VOCAB, 64]}
+    # at another tp, and at tp 2 x dp 2 under every other strategy (what rerunning a command with
+    # another sharding.strategy does)
+    others = [ckpt_helpers.config(2, "optim", root, [odd]), ckpt_helpers.config(4, "no_shard", root, ["parallel.tp=4", odd])]
+    others += [ckpt_helpers.config(4, s, root, ["parallel.tp=2", odd]) for s in ("no_shard", "optim", "optim_grads")]
+    for other in others:
         moved = ckpt_helpers.run(other, small_dataset, 4, 8, resume=(c.uri, c.manifest))
         for k, v in straight["state"].items():
-            assert rel_error(moved["state"][k], v) <= 1e-5, (other.parallel.tp, k)
+            assert rel_error(moved["state"][k], v) <= 1e-5, (other.parallel.tp, other.sharding.strategy, k)
 
     export_checkpoint(c, str(tmp_path / "step4.safetensors"))
     exported = load_file(str(tmp_path / "step4.safetensors"))
     assert exported.keys() == first["state"].keys()
     assert all(torch.equal(exported[k], v) for k, v in first["state"].items())
 
-    tp1 = ckpt_helpers.config(2, "optim", str(tmp_path / "tp1"))
+    tp1 = ckpt_helpers.config(2, "optim", str(tmp_path / "tp1"), [odd])
     c1 = open_checkpoint(ckpt_helpers.run(tp1, small_dataset, 0, 4, save_at=4)["committed"])
     grown = ckpt_helpers.run(tp2, small_dataset, 4, 8, resume=(c1.uri, c1.manifest))
     for k, v in straight["state"].items():
@@ -193,10 +214,10 @@ def test_pretrained_weights_load_at_tp2_by_range_bit_for_bit_and_export_back(tp_
     file = load_file(f"{path}/model.safetensors")
     assert all(torch.equal(loaded["state"][k], v) for k, v in file.items())
     size = sum(v.numel() * 4 for v in file.values())
-    # Each rank reads its data-parallel shard of its TP slice (0.43 to 0.61 of the file here: the
-    # replicated embedding is half of this tiny model, and a row-parallel weight's rows, 64 to 128
-    # bytes apart, are joined into one read, GAP_BYTES); never the whole
-    assert all(info["source_bytes_read"] < 0.65 * size for info in loaded["infos"])
+    # Each rank reads its data-parallel shard of its TP slice (0.35 to 0.54 of the file here: the
+    # embedding, half of this tiny model, split over the vocabulary too; a row-parallel weight's
+    # rows, 64 to 128 bytes apart, are joined into one read, GAP_BYTES); never the whole
+    assert all(info["source_bytes_read"] < 0.6 * size for info in loaded["infos"])
 
     trained = ckpt_helpers.run(cfg, small_dataset, 0, 2, save_at=2)
     export_checkpoint(open_checkpoint(trained["committed"]), str(tmp_path / "hf"), "hf")

@@ -9,6 +9,7 @@ import pytest
 from rayzero.data.tokens import prepare
 from tests.conftest import cli_in_process
 from tests.e2e.conftest import run_cli
+from tests.models import save_hf_model
 
 
 @pytest.mark.parametrize("args, expected", [
@@ -185,3 +186,28 @@ def test_save_final_will_not_replace_another_models_export(tmp_path, small_datas
     assert err.startswith(f"rayzero: error: train.save_final: {final}: it already holds an export of hf model "
                           "/models/other (config 0123456789abcdef), and this run trains gpt model (no source)")
     assert "set train.overwrite_final=true to replace it" in err and not (tmp_path / "runs").exists()
+
+
+def test_the_vocabulary_split_is_refused_or_left_whole_before_anything_starts(tmp_path, capsys, monkeypatch):
+    """`parallel.tp` beyond the vocabulary the embedding and head would be split over: one
+    message. A head that cannot be split (LoRA adapters on it): one note saying why and what is
+    done instead, and the plan goes on."""
+    tiny = save_hf_model("llama", tmp_path / "three", vocab_size=3)
+    code, _, err = cli_in_process(capsys, monkeypatch, tmp_path, "train", "--dry-run", "model.kind=hf",
+                                  f"model.path={tiny}", "cluster.num_workers=4", "cluster.cpus_per_worker=0.5",
+                                  "parallel.tp=4", "train.seq_len=32", "train.global_batch_size=4")
+    assert code == 2 and err.startswith("rayzero: error: ") and len(err.strip().splitlines()) == 1, err
+    assert "parallel.tp=4 exceeds the vocabulary (3 tokens) that the embedding and head are split over; use a " \
+           "smaller parallel.tp, or parallel.vocab_parallel=false" in err
+    untied = save_hf_model("llama-untied", tmp_path / "untied")
+    code, out, err = cli_in_process(capsys, monkeypatch, tmp_path, "train", "--dry-run", "model.kind=hf",
+                                    f"model.path={untied}", "cluster.num_workers=2", "parallel.tp=2", "model.lora.r=8",
+                                    "model.lora.target_modules=q_proj,lm_head")
+    assert code == 0, err
+    assert ("note: parallel.vocab_parallel: LlamaForCausalLM's vocabulary is not split over the 2 tensor-parallel "
+            "ranks, as its output head carries LoRA adapters (model.lora.target_modules names it); its embedding and "
+            "head stay whole on every TP rank, with the full logits on each") in out
+    code, out, _ = cli_in_process(capsys, monkeypatch, tmp_path, "train", "--dry-run", "model.kind=hf",
+                                  f"model.path={untied}", "cluster.num_workers=2", "parallel.tp=2")
+    assert code == 0 and "vocabulary parallel: embedding, head and logits split over the tp ranks" in out
+    assert "note:" not in out

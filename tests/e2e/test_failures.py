@@ -6,6 +6,7 @@ made once for all of them (`reference`)."""
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -270,6 +271,53 @@ def test_the_controller_killed_and_the_command_rerun_resumes(tmp_path, ray_clust
     s = json.loads((tmp_path / "s.json").read_text())
     assert s["start_step"] >= EVERY and s["resumed_from"].endswith(f"step-{s['start_step']:06d}")
     assert weights_equal(tmp_path / "final.safetensors", reference.weights)
+
+
+class DiesOnceAtStep6(OnceMarker):
+    """Rank 1 dies once, at step 6 (after the step-4 commit)."""
+
+    def step(self, prev):
+        if self.rank.plan["step"] == 6 and self.rank.topo.rank == 1 and self._first_time("die"):
+            os._exit(1)
+        return super().step(prev)
+
+
+# tp 2 x dp 2, ZeRO-3 with sequence parallelism, dropout, a vocabulary split with padding; a
+# constant learning rate, so that 4 steps and then 8 follow the schedule of 8 steps.
+TP = ["cluster.num_workers=4", "cluster.cpus_per_worker=0.5", "parallel.tp=2", "parallel.sequence_parallel=true",
+      "sharding.strategy=optim_grads_params", "model.dropout=0.1", "model.vocab_size=259", "optim.schedule=constant",
+      "optim.warmup_steps=0", "checkpoint.every_steps=4"]
+
+
+def test_a_tensor_parallel_run_restarts_after_a_lost_rank_and_resumes_from_its_command_bitwise(
+        tmp_path, ray_cluster, small_dataset, train_here):
+    """tp 2 x dp 2 with dropout, 8 steps three ways, all bit for bit the same weights: unbroken;
+    with rank 1 killed at step 6, the controller rebuilding the group from the step-4 commit
+    (its whole tensors against the ranks' whole shapes); and through `rayzero train` on a
+    checkpoint directory holding that step-4 commit alone (as a run stopped there leaves it),
+    the same command run again to 8. The dropout masks of steps 4 to 8 are drawn again alike,
+    whatever came before them."""
+    runs = {}
+    for name, actor in (("straight", NoFault), ("struck", DiesOnceAtStep6)):
+        (tmp_path / name).mkdir()
+        runs[name], error = controller_run(tmp_path / name, ray_cluster, small_dataset, actor, *TP, "train.steps=8")
+        assert error is None, error
+    (failure,) = runs["struck"].failures
+    assert (failure.kind, failure.rank, failure.decision) == ("rank_died", 1, "restart")
+    resumed = [t["resumed_from"] for t in runs["struck"].tracker.tag_updates if "resumed_from" in t]
+    assert [r.rpartition("/")[2] for r in resumed] == ["step-000004"]
+    assert weights_equal(tmp_path / "struck" / "final.safetensors", tmp_path / "straight" / "final.safetensors")
+
+    stopped = tmp_path / "ck"
+    shutil.copytree(tmp_path / "straight" / "runs" / "checkpoints" / "step-000004", stopped / "step-000004")
+    code, _, err, again = train_here(f"data.path={small_dataset}", *RUN, *TP, "train.steps=8", f"checkpoint.dir={stopped}",
+                                     "tracking.enabled=false", f"train.save_final={tmp_path / 'rerun.safetensors'}")
+    assert code == 0, err[-3000:]
+    assert f"rayzero: resuming from {stopped / 'step-000004'} at step 4 of 8" in err
+    assert again["start_step"] == 4 and again["steps"] == 4 and again["vocab_parallel"]
+    assert weights_equal(tmp_path / "rerun.safetensors", tmp_path / "straight" / "final.safetensors")
+    assert load_file(tmp_path / "rerun.safetensors")["wte.weight"].shape == (259, 64), "no padding row"
+    assert leftovers(ray_cluster) == ([], [])
 
 
 ELASTIC = ["cluster.min_workers=1", "cluster.placement_timeout_s=3"]

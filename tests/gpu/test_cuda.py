@@ -126,3 +126,58 @@ def test_lora_on_cuda_holds_the_base_in_bf16_alone_and_trains(small_dataset, tmp
         losses.append(out["loss_sum"] / out["tokens"])
     rank.close()
     assert losses[-1] < losses[0]
+
+
+def test_dropout_streams_on_the_gpu_replay_and_differ_by_tp_rank():
+    """The streams swap the CUDA generator (where dropout on the GPU draws): the same
+    micro-batch draws the same masks whatever came before, a restored state replays, and TP
+    ranks share the replicated stream and own their split regions'."""
+    from rayzero.sharding.rng import RandomStreams
+
+    device = torch.device("cuda", torch.cuda.current_device())
+
+    def masks(tp_rank: int):
+        s = RandomStreams(seed=5, tp_rank=tp_rank, device=device)
+        torch.rand(1000, device=device)  # whatever setup drew
+        s.begin(step=3, micro=1)
+        out = {"replicated": torch.rand(64, device=device)}
+        before = s.state()
+        s.enter("tp")
+        out["tp"] = torch.rand(64, device=device)
+        s.restore(before)
+        s.enter("tp")
+        out["tp again"] = torch.rand(64, device=device)
+        return out
+
+    a, b = masks(0), masks(1)
+    assert torch.equal(a["replicated"], b["replicated"]) and not torch.equal(a["tp"], b["tp"])
+    assert torch.equal(a["tp"], a["tp again"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_vocabulary_parallel_loss_on_cuda_is_torchs(dtype):
+    """The sharded cross-entropy on a group of one NCCL rank (its reductions run, over one rank):
+    value and gradient as `F.cross_entropy` on the GPU, in fp32 and from bf16 logits."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from rayzero.sharding.comm import Axis
+    from rayzero.sharding.vocab_parallel import VocabShard
+
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        logits = torch.randn(2, 8, 11, device="cuda", generator=g).to(dtype).requires_grad_(True)
+        targets = torch.randint(0, 11, (2, 8), device="cuda", generator=g)
+        targets[0, 0] = -100
+        shard = VocabShard(Axis(dist.group.WORLD, 1, 0), 11)
+        loss, count = shard.token_loss(logits, targets)
+        loss.backward()
+        ref_logits = logits.detach().clone().requires_grad_(True)
+        ref = F.cross_entropy(ref_logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum")
+        ref.backward()
+        assert int(count) == 15 and loss.item() == pytest.approx(ref.item(), rel=1e-5)
+        tol = 1e-6 if dtype == torch.float32 else 1e-2
+        assert torch.allclose(logits.grad.float(), ref_logits.grad.float(), atol=tol)
+    finally:
+        dist.destroy_process_group()

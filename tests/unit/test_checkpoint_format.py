@@ -165,3 +165,23 @@ def test_an_hf_directory_appears_whole_or_not_at_all(tmp_path):
     write_hf_dir(str(out), good, {"config.json": b"{\"v\": 2}"}, 10**9)
     assert (out / "config.json").read_text() == '{"v": 2}'
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"], "no temporary or old copy left behind"
+
+
+def test_a_refusal_leads_with_what_differs_in_one_line():
+    """Another model's checkpoints: the first line names the config key or LoRA setting that
+    differs (not two descriptions that read the same), then at most a few lines of detail."""
+    gpt = {"kind": "gpt", "config": {"n_layer": 2, "n_head": 4, "n_embd": 64, "vocab_size": 320}}
+    params = {f"blocks.{i}.w": [4, 4] for i in range(9)}
+    saved = {**manifest(1), "params": [{"name": "blocks.0.w", "shape": [4, 4]}], "model_source": gpt}
+    with pytest.raises(CheckpointError) as e:
+        check_model(saved, params, "ck", model={**gpt, "config": {**gpt["config"], "n_layer": 9}})
+    lines = str(e.value).splitlines()
+    assert lines[0] == ("ck holds a different model: n_layer 2 in the checkpoint, 9 here, so 8 tensors differ; train it "
+                        "into another checkpoint.dir, or set checkpoint.resume=none to start from scratch beside them")
+    assert len(lines) <= 7 and lines[-1] == "  … and 4 more"
+    lora = {**gpt, "lora": {"r": 8, "alpha": 16}}
+    with pytest.raises(CheckpointError, match=r"different model: model.lora.r 8 in the checkpoint, 16 here, so"):
+        check_model({**saved, "model_source": lora}, {"blocks.0.w": [4, 2]}, "ck",
+                    model={**gpt, "lora": {"r": 16, "alpha": 16}})
+    with pytest.raises(CheckpointError, match=r"different model: LoRA adapters in the checkpoint, none here"):
+        check_model({**saved, "model_source": lora}, {"blocks.0.w": [4, 2]}, "ck", model=gpt)
