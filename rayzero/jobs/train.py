@@ -404,7 +404,7 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None) -> tuple[dic
 def vocab_note(cfg: RootConfig, built) -> str | None:
     """Why the vocabulary is not split over the TP ranks although `parallel.vocab_parallel`
     asks for it, and what is done instead (None: it is split, or not asked for)."""
-    if built.tp is None or built.tp.vocab_note is None or not cfg.parallel.vocab_parallel:
+    if built.tp is None or built.tp.vocab_note is None:  # a note only where the split was asked for
         return None
     return (f"parallel.vocab_parallel: {type(built.model).__name__}'s vocabulary is not split over the "
             f"{cfg.parallel.tp} tensor-parallel ranks, as {built.tp.vocab_note}; its embedding and head stay whole "

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from rayzero.models.errors import ModelError, ModelUnavailable  # noqa: F401 (raised here, named from here too)
 from rayzero.sharding.flat_buffer import ParamSource
-from rayzero.sharding.vocab_parallel import IGNORE_INDEX  # noqa: F401 (labels equal to it take no part in the loss)
+from rayzero.sharding.vocab_parallel import IGNORE_INDEX  # labels equal to it take no part in the loss
 
 
 @contextlib.contextmanager

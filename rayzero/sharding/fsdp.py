@@ -59,9 +59,10 @@ def find_units(model: nn.Module, classes: tuple[str, ...]) -> Units:
             f"its module classes are {', '.join(sorted({type(m).__name__ for m in model.modules()}))}"
         )
     unit_modules: list[str] = []
+    wanted = set(classes)
     for name, m in model.named_modules():
         inside = any(name.startswith(u + ".") for u in unit_modules)
-        if name and class_names(m) & set(classes) and not inside:
+        if name and class_names(m) & wanted and not inside:
             unit_modules.append(name)
     owner: dict[str, int] = {}
     ident: dict[int, str] = {}  # parameter identity -> its named_parameters name

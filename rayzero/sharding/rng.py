@@ -50,7 +50,8 @@ class RandomStreams:
         self.seed, self.tp_rank = seed, tp_rank
         self.device = torch.device(device)
         self.active: str | None = None  # the region whose stream the generator holds now
-        self._saved: dict[str, torch.Tensor] = {}  # the other regions' streams, where they stopped
+        # the other regions' streams: where they stopped, or their seed until first entered
+        self._saved: dict[str, torch.Tensor | int] = {}
 
     # -- the generator itself ----------------------------------------------------------------
     def _get(self) -> torch.Tensor:
@@ -70,11 +71,11 @@ class RandomStreams:
     # -- per micro-batch ---------------------------------------------------------------------
     def begin(self, step: int, micro: int) -> None:
         """Seed every stream for micro-batch `micro` (its global index) of step `step`; the
-        generator then holds the replicated stream."""
-        own = {"replicated": (self.seed, "replicated", step, micro),
-               "sequence": (self.seed, "sequence", step, micro, self.tp_rank),
-               "tp": (self.seed, "tp", step, micro, self.tp_rank)}
-        self._saved = {name: self._seeded(stream_seed(*parts)) for name, parts in own.items()}
+        generator then holds the replicated stream. A stream's state is made when it is first
+        entered: without tensor parallelism only the replicated one ever is."""
+        self._saved = {"replicated": stream_seed(self.seed, "replicated", step, micro),
+                       "sequence": stream_seed(self.seed, "sequence", step, micro, self.tp_rank),
+                       "tp": stream_seed(self.seed, "tp", step, micro, self.tp_rank)}
         self.active = None
         self.enter("replicated")
 
@@ -84,7 +85,8 @@ class RandomStreams:
             return
         if self.active is not None:
             self._saved[self.active] = self._get()
-        self._set(self._saved.pop(region))
+        state = self._saved.pop(region)
+        self._set(state if isinstance(state, torch.Tensor) else self._seeded(state))
         self.active = region
 
     @contextlib.contextmanager

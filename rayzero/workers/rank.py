@@ -177,7 +177,6 @@ class Rank:
             "trainable_params": trainable + whole,
             "params_per_rank": num_params,
             "tp": tp.record() if tp is not None else None,
-            "vocab_note": tp.vocab_note if tp is not None else None,
             "frozen": sorted(n for n, p in self.model.named_parameters() if not p.requires_grad),
             "model": self.spec.record(),
             "source_bytes_read": getattr(source, "bytes_read", None),
