@@ -158,10 +158,11 @@ class RootConfig(Frozen):
             raise ValueError(
                 f"model.block_size: {self.model.block_size} is shorter than train.seq_len ({t.seq_len})"
             )
-        if t.save_format == "hf" and self.model.kind != "hf":
+        adapter = self.model.adapter or _adapter_dir(self.model.path)  # its base and settings come later
+        if t.save_format == "hf" and self.model.kind != "hf" and not adapter:
             raise ValueError(f"train.save_format: hf needs model.kind=hf (this is model.kind={self.model.kind}); "
                              "use safetensors")
-        if t.save_format == "peft" and self.model.lora is None:
+        if t.save_format == "peft" and self.model.lora is None and not adapter:
             raise ValueError("train.save_format: peft writes LoRA adapters, and this run has none (set model.lora, "
                              "e.g. model.lora.r=8)")
         if self.data.val_path and self.data.val_fraction:
@@ -234,6 +235,12 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         raise ConfigError(f"override {item!r}: expected key=value, e.g. train.steps=100")
     value = None if raw.strip() in ("null", "None", "~") else raw
     return key.strip().split("."), value
+
+
+def _adapter_dir(path: str) -> bool:
+    """Whether `path` is a local PEFT adapter directory (`model.path` given one: the run's
+    model and LoRA settings are its, resolved when the run starts)."""
+    return bool(path) and "://" not in path and (Path(path).expanduser() / "adapter_config.json").is_file()
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),

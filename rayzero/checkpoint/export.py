@@ -52,7 +52,7 @@ def read_export_identity(uri: str, fmt: str) -> dict | None:
     """The model an existing export at `uri` holds (its `export_identity`), {} where something
     is there that does not say (not a rayzero export), None where nothing is."""
     fs, path = _fs(uri)
-    if fmt == "hf":
+    if fmt in ("hf", "peft"):  # a directory: its (first) weights file says
         if fs.get_file_info(path).type != pafs.FileType.Directory:
             return None if fs.get_file_info(path).type == pafs.FileType.NotFound else {}
         names = [i.base_name for i in fs.get_file_info(pafs.FileSelector(path)) if i.base_name.endswith(".safetensors")]
@@ -258,7 +258,7 @@ def save_final(spec, weights: dict[str, torch.Tensor], uri: str, fmt: str, metad
         if fmt == "peft":
             entries = peft_entries(adapters, saved, {n: tuple(v.shape) for n, v in weights.items()})
             write_peft_dir(uri, spec, lora, adapters, entries, lambda n, lo, hi: weights[n].reshape(-1)[lo:hi],
-                           metadata)
+                           metadata, tokenizer)
             return
         weights = merge_weights(base_as_stored(spec, weights, adapters, saved), adapters)
     if fmt == "safetensors":
@@ -331,13 +331,31 @@ def peft_entries(adapters: dict, saved: list[str], shapes: dict[str, tuple]) -> 
 
 
 def write_peft_dir(uri: str, spec, settings, adapters: dict, entries: list, read: Callable,
-                   metadata: dict[str, str] | None = None) -> list[str]:
+                   metadata: dict[str, str] | None = None,
+                   tokenizer: Callable[[], dict[str, bytes]] | None = None) -> list[str]:
     """A PEFT adapter directory (`adapter_model.safetensors`, `adapter_config.json` naming
     the base model, `model.path`) that `peft.PeftModel.from_pretrained` loads onto the base;
-    fp32, as PEFT keeps adapters."""
+    fp32, as PEFT keeps adapters. The tokenizer the model trained with goes beside them (the
+    base's own, else `tokenizer()`: the training data's), so that `generate` and PEFT's users
+    tokenize as training did without looking for the base's files."""
     from rayzero.models.lora import adapter_config
 
     shape_of = {e.param: e.shape for e in entries}.__getitem__
     tensors = [Tensor(e.name, e.shape, torch.float32, lambda e=e: e.produce(shape_of, read)) for e in entries]
-    files = {"adapter_config.json": adapter_config(settings, adapters, spec.cfg.path)}
+    files = {**trained_tokenizer_files(spec, tokenizer),
+             "adapter_config.json": adapter_config(settings, adapters, spec.cfg.path)}
     return write_hf_dir(uri, tensors, files, 2**62, metadata, stem="adapter_model")
+
+
+def trained_tokenizer_files(spec, tokenizer: Callable[[], dict[str, bytes]] | None = None) -> dict[str, bytes]:
+    """The tokenizer files of the model's directory (`model.path`), else `tokenizer()`'s."""
+    from rayzero.data.tokenizer import is_tokenizer_file
+    from rayzero.models import ModelError
+
+    try:
+        files = {n: b for n, b in spec.export_files("float32").items() if is_tokenizer_file(n)}
+    except ModelError:  # a model with no directory of its own (the GPT, a module)
+        files = {}
+    if not files and tokenizer is not None:
+        files = {n: b for n, b in tokenizer().items() if is_tokenizer_file(n)}
+    return files

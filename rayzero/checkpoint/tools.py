@@ -147,7 +147,8 @@ def export_checkpoint(c: Committed, out: str, fmt: str = "safetensors", dtype: s
     if c.manifest.get("model_source"):
         metadata[MODEL_KEY] = json.dumps(export_identity(c.manifest["model_source"]))
     if fmt == "peft":
-        write_peft_dir(out, spec, spec.cfg.lora, weights.adapters, plan, weights.read_saved, metadata)
+        write_peft_dir(out, spec, spec.cfg.lora, weights.adapters, plan, weights.read_saved, metadata,
+                       lambda: data_tokenizer_files(c.manifest, storage_cfg))
         return len(plan)
     dtype = spec.export_dtype(dtype) if fmt == "hf" else ("float32" if dtype == "auto" else dtype)
     tensors = []

@@ -214,14 +214,14 @@ def _progress(files, enabled: bool):
                 disable=not enabled, file=sys.stderr, dynamic_ncols=True)
 
 
-def read_meta(uri: str, storage_cfg=None) -> dict:
-    """The dataset's meta.json (a v1 dataset's in today's terms: bytes, uint16)."""
+def read_meta(uri: str, storage_cfg=None, tokenizer: str | None = None) -> dict:
+    """The dataset's meta.json (a v1 dataset's in today's terms: bytes, uint16). `tokenizer`:
+    the model directory whose tokenizer a missing dataset must be made with (the hint says so)."""
     fs, root = _filesystem(uri, storage_cfg)
     path = posixpath.join(root, "meta.json")
     if fs.get_file_info(path).type != pafs.FileType.File:
-        raise DataError(
-            f"no dataset at {uri}: expected {path} (make one with `rayzero data prepare SRC {uri}`)"
-        )
+        how = f" --tokenizer {tokenizer}`, the model's own tokenizer" if tokenizer else "`"
+        raise DataError(f"no dataset at {uri}: expected {path} (make one with `rayzero data prepare SRC {uri}{how})")
     with fs.open_input_stream(path) as f:
         meta = json.loads(f.read())
     if meta.get("format") != FORMAT or meta.get("version") not in (1, FORMAT_VERSION):

@@ -198,7 +198,9 @@ def load_generator(weights: str, cfg: RootConfig | None = None, tokenizer: str |
         tf.logging.disable_progress_bar()
         model = tf.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
         model = PeftModel.from_pretrained(model, str(local)).merge_and_unload()
-        tok = chosen or find_tokenizer(base, None, storage)
+        tok = chosen or find_tokenizer(str(local), None, storage)  # the tokenizer saved with the adapter
+        if isinstance(tok, ByteTokenizer):
+            tok = find_tokenizer(base, None, storage)
         return Generator(model, tok, eos_ids=_eos_ids(_model_files(base)))
     if local.is_dir() and (local / "config.json").is_file():  # a Hugging Face directory
         import transformers as tf
@@ -235,32 +237,46 @@ def load_generator(weights: str, cfg: RootConfig | None = None, tokenizer: str |
 
 
 def adapter_base(adapter: Path, cfg: RootConfig) -> str:
-    """The base model a PEFT adapter directory goes onto: the one it names
-    (`base_model_name_or_path`), or `model.path` where given, which must be that same model
-    (by path, or by the hash of its config.json that rayzero's export recorded). ConfigError
-    saying which differs, or that the base is not there."""
+    """The base model a PEFT adapter directory goes onto: `model.path` where given, else the
+    one it names (`base_model_name_or_path`). Where rayzero wrote the adapter (its metadata has
+    the hash of the config.json it was trained on), that base must have that config; else a
+    `model.path` other than the base it names must have the same config.json as that base,
+    where it is here to compare. ConfigError leading with what differs, or saying the base is
+    not there."""
     import hashlib
 
-    from rayzero.checkpoint.export import read_export_identity
+    from rayzero.models.lora import read_adapter
 
-    named = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
-    given = cfg.model.path if cfg.model.kind == "hf" else ""
+    found = read_adapter(str(adapter))
+    named, given = found.base, cfg.model.path
     base = given or named
     if not base:
         raise ConfigError(f"{adapter}: the adapter names no base model (base_model_name_or_path): give "
                           "model.path=BASE_DIR")
     config = Path(base).expanduser() / "config.json"
     if not config.is_file():
-        raise ConfigError(f"{adapter}: its base model {base} is not there (no config.json): give model.path=BASE_DIR")
-    identity = read_export_identity(str(adapter / "adapter_model.safetensors"), "safetensors") or {}
-    recorded = identity.get("config_sha256")
-    mine = hashlib.sha256(config.read_bytes()).hexdigest()[:16]
-    same_path = named and Path(named).expanduser().resolve() == Path(base).expanduser().resolve()
-    if (recorded and recorded != mine) or (not recorded and given and not same_path):
-        raise ConfigError(f"{adapter}: the adapter was trained on {named or 'another base'}"
-                          + (f" (config {recorded})" if recorded else "")
-                          + f", and model.path is {base} (config {mine}): another model; give the base it was "
-                          "trained on")
+        where = "model.path" if given else "the base it names,"
+        raise ConfigError(f"{adapter}: {where} {base} is not a model directory (no config.json): give "
+                          "model.path=BASE_DIR")
+
+    def digest(path: Path) -> str:
+        return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+    mine = digest(config)
+    recorded = found.identity.get("config_sha256")
+    trained_on = found.identity.get("source") or named or "another model"
+    same_path = bool(named) and Path(named).expanduser().resolve() == Path(base).expanduser().resolve()
+    if recorded and recorded != mine:
+        if same_path:
+            raise ConfigError(f"{adapter}: the model at {base} is not the one the adapter was trained on: its "
+                              f"config.json hash is {mine} now, {recorded} then")
+        raise ConfigError(f"{adapter}: the adapter was trained on {trained_on} (config {recorded}), not on "
+                          f"model.path {base} (config {mine}); give model.path={trained_on}, or leave it out")
+    if not recorded and given and not same_path and named:
+        other = Path(named).expanduser() / "config.json"
+        if other.is_file() and digest(other) != mine:
+            raise ConfigError(f"{adapter}: the adapter was trained on {named} (config {digest(other)}), not on "
+                              f"model.path {base} (config {mine}); give model.path={named}, or leave it out")
     return base
 
 

@@ -103,6 +103,14 @@ class ModelConfig(Frozen):
         "added with PEFT before sharding, the base weights frozen; `null` = full fine-tuning. Set any key to turn "
         "it on, e.g. `model.lora.r=8`.",
     )
+    adapter: str = Field(
+        default="",
+        description="A PEFT LoRA adapter directory (`adapter_config.json`, `adapter_model.safetensors`: a "
+        "`save_format=peft` export, or PEFT's own `save_pretrained`) to start from: its adapters are the initial "
+        "values, and `lora` takes its settings (keys set here must agree, but `dropout`). `path` is the base it "
+        "was trained on (empty = the base the adapter names). A PEFT adapter directory given as `path` is taken "
+        "as this.",
+    )
     activation_checkpointing: str = Field(
         default="none",
         description="Recompute activations in backward instead of keeping them: `none`; `full` = every block "
@@ -198,7 +206,7 @@ class ModelConfig(Frozen):
             if changed:
                 raise ValueError(f"{', '.join(changed)}: only for model.kind=gpt (this is model.kind={self.kind}; "
                                  "an HF model's shape is in its config.json, a module's in model.kwargs)")
-        if self.kind == "hf" and not self.path:
+        if self.kind == "hf" and not self.path and not self.adapter:
             raise ValueError("path: model.kind=hf needs the model directory (config.json, and weights to "
                              "fine-tune)")
         if self.kind != "module" and (self.factory or self.kwargs):

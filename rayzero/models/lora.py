@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn as nn
 
-from rayzero.models.errors import ModelError
+from rayzero.models.errors import ModelError, ModelUnavailable
 from rayzero.sharding.flat_buffer import ParamSource
 
 ADAPTER = "default"  # PEFT's name for the one adapter a model has
@@ -295,3 +296,143 @@ def lora_of(spec, settings) -> tuple[dict[str, Adapter], list[str]]:
     model = spec.build()
     added, adapters = add_lora(model, settings)
     return adapters, [n for n, p in model.named_parameters() if p.requires_grad and n not in added]
+
+
+# -- starting from an adapter directory (`model.adapter`) -------------------------------------
+
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+# PEFT options that change what an adapter computes, which rayzero's LoRA does not train.
+_UNSUPPORTED = {"use_dora": False, "use_rslora": False, "rank_pattern": {}, "alpha_pattern": {},
+                "layers_to_transform": None, "bias": "none", "use_qalora": False, "lora_bias": False}
+
+
+@dataclass(frozen=True)
+class AdapterDir:
+    """A PEFT adapter directory: its `adapter_config.json`, the base model it names
+    (`base_model_name_or_path`) and, for one rayzero wrote, the model it was trained on (the
+    `export_identity` in its weights' metadata; {} for others)."""
+
+    uri: str
+    config: dict
+    identity: dict
+
+    @property
+    def base(self) -> str:
+        return self.config.get("base_model_name_or_path") or ""
+
+    def settings(self) -> dict:
+        """Its LoRA settings, as `model.lora` takes them."""
+        c = self.config
+        targets = c.get("target_modules") or ()
+        return {"r": c.get("r", 8), "alpha": c.get("lora_alpha", 8), "dropout": c.get("lora_dropout", 0.0),
+                "target_modules": tuple(sorted(targets)) if not isinstance(targets, str) else targets,
+                "modules_to_save": tuple(c.get("modules_to_save") or ())}
+
+    def describe(self) -> str:
+        s = self.settings()
+        return f"LoRA r={s['r']} alpha={s['alpha']:g}" + (f" on {self.base}" if self.base else "")
+
+
+def read_adapter(uri: str, storage_cfg=None) -> AdapterDir | None:
+    """The PEFT adapter directory at `uri` (local or in storage), or None where there is none
+    (no `adapter_config.json`). ModelError for one that cannot be read."""
+    from rayzero.checkpoint.storage import Storage, StorageError
+
+    storage = Storage(uri, storage_cfg)
+    try:
+        if storage.size(ADAPTER_CONFIG) is None:
+            return None
+        config = json.loads(storage.read_bytes(ADAPTER_CONFIG))
+        identity = {}
+        if storage.size(ADAPTER_WEIGHTS) is not None:
+            (n,) = struct.unpack("<Q", storage.read_range(ADAPTER_WEIGHTS, 0, 8))
+            if n <= 100 << 20:
+                meta = json.loads(storage.read_range(ADAPTER_WEIGHTS, 8, n)).get("__metadata__") or {}
+                identity = json.loads(meta.get("rayzero_model", "{}"))
+    except (StorageError, OSError) as e:
+        raise ModelUnavailable(f"{uri}: cannot read it ({e})") from None
+    except ValueError as e:
+        raise ModelError(f"{uri}: not a PEFT adapter directory ({e})") from None
+    if not isinstance(config, dict):
+        raise ModelError(f"{uri}/{ADAPTER_CONFIG} is not a PEFT adapter config")
+    return AdapterDir(uri, config, identity if isinstance(identity, dict) else {})
+
+
+def adapter_settings(adapter: AdapterDir, given) -> dict:
+    """`model.lora` for a run starting from `adapter`: the adapter's settings, with those the
+    run sets itself (`given`, a LoraSettings or None) kept where they may differ (dropout, which
+    changes no value) and checked where they may not (the rank, alpha, the layers). ModelError
+    naming the first difference, or a PEFT option rayzero does not train."""
+    c = adapter.config
+    if c.get("peft_type", "LORA") != "LORA":
+        raise ModelError(f"model.adapter: {adapter.uri} holds a {c.get('peft_type')} adapter; rayzero trains LoRA")
+    for key, plain in _UNSUPPORTED.items():
+        if c.get(key, plain) not in (plain, None, {}, False):
+            raise ModelError(f"model.adapter: {adapter.uri} uses PEFT's {key}={c[key]!r}, which rayzero's LoRA does "
+                             "not train")
+    mine = adapter.settings()
+    if isinstance(mine["target_modules"], str):
+        raise ModelError(f"model.adapter: {adapter.uri} names its layers by a pattern ({mine['target_modules']!r}); "
+                         "give them as model.lora.target_modules=...")
+    if given is None:
+        return mine
+    for key in sorted(given.model_fields_set):
+        if key == "dropout":
+            mine[key] = given.dropout
+            continue
+        theirs, ours = mine[key], getattr(given, key)
+        same = set(theirs) == set(ours) if key in ("target_modules", "modules_to_save") else theirs == ours
+        if not same:
+            raise ModelError(f"model.adapter: model.lora.{key} {_listed(ours)} here, {_listed(theirs)} in the adapter "
+                             f"{adapter.uri}; leave model.lora.{key} out to take the adapter's")
+    return mine
+
+
+def _listed(v) -> str:
+    return ",".join(v) if isinstance(v, (tuple, list)) else f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def check_adapter_base(adapter: AdapterDir, record: dict, path: str) -> None:
+    """The model a run puts `adapter` onto must be the one it was trained on, where rayzero
+    wrote it (its metadata records that model's kind and config hash): ModelError leading
+    with what differs."""
+    was = adapter.identity
+    if not was.get("config_sha256"):
+        return  # PEFT's own: it names its base, which cannot be checked from here
+    if was.get("kind") != record.get("kind"):
+        raise ModelError(f"model.adapter: {adapter.uri} was trained on a model.kind={was.get('kind')} model, and this "
+                         f"run trains model.kind={record.get('kind')}")
+    if was["config_sha256"] != record.get("config_sha256"):
+        trained_on = was.get("source") or adapter.base or "its base"
+        if path and trained_on != path:
+            raise ModelError(f"model.adapter: {adapter.uri} was trained on {trained_on} (config "
+                             f"{was['config_sha256']}), not on model.path {path} (config "
+                             f"{record.get('config_sha256')}); give model.path={trained_on}")
+        raise ModelError(f"model.adapter: the model at {path or trained_on} is not the one {adapter.uri} was trained "
+                         f"on: its config hash is {record.get('config_sha256')} now, {was['config_sha256']} then")
+
+
+def adapter_source(adapter: AdapterDir, storage_cfg, adapters: dict[str, Adapter], saved: list[str],
+                   shapes: dict[str, tuple[int, ...]]):
+    """The adapters' (and `modules_to_save`'s) initial values from `adapter`'s weights file, by
+    the keys PEFT gives them (`peft_keys`), whole (a TP rank takes its slice through
+    `TPSlices`): a `SafetensorsWeights` whose names are the parameters it fills. ModelError
+    listing every adapter the file lacks or holds in another shape (another rank), and every
+    tensor it holds that this model has no place for."""
+    from rayzero.checkpoint.storage import Storage
+    from rayzero.models.conversions import Part
+    from rayzero.models.weights import SafetensorsWeights
+
+    storage = Storage(adapter.uri, storage_cfg)
+    if storage.size(ADAPTER_WEIGHTS) is None:
+        raise ModelError(f"model.adapter: {adapter.uri} has no {ADAPTER_WEIGHTS}")
+    weights = SafetensorsWeights._open(storage, [ADAPTER_WEIGHTS])
+    params = {name: tuple(shapes[name]) for name in peft_keys(adapters, saved).values()}
+    keys = {key: name for key, name in peft_keys(adapters, saved).items() if key in weights.tensors}
+    parts = {name: [Part.whole(key, weights.tensors[key].shape)] for key, name in keys.items()}
+    unused = [k for k in weights.tensors if k not in keys]
+    try:
+        weights.use(parts, params, unused)
+    except ModelError as e:
+        raise ModelError(str(e).replace("model.path: the weights in", "model.adapter: the adapter in", 1)) from None
+    return weights

@@ -13,6 +13,7 @@ starts.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -69,6 +70,14 @@ def whole_shapes(model: nn.Module, tp: TPLayout | None) -> dict[str, list[int]]:
     return {n: list(shapes.get(n, p.shape)) for n, p in model.named_parameters()}
 
 
+def whole_counts(model: nn.Module, tp: TPLayout | None) -> tuple[int, int]:
+    """(parameters, of which trainable) of the whole model, from one tensor-parallel rank's
+    share: each split tensor counted at its whole shape, a tied one once."""
+    shapes = whole_shapes(model, tp)
+    sizes = [(math.prod(shapes[n]), p.requires_grad) for n, p in model.named_parameters()]
+    return sum(n for n, _ in sizes), sum(n for n, trains in sizes if trains)
+
+
 def add_adapters(built: Built, cfg: RootConfig, spec: ModelSpec) -> None:
     """`model.lora`: PEFT's LoRA layers, the base frozen, the model's own names kept
     (`models/lora.py`). ModelError for targets that cannot take an adapter."""
@@ -117,14 +126,24 @@ def resolved_sharding(cfg: RootConfig, spec: ModelSpec, model: nn.Module) -> Sha
 
 def initial_values(spec: ModelSpec, built: Built) -> ParamSource:
     """Per name: pretrained weights (or the model's seeded init) for the model's own
-    parameters, the adapters' seeded init for what the steps added."""
+    parameters, the adapters' seeded init for what the steps added; with `model.adapter`, the
+    adapters and the modules trained whole beside them from that adapter directory."""
     shapes = built.tp.global_shape if built.tp is not None else None
     source = spec.source(built.model, added=built.added, shapes=shapes)
     if built.added:
-        from rayzero.models.lora import AdapterInit
-
         names = {n for n, _ in built.model.named_parameters()} - set(built.added)
-        source = PerName(source, names, AdapterInit(built.model, spec.seed, built.adapters, shapes))
+        if spec.cfg.adapter:
+            from rayzero.models.lora import adapter_source, read_adapter
+
+            saved = [n for n, p in built.model.named_parameters() if p.requires_grad and n not in built.added]
+            start = adapter_source(read_adapter(spec.cfg.adapter, spec.storage_cfg), spec.storage_cfg,
+                                   built.adapters, saved, whole_shapes(built.model, built.tp))
+            names -= set(saved)
+        else:
+            from rayzero.models.lora import AdapterInit
+
+            start = AdapterInit(built.model, spec.seed, built.adapters, shapes)
+        source = PerName(source, names, start)
     return TPSlices(source, built.tp) if built.tp is not None else source  # each rank its slice
 
 

@@ -31,7 +31,7 @@ from rayzero.sharding import Topology
 from rayzero.sharding.comm import Axis, wait
 from rayzero.sharding.rng import RandomStreams
 from rayzero.workers.activations import ActivationMeter
-from rayzero.workers.assembly import assemble, make_spec, whole_shapes
+from rayzero.workers.assembly import assemble, make_spec, whole_counts, whole_shapes
 
 
 def batches_for(dataset: TokenDataset) -> type:
@@ -173,8 +173,7 @@ class Rank:
             "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
             # the whole model's (6 per parameter a TP rank does not hold, too): tokens count once per TP group
             "flops_per_token": self.spec.flops_per_token(self.model, cfg.train.seq_len) + 6.0 * whole,
-            "num_params": num_params + whole,
-            "trainable_params": trainable + whole,
+            **dict(zip(("num_params", "trainable_params"), whole_counts(self.model, tp))),  # the whole model's
             "params_per_rank": num_params,
             "tp": tp.record() if tp is not None else None,
             "frozen": sorted(n for n, p in self.model.named_parameters() if not p.requires_grad),

@@ -218,3 +218,62 @@ def rayzero_logits(cfg, state, x):
     named = dict(model.named_parameters())
     assert set(named) == set(state)  # every parameter set: nothing left on the meta device
     return model.eval()(x).logits
+
+
+def peft_adapter(llama, out, saved=("lm_head",)):
+    """An adapter as PEFT's own `save_pretrained` writes it (no rayzero metadata), its lora_B
+    and saved head moved off their init so that starting from it shows."""
+    import transformers as tf
+    from peft import LoraConfig, get_peft_model
+
+    base = tf.AutoModelForCausalLM.from_pretrained(str(llama), dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                            modules_to_save=list(saved)))
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n or "modules_to_save" in n:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.02)
+    model.save_pretrained(str(out))
+    return out
+
+
+def test_training_starts_from_a_peft_adapter_under_every_strategy_and_tp(llama, small_dataset, tmp_path):
+    """`model.adapter=DIR` (PEFT's own adapter directory): the run takes its LoRA settings, and
+    its adapters and saved head are the initial values under ZeRO-1/2/3, DDP and tp 2 alike;
+    the first loss is the PEFT model's, and training goes on from there as from any start."""
+    import transformers as tf
+    from peft import PeftModel
+
+    from rayzero.jobs.train import adapter_start
+
+    adapter = peft_adapter(llama, tmp_path / "adapter")
+    held = load_file(str(adapter / "adapter_model.safetensors"))
+
+    def cfg(strategy, extra=()):
+        base = load_config(None, ["cluster.num_workers=2", f"model.adapter={adapter}", "train.seq_len=32",
+                                  "train.global_batch_size=8", "train.micro_batch_size=2", f"train.steps={STEPS}",
+                                  f"sharding.strategy={strategy}", "sharding.shard_align=1", "optim.lr=1e-2",
+                                  "optim.warmup_steps=2", *extra])
+        return adapter_start(base)  # as `rayzero train` resolves it: the base and settings it names
+
+    runs = [("zero3", cfg("optim_grads_params")), ("zero1", cfg("optim")), ("ddp", cfg("no_shard")),
+            ("zero2", cfg("optim_grads")), ("tp2", cfg("optim", ["parallel.tp=2"]))]
+    lora = runs[0][1].model
+    assert (lora.kind, lora.path, lora.lora.r, lora.lora.alpha, lora.lora.modules_to_save) == (
+        "hf", str(llama), 4, 8, ("lm_head",))
+    out = run(runs, 2, small_dataset)
+    base = tf.AutoModelForCausalLM.from_pretrained(str(llama), dtype=torch.float32)
+    peft = PeftModel.from_pretrained(base, str(adapter))
+    rows = global_rows(runs[0][1], small_dataset, 0)
+    with torch.no_grad():
+        logits = peft(input_ids=rows[:, :-1]).logits
+    first = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1)).item()
+    for label, c in runs:
+        initial = out[(label, 0)]["initial"]
+        for key, value in held.items():  # PEFT's key -> rayzero's name
+            name = key.removeprefix("base_model.model.").replace(".lora_A.", ".lora_A.default.").replace(
+                ".lora_B.", ".lora_B.default.")
+            assert torch.equal(initial[name], value), (label, key)
+        assert global_losses(out, label, 2)[0] == pytest.approx(first, rel=1e-5), label
+        assert global_losses(out, label, 2)[-1] < first, label

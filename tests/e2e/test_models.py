@@ -1,16 +1,15 @@
-"""Users' own models through the CLI and the SDK on real Ray: an HF Llama fine-tuned from its
+"""Users' own models through the CLI on real Ray: an HF Llama fine-tuned from its
 pretrained weights and exported back to a directory transformers loads; a module from the
-user's working directory; a class defined where `Trainer` is called."""
+user's working directory. (A class defined where `Trainer` is called, as in a notebook cell:
+the README's own example, run by test_readme.py.)"""
 
 import json
 import textwrap
 
 import pytest
 import torch
-import torch.nn as nn
 from safetensors.torch import load_file
 
-from rayzero import TrainConfig, Trainer
 from rayzero.config import load_config
 from tests.conftest import cli_in_process
 from tests.dist.reference import global_rows
@@ -126,7 +125,8 @@ def test_lora_fine_tune_through_ray_exports_the_adapter_peft_loads_and_generate_
     # r=4 on two layers' q_proj (32 -> 32), v_proj (32 -> 16) and down_proj (64 -> 32): r x (in + out) each
     assert s["trainable_params"] == 2 * 4 * ((32 + 32) + (32 + 16) + (64 + 32))
     assert s["num_params"] == 28_832 + s["trainable_params"]
-    assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {p.name for p in adapter.iterdir()}
+    assert (adapter / "tokenizer.json").read_bytes() == (llama / "tokenizer.json").read_bytes(), "the base's tokenizer"
 
     merged = tmp_path / "merged"
     code, out, err = rayzero("ckpt", "export", str(tmp_path / "runs" / "checkpoints"), str(merged), "--format", "hf")
@@ -148,8 +148,24 @@ def test_lora_fine_tune_through_ray_exports_the_adapter_peft_loads_and_generate_
     assert code == 0 and from_checkpoint == out, (from_checkpoint, err)
 
     other = save_hf_model("llama", tmp_path / "other", num_hidden_layers=3)
-    code, _, err = rayzero("generate", str(adapter), "--prompt", "x", "model.kind=hf", f"model.path={other}")
-    assert code == 2 and f"the adapter was trained on {llama}" in err and f"model.path is {other}" in err, err
+    code, _, err = rayzero("generate", str(adapter), "--prompt", "x", f"model.path={other}")
+    assert code == 2 and f"the adapter was trained on {llama} (config" in err, err
+    assert f"not on model.path {other} (config" in err, err
+
+    # The same command with more steps resumes and rewrites its own adapter export
+    before = (adapter / "adapter_model.safetensors").read_bytes()
+    code, _, err, s = train_here(*model, *FAST, f"data.path={llama_data}", "train.steps=6", "checkpoint.every_steps=4",
+                                 "optim.lr=1e-2", "sharding.strategy=optim_grads_params",
+                                 f"train.save_final={adapter}", "train.save_format=peft", "tracking.enabled=false")
+    assert code == 0 and s["steps"] == 2, err[-3000:]
+    assert (adapter / "adapter_model.safetensors").read_bytes() != before
+
+    # The adapter directory as model.path: training goes on from its adapters, on its base
+    code, _, err, s = train_here(f"model.path={adapter}", *FAST, f"data.path={llama_data}", "train.steps=2",
+                                 "checkpoint.dir=from-adapter", "tracking.enabled=false")
+    assert code == 0, err[-3000:]
+    assert f"model.path {adapter} is a PEFT adapter directory (LoRA r=4 alpha=8 on {llama})" in err
+    assert s["trainable_params"] == 2 * 4 * ((32 + 32) + (32 + 16) + (64 + 32))
 
 
 MYMODEL = '''
@@ -188,26 +204,6 @@ def test_a_module_from_the_working_directory_trains_on_a_cluster(tmp_path, ray_c
     assert state["emb.weight"].shape == (320, 24) and set(state) == {
         "emb.weight", "blocks.0.weight", "blocks.0.bias", "blocks.1.weight", "blocks.1.bias", "head.weight",
         "head.bias"}
-    assert leftovers(ray_cluster) == ([], [])
-
-
-def test_trainer_takes_a_model_defined_in_the_caller(tmp_path, ray_cluster, small_dataset):
-    class Local(nn.Module):  # as in a notebook cell: importable by no name
-        def __init__(self, vocab: int = 320, dim: int = 16):
-            super().__init__()
-            self.emb = nn.Embedding(vocab, dim)
-            self.head = nn.Linear(dim, vocab)
-
-        def forward(self, idx):
-            return self.head(self.emb(idx))
-
-    cfg = TrainConfig(data={"path": small_dataset}, cluster={"address": ray_cluster},
-                      train={"steps": 8, "seq_len": 32, "global_batch_size": 8, "micro_batch_size": 2,
-                             "output_dir": str(tmp_path / "runs")},
-                      model={"kind": "module", "kwargs": {"dim": 8}}, optim={"warmup_steps": 2, "lr": 1e-2})
-    result = Trainer(cfg, model=Local, progress=False).fit()
-    assert result.summary["num_params"] == 320 * 8 + 8 * 320 + 320
-    assert result.metrics["final_loss"] < result.metrics["first_loss"]
     assert leftovers(ray_cluster) == ([], [])
 
 
