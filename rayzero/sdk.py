@@ -9,7 +9,8 @@
     result.checkpoint, result.mlflow_run_id
 
 `fit()` starts a local Ray unless one is running or `cluster.address` names a cluster, and
-shuts down only what it started, so it can run again in the same kernel. An interrupt (the
+shuts down only what it started, so it can run again in the same kernel. As the command line
+does, it says each start-up stage in one line as it begins (on stderr, under the cell). An interrupt (the
 notebook's stop button) ends the run cleanly: the rank actors are gone and the last committed
 checkpoint stays as it was; fitting the same config again resumes from it.
 """

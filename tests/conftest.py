@@ -79,6 +79,12 @@ def s3_server(tmp_path_factory):
         server.stop()
 
 
+def without_startup(err: str) -> str:
+    """What a `rayzero train` said on stderr besides its start-up's status lines (`rayzero: [
+    0.0s] checking …`, said before the checks a bad input fails)."""
+    return "".join(line for line in err.splitlines(keepends=True) if not line.startswith("rayzero: ["))
+
+
 def cli_in_process(capsys, monkeypatch, cwd: Path, *argv: str) -> tuple[int, str, str]:
     """`rayzero ARGV…` run by its `main` in this process, from `cwd`: (exit code, stdout,
     stderr). For paths where the process itself is not what is tested; an exception that `main`

@@ -30,6 +30,7 @@ from rayzero.cluster.failure import (
 )
 from rayzero.cluster.early_stopping import EarlyStopping
 from rayzero.cluster.schedule import evaluates, lr_at, schedule_length
+from rayzero.cluster.startup import Startup
 from rayzero.cluster.throughput import throughput
 from rayzero.cluster.watchdog import Watchdog
 from rayzero.cluster.history import PHASES, History, load_rows, memory_metrics
@@ -49,12 +50,25 @@ STATE_WORDS = {"INIT": "starting", "PLACE": "placing the ranks", "RENDEZVOUS": "
                "DONE": "finishing"}
 
 
+def build_words(cfg: RootConfig, spec) -> str:
+    """The start-up's line for the ranks' build: where their first weights come from."""
+    m = cfg.model
+    pretrained = spec.weights is not None if spec is not None else bool(m.path) and m.init != "random"
+    start = f"pretrained weights from {m.path}" if pretrained else f"initial values, seed {cfg.train.seed}"
+    if m.adapter:
+        start += f", adapters from {m.adapter}"
+    return f"building and sharding the model on the ranks ({start})"
+
+
 class Controller:
     def __init__(self, cfg: RootConfig, data_path: str, run_dir: str, tracker, progress: bool = True,
-                 actor_cls=RankActor, checkpoints: Checkpoints | None = None, factory=None, spec=None):
+                 actor_cls=RankActor, checkpoints: Checkpoints | None = None, factory=None, spec=None,
+                 startup: Startup | None = None):
         """`factory`: the model's callable when given from Python; `spec`: the model seam, for
-        writing the final weights (built from `cfg` when not given)."""
+        writing the final weights (built from `cfg` when not given); `startup`: the run's
+        start-up lines, begun by the caller (None: from placement on)."""
         self.cfg = cfg
+        self.startup = startup or Startup()
         self.factory = factory
         self.spec = spec
         self.actor_cls = actor_cls
@@ -82,6 +96,7 @@ class Controller:
         self.start_step_next = 0  # where a group stopped to grow resumes
         self._step = None  # the iteration being collected
         self._interrupted = False  # a SIGINT arrived (see _catch_interrupts)
+        self._trained = False  # this attempt has trained every step: the run is only finishing
         self._streak, self._commits_then = 0, 0  # failures since the last commit, for the backoff
         self.first_start: tuple[int, str | None] | None = None  # (step, checkpoint) the run began at
         self.schedule_steps = cfg.train.steps  # the learning-rate schedule's length (see schedule_length)
@@ -96,9 +111,23 @@ class Controller:
     def fit(self) -> dict:
         """Train to `train.steps`, surviving failures: each attempt places a group, rendezvous,
         resumes from the newest commit and trains; a failure tears the whole group down and the
-        policy decides whether to restart, shrink, or give up."""
-        status = "FAILED"
+        policy decides whether to restart, shrink, or give up. Ctrl-C: see _catch_interrupts."""
         previous_handler = self._catch_interrupts()
+        try:
+            summary = self._fit()
+        except Stopped:
+            raise
+        except KeyboardInterrupt:  # a second Ctrl-C while the run was ending (the release, MLflow's flush)
+            raise self._stopped() from None
+        finally:
+            if previous_handler is not None:
+                signal.signal(signal.SIGINT, previous_handler)
+        if self._interrupted:
+            log.warning("interrupted after the last step: the run finished and saved everything")
+        return summary
+
+    def _fit(self) -> dict:
+        status = "FAILED"
         try:
             while True:
                 try:
@@ -115,10 +144,8 @@ class Controller:
             status = "FINISHED"
         except KeyboardInterrupt:
             status = "KILLED"
-            raise Stopped(self._step, self._last_checkpoint()) from None
+            raise self._stopped() from None
         finally:
-            if previous_handler is not None:
-                signal.signal(signal.SIGINT, previous_handler)
             self._release(kill=status != "FINISHED")
             self.tracker.finish(status)
         return self.summary(info)
@@ -147,7 +174,9 @@ class Controller:
         return decision.world_size
 
     def _catch_interrupts(self):
-        """Ctrl-C (or a notebook's stop button) stops the run after the iteration in flight.
+        """Ctrl-C (or a notebook's stop button) stops the run after the iteration in flight;
+        after the last step, it lets the run finish as it would have (the final commit, weights,
+        MLflow, the summary), since nothing is left to stop.
 
         A SIGINT that arrives while the main thread waits inside Ray's compiled-graph read can
         be swallowed there; so the handler only takes note, and the loop raises
@@ -161,7 +190,10 @@ class Controller:
             if self._interrupted:
                 raise KeyboardInterrupt
             self._interrupted = True
-            log.warning("interrupted: stopping after the current iteration (Ctrl-C again to stop now)")
+            if self._trained:
+                log.warning("interrupted after the last step: finishing the run (Ctrl-C again to stop now)")
+            else:
+                log.warning("interrupted: stopping after the current iteration (Ctrl-C again to stop now)")
 
         return signal.signal(signal.SIGINT, on_sigint)
 
@@ -169,16 +201,24 @@ class Controller:
         if self._interrupted:
             raise KeyboardInterrupt
 
+    def _stopped(self) -> Stopped:
+        return Stopped(self._step, self._last_checkpoint(), finishing=self._trained)
+
     def _attempt(self) -> tuple[bool, dict]:
         """One group's life: PLACE → RENDEZVOUS → BUILD (resume) → TRAIN → CHECKPOINT.
         Returns (done, rank 0's info); not done means the group stopped at a checkpoint to grow."""
         self.state = "PLACE"
+        self._trained = False
+        bundle = ", ".join(f"{v:g} {k}" for k, v in self._bundle().items())
+        self.startup.stage("placement", f"placing {self.world} ranks ({bundle} each) and starting their processes")
         self.group, self.world = self._place(self.world)
         cfg = self.cfg.at_world_size(self.world)
         self._mark("placement")
         self.watchdog = Watchdog(self.group.actors, cfg.failure.phase_timeout_s, on_fire=self.group.kill).start()
         self._check_interrupt()
         self.state = "RENDEZVOUS"
+        self.group.wait_started()
+        self.startup.stage("build", build_words(cfg, self.spec))
         infos = self.group.rendezvous()
         self.pids = {i["pid"]: i["rank"] for i in infos}
         # Per rank (a tensor-parallel rank holds its share): what bytes per parameter divide by.
@@ -192,17 +232,24 @@ class Controller:
             self._resume(infos[0]["params"])
         else:
             self.early.restore(None)  # from step 0 again
-        self.history.rewind(self.start_step)
+        dropped = self.history.rewind(self.start_step)
+        if dropped:  # steps trained again: their earlier points in MLflow go (one point per step), and
+            # so does an early stop after one of them (one before would have ended training there)
+            keys = sorted({k for row in dropped for k in row} - {"step"})
+            self.tracker.rewind(self.start_step, keys, tags=["stopped_early"])
         if self.checkpoints is not None:
             self.checkpoints.schedule_steps = self.schedule_steps
         if self.first_start is None:
             self.first_start = (self.start_step, self.resumed_from)
         self._mark("load")
+        if DISPATCHERS[cfg.cluster.dispatch].preparing:
+            self.startup.stage("compile", DISPATCHERS[cfg.cluster.dispatch].preparing)
         self.dispatch = DISPATCHERS[cfg.cluster.dispatch](
             self.group.actors, cfg.grad_accum, timeout_s=cfg.cluster.pg_timeout_s
         )
         self.state = "TRAIN"
         grow = self._train(cfg)
+        self._trained = not grow
         self.dispatch.close()
         self.dispatch = None
         if self.checkpoints is not None:  # the last uploads, then their commit
@@ -261,6 +308,7 @@ class Controller:
         fails its checksum is skipped (with a warning) for the one before it."""
         actors = self.group.actors
         for c in self.checkpoints.resume_target(params):  # with the model's record from setup (configure)
+            self.startup.stage("resume", f"resuming from checkpoint {c.uri} (step {c.step})")
             try:
                 ray.get([a.load_checkpoint.remote(c.uri, c.manifest) for a in actors])
             except ray.exceptions.RayTaskError as e:
@@ -291,6 +339,9 @@ class Controller:
         first = self.start_step
         if first >= cfg.train.steps or self.early.stopped:
             return False
+        left = cfg.train.steps - first
+        self.startup.stage("first_step", f"training {left} step{'s' if left != 1 else ''}"
+                           + (f" from step {first}" if first else ""))
         bar = tqdm(range(first, cfg.train.steps), desc="train", unit="step", disable=not self.progress,
                    mininterval=1.0, dynamic_ncols=True, initial=first, total=cfg.train.steps)
         ckpt = self.checkpoints
@@ -320,6 +371,7 @@ class Controller:
             hold = bool(self.early.patience) and plans.pop(step)["evaluate"]
             queued = dispatch.submit(plan(step + 1)) if more and not hold else None
             results = dispatch.collect(pending, queued=queued is not None)
+            self.startup.first_step()
             now = time.perf_counter()
             dt, last = now - last, now
             stop = self._record_step(cfg, step, results, dt, tokens_per_step, first)
@@ -368,6 +420,10 @@ class Controller:
         ckpt = self.checkpoints
         if ckpt is not None:
             metrics["checkpoint_stall_ms"] = max(r["phase_s"].get("checkpoint", 0.0) for r in results) * 1e3
+            if ckpt.mlflow_run_id is None and any(r["uploads"] for r in results):  # a commit may come
+                # The MLflow run a rerun goes on with, for its manifest: a slow store may have
+                # created it only after `configure` asked (reading run_id waits 2 s at most).
+                ckpt.mlflow_run_id = self.tracker.run_id
             before = ckpt.last_committed
             record = {"early_stopping": self.early.state()}
             if "val_loss" in metrics:
@@ -530,4 +586,4 @@ class Controller:
                 log.warning("shutting the group down failed: %s", e)
 
     def summary(self, rank0_info: dict) -> dict:
-        return run_summary(self, rank0_info)
+        return {**run_summary(self, rank0_info), "startup": self.startup.timings()}

@@ -99,6 +99,7 @@ class Pending:
 
 class _Dispatch:
     timeout_s: float
+    preparing: str | None = None  # what building it does, for the start-up's lines (None: nothing to say)
 
     def run(self, plan: dict) -> list[dict]:
         return self.collect(self.submit(plan))
@@ -118,6 +119,8 @@ class _Dispatch:
 
 
 class CompiledDispatch(_Dispatch):
+    preparing = "compiling the iteration (Ray Compiled Graph)"
+
     def __init__(self, actors: list, num_microbatches: int, timeout_s: float = 600.0):
         self.timeout_s = timeout_s
         names = phase_names(num_microbatches)

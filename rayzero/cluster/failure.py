@@ -35,11 +35,13 @@ class TrainingFailed(RuntimeError):
 
 class Stopped(KeyboardInterrupt):
     """An interrupt (Ctrl-C, a notebook's stop button) ended the run cleanly: where it was,
-    and the checkpoint a rerun resumes from."""
+    and the checkpoint a rerun resumes from. `finishing`: after the last step, while the run
+    was finishing (its final commit, weights, MLflow)."""
 
-    def __init__(self, step: int | None, checkpoint: str | None):
+    def __init__(self, step: int | None, checkpoint: str | None, finishing: bool = False):
         self.step, self.checkpoint = step, checkpoint
-        at = f"stopped at step {step}" if step is not None else "stopped before training began"
+        at = ("stopped after the last step, while the run was finishing" if finishing else
+              f"stopped at step {step}" if step is not None else "stopped before training began")
         where = (f"last checkpoint {checkpoint}; run the same command again to resume" if checkpoint
                  else "no checkpoint was committed")
         super().__init__(f"{at}; {where}")

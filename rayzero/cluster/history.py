@@ -32,15 +32,18 @@ class History:
         for p in PHASES:
             self.phase_s[p].append(phase_s[p])
 
-    def rewind(self, step: int) -> None:
+    def rewind(self, step: int) -> list[dict]:
         """Forget iterations from `step` on: a resumed group runs them again (from step 0,
-        the evaluation before it too)."""
+        the evaluation before it too). Returns the rows forgotten."""
         keep = sum(1 for s in self.steps if s < step)
         for values in (self.steps, self.losses, self.step_s, *self.phase_s.values()):
             del values[keep:]
-        self.rows[:] = [r for r in self.rows if r["step"] < step] if step > 0 else []
+        first = step if step > 0 else -1  # the evaluation before step 0 is logged at step -1
+        dropped = [r for r in self.rows if r["step"] >= first]
+        self.rows[:] = [r for r in self.rows if r["step"] < first]
         keep = sum(1 for s in self.val_steps if s < step) if step > 0 else 0
         del self.val_steps[keep:], self.val_losses[keep:]
+        return dropped
 
     def timed(self, values: list[float]) -> list[float]:
         return values[WARMUP_STEPS:] or values

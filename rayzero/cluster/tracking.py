@@ -5,6 +5,11 @@ that is down or slow holds up that thread, not training: the thread warns once, 
 queued, retries with backoff, and sends it all when the server answers. At the end the run
 waits `flush_timeout_s` for the queue to drain; what still has not gone is written to a JSON
 file in the run directory, and the warning says where.
+
+When training goes back to a commit and trains the steps after it again (a rerun after Ctrl-C,
+a restart after a failure), `rewind` supersedes their earlier points, in order with the rest:
+a SQL store (the default sqlite file) loses them, so the run holds one point per step; a
+tracking server, which has no API for it, keeps them and a run tag says which they are.
 """
 
 from __future__ import annotations
@@ -17,14 +22,11 @@ import threading
 import time
 from pathlib import Path
 
-from mlflow.entities import Metric, Param, RunTag
-from mlflow.tracking import MlflowClient
-
 log = logging.getLogger(__name__)
 
 _PARAM_BATCH = 100  # MLflow's limit on params per log_batch call
 _METRIC_BATCH = 1000  # … and on metrics
-_START_WAIT_S = 2.0  # how long the constructor waits to learn the run id (never longer)
+_START_WAIT_S = 2.0  # how long reading `run_id` waits to learn it (never longer)
 _RETRY_MAX_S = 30.0
 
 
@@ -36,33 +38,52 @@ class Tracker:
         this store has it, rather than a new one starting."""
         self.uri = uri
         self.resume = resume
-        self.run_id: str | None = None
+        self._run_id: str | None = None
         self.spill_path = spill_path
         self.spilled_to: str | None = None  # set when metrics had to be written there instead
         self.flush_timeout_s = flush_timeout_s
         # MLflow's own HTTP retries would hold one call for minutes; the thread retries instead.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-        self.client = MlflowClient(tracking_uri=uri)
+        self.client = None  # made by the thread: MLflow's import takes a second of the run's start-up
         self._queue: queue.Queue = queue.Queue()
         self._pending: list[tuple] = []  # taken from the queue, not yet sent
         self._started = threading.Event()  # the run exists: run_id is known
         self._stop = threading.Event()
         self._warned = False
+        self._warned_rewind = False
         self._queue.put(("start", experiment, run_name, params, tags, artifact_dir))
         for path in artifacts:
             self._queue.put(("artifact", str(path)))
         self._thread = threading.Thread(target=self._run, name="rayzero-mlflow", daemon=True)
         self._thread.start()
-        self._started.wait(_START_WAIT_S)  # a run id for the summary, if the server answers soon
+
+    @property
+    def run_id(self) -> str | None:
+        """The MLflow run's id, once the thread has it (waits a little for it: None if the
+        server has not answered by then)."""
+        self._started.wait(_START_WAIT_S)
+        return self._run_id
 
     # -- what the controller calls: never blocks on the server -------------------------
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        from mlflow.entities import Metric
+
         ts = int(time.time() * 1000)
         self._queue.put(("metrics", [Metric(k, float(v), ts, step) for k, v in metrics.items()]))
 
     def set_tags(self, tags: dict) -> None:
+        from mlflow.entities import RunTag
+
         self._queue.put(("tags", [RunTag(k, str(v)) for k, v in tags.items()]))
+
+    def rewind(self, step: int, metrics: list[str], tags: list[str] = ()) -> None:
+        """Training went back to `step` and trains the steps from it again: the points of
+        `metrics` logged so far at `step` and after (from step 0, the evaluation before it at
+        step -1 too) are superseded, and so are `tags`. Applies to what was queued before it,
+        never to the points logged after it."""
+        lowest = step if step > 0 else -1
+        self._queue.put(("rewind", step, lowest, list(metrics), list(tags), int(time.time() * 1000)))
 
     def finish(self, status: str = "FINISHED") -> None:
         """Close the run with `status` (FINISHED, FAILED or KILLED) once everything queued
@@ -110,6 +131,10 @@ class Tracker:
         """Send from the front of the pending ops, dropping each once the server has taken it,
         so a failure leaves exactly the unsent rest (the failed one first) for the retry.
         Consecutive metrics go in one call, within MLflow's limit. True once the run is ended."""
+        if self.client is None:
+            from mlflow.tracking import MlflowClient
+
+            self.client = MlflowClient(tracking_uri=self.uri)
         ops = self._pending
         while ops:
             n = 1
@@ -128,12 +153,14 @@ class Tracker:
         return False
 
     def _send_one(self, op: tuple) -> None:
+        from mlflow.entities import Param
+
         kind = op[0]
         if kind == "start":
             _, experiment, run_name, params, tags, artifact_dir = op
-            if self.run_id is None and self.resume is not None and self._continue(params, tags):
+            if self._run_id is None and self.resume is not None and self._continue(params, tags):
                 return
-            if self.run_id is None:
+            if self._run_id is None:
                 if self.resume is not None and self.resume[0]:
                     tags = {**tags, "resumed_from_run": self.resume[0]}  # a run in another store
                 exp = self.client.get_experiment_by_name(experiment)
@@ -141,7 +168,7 @@ class Tracker:
                     experiment, artifact_location=Path(artifact_dir).resolve().as_uri() if artifact_dir else None)
                 run = self.client.create_run(exp_id, run_name=run_name or None,
                                              tags={k: str(v) for k, v in tags.items()})
-                self.run_id = run.info.run_id
+                self._run_id = run.info.run_id
                 self._started.set()
             items = [Param(k, str(v)) for k, v in sorted(params.items())]
             for i in range(0, len(items), _PARAM_BATCH):
@@ -150,6 +177,8 @@ class Tracker:
             self.client.log_batch(self.run_id, tags=op[1])
         elif kind == "artifact":
             self.client.log_artifact(self.run_id, op[1])
+        elif kind == "rewind":
+            self._rewind(*op[1:])
         elif kind == "end":
             self.client.set_terminated(self.run_id, status=op[1])
 
@@ -157,6 +186,7 @@ class Tracker:
         """Go on with the resumed run in this store, if it has it: RUNNING again, the params
         it lacks logged, and those that differ now (MLflow keeps a param's first value) noted
         in a tag. False when the store does not have the run."""
+        from mlflow.entities import Param, RunTag
         from mlflow.exceptions import MlflowException
 
         run_id, step = self.resume
@@ -168,7 +198,7 @@ class Tracker:
             return False
         if run.info.lifecycle_stage != "active":
             return False
-        self.run_id = run_id
+        self._run_id = run_id
         self._started.set()
         self.client.update_run(run_id, status="RUNNING")
         before = run.data.params
@@ -180,18 +210,46 @@ class Tracker:
         self.client.log_batch(run_id, tags=[RunTag(k, str(v)[:5000]) for k, v in {**tags, **notes}.items()])
         return True
 
+    def _rewind(self, step: int, lowest: int, keys: list[str], tags: list[str], at_ms: int) -> None:
+        """Take the superseded points out where the store allows it (MLflow has no API to
+        delete points: mlflow/mlflow#2973); where it does not, keep them and say so in a tag."""
+        from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+        present = self.client.get_run(self.run_id).data.tags if tags else {}
+        for key in tags:
+            if key in present:
+                self.client.delete_tag(self.run_id, key)
+        store = self.client._tracking_client.store  # the client's own store object: no public accessor
+        if isinstance(store, SqlAlchemyStore):
+            delete_points(store.engine, self.run_id, keys, lowest)
+            return
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(at_ms / 1000))
+        self.client.set_tag(self.run_id, f"rewound_at_step_{step}",
+                            f"points for steps >= {lowest} logged before {when} (timestamp {at_ms} ms) were "
+                            "trained again: the points logged after that replace them")
+        if not self._warned_rewind:
+            log.warning("MLflow at %s cannot delete metric points, so the points of the steps trained again "
+                        "stay next to the new ones; the run's rewound_at_step_%d tag says which (history.jsonl "
+                        "in the run directory holds one row per step)", self.uri, step)
+            self._warned_rewind = True
+
     def _spill(self) -> None:
-        """What never reached the server, as JSON in the run directory."""
+        """What never reached the server, as JSON in the run directory: one point per step, and
+        the rewinds the server never got (it still holds the points they supersede)."""
         left = self._pending + list(self._drain())
-        rows = []
+        rows, rewinds = [], []
         for op in left:
             if op[0] == "metrics":
                 rows += [{"key": m.key, "value": m.value, "step": m.step, "timestamp": m.timestamp} for m in op[1]]
+            elif op[0] == "rewind":
+                _, step, lowest, keys, _, at_ms = op
+                rows = [r for r in rows if r["step"] < lowest or r["key"] not in keys]
+                rewinds.append({"step": step, "before_ms": at_ms})
         if not self.spill_path:
             log.warning("MLflow at %s never answered; %d metric values were not sent", self.uri, len(rows))
             return
         Path(self.spill_path).write_text(json.dumps({"tracking_uri": self.uri, "run_id": self.run_id,
-                                                     "metrics": rows}, indent=1))
+                                                     "metrics": rows, "rewinds": rewinds}, indent=1))
         self.spilled_to = self.spill_path
         log.warning("MLflow at %s did not take the last %d metric values within %.0fs; they are in %s",
                     self.uri, len(rows), self.flush_timeout_s, self.spill_path)
@@ -202,6 +260,29 @@ class Tracker:
                 yield self._queue.get_nowait()
             except queue.Empty:
                 return
+
+
+def delete_points(engine, run_id: str, keys: list[str], lowest: int) -> None:
+    """In an MLflow SQL store (`engine`): the run's points of `keys` at step `lowest` and after
+    gone, and each key's latest value (the run page's, `run.data.metrics`) back to its newest
+    point left, chosen as MLflow chooses it: highest step, then timestamp, then value."""
+    from mlflow.store.tracking.dbmodels.models import SqlLatestMetric, SqlMetric
+    from sqlalchemy import delete, select, update
+
+    points, latest = SqlMetric.__table__, SqlLatestMetric.__table__
+    run = points.c.run_uuid == run_id
+    with engine.begin() as db:
+        db.execute(delete(points).where(run & points.c.key.in_(keys) & (points.c.step >= lowest)))
+        for key in keys:
+            newest = db.execute(select(points.c.value, points.c.timestamp, points.c.step, points.c.is_nan)
+                                .where(run & (points.c.key == key))
+                                .order_by(points.c.step.desc(), points.c.timestamp.desc(), points.c.value.desc())
+                                .limit(1)).first()
+            row = (latest.c.run_uuid == run_id) & (latest.c.key == key)
+            if newest is None:
+                db.execute(delete(latest).where(row))
+            else:
+                db.execute(update(latest).where(row).values(**newest._mapping))
 
 
 class NullTracker:
@@ -215,6 +296,9 @@ class NullTracker:
         pass
 
     def set_tags(self, tags: dict) -> None:
+        pass
+
+    def rewind(self, step: int, metrics: list[str], tags: list[str] = ()) -> None:
         pass
 
     def finish(self, status: str = "FINISHED") -> None:

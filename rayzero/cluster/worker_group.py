@@ -79,6 +79,11 @@ class WorkerGroup:
             raise
         return cls(actors, pg)
 
+    def wait_started(self) -> None:
+        """Until every rank's process is up: started, its modules imported, its `Rank` made
+        (the seconds a new process spends importing torch come here, not in the rendezvous)."""
+        ray.get([a.progress.remote() for a in self.actors])
+
     def rendezvous(self) -> list[dict]:
         """Rank 0 picks an address and free port; every rank joins the process group there."""
         addr, port = ray.get(self.actors[0].address.remote())

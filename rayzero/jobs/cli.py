@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from rayzero.config import ConfigError, load_config
-from rayzero.data.tokens import DataError
+from rayzero.data.errors import DataError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -20,7 +20,8 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="run a training job", description=(
         "Train a model (the built-in GPT, a Hugging Face causal LM, or your own nn.Module) over Ray actors. "
         "Overrides are dotted key=value pairs, "
-        "e.g. train.steps=50 sharding.strategy=no_shard cluster.num_workers=4."))
+        "e.g. train.steps=50 sharding.strategy=no_shard cluster.num_workers=4."),
+        epilog=_keys_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("--config", help="YAML config file (defaults apply to what it leaves out)")
     t.add_argument("--summary-json", help="also write the final summary as JSON here")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -56,11 +57,14 @@ def _parser() -> argparse.ArgumentParser:
                       "cluster's CPUs)")
     g = sub.add_parser("generate", help="text from a prompt with trained weights", description=(
         "Continue a prompt, or answer it as a chat, with a checkpoint (its newest commit, or one step-... prefix), "
-        "a Hugging Face directory (an hf export) or a safetensors export (with the model's config: --config or "
-        "model.* overrides). The tokenizer: --tokenizer, else the model directory's own, else the training "
-        "data's, else bytes. With a chat template the prompt is the user's message and only the answer is "
-        "printed; generation stops at the end-of-turn and end-of-sequence tokens."))
-    g.add_argument("weights")
+        "a Hugging Face directory (an hf export), a PEFT adapter directory (a peft export, or PEFT's own: its "
+        "LoRA adapters merged onto the base model it names, or onto model.path=BASE_DIR, which must be the model "
+        "it was trained on) or a safetensors export (with the model's config: --config or model.* overrides). "
+        "The tokenizer: --tokenizer, else the adapter's or model directory's own, else the training data's, else "
+        "bytes. With a chat template the prompt is the user's message and only the answer is printed; generation "
+        "stops at the end-of-turn and end-of-sequence tokens."))
+    g.add_argument("weights", help="a checkpoint, an HF model directory, a PEFT adapter directory, or a "
+                                   ".safetensors file")
     g.add_argument("--prompt", required=True, help="the text to continue, or (chat) the user's message")
     g.add_argument("--system", default=None, help="chat: a system prompt before the message")
     mode = g.add_mutually_exclusive_group()
@@ -111,6 +115,20 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _keys_epilog() -> str:
+    """Every config key, section by section (what `--config` and the overrides take), and where
+    each is described."""
+    import textwrap
+
+    from rayzero.config import RootConfig
+
+    lines = ["config keys (defaults and meanings: docs/configuration.md, or `python -m rayzero.config_reference`):"]
+    for section, field in RootConfig.model_fields.items():
+        keys = ", ".join(f.alias or name for name, f in field.annotation.model_fields.items())
+        lines += textwrap.wrap(f"{section}: {keys}", width=100, initial_indent="  ", subsequent_indent="    ")
+    return "\n".join(lines)
+
+
 def _ckpt(args) -> int:
     from rayzero.checkpoint.export import parse_size
     from rayzero.checkpoint.manifest import CheckpointError, open_checkpoint
@@ -147,13 +165,7 @@ def _ckpt(args) -> int:
 
 
 def _train(args) -> int:
-    from rayzero.checkpoint.manifest import CheckpointError
-    from rayzero.checkpoint.storage import StorageError
-    from rayzero.cluster.failure import Stopped, TrainingFailed
-    from rayzero.cluster.worker_group import PlacementError
-    from rayzero.jobs.train import ClusterUnreachable, run_train
-
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides)  # before torch and Ray are imported: a typo fails at once
     if args.dry_run:
         from rayzero.jobs.train import plan
 
@@ -162,8 +174,18 @@ def _train(args) -> int:
         if args.summary_json:
             Path(args.summary_json).write_text(json.dumps(p, indent=2))
         return 0
+    from rayzero.cluster.startup import CHECKS, Startup
+
+    startup = Startup()
+    startup.stage("checks", CHECKS)  # said before the imports below: torch and Ray take seconds
+    from rayzero.checkpoint.manifest import CheckpointError
+    from rayzero.checkpoint.storage import StorageError
+    from rayzero.cluster.failure import Stopped, TrainingFailed
+    from rayzero.cluster.worker_group import PlacementError
+    from rayzero.jobs.train import ClusterUnreachable, run_train
+
     try:
-        summary = run_train(cfg, progress=not args.no_progress)
+        summary = run_train(cfg, progress=not args.no_progress, startup=startup)
     except (PlacementError, ClusterUnreachable, CheckpointError, StorageError) as e:
         raise _UserError(str(e)) from None
     except TrainingFailed as e:
@@ -252,6 +274,12 @@ def _params_line(total: int, trainable: int) -> str:
     return f"{total:,} parameters" + (f" ({frozen:,} frozen)" if frozen else "")
 
 
+def _startup_line(t: dict) -> str:
+    """Where the wait for the first step went, stage by stage (the status lines' stages)."""
+    stages = ", ".join(f"{k[:-2].replace('_', ' ')} {v:.1f}" for k, v in t.items() if k != "total_s")
+    return f"first step done {t['total_s']:.1f} s after the start ({stages} s)"
+
+
 def _print_summary(s: dict) -> None:
     if s["steps"] == 0:
         why = (f"the run stopped early after step {s['stopped_early']['step']}: {s['stopped_early']['reason']}; "
@@ -287,6 +315,7 @@ def _print_summary(s: dict) -> None:
         + "".join(f"  grew from {r['from']} to {r['to']} ranks at step {r['step']}\n" for r in s["resizes"])
         + (f"  stopped early after step {s['stopped_early']['step']}: {s['stopped_early']['reason']}\n"
            if s.get("stopped_early") else "")
+        + (f"  {_startup_line(s['startup'])}\n" if s.get("startup") else "")
         + (f"  checkpoint {s['checkpoint']}\n" if s["checkpoint"] else "")
         + (f"  best checkpoint {s['best_checkpoint']} (validation loss {s['best_val_loss']:.4f})\n"
            if s.get("best_checkpoint") else "")

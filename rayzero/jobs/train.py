@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from rayzero import __version__
 from rayzero.checkpoint.storage import StorageError
 from rayzero.cluster.checkpoints import Checkpoints
 from rayzero.cluster.controller import Controller
+from rayzero.cluster.startup import CHECKS, Startup
 from rayzero.cluster.tracking import NullTracker, Tracker
 from rayzero.checkpoint.export import check_destination, check_final, export_identity
 from rayzero.config import ConfigError, RootConfig
@@ -26,7 +29,9 @@ from rayzero.jobs.preflight import (
     starts_local_ray,
 )
 from rayzero.sharding.topology import Topology
-from rayzero.workers.assembly import bucket_layout, build_model, check_buildable, make_spec
+from rayzero.workers.assembly import (
+    bucket_layout, build_model, check_buildable, initial_values, make_spec, whole_counts,
+)
 
 
 class ClusterUnreachable(RuntimeError):
@@ -40,7 +45,7 @@ class ModelUnreachable(ConfigError):
 def resolve_data(cfg: RootConfig) -> str:
     """The dataset path, prepared on first use if it is the default corpus, checked for size."""
     path = cfg.data.path or ensure_default_corpus(cfg.data.cache_dir)
-    meta = read_meta(path, cfg.checkpoint)
+    meta = read_meta(path, cfg.checkpoint, tokenizer=cfg.model.path if cfg.model.kind == "hf" else None)
     need = cfg.train.global_batch_size * (cfg.train.seq_len + 1)
     if meta.get("kind") != "instructions" and meta["num_tokens"] < need:  # examples are padded out
         raise DataError(
@@ -182,6 +187,11 @@ def check_model(cfg: RootConfig, factory=None, data_vocab: int | None = None) ->
         spec = make_spec(cfg, factory)
         spec.check(cfg.train.seq_len, data_vocab)
         check_buildable(cfg, None if cfg.cluster.use_gpu else torch.device("cpu"), spec)
+        if cfg.model.adapter:  # onto the model it was trained on, every adapter in its file
+            from rayzero.models.lora import check_adapter_base, read_adapter
+
+            check_adapter_base(read_adapter(cfg.model.adapter, cfg.checkpoint), spec.record(), cfg.model.path)
+            initial_values(spec, build_model(cfg, spec))
     except ModelUnavailable as e:
         raise ModelUnreachable(str(e)) from None
     except ModelError as e:
@@ -191,6 +201,63 @@ def check_model(cfg: RootConfig, factory=None, data_vocab: int | None = None) ->
     return spec
 
 
+def adapter_start(cfg: RootConfig) -> RootConfig:
+    """A run that starts from a PEFT adapter directory (`model.adapter`, or one given as
+    `model.path`), made whole: `model.path` the base it names where not given (an HF model's
+    directory: `model.kind=hf`), `model.lora` its settings (ModelError-worded ConfigError where
+    a key set here disagrees), both paths absolute. The same config every time it is resolved,
+    so that rerunning the command resumes."""
+    from rayzero.config import build_config
+    from rayzero.models.lora import adapter_settings, read_adapter
+
+    m = cfg.model
+    if not (m.adapter or m.path):
+        return cfg
+    try:
+        found = read_adapter(m.adapter or m.path, cfg.checkpoint)
+    except ModelUnavailable as e:
+        if not m.adapter:
+            return cfg  # model.path is checked on its own, where it is read
+        raise ModelUnreachable(f"model.adapter: {e}") from None
+    except ModelError as e:
+        raise ConfigError(f"model.{'adapter' if m.adapter else 'path'}: {e}") from None
+    if found is None:
+        if m.adapter:
+            raise ConfigError(f"model.adapter: {m.adapter} is not a PEFT adapter directory (no adapter_config.json)")
+        return cfg
+    try:
+        lora = adapter_settings(found, m.lora)
+    except ModelError as e:
+        raise ConfigError(str(e)) from None
+    adapter, path = (m.adapter, m.path) if m.adapter else (m.path, "")
+    if not m.adapter:
+        if not found.base:
+            raise ConfigError(f"model.path: {m.path} is a PEFT adapter directory ({found.describe()}) that names no "
+                              f"base model: give model.path=BASE_DIR model.adapter={m.path}")
+        print(f"rayzero: note: model.path {m.path} is a PEFT adapter directory ({found.describe()}): training on "
+              f"from its adapters, on the base it names (model.path={found.base} model.adapter={m.path})",
+              file=sys.stderr)
+    changes = {"adapter": _absolute(adapter), "lora": lora}
+    base = path or found.base
+    if base:
+        local = "://" not in base or base.startswith("file://")
+        if local and not Path(base.removeprefix("file://")).expanduser().exists():
+            raise ConfigError(f"model.adapter: {adapter} was trained on {base}, which is not here: give "
+                              "model.path=BASE_DIR (that model's directory)")
+        changes["path"] = _absolute(base)
+        if not path and m.kind == "gpt" and local and (Path(base).expanduser() / "config.json").is_file():
+            changes["kind"] = "hf"  # an HF model's adapter
+    data = cfg.model_dump(by_alias=True)
+    data["model"].update(changes)
+    return build_config(data, type(cfg))
+
+
+def _absolute(path: str) -> str:
+    if not path or "://" in path or Path(path).expanduser().is_absolute():
+        return path
+    return str(Path(path).resolve())
+
+
 def absolute_model_path(cfg: RootConfig) -> RootConfig:
     """`model.path` made absolute where it is a relative local path: the ranks' processes need
     not share the driver's working directory."""
@@ -198,6 +265,15 @@ def absolute_model_path(cfg: RootConfig) -> RootConfig:
     if not path or "://" in path or Path(path).expanduser().is_absolute():
         return cfg
     return cfg.override(f"model.path={Path(path).resolve()}")
+
+
+def absolute_data_paths(cfg: RootConfig) -> RootConfig:
+    """`data.path` and `data.val_path` made absolute where they are relative local paths, as
+    `model.path` is: ranks on a cluster started elsewhere do not share the driver's working
+    directory."""
+    relative = [(key, value) for key in ("path", "val_path") if (value := getattr(cfg.data, key))
+                and "://" not in value and not Path(value).expanduser().is_absolute()]
+    return cfg.override(*(f"data.{key}={Path(value).resolve()}" for key, value in relative)) if relative else cfg
 
 
 def make_run_dir(cfg: RootConfig) -> Path:
@@ -245,11 +321,12 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
     try:
         if not read_model:
             raise ModelUnreachable(f"model.path {cfg.model.path} is on the cluster's machines")
+        cfg = adapter_start(cfg)
         spec, note = check_model(cfg, resolve_factory(cfg, factory)), None
         built = build_model(cfg, spec)  # what the ranks will shard (one TP rank's share)
         model = built.model
         num_params, trainable = spec.num_params(model)  # per TP rank
-        tp_extra = built.tp.split_numel() if built.tp is not None else 0
+        whole_params, whole_trainable = whole_counts(model, built.tp)  # the whole model's
         buckets = [b.world.size for b in bucket_layout(cfg, spec, model).buckets]
         record = spec.record()
         shape = spec.activation_shape(model)
@@ -257,7 +334,8 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
         vocab = {"parallel": built.tp is not None and built.tp.vocab is not None, "note": vocab_note(cfg, built)}
     except ModelUnreachable as e:
         spec, note, num_params, trainable, buckets = None, f"not read from here: {e}", None, None, None
-        lora, tp_extra, vocab = None, 0, {"parallel": cfg.parallel.tp > 1 and cfg.parallel.vocab_parallel, "note": None}
+        whole_params = whole_trainable = None
+        lora, vocab = None, {"parallel": cfg.parallel.tp > 1 and cfg.parallel.vocab_parallel, "note": None}
         record = {"kind": cfg.model.kind, "source": cfg.model.path, "init": cfg.model.init}
         shape = None
     sh, t, c = cfg.sharding, cfg.train, cfg.cluster
@@ -286,8 +364,8 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
         "dp_outer": sh.dp_outer,
         "param_dtype": sh.param_dtype,
         "grad_dtype": sh.grad_dtype,
-        "num_params": num_params + tp_extra if num_params else num_params,  # the whole model's
-        "trainable_params": trainable + tp_extra if num_params else trainable,
+        "num_params": whole_params,  # the whole model's
+        "trainable_params": whole_trainable,
         "params_per_rank": num_params,
         "model": {"kind": record["kind"], "source": record.get("source"), "init": record.get("init"),
                   "architecture": (record.get("architectures") or [None])[0] if record["kind"] == "hf" else None,
@@ -317,16 +395,23 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
     }
 
 
-def run_train(cfg: RootConfig, progress: bool = True, factory=None) -> dict:
+def run_train(cfg: RootConfig, progress: bool = True, factory=None, startup: Startup | None = None) -> dict:
     """Train; the run's summary (what `rayzero train --summary-json` writes)."""
-    return train_run(cfg, progress, factory)[0]
+    return train_run(cfg, progress, factory, startup)[0]
 
 
-def train_run(cfg: RootConfig, progress: bool = True, factory=None) -> tuple[dict, list[dict]]:
+def train_run(cfg: RootConfig, progress: bool = True, factory=None,
+              startup: Startup | None = None) -> tuple[dict, list[dict]]:
     """Train; the run's summary and each step's metrics (one dict per step, from step 0 on a
-    resumed run too). `factory`: the model's callable, given from Python (`model.kind=module`)."""
+    resumed run too). `factory`: the model's callable, given from Python (`model.kind=module`);
+    `startup`: the start-up's status lines, begun by the caller (None: begun here)."""
+    if startup is None:
+        startup = Startup()
+        startup.stage("checks", CHECKS)
     if starts_local_ray(cfg):  # before anything is written: not after the placement wait
         check_local_capacity(cfg)
+    cfg = adapter_start(cfg)
+    cfg = absolute_data_paths(cfg)
     data_path = resolve_data(cfg)
     cfg = absolute_model_path(cfg)
     if cfg.train.save_final:
@@ -369,6 +454,7 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None) -> tuple[dic
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2, by_alias=True))
     quiet_logs()
     started_ray = not ray.is_initialized()
+    startup.stage("ray", ray_words(cfg.cluster.address or os.environ.get("RAY_ADDRESS", ""), started_ray))
     if started_ray:
         try:
             _check_reachable(cfg.cluster.address)
@@ -394,11 +480,34 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None) -> tuple[dic
                           resume=(resume.manifest.get("mlflow_run_id"), resume.step) if resume is not None else None)
     try:
         controller = Controller(cfg, data_path, str(run_dir), tracker, progress=progress, checkpoints=checkpoints,
-                                factory=factory, spec=spec)
+                                factory=factory, spec=spec, startup=startup)
         return controller.fit(), controller.history.rows
     finally:
         if started_ray:
-            ray.shutdown()
+            shutdown_ray()
+
+
+def shutdown_ray() -> None:
+    """ray.shutdown(), whole: a Ctrl-C then is ignored, as the run has ended (or is ending) and
+    nothing is left to stop, and a Ray shut down halfway would get in the way of the next run in
+    this process."""
+    if threading.current_thread() is not threading.main_thread():
+        ray.shutdown()
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        ray.shutdown()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def ray_words(address: str, connects: bool) -> str:
+    """The start-up's line for Ray: which one the run starts, joins or finds."""
+    if not connects:
+        return "using the Ray this process is connected to"
+    if not address:
+        return "starting a local Ray"
+    return "joining the Ray cluster " + ("this machine is part of" if address == "auto" else f"at {address}")
 
 
 def vocab_note(cfg: RootConfig, built) -> str | None:

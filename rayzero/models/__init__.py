@@ -6,7 +6,17 @@ from __future__ import annotations
 from typing import Callable
 
 from rayzero.models.config import PRESETS, ModelConfig
-from rayzero.models.spec import ModelError, ModelSpec, ModelUnavailable
+from rayzero.models.errors import ModelError, ModelUnavailable
+
+
+def __getattr__(name: str):
+    # The seam itself imports torch: loaded on first use, so that reading a config (`rayzero
+    # --help`, a config error) does not pay torch's second of imports.
+    if name == "ModelSpec":
+        from rayzero.models.spec import ModelSpec
+
+        return ModelSpec
+    raise AttributeError(f"module 'rayzero.models' has no attribute {name!r}")
 
 
 def model_spec(cfg: ModelConfig, *, seed: int, block_size: int, storage_cfg=None,

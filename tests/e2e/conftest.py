@@ -3,9 +3,9 @@ loopback, with token authentication, as `ray start` makes one), the CLI as a use
 MLflow server, and a check after every test that used the cluster that it left nothing there.
 
 Every run here joins that one head (`cluster.address=…`, or `RAY_ADDRESS` in the CLI's
-environment, as `ray job submit` gives a job); only the tests of starting Ray itself
-(`rayzero train` with no address, the notebook's `fit()`) and the elastic test (a 2-node
-cluster it takes nodes from) start a Ray of their own."""
+environment, as `ray job submit` gives a job); only the test of starting Ray itself
+(`rayzero train` with no address) and the elastic test (a 2-node cluster it takes nodes from)
+start a Ray of their own."""
 
 import json
 import os

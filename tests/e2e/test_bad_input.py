@@ -7,7 +7,7 @@ message on stderr as a shell sees them."""
 import pytest
 
 from rayzero.data.tokens import prepare
-from tests.conftest import cli_in_process
+from tests.conftest import cli_in_process, without_startup
 from tests.e2e.conftest import run_cli
 from tests.models import save_hf_model
 
@@ -57,6 +57,7 @@ def test_bad_input_is_one_clear_message(tmp_path, small_dataset, capsys, monkeyp
     args = [a.replace("DATA", small_dataset) for a in args]
     code, _, err = cli_in_process(capsys, monkeypatch, tmp_path, "train", *args)
     assert code == 2, err
+    err = without_startup(err)
     assert expected in err and err.startswith("rayzero: error: ")
     assert not (tmp_path / "runs").exists() or "cluster.address" in expected
 
@@ -163,6 +164,7 @@ def test_a_bad_model_is_one_clear_message(model_dirs, small_dataset, capsys, mon
     code, _, err = cli_in_process(capsys, monkeypatch, model_dirs["root"], "train", "train.seq_len=32", *args,
                                   f"data.path={small_dataset}")
     assert code == 2, err
+    err = without_startup(err)
     assert expected.replace("ROOT", root) in err and err.startswith("rayzero: error: ")
     assert not (model_dirs["root"] / "runs").exists()
 
@@ -183,6 +185,7 @@ def test_save_final_will_not_replace_another_models_export(tmp_path, small_datas
     args = ["train", f"data.path={small_dataset}", f"train.save_final={final}", "train.steps=1"]
     code, _, err = cli_in_process(capsys, monkeypatch, tmp_path, *args)
     assert code == 2 and not ray.is_initialized()
+    err = without_startup(err)
     assert err.startswith(f"rayzero: error: train.save_final: {final}: it already holds an export of hf model "
                           "/models/other (config 0123456789abcdef), and this run trains gpt model (no source)")
     assert "set train.overwrite_final=true to replace it" in err and not (tmp_path / "runs").exists()

@@ -20,6 +20,22 @@ FAST = ["model.n_layer=2", "model.n_embd=64", "model.n_head=4", "train.seq_len=6
         "train.global_batch_size=8", "train.micro_batch_size=2"]
 
 
+def startup_said(err: str) -> list[str]:
+    """The start-up's status lines in the order said, each without its time and its
+    parenthesis; the times must not go backwards."""
+    import re
+
+    said = [m.groups() for m in re.finditer(r"^rayzero: \[ *(\d+\.\d)s\] (.*)$", err, re.MULTILINE)]
+    times = [float(t) for t, _ in said]
+    assert times == sorted(times) and times[0] < 1.0, said
+    return [text.split(" (")[0] for _, text in said]
+
+
+def startup_stages(ray_line: str, world: int, steps: int) -> list[str]:
+    return ["checking the config, the data and the model", ray_line, f"placing {world} ranks",
+            "building and sharding the model on the ranks", "compiling the iteration", f"training {steps} steps"]
+
+
 def local_ray_sessions() -> set[Path]:
     """The session folders of the Ray instances started on this machine with the default
     temporary folder (the session's cluster keeps its own)."""
@@ -51,6 +67,8 @@ def test_train_on_a_local_ray_with_defaults(tmp_path, small_dataset):
     r = run_cli("train", f"train.steps={steps}", f"data.path={small_dataset}", f"train.save_final={weights}",
                 "optim.warmup_steps=2", *FAST, "--summary-json", str(summary_path), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert startup_said(r.stderr) == startup_stages("starting a local Ray", 2, steps)
+    assert "building and sharding the model on the ranks (initial values, seed 0)" in r.stderr
     assert len(local_ray_sessions() - sessions) == 1, "the CLI started a Ray of its own"
     deadline = time.monotonic() + 10
     while gcs_servers() - running and time.monotonic() < deadline:
@@ -149,6 +167,13 @@ def test_sharded_strategies_train_through_ray_and_report_their_memory(tmp_path, 
     code, out, err, s = train_here(f"cluster.num_workers={world}", f"data.path={small_dataset}", "train.steps=6",
                                    f"train.save_final={weights}", *FAST, *extra)
     assert code == 0, err[-3000:]
+    # One line per start-up stage as it begins (--no-progress keeps them), then each stage's time.
+    ray_line = startup_said(err)[1]
+    assert ray_line in (f"joining the Ray cluster at {ray_cluster}", "using the Ray this process is connected to")
+    assert startup_said(err) == startup_stages(ray_line, world, 6)
+    assert set(s["startup"]) == {"checks_s", "ray_s", "placement_s", "build_s", "compile_s", "first_step_s", "total_s"}
+    assert sum(v for k, v in s["startup"].items() if k != "total_s") == pytest.approx(s["startup"]["total_s"], abs=0.01)
+    assert f"first step done {s['startup']['total_s']:.1f} s after the start (checks " in out
     assert s["final_loss"] < s["first_loss"] and s["world_size"] == world
     mem = s["memory"]
     assert set(mem["bytes_per_param"]) == {"compute_params", "main_params", "optimizer", "grads", "frozen_params",
@@ -211,3 +236,49 @@ def test_ctrl_c_stops_after_the_iteration_with_one_line_and_exit_130(tmp_path, r
     assert last == f"rayzero: stopped at step {step}; last checkpoint {newest}; run the same command again to resume"
     assert int(newest.name[5:]) <= step + 1 < 2000
     assert leftovers(ray_cluster) == ([], [])
+
+
+def test_ctrl_c_then_the_command_again_keeps_one_mlflow_point_per_step(tmp_path, small_dataset, train_here,
+                                                                      monkeypatch):
+    """Ctrl-C as step 4 is logged stops the run at step 5; the same command again resumes from
+    the last commit (step 4's at the latest) in the same MLflow run, and the steps it trains
+    again replace their first points: one point per step, the latest value the last step's. A
+    Ctrl-C during that run's last act (MLflow's final flush, after every step and the final
+    commit) lets it finish: the summary printed and written, the MLflow run FINISHED, and one
+    line saying so."""
+    import os
+    import signal
+
+    from rayzero.cluster.tracking import Tracker
+
+    args = [f"data.path={small_dataset}", *FAST, "cluster.num_workers=1", "train.steps=8",
+            "checkpoint.every_steps=2", f"train.output_dir={tmp_path / 'runs'}"]
+    log_metrics, finish = Tracker.log_metrics, Tracker.finish
+
+    def ctrl_c_as_step_4_is_logged(self, step, metrics):
+        log_metrics(self, step, metrics)
+        if step == 4:
+            os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C sends
+
+    monkeypatch.setattr(Tracker, "log_metrics", ctrl_c_as_step_4_is_logged)
+    code, _, err, _ = train_here(*args)
+    assert code == 130 and "rayzero: stopped at step 5; last checkpoint " in err, err[-3000:]
+    monkeypatch.setattr(Tracker, "log_metrics", log_metrics)
+
+    def ctrl_c_in_the_final_flush(self, status="FINISHED"):
+        os.kill(os.getpid(), signal.SIGINT)
+        finish(self, status)
+
+    monkeypatch.setattr(Tracker, "finish", ctrl_c_in_the_final_flush)
+    code, out, err, s = train_here(*args)
+    assert code == 0, err[-3000:]
+    assert "rayzero: stopped" not in err
+    assert "interrupted after the last step: the run finished and saved everything" in err
+    assert f"trained {8 - s['start_step']} steps (resumed at step {s['start_step']})" in out
+    assert s["start_step"] <= 4, "steps logged before the stop are trained again"
+    assert s["checkpoint"].endswith("step-000008")
+    client = MlflowClient(s["mlflow_tracking_uri"])
+    loss = client.get_metric_history(s["mlflow_run_id"], "loss")
+    assert sorted(m.step for m in loss) == list(range(8))
+    run = client.get_run(s["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and run.data.metrics["loss"] == pytest.approx(s["final_loss"])

@@ -132,6 +132,8 @@ def test_killed_ranks_are_replaced_and_the_result_is_bitwise_the_same(tmp_path, 
     for n in (1, 2):
         assert "died" in run.data.tags[f"failure.{n}"] and "-> restart at 2 ranks" in run.data.tags[f"failure.{n}"]
     assert run.info.status == "FINISHED"
+    # The steps trained again after each restart replaced their first points: one a step.
+    assert sorted(m.step for m in client.get_metric_history(s["mlflow_run_id"], "loss")) == list(range(STEPS))
     assert leftovers(ray_cluster) == ([], [])
 
 
@@ -185,7 +187,7 @@ class NullTracker:
     spilled_to = None
 
     def __init__(self):
-        self.metrics, self.tags, self.tag_updates = {}, {}, []
+        self.metrics, self.tags, self.tag_updates, self.rewinds = {}, {}, [], []
 
     def log_metrics(self, step, metrics):
         self.metrics.setdefault(step, {}).update(metrics)
@@ -193,6 +195,9 @@ class NullTracker:
     def set_tags(self, tags):
         self.tags.update(tags)
         self.tag_updates.append(dict(tags))
+
+    def rewind(self, step, metrics, tags=()):
+        self.rewinds.append(step)
 
     def finish(self, status="FINISHED"):
         self.status = status
@@ -237,6 +242,7 @@ def test_a_rank_killed_during_an_upload_then_a_hung_rank_both_resume(tmp_path, r
     # hang, from step 40's, which the second group made.
     resumed = [t["resumed_from"] for t in controller.tracker.tag_updates if "resumed_from" in t]
     assert [r.rpartition("/")[2] for r in resumed] == ["step-000020", "step-000040"]
+    assert controller.tracker.rewinds == [20, 40], "the steps trained again supersede their first points"
     assert weights_equal(tmp_path / "final.safetensors", reference.weights)
     assert leftovers(ray_cluster) == ([], [])
 

@@ -61,6 +61,28 @@ def test_params_metrics_tags_and_config_arrive_and_link_the_checkpoint(tmp_path,
     assert "does not answer" not in err
 
 
+def test_a_rewind_on_a_tracking_server_keeps_the_points_and_says_so_in_a_tag(mlflow_server, caplog):
+    """A tracking server has no API to delete points: those of the steps trained again stay, a
+    `rewound_at_step_N` tag says which, the run warns once, and an early stop among them goes."""
+    from rayzero.cluster.tracking import Tracker
+
+    t = Tracker(mlflow_server.uri, "e2e-rewind", "", {}, {})
+    for step in range(4):
+        t.log_metrics(step, {"loss": float(step)})
+    t.set_tags({"stopped_early": "after step 3"})
+    t.rewind(2, ["loss"], tags=["stopped_early"])
+    t.log_metrics(2, {"loss": 20.0})
+    t.rewind(2, ["loss"])  # a second restart from the same commit
+    t.finish()
+    client = MlflowClient(mlflow_server.uri)
+    run = client.get_run(t.run_id)
+    assert sorted(m.step for m in client.get_metric_history(t.run_id, "loss")) == [0, 1, 2, 2, 3]
+    tag = run.data.tags["rewound_at_step_2"]
+    assert tag.startswith("points for steps >= 2 logged before ") and "were trained again" in tag
+    assert "stopped_early" not in run.data.tags and run.info.status == "FINISHED"
+    assert caplog.text.count("cannot delete metric points") == 1
+
+
 def test_a_tracking_server_down_at_the_start_and_frozen_later_loses_nothing(tmp_path, server, train):
     """The server is not up when training starts (the run warns once and goes on), comes up
     some seconds in, is frozen (SIGSTOP: it accepts connections and never answers) for a while,

@@ -1,6 +1,7 @@
 """The Python SDK and the quickstart notebook, on real Ray."""
 
 import os
+import re
 import signal
 import threading
 import time
@@ -50,6 +51,8 @@ def test_fit_returns_a_result_and_runs_twice_in_one_process(tmp_path, ray_cluste
     second = Trainer(cfg, ["train.steps=20"], progress=False).fit()
     err = capfd.readouterr().err
     assert f"rayzero: resuming from {first.checkpoint} at step 12 of 20" in err
+    assert f"] resuming from checkpoint {first.checkpoint} (step 12)" in err  # a start-up line, from Python too
+    assert "] training 8 steps from step 12" in err and second.summary["startup"]["total_s"] > 0
     assert "runs past the learning-rate schedule this run started with (12 steps)" in err
     assert second.metrics["start_step"] == 12 and second.metrics["steps"] == 8
     assert list(second.history.index) == list(range(20))
@@ -98,15 +101,22 @@ def test_an_interrupt_stops_cleanly_and_keeps_the_last_commit(tmp_path, ray_clus
     assert [r.info.status for r in runs] == ["KILLED"]
 
 
-def test_the_quickstart_notebook_runs_headless(tmp_path):
+def test_the_quickstart_notebook_runs_headless(tmp_path, ray_cluster, monkeypatch):
+    """The notebook's `fit()` joins the session's cluster (RAY_ADDRESS in the kernel's
+    environment), as in a notebook on a cluster's head node; starting a local Ray of its own is
+    the code path of `rayzero train` with no address, which test_cli.py runs."""
     nbformat = pytest.importorskip("nbformat")
     from nbclient import NotebookClient
 
+    monkeypatch.setenv("RAY_ADDRESS", ray_cluster)  # the kernel inherits it
     nb = nbformat.read(ROOT / "examples" / "quickstart.ipynb", as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "loss on a line of Python" in text and "sample: " in text
+    # The start-up's lines appear under the cell as each stage begins (stderr, as in a terminal).
+    said = re.findall(r"^rayzero: \[ *[\d.]+s\] (.*)$", text, re.M)
+    assert said[0] == "checking the config, the data and the model" and said[-1].startswith("training "), said
     assert any("image/png" in o.get("data", {}) for o in outputs), "the plot is drawn"
     assert (tmp_path / "runs" / "quickstart" / "checkpoints" / "step-000060" / "manifest.json").exists()

@@ -203,12 +203,14 @@ def test_a_given_up_run_exits_1_with_the_cause(monkeypatch, capsys):
     from rayzero.cluster.failure import TrainingFailed
     from rayzero.jobs import cli, train
 
-    def fails(cfg, progress):
+    def fails(cfg, progress, startup):
         raise TrainingFailed("training stopped after 3 restarts (…): rank 1 died at step 9 (last seen in phase step)")
 
     monkeypatch.setattr(train, "run_train", fails)
     assert cli.main(["train", "train.steps=2"]) == 1
-    assert capsys.readouterr().err.startswith("rayzero: training failed: training stopped after 3 restarts")
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].endswith("] checking the config, the data and the model")  # the start-up's first line
+    assert err[1].startswith("rayzero: training failed: training stopped after 3 restarts")
 
 
 # -- diagnose: who failed, where --------------------------------------------------------

@@ -166,3 +166,26 @@ def test_checker_sees_imports_including_relative_and_nested(tmp_path, monkeypatc
 def test_checker_finds_the_known_ray_imports_of_the_cluster_layer():
     assert violations("cluster", ["ray"]) != []
     assert violations("workers", ["ray"]) != []
+
+
+# `rayzero --help` and a config error must answer at once: no torch, no Ray behind the CLI's
+# module or the config (torch alone is a second of imports). Checked in a fresh interpreter.
+
+@pytest.mark.parametrize("module", ["rayzero.jobs.cli", "rayzero.config", "rayzero"])
+def test_cli_and_config_import_without_torch_or_ray(module):
+    import subprocess
+
+    code = (f"import sys, {module}; "
+            "print(sorted(m for m in ('torch', 'ray', 'pyarrow') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_a_config_error_imports_neither_torch_nor_ray():
+    import subprocess
+
+    code = ("import sys; from rayzero.jobs.cli import main; rc = main(['train', 'sharding.strategy=nope']); "
+            "print(rc, 'torch' in sys.modules, 'ray' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.split() == ["2", "False", "False"]
+    assert "sharding.strategy" in run.stderr

@@ -432,3 +432,14 @@ def test_data_epochs_end_the_run_when_they_come_first(tmp_path):
     text = prepare(write_docs(tmp_path / "src"), str(tmp_path / "text"))
     steps = steps_in_epochs(cfg.override("data.epochs=1"), str(tmp_path / "text"))
     assert steps == -(-text["num_tokens"] // (4 * 31))
+
+
+def test_relative_data_paths_are_made_absolute_for_ranks_in_another_directory(tmp_path, monkeypatch):
+    """Ranks on a cluster started elsewhere read `data.path` and `data.val_path` where the driver
+    found them (the README's `data.path=data/notes` on a running cluster)."""
+    from rayzero.jobs.train import absolute_data_paths
+
+    monkeypatch.chdir(tmp_path)
+    cfg = absolute_data_paths(load_config(None, ["data.path=data/notes", "data.val_path=s3://bucket/val"]))
+    assert cfg.data.path == str(tmp_path / "data" / "notes") and cfg.data.val_path == "s3://bucket/val"
+    assert absolute_data_paths(load_config(None, [])).data.path == ""  # the default corpus

@@ -35,8 +35,49 @@ def test_a_server_that_never_answers_costs_no_more_than_the_flush_timeout(tmp_pa
     t = Tracker(uri, "unit", "", {}, {}, spill_path=str(tmp_path / "unsent.json"), flush_timeout_s=0.5)
     for step in range(5):
         t.log_metrics(step, {"loss": float(step)})
+    t.rewind(3, ["loss"])  # steps 3 and 4 trained again: one point per step in the file too
+    t.log_metrics(3, {"loss": 30.0})
     t.finish("FINISHED")
     assert t.run_id is None and t.spilled_to == str(tmp_path / "unsent.json")
     kept = json.loads((tmp_path / "unsent.json").read_text())
-    assert kept["tracking_uri"] == uri and [m["step"] for m in kept["metrics"]] == [0, 1, 2, 3, 4]
+    assert kept["tracking_uri"] == uri
+    assert [(m["step"], m["value"]) for m in kept["metrics"]] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 30.0)]
+    assert [r["step"] for r in kept["rewinds"]] == [3]
     assert f"MLflow at {uri} does not answer" in caplog.text and "Check tracking.uri" in caplog.text
+
+
+def test_a_rewind_leaves_one_point_per_step_and_the_latest_values_right(tmp_path):
+    """Steps 0..5 logged (and the baseline at -1, and a restart at 5), then training goes back to
+    step 3 and trains 3 and 4 again: the store holds each step once, the later values, and the
+    run's latest values are step 4's, not the superseded step 5's; `restarts`, not named, stays,
+    and so does the baseline. A later run going on from the same run back to step 0 takes the
+    baseline too, and a key left with no point has no latest value."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    t = Tracker(uri, "unit", "run-r", {}, {})
+    t.log_metrics(-1, {"val_loss": 9.0})
+    for step in range(6):
+        t.log_metrics(step, {"loss": float(step), "lr": 0.1})
+    t.log_metrics(5, {"restarts": 1.0})
+    t.set_tags({"stopped_early": "after step 5", "strategy": "optim"})
+    t.rewind(3, ["loss", "lr"], tags=["stopped_early"])
+    for step in (3, 4):
+        t.log_metrics(step, {"loss": 10.0 + step, "lr": 0.2})
+    t.finish("KILLED")
+    client = MlflowClient(uri)
+    points = {k: sorted((m.step, m.value) for m in client.get_metric_history(t.run_id, k))
+              for k in ("loss", "lr", "restarts", "val_loss")}
+    assert points == {"loss": [(0, 0.0), (1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0)],
+                      "lr": [(0, 0.1), (1, 0.1), (2, 0.1), (3, 0.2), (4, 0.2)],
+                      "restarts": [(5, 1.0)], "val_loss": [(-1, 9.0)]}
+    run = client.get_run(t.run_id)
+    assert run.data.metrics == {"loss": 14.0, "lr": 0.2, "restarts": 1.0, "val_loss": 9.0}
+    assert "stopped_early" not in run.data.tags and run.data.tags["strategy"] == "optim"
+
+    again = Tracker(uri, "unit", "run-r", {}, {}, resume=(t.run_id, 0))
+    again.rewind(0, ["loss", "lr", "val_loss"], tags=["stopped_early"])
+    again.log_metrics(0, {"loss": 20.0})
+    again.finish("FINISHED")
+    assert again.run_id == t.run_id
+    assert [(m.step, m.value) for m in client.get_metric_history(t.run_id, "loss")] == [(0, 20.0)]
+    assert client.get_metric_history(t.run_id, "val_loss") == [] == client.get_metric_history(t.run_id, "lr")
+    assert client.get_run(t.run_id).data.metrics == {"loss": 20.0, "restarts": 1.0}

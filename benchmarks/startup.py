@@ -1,0 +1,234 @@
+"""The first minute: time to the first completed step of `rayzero train` against torchrun.
+
+One run, in rounds (default 3), each round all of:
+  1. `rayzero train train.steps=1 --no-progress` as a user's first command: the CLI in a
+     process of its own, starting a local Ray of its own (no RAY_ADDRESS), the default model
+     (`tiny`) and data (the stdlib corpus, prepared before the first round: its first-use
+     preparation is not timed), MLflow and checkpoints on, as the defaults have them;
+  2. the same joining a Ray that is already running (`ray start --head`, started once before
+     the rounds, as on a cluster or under `ray job submit`): Ray's own start left out;
+  3. the same as 2 with `tracking.enabled=false`: MLflow's share left out as well;
+  4. `torchrun --standalone --nproc_per_node 2 benchmarks/torchrun_first_step.py`: the same
+     GPT, batch and world size, DDP over gloo, one step.
+Before the rounds, one untimed run of each (the page cache, the compiled bytecode).
+
+Reported per variant, the median over rounds: the time from the command's launch to its first
+status line (rayzero) and to the end of its first step, split by stage (rayzero: its status
+lines' stages, from `--summary-json`'s `startup`; torchrun: the launcher, imports, process
+group, model, step), and each rayzero variant's ratio to torchrun. For where the rest goes,
+costs measured alone on this machine, each in a fresh interpreter: `import torch`, the driver's
+imports (`rayzero.jobs.train`: torch, Ray), a rank's (`rayzero.workers.actor`), `ray.init()` of
+a local Ray (Ray's own start: GCS, raylet, dashboard and agents), MLflow's start in the driver
+(its import and a new sqlite store), and `rayzero --help`.
+Targets: the first status line within 1 s; the first step within 1.5x torchrun's.
+
+    python benchmarks/startup.py [--rounds 3] [--json PATH] [key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+BIN = Path(sys.executable).parent
+WORLD = 2
+
+
+def lines_of(cmd: list[str], cwd: Path, env: dict) -> tuple[float, list[tuple[float, str]], int]:
+    """Run `cmd`; (its launch wall-clock time, each output line with the seconds after the
+    launch it arrived, the exit code)."""
+    launch = time.time()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            bufsize=1)
+    out = [(time.time() - launch, line.rstrip("\n")) for line in proc.stdout]
+    return launch, out, proc.wait()
+
+
+class Failed(RuntimeError):
+    pass
+
+
+def again(run, *args, tries: int = 3) -> dict:
+    """`run(*args)`, run again (saying so) if it fails: on a shared machine another user's
+    `ray stop --force` kills every local Ray, a run's among them."""
+    for i in range(tries):
+        try:
+            return run(*args)
+        except Failed as e:
+            if i + 1 == tries:
+                raise SystemExit(str(e)) from None
+            print(f"{run.__name__} failed ({str(e).splitlines()[-1][:120]}); running it again", flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_head(env: dict) -> tuple[str, Path]:
+    """A Ray head on loopback with this machine's CPUs (`ray start --head`), as a cluster has
+    one running before a job: (its address, its temporary folder)."""
+    temp = Path(tempfile.mkdtemp(prefix="rayzero-startup-ray-"))
+    port = free_port()
+    # Token authentication, as the README starts a cluster: a token is made only if none exists.
+    subprocess.run([str(BIN / "ray"), "get-auth-token", "--generate"], env=env, check=True, capture_output=True,
+                   timeout=60)
+    subprocess.run([str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
+                    f"--num-cpus={os.cpu_count()}", "--include-dashboard=false", "--disable-usage-stats",
+                    f"--temp-dir={temp}"], env=env, check=True, capture_output=True, timeout=180)
+    return f"127.0.0.1:{port}", temp
+
+
+def rayzero_round(overrides: list[str], env: dict) -> dict:
+    tmp = Path(tempfile.mkdtemp(prefix="rayzero-startup-"))
+    cmd = [str(BIN / "rayzero"), "train", "train.steps=1", f"train.output_dir={tmp / 'runs'}", "--no-progress",
+           "--summary-json", str(tmp / "s.json"), *overrides]
+    _, out, code = lines_of(cmd, tmp, env)
+    if code != 0:
+        raise Failed("rayzero train failed:\n" + "\n".join(line for _, line in out[-30:]))
+    status = [(t, line) for t, line in out if line.startswith("rayzero: [")]
+    first_at, first = status[0]
+    said = float(first.split("[", 1)[1].split("s]", 1)[0])  # the line's own clock (0.0: its start)
+    stages = json.loads((tmp / "s.json").read_text())["startup"]
+    return {"first_line_s": first_at, "first_step_s": first_at - said + stages.pop("total_s"),
+            "exit_s": out[-1][0] if out else None, "stages": stages, "lines": [line for _, line in status]}
+
+
+def torchrun_round(overrides: list[str], env: dict) -> dict:
+    cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={WORLD}", str(HERE / "torchrun_first_step.py"),
+           *overrides]
+    launch, out, code = lines_of(cmd, HERE, {**env, "OMP_NUM_THREADS": "1"})
+    found = [json.loads(line) for _, line in out if line.startswith("{")]
+    if code != 0 or not found:
+        raise Failed("torchrun failed:\n" + "\n".join(line for _, line in out[-30:]))
+    s = found[0]["stamps"]
+    stages = {"launcher_s": s["began"] - launch, "imports_s": s["imported"] - s["began"],
+              "process_group_s": s["process_group"] - s["imported"], "model_s": s["model"] - s["process_group"],
+              "first_step_s": s["first_step"] - s["model"]}
+    return {"first_step_s": s["first_step"] - launch, "stages": stages}
+
+
+def seconds(cmd: list[str], env: dict) -> float:
+    began = time.time()
+    subprocess.run(cmd, env=env, check=True, capture_output=True)
+    return time.time() - began
+
+
+def median_stages(rows: list[dict]) -> dict:
+    keys = list(dict.fromkeys(k for r in rows for k in r["stages"]))
+    return {k: statistics.median(r["stages"].get(k, 0.0) for r in rows) for k in keys}
+
+
+VARIANTS = {  # name: (what it is, whether it joins the running head, extra overrides)
+    "local": ("rayzero, starting a local Ray", False, []),
+    "join": ("rayzero, joining a running Ray", True, []),
+    "join_no_mlflow": ("rayzero, joining a running Ray, tracking.enabled=false", True, ["tracking.enabled=false"]),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("overrides", nargs="*", help="config overrides for both (key=value)")
+    args = ap.parse_args()
+    overrides = [f"cluster.num_workers={WORLD}", *args.overrides]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a local Ray of its own
+    from rayzero.config import load_config
+    from rayzero.data.corpus import ensure_default_corpus
+
+    ensure_default_corpus(load_config(None, overrides).data.cache_dir)
+    ours: dict[str, list[dict]] = {name: [] for name in VARIANTS}
+    theirs: list[dict] = []
+
+    def one_round(count: bool) -> None:
+        # The local one first, while no head runs: ray.init() would join a head started here.
+        ours_now = {"local": again(rayzero_round, overrides, env)}
+        token_env = {**env, "RAY_AUTH_MODE": "token"}
+        address, _ = start_head(token_env)
+        try:
+            joined = {**token_env, "RAY_ADDRESS": address}
+            for name, (_, joins, extra) in VARIANTS.items():
+                if joins:
+                    ours_now[name] = again(rayzero_round, [*overrides, *extra], joined)
+        finally:
+            subprocess.run([str(BIN / "ray"), "stop", "--force"], env=token_env, capture_output=True, timeout=180)
+        torchrun = again(torchrun_round, overrides, env)
+        if count:
+            for name, row in ours_now.items():
+                ours[name].append(row)
+            theirs.append(torchrun)
+            print("round " + str(len(theirs)) + ": " + ", ".join(
+                f"{name} first step {row['first_step_s']:.2f} s" for name, row in ours_now.items())
+                + f"; torchrun {torchrun['first_step_s']:.2f} s", flush=True)
+
+    one_round(count=False)  # warm-up, not counted
+    for _ in range(args.rounds):
+        one_round(count=True)
+    alone = {
+        "import_torch_s": seconds([sys.executable, "-c", "import torch"], env),
+        "import_driver_s": seconds([sys.executable, "-c", "import rayzero.jobs.train"], env),
+        "import_rank_s": seconds([sys.executable, "-c", "import rayzero.workers.actor"], env),
+        "ray_init_s": seconds([sys.executable, "-c", "import ray; ray.init(logging_level='ERROR'); ray.shutdown()"],
+                              env) - seconds([sys.executable, "-c", "import ray"], env),
+        "mlflow_start_s": seconds([sys.executable, "-c", MLFLOW_START.format(
+            uri=f"sqlite:///{tempfile.mkdtemp(prefix='rayzero-startup-mlflow-')}/mlflow.db")], env),
+        "cli_help_s": seconds([str(BIN / "rayzero"), "--help"], env),
+    }
+    torchrun_s = statistics.median(r["first_step_s"] for r in theirs)
+    med = {"torchrun_first_step_s": torchrun_s}
+    for name, rows in ours.items():
+        med[f"{name}_first_line_s"] = statistics.median(r["first_line_s"] for r in rows)
+        med[f"{name}_first_step_s"] = statistics.median(r["first_step_s"] for r in rows)
+        med[f"{name}_ratio"] = med[f"{name}_first_step_s"] / torchrun_s
+    print("\nrayzero's status lines (last round, starting a local Ray):\n"
+          + "\n".join(f"  {line}" for line in ours["local"][-1]["lines"]))
+    print(f"\nmedian of {args.rounds} rounds, {WORLD} ranks, gloo, one step ({' '.join(overrides)}), seconds:")
+    names = list(VARIANTS)
+    print("| stage | " + " | ".join(VARIANTS[n][0] for n in names) + " |")
+    print("|---|" + "---|" * len(names))
+    print("| launch to the first status line | "
+          + " | ".join(f"{med[f'{n}_first_line_s']:.2f}" for n in names) + " |")
+    stages = {n: median_stages(ours[n]) for n in names}
+    for key in dict.fromkeys(k for n in names for k in stages[n]):
+        print(f"| {key[:-2].replace('_', ' ')} | " + " | ".join(f"{stages[n].get(key, 0.0):.2f}" for n in names) + " |")
+    print("| **launch to the first step's end** | "
+          + " | ".join(f"**{med[f'{n}_first_step_s']:.2f}**" for n in names) + " |")
+    print("| **ratio to torchrun** | " + " | ".join(f"**{med[f'{n}_ratio']:.2f}x**" for n in names) + " |")
+    print("\n| torchrun stage | seconds |\n|---|---|")
+    for k, v in median_stages(theirs).items():
+        print(f"| {k[:-2].replace('_', ' ')} | {v:.2f} |")
+    print(f"| **launch to the first step's end** | **{torchrun_s:.2f}** |")
+    print("\n| alone, in a fresh interpreter | seconds |\n|---|---|")
+    for k, v in alone.items():
+        print(f"| {ALONE[k]} | {v:.2f} |")
+    first_line = max(med[f"{n}_first_line_s"] for n in names)
+    print(f"\nfirst status line <= 1 s: {'yes' if first_line <= 1 else 'NO'} (at most {first_line:.2f} s); "
+          "first step <= 1.5x torchrun's: " + ", ".join(
+              f"{n} {'yes' if med[f'{n}_ratio'] <= 1.5 else 'NO'} ({med[f'{n}_ratio']:.2f}x)" for n in names))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"median": med, "alone": alone, "rayzero": ours, "torchrun": theirs},
+                                              indent=2))
+
+
+MLFLOW_START = ("from mlflow.tracking import MlflowClient; c = MlflowClient(tracking_uri={uri!r}); "
+                "c.create_run(c.create_experiment('startup'))")
+ALONE = {"import_torch_s": "python -c 'import torch'", "import_driver_s": "the driver's imports (rayzero.jobs.train)",
+         "import_rank_s": "a rank's imports (rayzero.workers.actor)",
+         "ray_init_s": "ray.init() of a local Ray, less `import ray`",
+         "mlflow_start_s": "MLflow's start in the driver: import, a new sqlite store, a run",
+         "cli_help_s": "rayzero --help"}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""The start-up's status lines: one per stage as it begins, its time since the start, and each
+stage's seconds once the first step is done."""
+
+import io
+import re
+
+from rayzero.cluster.startup import Startup
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_each_stage_is_one_line_with_its_time_and_the_stages_add_up_to_the_first_step(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr("rayzero.cluster.startup.time.monotonic", clock)
+    out = io.StringIO()
+    s = Startup(out)
+    for key, seconds in (("checks", 0.5), ("ray", 3.0), ("placement", 1.25), ("first_step", 0.75)):
+        s.stage(key, f"{key} begins")
+        clock.now += seconds
+    assert s.timings() == {}, "nothing to time before the first step"
+    s.first_step()
+    clock.now += 60
+    s.first_step()  # the steps after it change nothing
+    s.stage("placement", "placing again")  # a restart's rebuild: said, not timed
+    lines = out.getvalue().splitlines()
+    assert lines[:2] == ["rayzero: [   0.0s] checks begins", "rayzero: [   0.5s] ray begins"]
+    assert lines[-1] == "rayzero: [  65.5s] placing again"
+    assert all(re.fullmatch(r"rayzero: \[ *\d+\.\ds\] .+", line) for line in lines)
+    assert s.timings() == {"checks_s": 0.5, "ray_s": 3.0, "placement_s": 1.25, "first_step_s": 0.75, "total_s": 5.5}
