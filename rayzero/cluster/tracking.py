@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import queue
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -66,16 +67,14 @@ class Tracker:
         return self._run_id
 
     # -- what the controller calls: never blocks on the server -------------------------
+    # The queue holds plain values: MLflow is imported by the thread alone (an import of it here,
+    # while the thread imports it, can find its modules half made).
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        from mlflow.entities import Metric
-
         ts = int(time.time() * 1000)
-        self._queue.put(("metrics", [Metric(k, float(v), ts, step) for k, v in metrics.items()]))
+        self._queue.put(("metrics", [(k, float(v), ts, step) for k, v in metrics.items()]))
 
     def set_tags(self, tags: dict) -> None:
-        from mlflow.entities import RunTag
-
-        self._queue.put(("tags", [RunTag(k, str(v)) for k, v in tags.items()]))
+        self._queue.put(("tags", {k: str(v) for k, v in tags.items()}))
 
     def rewind(self, step: int, metrics: list[str], tags: list[str] = ()) -> None:
         """Training went back to `step` and trains the steps from it again: the points of
@@ -131,9 +130,12 @@ class Tracker:
         """Send from the front of the pending ops, dropping each once the server has taken it,
         so a failure leaves exactly the unsent rest (the failed one first) for the retry.
         Consecutive metrics go in one call, within MLflow's limit. True once the run is ended."""
+        from mlflow.entities import Metric
+
         if self.client is None:
             from mlflow.tracking import MlflowClient
 
+            seed_sqlite_store(self.uri)
             self.client = MlflowClient(tracking_uri=self.uri)
         ops = self._pending
         while ops:
@@ -143,7 +145,7 @@ class Tracker:
                 while n < len(ops) and ops[n][0] == "metrics" and len(batch) + len(ops[n][1]) <= _METRIC_BATCH:
                     batch += ops[n][1]
                     n += 1
-                self.client.log_batch(self.run_id, metrics=batch)
+                self.client.log_batch(self.run_id, metrics=[Metric(*m) for m in batch])
             else:
                 self._send_one(ops[0])
             ended = ops[0][0] == "end"
@@ -153,7 +155,7 @@ class Tracker:
         return False
 
     def _send_one(self, op: tuple) -> None:
-        from mlflow.entities import Param
+        from mlflow.entities import Param, RunTag
 
         kind = op[0]
         if kind == "start":
@@ -174,7 +176,7 @@ class Tracker:
             for i in range(0, len(items), _PARAM_BATCH):
                 self.client.log_batch(self.run_id, params=items[i : i + _PARAM_BATCH])
         elif kind == "tags":
-            self.client.log_batch(self.run_id, tags=op[1])
+            self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in op[1].items()])
         elif kind == "artifact":
             self.client.log_artifact(self.run_id, op[1])
         elif kind == "rewind":
@@ -240,7 +242,7 @@ class Tracker:
         rows, rewinds = [], []
         for op in left:
             if op[0] == "metrics":
-                rows += [{"key": m.key, "value": m.value, "step": m.step, "timestamp": m.timestamp} for m in op[1]]
+                rows += [{"key": key, "value": value, "step": step, "timestamp": ts} for key, value, ts, step in op[1]]
             elif op[0] == "rewind":
                 _, step, lowest, keys, _, at_ms = op
                 rows = [r for r in rows if r["step"] < lowest or r["key"] not in keys]
@@ -260,6 +262,43 @@ class Tracker:
                 yield self._queue.get_nowait()
             except queue.Empty:
                 return
+
+
+def seed_sqlite_store(uri: str) -> None:
+    """A new sqlite store (the default, one per run directory) starts as a copy of an empty one
+    with MLflow's schema, made once per MLflow version in rayzero's cache: MLflow would run its
+    ~60 schema migrations (1.5 s of CPU) for every new run directory. The copy is what those
+    migrations make (MLflow adds its Default experiment when it opens the store, as it would);
+    anything else (an existing file, another database, the cache not writable) is left to MLflow."""
+    if not uri.startswith("sqlite:///"):
+        return
+    path = Path(uri.removeprefix("sqlite:///").split("?")[0])
+    if not path.parent.is_dir() or path.exists():
+        return
+    import mlflow
+    from mlflow.store.db.utils import _initialize_tables  # what MLflow runs on an empty database
+    from sqlalchemy import create_engine
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rayzero"
+    template = cache / f"mlflow-{mlflow.__version__}-schema.db"
+    try:
+        if not template.is_file():
+            cache.mkdir(parents=True, exist_ok=True)
+            part = cache / f".{template.name}.{os.getpid()}.{threading.get_ident()}"
+            engine = create_engine(f"sqlite:///{part}")
+            try:
+                _initialize_tables(engine)
+            finally:
+                engine.dispose()
+            os.replace(part, template)  # whole or not at all, for other runs making it at once
+        part = path.with_name(f".{path.name}.{os.getpid()}.seed")
+        shutil.copyfile(template, part)
+        try:
+            os.link(part, path)  # never over a store that appeared meanwhile
+        finally:
+            part.unlink()
+    except Exception as e:  # MLflow makes the schema itself, as without the cache
+        log.debug("no seeded MLflow store at %s: %s", path, e)
 
 
 def delete_points(engine, run_id: str, keys: list[str], lowest: int) -> None:

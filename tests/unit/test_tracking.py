@@ -81,3 +81,52 @@ def test_a_rewind_leaves_one_point_per_step_and_the_latest_values_right(tmp_path
     assert [(m.step, m.value) for m in client.get_metric_history(t.run_id, "loss")] == [(0, 20.0)]
     assert client.get_metric_history(t.run_id, "val_loss") == [] == client.get_metric_history(t.run_id, "lr")
     assert client.get_run(t.run_id).data.metrics == {"loss": 20.0, "restarts": 1.0}
+
+
+def test_calls_made_while_the_thread_imports_mlflow_all_arrive(tmp_path):
+    """In a fresh interpreter (MLflow not yet imported), metrics and tags logged at once, while
+    the thread is importing MLflow: the caller's thread never imports it (two threads importing
+    it at once find its modules half made), and everything arrives."""
+    import subprocess
+    import sys
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    code = ("import sys; from rayzero.cluster.tracking import Tracker\n"
+            f"t = Tracker({uri!r}, 'unit', 'run-i', {{}}, {{}})\n"
+            "for step in range(200):\n"
+            "    t.log_metrics(step, {'loss': float(step)}); t.set_tags({'at': step})\n"
+            "t.finish(); print(t.run_id)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "does not answer" not in run.stderr, run.stderr[-3000:]
+    run_id = run.stdout.split()[-1]
+    client = MlflowClient(uri)
+    assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == list(range(200))
+    assert client.get_run(run_id).data.tags["at"] == "199"
+
+
+def test_a_new_sqlite_store_starts_as_mlflow_would_make_it(tmp_path, monkeypatch):
+    """A new store is a copy of an empty one made once with MLflow's own migrations: the same
+    schema and version as a store MLflow makes itself, the Default experiment added by MLflow as
+    it opens it; an existing store is never touched."""
+    import sqlite3
+
+    from rayzero.cluster.tracking import seed_sqlite_store
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    seeded, own = tmp_path / "seeded.db", tmp_path / "own.db"
+    seed_sqlite_store(f"sqlite:///{seeded}")
+    assert seeded.is_file() and [p.name for p in (tmp_path / "cache" / "rayzero").iterdir()] == [
+        f"mlflow-{__import__('mlflow').__version__}-schema.db"]
+    MlflowClient(f"sqlite:///{own}").search_experiments()  # MLflow makes this one itself
+
+    def schema(path):
+        with sqlite3.connect(path) as db:
+            return (sorted(db.execute("SELECT type, name, sql FROM sqlite_master")),
+                    db.execute("SELECT version_num FROM alembic_version").fetchall())
+
+    assert schema(seeded) == schema(own)
+    experiments = {e.name: e for e in MlflowClient(f"sqlite:///{seeded}").search_experiments()}
+    assert list(experiments) == ["Default"] and experiments["Default"].experiment_id == "0"
+    before = seeded.read_bytes()
+    seed_sqlite_store(f"sqlite:///{seeded}")
+    assert seeded.read_bytes() == before
