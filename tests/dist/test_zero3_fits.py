@@ -8,11 +8,13 @@ midway on one rank never leaves another's send to it pending over freed memory) 
 `optim_grads_params` at d = 4 builds and trains, its loss falling.
 
 Two things keep the data segment an honest measure of what a rank holds: a warm-up run of a
-tiny model first (process-group threads, the data reader's pools), and glibc told to return
+tiny model first (process-group threads, the data reader's pools, and the modules the HF path
+imports), and glibc told to return
 every buffer over 64 KiB to the system when freed (`MALLOC_MMAP_THRESHOLD_`), where it would
 otherwise keep freed transients in its heap.
 """
 
+import importlib
 import resource
 
 import pytest
@@ -75,6 +77,11 @@ def _worker(rank: int, ports: dict, data_path: str, models: dict, out: dict):
     warm.iteration({"step": 0, "lr": 1e-3})
     warm.close()
     del warm
+    # Code, not model state: what the HF path imports (transformers, and torch._dynamo with its
+    # modules loaded lazily as they are first used), loaded here rather than under the cap.
+    for module in ("transformers.masking_utils", "torch._dynamo.callback", "torch._dynamo.convert_frame",
+                   "torch._dynamo.distributed"):
+        importlib.import_module(module)
     # Per model, the proof that the cap binds first: the unsharded model, built by this process
     # alone (a group of one: a build that fails midway leaves no collective half sent to a peer).
     out[rank] = {name: {"no_shard": _attempt(_config(model, "no_shard", 1), 0, 1, data_path, ports[name, rank]),

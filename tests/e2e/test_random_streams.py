@@ -1,11 +1,11 @@
 """Dropout through `rayzero train` (the CLI's `main`, on the session's cluster): one definition of
 the random stream (`rayzero/sharding/rng.py`), so what a run draws depends on (seed, step,
-micro-batch, mesh coordinates) and nothing else. Activation checkpointing in every mode ends on
-the weights of the run without it, for the GPT and an HF Llama with attention dropout, under
-ZeRO-3 (the strategy whose hooks a recompute passes through); two identical runs are bitwise
-equal. Every strategy x mode, for these and a user's module, runs on real gloo groups as the
-actors run them (tests/dist/test_activation_checkpointing.py); a tensor-parallel run resumed by
-rerunning its command, in tests/e2e/test_tensor_parallel.py."""
+micro-batch, mesh coordinates) and nothing else. Activation checkpointing in every mode (split
+between the GPT and an HF Llama with attention dropout) ends on the weights of the run without
+it, under ZeRO-3 (the strategy whose hooks a recompute passes through). Every strategy x mode,
+for these and a user's module, runs on real gloo groups as the actors run them
+(tests/dist/test_activation_checkpointing.py); a tensor-parallel run resumed by rerunning its
+command, in tests/e2e/test_tensor_parallel.py."""
 
 import pytest
 import torch
@@ -15,7 +15,9 @@ from tests.models import save_hf_model
 
 pytestmark = pytest.mark.slow
 
-MODES = ["none", "full", "every:2", "selective"]
+# Each mode once through the CLI, split between the two models (every strategy x mode, for both
+# and a user's module, is tests/dist/test_activation_checkpointing.py's).
+MODES = {"gpt": ["none", "full", "every:2"], "llama": ["none", "selective"]}
 COMMON = ["cluster.num_workers=2", "train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=1",
           "train.steps=2", "optim.warmup_steps=1", "tracking.enabled=false", "checkpoint.dir=", "train.eval_every=0"]
 
@@ -37,14 +39,12 @@ def weights(path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("name", ["gpt", "llama"])
 def test_recompute_draws_what_the_first_forward_drew(name, train_here, small_dataset, tmp_path, llama_dir):
-    """`none`, `full`, `every:2` and `selective` give the same losses and bitwise the same
-    weights. The GPT: `none` run again gives them too. The Llama: without its attention dropout
-    the weights are others (so the equality held with dropout at work)."""
+    """Activation checkpointing (the GPT: `full`, `every:2`; the Llama: `selective`) gives the
+    same losses and bitwise the same weights as `none`, with dropout at work: the Llama without
+    its attention dropout ends on other weights (so the equality held with dropout drawing)."""
     keys = [f"data.path={small_dataset}", *COMMON, *model_keys(name, llama_dir), "sharding.strategy=optim_grads_params"]
-    runs = [(mode, [f"model.activation_checkpointing={mode}"]) for mode in MODES]
-    if name == "gpt":
-        runs.append(("again", []))
-    else:
+    runs = [(mode, [f"model.activation_checkpointing={mode}"]) for mode in MODES[name]]
+    if name == "llama":
         runs.append(("no-dropout", [f"model.path={save_hf_model('llama', tmp_path / 'nodrop', num_hidden_layers=3)}"]))
     got = {}
     for label, extra in runs:
