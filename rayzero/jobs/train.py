@@ -45,7 +45,7 @@ class ModelUnreachable(ConfigError):
 def resolve_data(cfg: RootConfig) -> str:
     """The dataset path, prepared on first use if it is the default corpus, checked for size."""
     path = cfg.data.path or ensure_default_corpus(cfg.data.cache_dir)
-    meta = read_meta(path, cfg.checkpoint, tokenizer=cfg.model.path if cfg.model.kind == "hf" else None)
+    meta = read_meta(path, cfg.checkpoint, tokenizer=model_tokenizer_dir(cfg))
     need = cfg.train.global_batch_size * (cfg.train.seq_len + 1)
     if meta.get("kind") != "instructions" and meta["num_tokens"] < need:  # examples are padded out
         raise DataError(
@@ -199,6 +199,18 @@ def check_model(cfg: RootConfig, factory=None, data_vocab: int | None = None) ->
     except ValueError as e:  # unit classes, dtypes
         raise ConfigError(str(e)) from None
     return spec
+
+
+def model_tokenizer_dir(cfg: RootConfig) -> str | None:
+    """`model.path` where it is a local directory with tokenizer files (the model's own
+    tokenizer, which its data must be prepared with), else None."""
+    from rayzero.data.tokenizer import tokenizer_files
+
+    path = cfg.model.path
+    if not path or "://" in path:
+        return None
+    local = Path(path).expanduser()
+    return path if local.is_dir() and tokenizer_files(local) else None
 
 
 def adapter_start(cfg: RootConfig) -> RootConfig:

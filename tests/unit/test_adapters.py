@@ -73,11 +73,20 @@ def test_a_peft_export_is_recognised_as_rayzeros_own(tmp_path):
 
 
 def test_a_missing_dataset_for_an_hf_model_says_to_prepare_it_with_the_models_tokenizer(tmp_path, llama):
-    from rayzero.data.errors import DataError
+    """A model directory with a tokenizer: the hint names it; one without: the plain hint."""
+    import shutil
 
-    cfg = load_config(None, ["model.kind=hf", f"model.path={llama}", f"data.path={tmp_path / 'none'}"])
-    with pytest.raises(DataError, match=rf"rayzero data prepare SRC .*none --tokenizer {llama}`, the model's own"):
+    from rayzero.data.errors import DataError
+    from tests.models import save_tokenizer
+
+    with_tokenizer = tmp_path / "llama-tok"
+    shutil.copytree(llama, with_tokenizer)
+    save_tokenizer(with_tokenizer, ["def add(a, b):\n    return a + b\n"] * 4)
+    cfg = load_config(None, ["model.kind=hf", f"model.path={with_tokenizer}", f"data.path={tmp_path / 'none'}"])
+    with pytest.raises(DataError, match=rf"rayzero data prepare SRC .*none --tokenizer {with_tokenizer}`, the model"):
         resolve_data(cfg)
+    with pytest.raises(DataError, match=r"rayzero data prepare SRC \S*none`\)$"):
+        resolve_data(cfg.override(f"model.path={llama}"))
 
 
 def test_the_plan_counts_the_whole_model_under_tensor_parallelism(tmp_path, capsys, llama):
