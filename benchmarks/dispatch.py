@@ -26,7 +26,8 @@ import time
 
 import ray
 
-from rayzero.cluster.dispatch import CompiledDispatch, PerPhaseDispatch, PipelinedDispatch, phase_names
+from rayzero.cluster.dispatch import CompiledDispatch, PerPhaseDispatch, PipelinedDispatch
+from rayzero.workers.phases import iteration
 from rayzero.cluster.worker_group import WorkerGroup
 
 WORLD_SIZES = (2, 4, 8)
@@ -132,7 +133,7 @@ def main() -> None:
         # Logical CPUs: no-op actors may share a core, so never fewer than the largest group needs.
         num_cpus = max(os.cpu_count() or 1, math.ceil(max(WORLD_SIZES) * args.cpus_per_actor))
         ray.init(num_cpus=num_cpus, logging_level="WARNING")
-    phases = phase_names(NUM_MICROBATCHES)
+    phases = iteration(NUM_MICROBATCHES)
     print(f"no-op phases per rank per iteration: {len(phases)} ({', '.join(phases)}); "
           f"{warmup} warmup + {iters} timed iterations per dispatcher\n")
     rows = []

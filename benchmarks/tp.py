@@ -66,10 +66,10 @@ def llama_100m(path: str) -> int:
 class Counter:
     """Bytes given to each collective, by the axis of its group, while `on`."""
 
-    def __init__(self, axes: dict):
+    def __init__(self, mesh):
         self.names = {}
         for name in ("world", "dp", "shard", "replicate", "tp"):  # later names win for shared groups
-            axis = axes.get(name)
+            axis = mesh.axis(name)
             if axis is not None and axis.size > 1:
                 self.names[id(axis.group)] = "tp" if name == "tp" else "dp" if name != "world" else "world"
         self.bytes: dict[str, int] = defaultdict(int)
@@ -120,7 +120,7 @@ def _rank(rank: int, tp: int, sp: bool, vocab: bool, model_dir: str, data_path: 
     ])
     r = Rank(cfg, rank, WORLD, data_path)
     info = r.setup("127.0.0.1", port)
-    counter = Counter(r.axes)
+    counter = Counter(r.mesh)
     counter.install()
     r.iteration({"step": 0, "lr": lr_at(0, 2, cfg.optim)})
     counter.on = True

@@ -22,6 +22,7 @@ from rayzero.cluster.config import ClusterConfig, FailureConfig, TrackingConfig
 from rayzero.data.config import DataConfig
 from rayzero.models.config import ModelConfig
 from rayzero.sharding.config import OptimConfig, ParallelConfig, ShardingConfig
+from rayzero.sharding.mesh import Mesh, MeshError, fits
 
 
 class ConfigError(ValueError):
@@ -125,13 +126,11 @@ class RootConfig(Frozen):
 
     @model_validator(mode="after")
     def _check(self):
-        n, outer, tp = self.cluster.num_workers, self.sharding.dp_outer, self.parallel.tp
-        if n % (outer * tp):
-            what = (f"sharding.dp_outer: {outer}" if tp == 1 else f"parallel.tp: {tp}" if outer == 1
-                    else f"sharding.dp_outer x parallel.tp: {outer} x {tp} = {outer * tp}")
-            raise ValueError(f"{what} does not divide cluster.num_workers ({n}): the ranks form "
-                             "replicate (dp_outer) x shard x tp groups")
-        t, dp = self.train, self.dp_size
+        try:
+            dp = self.mesh().size("dp")
+        except MeshError as e:
+            raise ValueError(str(e)) from None
+        t, tp = self.train, self.parallel.tp
         if self.parallel.sequence_parallel and t.seq_len % tp:
             raise ValueError(f"train.seq_len: {t.seq_len} is not divisible by parallel.tp ({tp}), over which "
                              "parallel.sequence_parallel splits the sequence")
@@ -180,15 +179,20 @@ class RootConfig(Frozen):
             raise ValueError(f"optim.min_lr: {self.optim.min_lr} exceeds optim.lr ({self.optim.lr})")
         return self
 
-    @property
-    def dp_size(self) -> int:
-        """Data-parallel ranks: the world over the tensor-parallel size."""
-        return self.cluster.num_workers // self.parallel.tp
+    def mesh(self, world_size: int | None = None, rank: int = 0) -> Mesh:
+        """The mesh of `world_size` ranks (`cluster.num_workers` unless an elastic resize says
+        otherwise), as `rank` sees it; its process groups come when a rank connects it."""
+        return Mesh(world_size or self.cluster.num_workers, rank, replicate=self.sharding.dp_outer,
+                    tp=self.parallel.tp)
+
+    def grad_accum_for(self, mesh: Mesh) -> int:
+        """Micro-batches per rank per step on `mesh`: global batch / (micro batch x dp size)."""
+        return self.train.global_batch_size // (self.train.micro_batch_size * mesh.size("dp"))
 
     @property
     def grad_accum(self) -> int:
-        """Micro-batches per rank per step: global batch / (micro batch x dp size)."""
-        return self.train.global_batch_size // (self.train.micro_batch_size * self.dp_size)
+        """Micro-batches per rank per step at `cluster.num_workers` ranks."""
+        return self.grad_accum_for(self.mesh())
 
     def world_sizes(self) -> list[int]:
         """The world sizes this run may train at, largest first: `cluster.num_workers`, then
@@ -198,12 +202,8 @@ class RootConfig(Frozen):
         t, c, tp = self.train, self.cluster, self.parallel.tp
         low = c.min_workers or c.num_workers
         return [w for w in range(c.num_workers, low - 1, -1)
-                if w == c.num_workers or (w % (self.sharding.dp_outer * tp) == 0
-                                          and t.global_batch_size % (t.micro_batch_size * (w // tp)) == 0)]
-
-    def at_world_size(self, world: int) -> "RootConfig":
-        """This config with `world` ranks (an elastic resize; nothing else changes)."""
-        return self.model_copy(update={"cluster": self.cluster.model_copy(update={"num_workers": world})})
+                if w == c.num_workers or (fits(w, replicate=self.sharding.dp_outer, tp=tp)
+                                          and t.global_batch_size % (t.micro_batch_size * self.mesh(w).size("dp")) == 0)]
 
     @property
     def block_size(self) -> int:

@@ -38,8 +38,8 @@ def layout_record(strategy: Strategy) -> dict:
     lay = strategy.buffer.layout
     return {
         "strategy": strategy.name,
-        "world_size": strategy.topo.world_size,
-        "dp_outer": strategy.topo.dp_outer,
+        "world_size": strategy.mesh.world_size,
+        "dp_outer": strategy.mesh.size("replicate"),
         "outer_strategy": strategy.cfg.outer_strategy,
         "buckets": [[b.world.start, b.world.end] for b in lay.buckets],
         "param_order": list(strategy.buffer.names),
@@ -78,7 +78,7 @@ class ShardSaver:
             "exp_avg": opt.exp_avg.detach().to("cpu", copy=True),
             "exp_avg_sq": opt.exp_avg_sq.detach().to("cpu", copy=True),
         }
-        rank, world = s.topo.rank, s.topo.world_size
+        rank, world = s.mesh.rank, s.mesh.world_size
         key = shard_name(rank, world)
         meta = {"step": str(step), "rank": str(rank)}
         pieces = [[r.start, r.end] for r in s.owned_pieces()]
@@ -89,7 +89,7 @@ class ShardSaver:
                 t = time.perf_counter()
                 entry = _with_retries(storage, lambda: write_shard(storage, key, snapshot, meta, self._moved))
                 with self._lock:
-                    self._done.append({"step": step, "rank": rank, "tp_rank": s.topo.tp_rank, "file": key,
+                    self._done.append({"step": step, "rank": rank, "tp_rank": s.mesh.coord("tp"), "file": key,
                                        "pieces": pieces,
                                        "adam_steps": adam_steps, "upload_s": time.perf_counter() - t, **entry})
             except BaseException as e:  # reported to the controller on the next call

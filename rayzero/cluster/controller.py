@@ -212,7 +212,7 @@ class Controller:
         bundle = ", ".join(f"{v:g} {k}" for k, v in self._bundle().items())
         self.startup.stage("placement", f"placing {self.world} ranks ({bundle} each) and starting their processes")
         self.group, self.world = self._place(self.world)
-        cfg = self.cfg.at_world_size(self.world)
+        cfg = self.cfg
         self._mark("placement")
         self.watchdog = Watchdog(self.group.actors, cfg.failure.phase_timeout_s, on_fire=self.group.kill).start()
         self._check_interrupt()
@@ -245,7 +245,7 @@ class Controller:
         if DISPATCHERS[cfg.cluster.dispatch].preparing:
             self.startup.stage("compile", DISPATCHERS[cfg.cluster.dispatch].preparing)
         self.dispatch = DISPATCHERS[cfg.cluster.dispatch](
-            self.group.actors, cfg.grad_accum, timeout_s=cfg.cluster.pg_timeout_s
+            self.group.actors, cfg.grad_accum_for(cfg.mesh(self.world)), timeout_s=cfg.cluster.pg_timeout_s
         )
         self.state = "TRAIN"
         grow = self._train(cfg)
@@ -283,10 +283,9 @@ class Controller:
         c = self.cfg.cluster
         first_error = None
         for w in [w for w in self.cfg.world_sizes() if w <= world]:
-            cfg_w = self.cfg.at_world_size(w)
             try:
                 group = WorkerGroup.create(
-                    self.actor_cls, w, self._bundle(), lambda rank: (cfg_w, rank, w, self.data_path, self.factory),
+                    self.actor_cls, w, self._bundle(), lambda rank: (self.cfg, rank, w, self.data_path, self.factory),
                     strategy=c.placement_strategy,
                     # The first try waits for resources to appear; smaller ones only take what is free.
                     placement_timeout_s=c.placement_timeout_s if first_error is None else min(c.placement_timeout_s, 2.0),

@@ -22,6 +22,8 @@ from typing import Any
 import ray
 from ray.dag import InputNode, MultiOutputNode
 
+from rayzero.workers.phases import iteration
+
 # Waiting on a compiled graph's output spins a core in the driver (measured: ~100% of one
 # core for the whole iteration), and on a machine with few cores that core is taken from the
 # ranks. So the driver first sleeps until the iteration should be done: it began when the
@@ -85,10 +87,6 @@ class _DeadActorCancel(logging.Filter):
 logging.getLogger("ray.dag.compiled_dag_node").addFilter(_DeadActorCancel())
 
 
-def phase_names(num_microbatches: int) -> list[str]:
-    return ["gather"] + ["forward", "backward"] * num_microbatches + ["reduce_scatter", "step", "evaluate"]
-
-
 @dataclass
 class Pending:
     """An iteration submitted to the ranks and not yet collected."""
@@ -123,7 +121,7 @@ class CompiledDispatch(_Dispatch):
 
     def __init__(self, actors: list, num_microbatches: int, timeout_s: float = 600.0):
         self.timeout_s = timeout_s
-        names = phase_names(num_microbatches)
+        names = iteration(num_microbatches)
         with InputNode() as plan:
             outputs = []
             for actor in actors:
@@ -161,7 +159,7 @@ def _work_s(results: list) -> float | None:
 
 class PipelinedDispatch(_Dispatch):
     def __init__(self, actors: list, num_microbatches: int, timeout_s: float = 600.0):
-        self.actors, self.names, self.timeout_s = actors, phase_names(num_microbatches), timeout_s
+        self.actors, self.names, self.timeout_s = actors, iteration(num_microbatches), timeout_s
 
     def _submit(self, plan: dict):
         refs = []
@@ -175,7 +173,7 @@ class PipelinedDispatch(_Dispatch):
 
 class PerPhaseDispatch(_Dispatch):
     def __init__(self, actors: list, num_microbatches: int, timeout_s: float = 600.0):
-        self.actors, self.names, self.timeout_s = actors, phase_names(num_microbatches), timeout_s
+        self.actors, self.names, self.timeout_s = actors, iteration(num_microbatches), timeout_s
 
     def _submit(self, plan: dict):
         return plan  # nothing runs until collect: one phase at a time

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rayzero.sharding.memory import bytes_per_param
+from rayzero.workers.phases import ITERATION
 
-PHASES = ("gather", "forward", "backward", "reduce_scatter", "step", "evaluate")
+PHASES = ITERATION  # the phases each step times
 WARMUP_STEPS = 1  # the first iteration compiles the graph and faults in memory: not timed
 
 

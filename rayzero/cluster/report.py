@@ -41,7 +41,7 @@ def step_metrics(results: list[dict], phase: dict[str, float], dt: float, tokens
 def run_summary(c, rank0_info: dict) -> dict:
     """The run's summary (what `--summary-json` writes and `Result.summary` holds), from the
     controller `c` at the end of `fit`, and rank 0's build info."""
-    cfg, h = c.cfg.at_world_size(c.world), c.history
+    cfg, h = c.cfg, c.history
     trained = bool(h.losses)
     step_s = mean(h.timed(h.step_s)) if trained else None
     memory = h.memory or [rank0_info["memory"]]
@@ -78,7 +78,7 @@ def run_summary(c, rank0_info: dict) -> dict:
         "sequence_parallel": cfg.parallel.sequence_parallel,
         # the embedding, head and logits split over the TP ranks (what the ranks built, not only what was asked)
         "vocab_parallel": bool((rank0_info.get("tp") or {}).get("vocab_parallel")),
-        "grad_accum": cfg.grad_accum,
+        "grad_accum": cfg.grad_accum_for(cfg.mesh(c.world)),
         "num_params": rank0_info["num_params"],
         "trainable_params": rank0_info["trainable_params"],
         "backend": rank0_info["backend"],

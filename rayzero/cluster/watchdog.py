@@ -18,6 +18,7 @@ from typing import Callable
 import ray
 
 from rayzero.cluster.failure import HANG, Failure
+from rayzero.workers.phases import CALLS
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +106,7 @@ class Watchdog:
         return max(self.timeout_s, STARTUP_GRACE_S) if starting else self.timeout_s
 
 
-# The order a rank goes through its calls, to tell who is behind.
-ORDER = ("setup", "load_checkpoint", "apply_checkpoint", "gather", "forward", "backward", "reduce_scatter",
-         "step", "finish_checkpoints", "full_state_dict")
+ORDER = CALLS  # the order a rank goes through its calls, to tell who is behind
 
 
 def _position(progress: dict) -> tuple[int, int]:

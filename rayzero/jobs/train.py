@@ -28,7 +28,6 @@ from rayzero.jobs.preflight import (
     check_local_capacity, nothing_to_train, quiet_logs, resume_preview, resumed_run_dir, say_resume,
     starts_local_ray,
 )
-from rayzero.sharding.topology import Topology
 from rayzero.workers.assembly import (
     bucket_layout, build_model, check_buildable, initial_values, make_spec, whole_counts,
 )
@@ -351,24 +350,24 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
         record = {"kind": cfg.model.kind, "source": cfg.model.path, "init": cfg.model.init}
         shape = None
     sh, t, c = cfg.sharding, cfg.train, cfg.cluster
-    d = cfg.dp_size // sh.dp_outer  # ranks a shard is split over
+    mesh = cfg.mesh()
+    d = mesh.size("shard")  # ranks a shard is split over
     param_bytes = DTYPES[sh.param_dtype].itemsize
     grad_bytes = DTYPES[sh.grad_dtype].itemsize
-    d_optim = cfg.dp_size if sh.dp_outer > 1 and sh.outer_strategy == "optim" else d
+    d_optim = mesh.size("dp") if sh.dp_outer > 1 and sh.outer_strategy == "optim" else d
     per_param = formula_bytes_per_param(sh.strategy, d, param_bytes, grad_bytes, d_optim)
     # Frozen parameters hold only their compute copy (sharded under ZeRO-3).
     frozen_per_param = param_bytes / (d if sh.strategy == "optim_grads_params" else 1)
     # Per rank: its tensor-parallel share of the parameters (split ones / tp, replicated whole).
     bytes_per_rank = (int(per_param * trainable + frozen_per_param * (num_params - trainable))
                       if num_params else None)
-    topo = Topology(c.num_workers, 0, sh.dp_outer, cfg.parallel.tp)
     return {
         "world_size": c.num_workers,
         "tp": cfg.parallel.tp,
         "sequence_parallel": cfg.parallel.sequence_parallel,
         "vocab_parallel": vocab["parallel"],
         "vocab_note": vocab["note"],
-        "mesh": topo.describe(),
+        "mesh": mesh.describe(),
         "world_sizes": cfg.world_sizes(),
         "cluster": c.address or "local Ray",
         "bundle": {"CPU": c.cpus_per_worker, **({"GPU": 1} if c.use_gpu else {})},

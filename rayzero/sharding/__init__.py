@@ -4,7 +4,7 @@ this package for its `ShardingConfig`, and must stay fast."""
 
 from rayzero.sharding.config import OptimConfig, ShardingConfig
 from rayzero.sharding.layout import Layout, Range, build_layout
-from rayzero.sharding.topology import Topology
+from rayzero.sharding.mesh import Mesh, MeshError
 
 
 def __getattr__(name: str):
@@ -26,5 +26,5 @@ def build_strategy(name: str, *args, **kwargs):
 
 __all__ = [
     "Layout", "OptimConfig", "Range", "STRATEGY_CLASSES", "ShardingConfig", "Strategy",
-    "Topology", "build_layout", "build_strategy",
+    "Mesh", "MeshError", "build_layout", "build_strategy",
 ]

@@ -39,7 +39,7 @@ from rayzero.sharding.layout import Bucket, Layout, Range, auto_bucket_numel, bu
 from rayzero.sharding.memory import MemoryLedger
 from rayzero.sharding.precision import Precision, build_loss_scaler
 from rayzero.sharding.tensor_parallel import TPLayout, gather_global
-from rayzero.sharding.topology import Topology
+from rayzero.sharding.mesh import Mesh
 
 
 def _bytes(t: torch.Tensor) -> int:
@@ -56,10 +56,9 @@ class Strategy:
     def __init__(
         self,
         model: nn.Module,
-        topo: Topology,
+        mesh: Mesh,
         sharding: ShardingConfig,
         optim: OptimConfig,
-        axes: dict[str, Axis],
         decays: Callable[[str, torch.Tensor], bool] = lambda name, p: p.dim() >= 2,
         source: ParamSource | Fill | None = None,
         device: torch.device | str = "cpu",
@@ -69,14 +68,14 @@ class Strategy:
         values (a `ParamSource`, or a `fill(name, out)` function); without it the model's
         current values are copied. Parameters with `requires_grad=False` stay frozen: they
         get buckets of their own, with no gradient, main copy or optimizer state. `tp`: what
-        tensor parallelism split (the model's parameters are then this rank's local shards)."""
+        tensor parallelism split (the model's parameters are then this rank's local shards).
+        `mesh`: a connected one (its groups) on a rank; its shape alone builds on the meta device."""
         self.model = model
-        self.topo = topo
+        self.mesh = mesh
         self.cfg = sharding
         self.optim_cfg = optim
-        self.axes = axes
-        self.shard_axis = axes["shard"]
-        self.replicate_axis = axes["replicate"]
+        self.shard_axis = mesh.axis("shard")
+        self.replicate_axis = mesh.axis("replicate")
         self.tp = tp if tp is not None and tp.size > 1 else None
         self.precision = Precision.from_config(sharding)
         self.scaler = build_loss_scaler(sharding)
@@ -87,7 +86,7 @@ class Strategy:
         self._reduced: set[int] = set()
         self._reduce_in_backward = False
 
-        named, layout = self.layout(model, sharding, topo.dp_size)
+        named, layout = self.layout(model, sharding, mesh.size("dp"))
         self.buffer = FlatBuffer(model, named, layout, self.precision.param, torch.device(device))
         if source is None:
             values = {n: p.detach() for n, p in named}
@@ -145,7 +144,7 @@ class Strategy:
 
     def inner(self, b: Bucket) -> Range:
         """The part of `b` this rank's shard group assigns to it (world coordinates)."""
-        return b.shard(self.topo.shard_rank, self.topo.dp_shard)
+        return b.shard(self.shard_axis.rank, self.shard_axis.size)
 
     def owned(self, b: Bucket) -> Range:
         """The part of `b` whose optimizer update this rank runs (none of a frozen bucket)."""
@@ -365,7 +364,7 @@ class Strategy:
         if self.owner_axis is not None and self.owner_axis.size > 1:
             dist.all_reduce(sq, group=self.owner_axis.group)
         if self.tp is not None:
-            dist.all_reduce(sq, group=self.axes["tp"].group)
+            dist.all_reduce(sq, group=self.mesh.axis("tp").group)
         return float(sq.sqrt())
 
     @functools.cached_property
@@ -387,7 +386,7 @@ class Strategy:
             return
         for b, cut, name in self._owned_params:
             if name in self.tp.partial:
-                dist.all_reduce(self.main_grads[b][cut], group=self.axes["tp"].group)
+                dist.all_reduce(self.main_grads[b][cut], group=self.mesh.axis("tp").group)
 
     # -- outside the iteration -------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -410,7 +409,7 @@ class Strategy:
                     self.buffer.params[i].shape).cpu().clone()
         if self.tp is not None:  # the TP ranks' shards, whole (every rank of the group in one order)
             for name in sorted(n for n in by_name if n in self.tp.split):
-                by_name[name] = gather_global(name, by_name[name], self.tp, self.axes["tp"])
+                by_name[name] = gather_global(name, by_name[name], self.tp, self.mesh.axis("tp"))
         name_of = {id(p): n for n, p in zip(self.buffer.names, self.buffer.params)}
         out, used = {}, set()
         for key, v in self.model.state_dict(keep_vars=True).items():
@@ -443,9 +442,9 @@ class Strategy:
         so replicas (DDP ranks, HSDP replicas) other than the first leave it to that one."""
         axis = self.owner_axis
         if axis is None:
-            return self.topo.dp_rank == 0
+            return self.mesh.coord("dp") == 0
         if axis is self.shard_axis:
-            return self.topo.replica_rank == 0
+            return self.replicate_axis.rank == 0
         return True
 
     def after_load(self) -> None:

@@ -43,19 +43,19 @@ class ShardOptim(Strategy):
 
     @property
     def _hybrid_optim(self) -> bool:
-        return self.topo.dp_outer > 1 and self.cfg.outer_strategy == "optim"
+        return self.replicate_axis.size > 1 and self.cfg.outer_strategy == "optim"
 
     def _owned_range(self, b: Bucket) -> Range:
         inner = self.inner(b)
         if not self._hybrid_optim:
             return inner
-        n = inner.size // self.topo.dp_outer
-        start = inner.start + self.topo.replica_rank * n
+        n = inner.size // self.replicate_axis.size
+        start = inner.start + self.replicate_axis.rank * n
         return Range(start, start + n)
 
     @property
     def owner_axis(self) -> Axis:
-        return self.axes["dp"] if self._hybrid_optim else self.shard_axis
+        return self.mesh.axis("dp") if self._hybrid_optim else self.shard_axis
 
     def _launch_reduce(self, b):
         grad = self.grads[b.index]

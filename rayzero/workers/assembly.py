@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from rayzero.config import RootConfig
 from rayzero.models import ModelSpec, model_spec
-from rayzero.sharding import STRATEGY_CLASSES, Layout, ShardingConfig, Topology, build_strategy
+from rayzero.sharding import STRATEGY_CLASSES, Layout, Mesh, ShardingConfig, build_strategy
 from rayzero.sharding.comm import Axis
 from rayzero.sharding.flat_buffer import ParamSource, PerName
 from rayzero.sharding.fsdp import find_units
@@ -50,15 +50,15 @@ class Built:
 
 # -- the steps, in order ---------------------------------------------------------------------------
 
-def build_model(cfg: RootConfig, spec: ModelSpec, tp_axis: Axis | None = None,
+def build_model(cfg: RootConfig, spec: ModelSpec, mesh: Mesh | None = None,
                 streams: RandomStreams | None = None) -> Built:
     """Build on meta → adapters → tensor parallel → activation checkpointing: the model a
-    strategy shards (parameters still on the meta device). `tp_axis`: this rank's TP group
-    (the driver's checks pass none: the shapes are the same on every rank). `streams`: the
+    strategy shards (parameters still on the meta device). `mesh`: this rank's, connected (the
+    driver's checks pass none and build on the config's: the shapes are the same on every rank). `streams`: the
     rank's dropout streams, which the TP regions switch and a recompute replays."""
     built = Built(spec.build())
     add_adapters(built, cfg, spec)
-    tensor_parallel(built, cfg, spec, tp_axis or Axis(None, cfg.parallel.tp, 0), streams)
+    tensor_parallel(built, cfg, spec, (mesh or cfg.mesh()).axis("tp"), streams)
     checkpoint_blocks(built, cfg, spec, streams)
     return built
 
@@ -147,10 +147,10 @@ def initial_values(spec: ModelSpec, built: Built) -> ParamSource:
     return TPSlices(source, built.tp) if built.tp is not None else source  # each rank its slice
 
 
-def assemble(cfg: RootConfig, spec: ModelSpec, topo: Topology, axes: dict[str, Axis], device: torch.device,
+def assemble(cfg: RootConfig, spec: ModelSpec, mesh: Mesh, device: torch.device,
              streams: RandomStreams | None = None):
     """Every step, on this rank: (the model, its strategy, where its initial values came from)."""
-    built = build_model(cfg, spec, axes.get("tp"), streams)
+    built = build_model(cfg, spec, mesh, streams)
     model = built.model
     for module in model.modules():  # buffers (RoPE frequencies, masks) are real: move them
         for name, b in module._buffers.items():
@@ -159,7 +159,7 @@ def assemble(cfg: RootConfig, spec: ModelSpec, topo: Topology, axes: dict[str, A
     check_buildable(cfg, device, spec, model)
     sharding = resolved_sharding(cfg, spec, model)
     source = initial_values(spec, built)
-    strategy = build_strategy(sharding.strategy, model, topo, sharding, cfg.optim, axes, decays=spec.decays,
+    strategy = build_strategy(sharding.strategy, model, mesh, sharding, cfg.optim, decays=spec.decays,
                               source=source, device=device, tp=built.tp)
     return model, strategy, source
 
@@ -169,7 +169,7 @@ def assemble(cfg: RootConfig, spec: ModelSpec, topo: Topology, axes: dict[str, A
 def bucket_layout(cfg: RootConfig, spec: ModelSpec, model: nn.Module) -> Layout:
     """The buckets the ranks will build for `model` (on the meta device is enough)."""
     sharding = resolved_sharding(cfg, spec, model)
-    return STRATEGY_CLASSES[sharding.strategy].layout(model, sharding, cfg.dp_size)[1]
+    return STRATEGY_CLASSES[sharding.strategy].layout(model, sharding, cfg.mesh().size("dp"))[1]
 
 
 def check_buildable(cfg: RootConfig, device: torch.device | None, spec: ModelSpec | None = None,

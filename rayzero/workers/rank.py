@@ -27,11 +27,11 @@ from rayzero.data.batches import RankBatches
 from rayzero.data.tokens import TokenDataset
 from rayzero.data.validation import ValidationRows, validation_split
 from rayzero.models.spec import IGNORE_INDEX
-from rayzero.sharding import Topology
-from rayzero.sharding.comm import Axis, wait
+from rayzero.sharding.comm import wait
 from rayzero.sharding.rng import RandomStreams
 from rayzero.workers.activations import ActivationMeter
 from rayzero.workers.assembly import assemble, make_spec, whole_counts, whole_shapes
+from rayzero.workers.phases import CALLS
 
 
 def batches_for(dataset: TokenDataset) -> type:
@@ -66,21 +66,21 @@ def rendezvous_port(ip: str, rng: random.Random | None = None) -> int:
         return s.getsockname()[1]
 
 
-def watched(name: str):
-    """Mark a method as phase `name` for `Rank.progress` (what the controller's watchdog reads)."""
+def watched(fn):
+    """Mark a method as the call of its name, one of `phases.CALLS`, for `Rank.progress` (what
+    the controller's watchdog reads)."""
+    name = fn.__name__
+    assert name in CALLS, f"{name} is not in phases.CALLS"
 
-    def wrap(fn):
-        @functools.wraps(fn)
-        def inner(self, *args, **kwargs):
-            self._current = (name, time.monotonic())
-            try:
-                return fn(self, *args, **kwargs)
-            finally:
-                self._current = None
+    @functools.wraps(fn)
+    def inner(self, *args, **kwargs):
+        self._current = (name, time.monotonic())
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            self._current = None
 
-        return inner
-
-    return wrap
+    return inner
 
 
 class Rank:
@@ -89,7 +89,7 @@ class Rank:
         """`factory`: the model's callable when given from Python (`model.kind=module`)."""
         self.cfg = cfg
         self.factory = factory
-        self.topo = Topology(world_size=world_size, rank=rank, dp_outer=cfg.sharding.dp_outer, tp=cfg.parallel.tp)
+        self.mesh = cfg.mesh(world_size, rank)  # connected to its process groups in `setup`
         self.data_path = data_path
         self.device = torch.device("cpu")
         self._times: dict[str, float] = {}
@@ -107,7 +107,7 @@ class Rank:
         if current and saver is not None and saver.waiting:
             # Waiting on its checkpoint upload: slow is not stuck while bytes still move.
             elapsed = min(elapsed, now - saver.moved_at)
-        return {"rank": self.topo.rank, "step": self.plan.get("step"),
+        return {"rank": self.mesh.rank, "step": self.plan.get("step"),
                 "phase": current[0] if current else None, "elapsed_s": elapsed}
 
     # -- setup -------------------------------------------------------------------------
@@ -116,7 +116,7 @@ class Rank:
         """`ip` and a free port on it, for rank 0 to host the rendezvous."""
         return ip, rendezvous_port(ip)
 
-    @watched("setup")
+    @watched
     def setup(self, master_addr: str, master_port: int) -> dict:
         cfg = self.cfg
         backend = cfg.cluster.backend
@@ -128,25 +128,25 @@ class Rank:
         dist.init_process_group(
             backend,
             init_method=f"tcp://{master_addr}:{master_port}",
-            rank=self.topo.rank,
-            world_size=self.topo.world_size,
+            rank=self.mesh.rank,
+            world_size=self.mesh.world_size,
             timeout=timedelta(seconds=cfg.cluster.pg_timeout_s),
         )
         self.spec = make_spec(cfg, self.factory)
-        self.axes = self._make_axes()
+        self.mesh = self.mesh.connect()
         # Dropout's streams, seeded afresh at each micro-batch's forward (`sharding/rng.py`):
         # nothing drawn in setup, evaluation or a restart shifts what training draws.
-        self.streams = RandomStreams(cfg.train.seed, self.topo.tp_rank, self.device)
+        self.streams = RandomStreams(cfg.train.seed, self.mesh.coord("tp"), self.device)
         # Built on the meta device, in assembly's fixed order: the strategy materializes its
         # buckets (ZeRO-3: one unit at a time, keeping only the shard), so no rank ever holds
         # more than it must.
-        self.model, self.strategy, source = assemble(cfg, self.spec, self.topo, self.axes, self.device, self.streams)
+        self.model, self.strategy, source = assemble(cfg, self.spec, self.mesh, self.device, self.streams)
         tp = self.strategy.tp
         self.vocab = tp.vocab if tp is not None else None  # the head split over the vocabulary: the loss on shards
         dataset, val = validation_split(cfg, TokenDataset(self.data_path, storage_cfg=cfg.checkpoint))
         self.val = None if val is None else ValidationRows(
             val, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch_size,
-            micro_batch=cfg.train.micro_batch_size, dp_rank=self.topo.dp_rank, dp_size=self.topo.dp_size,
+            micro_batch=cfg.train.micro_batch_size, dp_rank=self.mesh.coord("dp"), dp_size=self.mesh.size("dp"),
             max_batches=cfg.train.eval_batches)
         self.data = batches_for(dataset)(
             dataset,
@@ -154,8 +154,8 @@ class Rank:
             global_batch=cfg.train.global_batch_size,
             micro_batch=cfg.train.micro_batch_size,
             seq_len=cfg.train.seq_len,
-            dp_rank=self.topo.dp_rank,
-            dp_size=self.topo.dp_size,
+            dp_rank=self.mesh.coord("dp"),
+            dp_size=self.mesh.size("dp"),
         )
         self._checked = False
         self._baseline = None
@@ -166,7 +166,7 @@ class Rank:
         num_params, trainable = self.spec.num_params(self.model)  # this rank's: its TP share
         whole = tp.split_numel() if tp is not None else 0  # what the other TP ranks add
         return {
-            "rank": self.topo.rank,
+            "rank": self.mesh.rank,
             "pid": os.getpid(),
             "backend": backend,
             "device": str(self.device),
@@ -191,30 +191,8 @@ class Rank:
         """The ledger, and the peak bytes a micro-batch's forward has left saved for backward."""
         return {**self.strategy.memory(), "activations_peak": self._activations_peak}
 
-    def _make_axes(self) -> dict[str, Axis]:
-        """The named axes' process groups (`world`, `replicate`, `shard`, `tp`, `dp`): an axis
-        of one rank has no group, one that spans the world is the world's. Every rank creates
-        every other group, in the same order."""
-        t = self.topo
-        world = Axis(dist.group.WORLD, t.world_size, t.rank)
-        axes = {"world": world}
-        for name in ("shard", "replicate", "tp", "dp"):
-            size = t.size(name)
-            if size == 1:
-                axes[name] = Axis(None, 1, 0)
-            elif size == t.world_size:
-                axes[name] = world
-            elif name == "dp" and t.dp_outer == 1:  # the same ranks as the shard groups
-                axes[name] = axes["shard"]
-            else:
-                for ranks in t.groups(name):
-                    group = dist.new_group(ranks)
-                    if t.rank in ranks:
-                        axes[name] = Axis(group, len(ranks), t.axis_rank(name))
-        return axes
-
     # -- phases --------------------------------------------------------------------------
-    @watched("gather")
+    @watched
     def gather(self, plan: dict) -> dict:
         """Start of an iteration: zero gradients, load this rank's batch, and wait for the
         parameter all-gather (unless the strategy waits for it inside forward)."""
@@ -231,7 +209,7 @@ class Rank:
         t_data = time.perf_counter() - t_data
         self._next_micro = 0
         # where this rank's micro-batches sit among the step's (the same rows at any world size)
-        self._first_micro = self.topo.dp_rank * len(self._micro)
+        self._first_micro = self.mesh.coord("dp") * len(self._micro)
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._aux_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._tokens = 0
@@ -250,9 +228,9 @@ class Rank:
         if self.data.masks_labels:
             local = sum(int((y != IGNORE_INDEX).sum()) for _, y in self._micro)
             self._valid = torch.tensor([float(local)], dtype=torch.float64, device=self.device)
-            self._valid_work = self.axes["dp"].start_all_reduce(self._valid)
+            self._valid_work = self.mesh.axis("dp").start_all_reduce(self._valid)
 
-    @watched("forward")
+    @watched
     def forward(self, _prev: dict) -> dict:
         t0 = time.perf_counter()
         x, y = self._micro[self._next_micro]
@@ -280,7 +258,7 @@ class Rank:
         self._times["forward"] += time.perf_counter() - t0
         return {}
 
-    @watched("backward")
+    @watched
     def backward(self, _prev: dict) -> dict:
         t0 = time.perf_counter()
         last = self._next_micro == len(self._micro) - 1
@@ -290,7 +268,7 @@ class Rank:
         self._times["backward"] += time.perf_counter() - t0
         return {}
 
-    @watched("reduce_scatter")
+    @watched
     def reduce_scatter(self, _prev: dict) -> dict:
         t0 = time.perf_counter()
         if self._next_micro != len(self._micro):
@@ -299,14 +277,14 @@ class Rank:
         self._times["reduce_scatter"] = time.perf_counter() - t0
         return {}
 
-    @watched("step")
+    @watched
     def step(self, _prev: dict) -> dict:
         t0 = time.perf_counter()
         grad_norm = self.strategy.step(self.plan["lr"])
         self._times["step"] = time.perf_counter() - t0
         self._times["checkpoint"] = self._checkpoint(self.plan.get("checkpoint"))
         return {
-            "rank": self.topo.rank,
+            "rank": self.mesh.rank,
             "step": self.plan["step"],
             "lr": self.plan["lr"],
             # The ranks of a tensor-parallel group computed one loss on one micro-batch: it counts once.
@@ -322,7 +300,7 @@ class Rank:
             "checkpointed": bool(self.plan.get("checkpoint")),
         }
 
-    @watched("evaluate")
+    @watched
     def evaluate(self, result: dict) -> dict:
         """After the step, when the plan asks for it: the validation loss, forward only (ZeRO-3
         gathers each unit as in training, and frees it after), summed over the valid targets
@@ -362,7 +340,7 @@ class Rank:
     @property
     def _counts(self) -> bool:
         """Whether this rank's losses count: the first of its tensor-parallel group."""
-        return self.topo.tp_rank == 0
+        return self.mesh.coord("tp") == 0
 
     def iteration(self, plan: dict) -> dict:
         """Every phase of one iteration, in order, in this process: what the controller's
@@ -383,7 +361,7 @@ class Rank:
         storage = Storage(where["uri"], self.cfg.checkpoint)
         return self.saver.save(storage, where["step"])
 
-    @watched("finish_checkpoints")
+    @watched
     def finish_checkpoints(self) -> list[dict]:
         """Wait for the last upload; the reports not yet returned."""
         if self.saver is None:
@@ -391,15 +369,15 @@ class Rank:
         self.saver.wait()
         return self.saver.reports()
 
-    @watched("load_checkpoint")
+    @watched
     def load_checkpoint(self, uri: str, manifest: dict) -> dict:
         """Read (and reshard, and verify) this rank's part of a checkpoint; nothing is applied
         until `apply_checkpoint`, so a damaged shard on any rank leaves every rank as it was."""
         t0 = time.perf_counter()
         self._staged = (read_shard(self.strategy, Storage(uri, self.cfg.checkpoint), manifest), manifest)
-        return {"rank": self.topo.rank, "read_s": time.perf_counter() - t0}
+        return {"rank": self.mesh.rank, "read_s": time.perf_counter() - t0}
 
-    @watched("apply_checkpoint")
+    @watched
     def apply_checkpoint(self) -> dict:
         """Install the staged checkpoint (a collective: every rank). No random state: dropout's
         streams are seeded by step and micro-batch (`sharding/rng.py`), so a resumed run, at any
@@ -410,15 +388,15 @@ class Rank:
         apply_shard(self.strategy, targets, manifest["optimizer"]["step_count"])
         if self.strategy.scaler is not None and manifest.get("loss_scale") is not None:
             self.strategy.scaler.scale = manifest["loss_scale"]
-        return {"rank": self.topo.rank, "apply_s": time.perf_counter() - t0}
+        return {"rank": self.mesh.rank, "apply_s": time.perf_counter() - t0}
 
     # -- outside the iteration graph -------------------------------------------------
-    @watched("full_state_dict")
+    @watched
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's fp32 weights on CPU, by `state_dict()` names (tied weights under
         each name), on rank 0; None elsewhere. Every rank must call it: it is a collective."""
         state = self.strategy.full_state_dict()
-        return state if self.topo.rank == 0 else None
+        return state if self.mesh.rank == 0 else None
 
     def close(self) -> None:
         if self.saver is not None:

@@ -240,7 +240,7 @@ class DiesDuringUpload:
     def step(self, prev):
         out = super().step(prev)
         where = self.rank.plan.get("checkpoint")
-        if where and where["step"] == 4 and self.rank.topo.rank == 1:
+        if where and where["step"] == 4 and self.rank.mesh.rank == 1:
             import os
 
             os._exit(1)

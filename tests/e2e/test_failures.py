@@ -163,19 +163,19 @@ class DiesDuringSecondUploadThenHangs(OnceMarker):
     def step(self, prev):
         out = super().step(prev)
         where = self.rank.plan.get("checkpoint")
-        if where and where["step"] == 2 * EVERY and self.rank.topo.rank == 1 and self._first_time("die"):
+        if where and where["step"] == 2 * EVERY and self.rank.mesh.rank == 1 and self._first_time("die"):
             os._exit(1)  # its second commit's shard upload has just started
         return out
 
     def backward(self, prev):
-        if self.rank.plan["step"] == 55 and self.rank.topo.rank == 1 and self._first_time("hang"):
+        if self.rank.plan["step"] == 55 and self.rank.mesh.rank == 1 and self._first_time("hang"):
             self.rank.strategy.backward = lambda *args, **kwargs: time.sleep(3600)  # stuck inside the phase
         return super().backward(prev)
 
 
 class AlwaysDiesAtStep30(RankShim):
     def step(self, prev):
-        if self.rank.plan["step"] == 30 and self.rank.topo.rank == 1:
+        if self.rank.plan["step"] == 30 and self.rank.mesh.rank == 1:
             os._exit(1)
         return super().step(prev)
 
@@ -283,7 +283,7 @@ class DiesOnceAtStep6(OnceMarker):
     """Rank 1 dies once, at step 6 (after the step-4 commit)."""
 
     def step(self, prev):
-        if self.rank.plan["step"] == 6 and self.rank.topo.rank == 1 and self._first_time("die"):
+        if self.rank.plan["step"] == 6 and self.rank.mesh.rank == 1 and self._first_time("die"):
             os._exit(1)
         return super().step(prev)
 
@@ -335,7 +335,7 @@ class WaitsAtOneRankForTheNode(OnceMarker):
     the 1-rank run would otherwise finish its remaining checkpoints, where it may grow, first."""
 
     def step(self, prev):
-        if self.rank.topo.world_size == 1 and self.rank.plan["step"] == 30:
+        if self.rank.mesh.world_size == 1 and self.rank.plan["step"] == 30:
             wait_for(lambda: os.path.exists(f"{self.marker}-node-back"), 40, "the node to come back")
         return super().step(prev)
 

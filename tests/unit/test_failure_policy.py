@@ -156,8 +156,9 @@ def test_world_sizes_and_bad_min_workers():
     assert load_config(None, ELASTIC).world_sizes() == [4, 3, 2]
     assert load_config(None, [*ELASTIC, "sharding.dp_outer=2"]).world_sizes() == [4, 2]
     assert load_config(None, ["cluster.num_workers=4"]).world_sizes() == [4]
-    cfg = load_config(None, ELASTIC).at_world_size(3)
-    assert cfg.cluster.num_workers == 3 and cfg.grad_accum == 4 and cfg.train.global_batch_size == 24
+    cfg = load_config(None, ELASTIC)
+    mesh = cfg.mesh(3)  # an elastic resize: a new mesh, the same config
+    assert mesh.world_size == 3 and cfg.grad_accum_for(mesh) == 4 and cfg.train.global_batch_size == 24
     with pytest.raises(ConfigError, match="cluster.min_workers: 5 exceeds cluster.num_workers"):
         load_config(None, ["cluster.num_workers=4", "cluster.min_workers=5"])
     with pytest.raises(ConfigError, match="cluster.min_workers: no world size from 3 to 3"):

@@ -9,62 +9,62 @@ from rayzero.sharding.fsdp import ROOT, find_units
 from rayzero.sharding.layout import build_layout
 from rayzero.sharding.flat_buffer import FillSource
 from rayzero.sharding.tensor_parallel import Split, TPLayout, TPSlices
-from rayzero.sharding.topology import MeshError, Topology
+from rayzero.sharding.mesh import Mesh, MeshError
 
 
 @pytest.mark.parametrize("world, outer", [(1, 1), (4, 1), (4, 2), (6, 3), (6, 2), (8, 4), (4, 4)])
 def test_every_rank_is_in_exactly_one_group_per_axis(world, outer):
     for axis, size in (("shard", world // outer), ("replicate", outer)):
-        groups = Topology(world, 0, outer).groups(axis)
+        groups = Mesh(world, 0, outer).groups(axis)
         assert sorted(r for g in groups for r in g) == list(range(world))
         assert all(len(g) == size for g in groups)
     for rank in range(world):
-        t = Topology(world, rank, outer)
+        t = Mesh(world, rank, outer)
         shard, rep = t.my_group("shard"), t.my_group("replicate")
-        assert shard[t.shard_rank] == rank and rep[t.replica_rank] == rank
+        assert shard[t.coord("shard")] == rank and rep[t.coord("replicate")] == rank
         assert set(shard) & set(rep) == {rank}
-        assert rank == t.replica_rank * t.dp_shard + t.shard_rank
+        assert rank == t.coord("replicate") * t.size("shard") + t.coord("shard")
 
 
 def test_shard_groups_are_consecutive_ranks():
-    assert Topology(4, 0, 2).groups("shard") == [[0, 1], [2, 3]]
-    assert Topology(4, 0, 2).groups("replicate") == [[0, 2], [1, 3]]
+    assert Mesh(4, 0, 2).groups("shard") == [[0, 1], [2, 3]]
+    assert Mesh(4, 0, 2).groups("replicate") == [[0, 2], [1, 3]]
 
 
 @pytest.mark.parametrize("world, rank, outer", [(4, 0, 3), (4, 4, 1), (3, 0, 0)])
 def test_impossible_topologies_are_refused(world, rank, outer):
     with pytest.raises(ValueError):
-        Topology(world, rank, outer)
+        Mesh(world, rank, outer)
 
 
 @pytest.mark.parametrize("world, outer, tp", [(4, 1, 2), (4, 1, 4), (4, 2, 2), (8, 2, 2), (8, 1, 2), (6, 1, 3),
                                               (2, 2, 1)])
 def test_the_mesh_has_every_rank_once_per_axis_and_tp_groups_are_consecutive(world, outer, tp):
-    t0 = Topology(world, 0, outer, tp)
+    t0 = Mesh(world, 0, outer, tp)
     for axis, size in (("shard", world // (outer * tp)), ("replicate", outer), ("tp", tp), ("dp", world // tp)):
         groups = t0.groups(axis)
         assert sorted(r for g in groups for r in g) == list(range(world)), axis
         assert all(len(g) == size for g in groups), axis
     assert all(g == list(range(g[0], g[0] + tp)) for g in t0.groups("tp"))
     for rank in range(world):
-        t = Topology(world, rank, outer, tp)
+        t = Mesh(world, rank, outer, tp)
         for axis in ("shard", "replicate", "tp", "dp"):
-            assert t.my_group(axis)[t.axis_rank(axis)] == rank, axis
+            assert t.my_group(axis)[t.coord(axis)] == rank, axis
         assert set(t.my_group("tp")) & set(t.my_group("dp")) == {rank}
         # a data-parallel rank's TP group sees one part of the batch: dp rank is the group's index
-        assert {Topology(world, r, outer, tp).dp_rank for r in t.my_group("tp")} == {t.dp_rank}
-        assert t.dp_rank == t.replica_rank * t.dp_shard + t.shard_rank
+        assert {Mesh(world, r, outer, tp).coord("dp") for r in t.my_group("tp")} == {t.coord("dp")}
+        assert t.coord("dp") == t.coord("replicate") * t.size("shard") + t.coord("shard")
 
 
 def test_the_mesh_in_words_and_a_wrong_product_named():
-    assert Topology(8, 0, 2, 2).describe() == [
+    assert Mesh(8, 0, 2, 2).describe() == [
         "mesh: replicate 2 x shard 2 x tp 2 = 8 ranks",
         "  replicate groups [0, 4] [1, 5] [2, 6] [3, 7]",
         "  shard     groups [0, 2] [1, 3] [4, 6] [5, 7]",
         "  tp        groups [0, 1] [2, 3] [4, 5] [6, 7]",
         "  dp        groups [0, 2, 4, 6] [1, 3, 5, 7]"]
-    with pytest.raises(MeshError, match=r"dp_outer=2 x parallel.tp=4 x .* dp_outer x tp \(8\) must divide num_workers"):
-        Topology(4, 0, 2, 4)
+    with pytest.raises(MeshError, match=r"sharding.dp_outer x parallel.tp: 2 x 4 = 8 does not divide cluster.num_workers \(4\)"):
+        Mesh(4, 0, 2, 4)
 
 
 @pytest.mark.parametrize("split, shape, tp", [(Split(0), (8, 3), 2), (Split(1), (4, 6), 3),
