@@ -262,11 +262,9 @@ def _model_line(p: dict) -> str:
     m = p["model"]
     if m["note"]:
         return f"{m['kind']} from {m['source']}: {m['note']}"
-    if m["kind"] == "gpt":
-        return "the built-in GPT" + (f", from {m['source']}" if m["source"] else "")
-    what = m["architecture"] or m["kind"]
-    source = f" from {m['source']}" if m["source"] else ""
-    return f"{what}{source} ({'pretrained weights' if m['init'] == 'pretrained' else 'random init'})"
+    from rayzero.models import spec_class
+
+    return spec_class(m["kind"]).plan_line(m)
 
 
 def _params_line(total: int, trainable: int) -> str:
