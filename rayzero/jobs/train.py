@@ -13,7 +13,6 @@ from pathlib import Path
 import ray
 import torch
 
-from rayzero import __version__
 from rayzero.checkpoint.storage import StorageError
 from rayzero.cluster.checkpoints import Checkpoints
 from rayzero.cluster.controller import Controller
@@ -29,6 +28,7 @@ from rayzero.jobs.preflight import (
     starts_local_ray,
 )
 from rayzero.sharding.topology import Topology
+from rayzero.version import __version__
 from rayzero.workers.assembly import (
     bucket_layout, build_model, check_buildable, initial_values, make_spec, whole_counts,
 )
