@@ -20,7 +20,6 @@ from rayzero._frozen import Frozen
 from rayzero.checkpoint.config import CheckpointConfig
 from rayzero.cluster.config import ClusterConfig, FailureConfig, TrackingConfig
 from rayzero.data.config import DataConfig
-from rayzero.models import spec_class
 from rayzero.models.config import ModelConfig
 from rayzero.sharding.config import OptimConfig, ParallelConfig, ShardingConfig
 
@@ -160,7 +159,7 @@ class RootConfig(Frozen):
                 f"model.block_size: {self.model.block_size} is shorter than train.seq_len ({t.seq_len})"
             )
         adapter = self.model.adapter or _adapter_dir(self.model.path)  # its base and settings come later
-        if t.save_format == "hf" and not adapter and not spec_class(self.model.kind).exports_hf_dir():
+        if t.save_format == "hf" and not adapter and not self.model.exports_hf_dir():
             raise ValueError(f"train.save_format: hf needs model.kind=hf (this is model.kind={self.model.kind}); "
                              "use safetensors")
         if t.save_format == "peft" and self.model.lora is None and not adapter:

@@ -68,10 +68,6 @@ class HFSpec(ModelSpec):
         return cfg.path
 
     @classmethod
-    def exports_hf_dir(cls) -> bool:
-        return True
-
-    @classmethod
     def architecture(cls, record: dict) -> str | None:
         return (record.get("architectures") or [None])[0]
 

@@ -15,9 +15,10 @@ checkpoint tools and the CLI ask it, and never name a model class:
     spec.export_plan(model)      the names an export writes, and what each one holds
     spec.check(seq_len, ...)     what can be checked in the driver, before any cluster starts
 
-What a kind answers before a spec is made (a config check, a checkpoint's record) its class
-answers, found by `models.spec_class(kind)`: `model_dir(cfg)`, `takes_factory()`,
-`exports_hf_dir()`, `describe(record)` and the like. Nothing outside `models` tests the kind.
+What a kind answers before a spec is made (the driver's checks, a checkpoint's record) its
+class answers, found by `models.spec_class(kind)`: `model_dir(cfg)`, `takes_factory()`,
+`exports_by_names()`, `describe(record)` and the like; what the config's validation asks,
+`ModelConfig` answers without torch. Nothing outside `models` tests the kind.
 """
 
 from __future__ import annotations
@@ -233,11 +234,6 @@ class ModelSpec:
         the tokenizer its data must be made with), or None where it has none (a model built from
         rayzero's config or a factory; its `model.path` holds weights only)."""
         return None
-
-    @classmethod
-    def exports_hf_dir(cls) -> bool:
-        """Whether a whole export may be an HF directory (`train.save_format=hf`, `--format hf`)."""
-        return False
 
     @classmethod
     def exports_by_names(cls) -> bool:

@@ -59,3 +59,15 @@ def test_the_check_sees_each_way_of_testing_the_kind():
 def test_each_kind_has_its_class():
     assert {kind: spec_class(kind).kind for kind in KINDS} == {kind: kind for kind in KINDS}
     assert spec_class(None).kind == "gpt"  # a record from before kinds were recorded
+
+
+def test_the_configs_own_questions_of_the_kind_import_no_torch():
+    """`train.save_format=hf` on a GPT is a config error, answered before torch is imported."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from rayzero.jobs.cli import main; rc = main(['train', 'train.save_format=hf']); "
+            "print(rc, 'torch' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.split() == ["2", "False"]
+    assert "train.save_format: hf needs model.kind=hf (this is model.kind=gpt)" in run.stderr
