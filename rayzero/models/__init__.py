@@ -22,7 +22,7 @@ def __getattr__(name: str):
 
 def spec_class(kind: str | None) -> type[ModelSpec]:
     """The `ModelSpec` class of a `model.kind`, which answers for the kind before any spec is
-    made (config checks, a checkpoint's record); None, as a record from before kinds were
+    made (the driver's checks, a checkpoint's record); None, as a record from before kinds were
     recorded has it, is the default kind. Its module (and torch) is imported here."""
     kind = kind or ModelConfig.model_fields["kind"].default
     if kind == "hf":
