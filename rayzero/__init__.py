@@ -4,7 +4,7 @@
     result = Trainer(TrainConfig(train={"steps": 50})).fit()
 """
 
-__version__ = "0.1.0"
+from rayzero.version import __version__
 
 __all__ = ["Trainer", "TrainConfig", "Result", "__version__"]
 

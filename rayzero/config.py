@@ -158,7 +158,7 @@ class RootConfig(Frozen):
                 f"model.block_size: {self.model.block_size} is shorter than train.seq_len ({t.seq_len})"
             )
         adapter = self.model.adapter or _adapter_dir(self.model.path)  # its base and settings come later
-        if t.save_format == "hf" and self.model.kind != "hf" and not adapter:
+        if t.save_format == "hf" and not adapter and not self.model.exports_hf_dir():
             raise ValueError(f"train.save_format: hf needs model.kind=hf (this is model.kind={self.model.kind}); "
                              "use safetensors")
         if t.save_format == "peft" and self.model.lora is None and not adapter:

@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 
 from rayzero.checkpoint.storage import Storage, StorageError
+from rayzero.models import spec_class
 
 log = logging.getLogger(__name__)
 
@@ -130,16 +131,7 @@ def model_differences(manifest: dict, params: dict[str, list[int]], frozen: list
 def describe_model(record: dict | None) -> str:
     """A model as a checkpoint records it (`ModelSpec.record()`), in a few words."""
     record = record or {"kind": "gpt"}
-    kind = record.get("kind")
-    if kind == "hf":
-        arch = (record.get("architectures") or [None])[0] or record.get("config", {}).get("model_type", "an HF model")
-        return f"{arch} from {record.get('source')}"
-    if kind == "module":
-        return f"the module {record.get('factory')}" + (f" ({record['kwargs']})" if record.get("kwargs") else "")
-    config = record.get("config") or {}
-    shape = ", ".join(f"{k} {config[k]}" for k in ("n_layer", "n_head", "n_embd", "vocab_size") if k in config)
-    return "the built-in GPT" + (f" ({shape})" if shape else "") + (
-        f" from {record['source']}" if record.get("source") else "")
+    return spec_class(record.get("kind")).describe(record)
 
 
 # Config entries that say nothing of the model itself (which library wrote it, from where).

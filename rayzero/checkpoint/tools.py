@@ -18,7 +18,7 @@ from rayzero.checkpoint.manifest import CheckpointError, Committed, committed
 from rayzero.checkpoint.shard_file import ShardReader, verify
 from rayzero.checkpoint.shards import SavedIndex
 from rayzero.checkpoint.storage import Storage
-from rayzero.models import ModelError, ModelSpec, spec_from_manifest
+from rayzero.models import ModelError, ModelSpec, spec_class, spec_from_manifest
 from rayzero.models.spec import ExportEntry
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class CheckpointWeights:
         except ModelError as e:
             # A module whose factory this process cannot import (one defined in a notebook):
             # its parameters by their names, without buffers or tied aliases.
-            if m["model"].get("kind") != "module" or self.frozen:
+            if not spec_class(m["model"].get("kind")).exports_by_names() or self.frozen:
                 raise CheckpointError(f"{c.uri}: cannot rebuild the model to export it: {e}") from None
             log.warning("%s; exporting the parameters by their names only", e)
             self.spec = self.model = None

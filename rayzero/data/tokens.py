@@ -195,7 +195,7 @@ def _add_documents(files, tok, writer: ShardWriter, fields: Fields, skipped, bar
 
 
 def _add_instructions(files, tok, writer: ShardWriter, skipped, bar) -> None:
-    from rayzero.data.instruct import example_of
+    from rayzero.data.examples import example_of
     from rayzero.data.sources import json_records
 
     for f in files:

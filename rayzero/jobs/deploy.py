@@ -373,7 +373,7 @@ class Note(str):
 def _parse_train(argv: list[str]):
     """`argv` parsed by the `rayzero` command's own parser, so that the check and the job
     agree on what an option means; its usage error becomes a DeployError."""
-    from rayzero.jobs.cli import parse_args
+    from rayzero.jobs.commands import parse_args
 
     out = io.StringIO()
     try:

@@ -217,9 +217,9 @@ def load_generator(weights: str, cfg: RootConfig | None = None, tokenizer: str |
 
         spec = make_spec(cfg)
         model = _real(spec.build(), load_file(str(local)))
-        path = cfg.model.path if cfg.model.kind == "hf" else None
+        path = spec.model_dir(cfg.model)
         tok = chosen or find_tokenizer(path, cfg.data.path or None, storage)
-        return Generator(model, tok, _block_size(cfg), eos_ids=_eos_ids(_model_files(path, storage)))
+        return Generator(model, tok, spec.block_size, eos_ids=_eos_ids(_model_files(path, storage)))
     try:
         c = open_checkpoint(weights, storage)
     except CheckpointError as e:
@@ -228,7 +228,7 @@ def load_generator(weights: str, cfg: RootConfig | None = None, tokenizer: str |
 
     spec = CheckpointWeights(c, storage).spec
     model = _real(spec.build(), consolidated_weights(c, storage))
-    source = c.manifest["model"].get("path") if c.manifest["model"].get("kind") == "hf" else None
+    source = spec.model_dir(spec.cfg)
     tok = chosen or find_tokenizer(source, c.manifest["data"].get("path"), storage)
     files = _model_files(source, storage)
     if "config.json" not in files and (c.manifest.get("model_source") or {}).get("config"):
@@ -278,7 +278,3 @@ def adapter_base(adapter: Path, cfg: RootConfig) -> str:
             raise ConfigError(f"{adapter}: the adapter was trained on {named} (config {digest(other)}), not on "
                               f"model.path {base} (config {mine}); give model.path={named}, or leave it out")
     return base
-
-
-def _block_size(cfg: RootConfig) -> int | None:
-    return cfg.block_size if cfg.model.kind == "gpt" else None

@@ -52,7 +52,7 @@ class _Tokenize:
         ids = [b""] * len(docs)
         masks = [b""] * len(docs)
         if self.instructions:
-            from rayzero.data.instruct import example_of
+            from rayzero.data.examples import example_of
 
             for i in keep:
                 tokens, mask = example_of(self.tok, json.loads(docs[i]), wheres[i])

@@ -13,7 +13,6 @@ from pathlib import Path
 import ray
 import torch
 
-from rayzero import __version__
 from rayzero.checkpoint.storage import StorageError
 from rayzero.cluster.checkpoints import Checkpoints
 from rayzero.cluster.controller import Controller
@@ -23,11 +22,12 @@ from rayzero.checkpoint.export import check_destination, check_final, export_ide
 from rayzero.config import ConfigError, RootConfig
 from rayzero.data.corpus import ensure_default_corpus
 from rayzero.data.tokens import DataError, read_meta
-from rayzero.models import ModelError, ModelSpec, ModelUnavailable
+from rayzero.models import ModelError, ModelSpec, ModelUnavailable, spec_class
 from rayzero.jobs.preflight import (
     check_local_capacity, nothing_to_train, quiet_logs, resume_preview, resumed_run_dir, say_resume,
     starts_local_ray,
 )
+from rayzero.version import __version__
 from rayzero.workers.assembly import (
     bucket_layout, build_model, check_buildable, initial_values, make_spec, whole_counts,
 )
@@ -128,14 +128,15 @@ def check_data_tokenizer(cfg: RootConfig, meta: dict, data_path: str) -> None:
     mean other tokens to the model. The model's tokenizer is what `AutoTokenizer` loads from
     `model.path` (as `data prepare --tokenizer MODEL_DIR` loads it), so the advice below makes
     a dataset that passes."""
-    if cfg.model.kind != "hf":
+    model_dir = spec_class(cfg.model.kind).model_dir(cfg.model)
+    if model_dir is None:
         return
     from rayzero.models.hf import model_tokenizer
 
     try:
-        mine = model_tokenizer(cfg.model.path, cfg.checkpoint)
+        mine = model_tokenizer(model_dir, cfg.checkpoint)
     except DataError as e:
-        raise DataError(f"model.path: {cfg.model.path} has tokenizer files, but {str(e).split(': ', 1)[-1]}") from None
+        raise DataError(f"model.path: {model_dir} has tokenizer files, but {str(e).split(': ', 1)[-1]}") from None
     if mine is None:
         return
     theirs = meta["tokenizer"]
@@ -144,8 +145,8 @@ def check_data_tokenizer(cfg: RootConfig, meta: dict, data_path: str) -> None:
             f"tokenizer {theirs.get('name', '?')} ({theirs.get('class', 'hf')}, {theirs['sha256']})")
         raise DataError(
             f"data.path: {data_path} was tokenized with {made}, not with the tokenizer of model.path "
-            f"{cfg.model.path} ({type(mine.tok).__name__}, {mine.sha256}): prepare it with `rayzero data prepare "
-            f"SRC OUT --tokenizer {cfg.model.path}`")
+            f"{model_dir} ({type(mine.tok).__name__}, {mine.sha256}): prepare it with `rayzero data prepare "
+            f"SRC OUT --tokenizer {model_dir}`")
 
 
 def resolve_factory(cfg: RootConfig, factory=None):
@@ -154,7 +155,7 @@ def resolve_factory(cfg: RootConfig, factory=None):
     has it), so that `model.factory=mymodels:TinyLM` finds `./mymodels.py`. A callable from
     the user's own files (not an installed package) is sent to the ranks by value, so their
     machines need not have the file."""
-    if cfg.model.kind != "module":
+    if not spec_class(cfg.model.kind).takes_factory():
         return None
     if factory is None:
         from rayzero.models.module import import_factory
@@ -256,8 +257,8 @@ def adapter_start(cfg: RootConfig) -> RootConfig:
             raise ConfigError(f"model.adapter: {adapter} was trained on {base}, which is not here: give "
                               "model.path=BASE_DIR (that model's directory)")
         changes["path"] = _absolute(base)
-        if not path and m.kind == "gpt" and local and (Path(base).expanduser() / "config.json").is_file():
-            changes["kind"] = "hf"  # an HF model's adapter
+        if not path and local:  # the kind of the base it names (an HF model's directory: hf)
+            changes["kind"] = spec_class(m.kind).adapter_base_kind(Path(base).expanduser())
     data = cfg.model_dump(by_alias=True)
     data["model"].update(changes)
     return build_config(data, type(cfg))
@@ -379,7 +380,7 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
         "trainable_params": whole_trainable,
         "params_per_rank": num_params,
         "model": {"kind": record["kind"], "source": record.get("source"), "init": record.get("init"),
-                  "architecture": (record.get("architectures") or [None])[0] if record["kind"] == "hf" else None,
+                  "architecture": spec_class(record["kind"]).architecture(record),
                   "note": note, "lora": lora},
         "global_batch_size": t.global_batch_size,
         "micro_batch_size": t.micro_batch_size,

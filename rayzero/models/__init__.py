@@ -1,5 +1,6 @@
 """Models behind one seam (`spec.ModelSpec`): the built-in GPT, Hugging Face causal LMs, and
-any `nn.Module`. `model_spec(cfg)` gives the one `model.kind` names."""
+any `nn.Module`. `model_spec(cfg)` gives the one `model.kind` names; `spec_class(kind)` its
+class, which answers for the kind where no spec is made yet."""
 
 from __future__ import annotations
 
@@ -19,22 +20,31 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'rayzero.models' has no attribute {name!r}")
 
 
+def spec_class(kind: str | None) -> type[ModelSpec]:
+    """The `ModelSpec` class of a `model.kind`, which answers for the kind before any spec is
+    made (the driver's checks, a checkpoint's record); None, as a record from before kinds were
+    recorded has it, is the default kind. Its module (and torch) is imported here."""
+    kind = kind or ModelConfig.model_fields["kind"].default
+    if kind == "hf":
+        from rayzero.models.hf import HFSpec
+
+        return HFSpec
+    if kind == "module":
+        from rayzero.models.module import ModuleSpec
+
+        return ModuleSpec
+    from rayzero.models.gpt import GPTSpec
+
+    return GPTSpec
+
+
 def model_spec(cfg: ModelConfig, *, seed: int, block_size: int, storage_cfg=None,
                factory: Callable | None = None) -> ModelSpec:
     """The spec of the model `cfg` describes. `block_size`: the GPT's context (the config's or
     `train.seq_len`); `storage_cfg`: S3 settings for `model.path`; `factory`: a callable given
     from Python for `model.kind=module`. Raises ModelError for a model that cannot be had."""
-    if cfg.kind == "hf":
-        from rayzero.models.hf import HFSpec
-
-        return HFSpec(cfg, seed, storage_cfg)
-    if cfg.kind == "module":
-        from rayzero.models.module import ModuleSpec
-
-        return ModuleSpec(cfg, seed, factory, storage_cfg)
-    from rayzero.models.gpt import GPTSpec
-
-    return GPTSpec(cfg, seed, block_size, storage_cfg)
+    return spec_class(cfg.kind).create(cfg, seed=seed, block_size=block_size, storage_cfg=storage_cfg,
+                                       factory=factory)
 
 
 def spec_from_manifest(manifest: dict, storage_cfg=None) -> ModelSpec:
@@ -43,12 +53,9 @@ def spec_from_manifest(manifest: dict, storage_cfg=None) -> ModelSpec:
     cfg = ModelConfig(**manifest["model"])
     record = manifest.get("model_source") or {}
     seed = record.get("seed", manifest["data"]["seed"])
-    if cfg.kind == "hf":
-        from rayzero.models.hf import HFSpec
-
-        return HFSpec(cfg, seed, storage_cfg, config=record.get("config"))
-    return model_spec(cfg, seed=seed, block_size=manifest["block_size"], storage_cfg=storage_cfg)
+    return spec_class(cfg.kind).create(cfg, seed=seed, block_size=manifest["block_size"], storage_cfg=storage_cfg,
+                                       record=record)
 
 
-__all__ = ["ModelConfig", "ModelError", "ModelSpec", "ModelUnavailable", "PRESETS", "model_spec",
+__all__ = ["ModelConfig", "ModelError", "ModelSpec", "ModelUnavailable", "PRESETS", "model_spec", "spec_class",
            "spec_from_manifest"]

@@ -220,6 +220,12 @@ class ModelConfig(Frozen):
             raise ValueError("init: pretrained needs model.path (the weights to start from)")
         return self
 
+    def exports_hf_dir(self) -> bool:
+        """Whether a whole export of the model may be an HF directory (`train.save_format=hf`):
+        an HF model's. Asked of the config, beside its other rules by kind, and not of the spec
+        class, whose module imports torch: a config error answers at once."""
+        return self.kind == "hf"
+
 
 def _scalar(v):
     if not isinstance(v, str):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -136,6 +137,28 @@ class GPTSpec(ModelSpec):
     def __init__(self, cfg: ModelConfig, seed: int, block_size: int, storage_cfg=None):
         super().__init__(cfg, seed, storage_cfg)
         self.block_size = block_size
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, *, seed: int, block_size: int, storage_cfg=None, factory=None,
+               record: dict | None = None) -> GPTSpec:
+        return cls(cfg, seed, block_size, storage_cfg)
+
+    @classmethod
+    def adapter_base_kind(cls, base: Path) -> str:
+        """An adapter on a directory with a config.json was trained on an HF model: the kind
+        left at its default (this one) gives way to `hf`."""
+        return "hf" if (base / "config.json").is_file() else cls.kind
+
+    @classmethod
+    def describe(cls, record: dict) -> str:
+        config = record.get("config") or {}
+        shape = ", ".join(f"{k} {config[k]}" for k in ("n_layer", "n_head", "n_embd", "vocab_size") if k in config)
+        return "the built-in GPT" + (f" ({shape})" if shape else "") + (
+            f" from {record['source']}" if record.get("source") else "")
+
+    @classmethod
+    def plan_line(cls, entry: dict) -> str:
+        return "the built-in GPT" + (f", from {entry['source']}" if entry["source"] else "")
 
     def _build(self) -> GPT:
         return build_model(self.cfg, self.block_size, self.seed, device="meta")

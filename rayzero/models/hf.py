@@ -58,6 +58,24 @@ class HFSpec(ModelSpec):
             self.config = config_from_dict(config)
             self.config_bytes = json.dumps(config, sort_keys=True).encode()
 
+    @classmethod
+    def create(cls, cfg: ModelConfig, *, seed: int, block_size: int, storage_cfg=None, factory=None,
+               record: dict | None = None) -> HFSpec:
+        return cls(cfg, seed, storage_cfg, config=(record or {}).get("config"))
+
+    @classmethod
+    def model_dir(cls, cfg: ModelConfig) -> str | None:
+        return cfg.path
+
+    @classmethod
+    def architecture(cls, record: dict) -> str | None:
+        return (record.get("architectures") or [None])[0]
+
+    @classmethod
+    def describe(cls, record: dict) -> str:
+        arch = cls.architecture(record) or record.get("config", {}).get("model_type", "an HF model")
+        return f"{arch} from {record.get('source')}"
+
     @property
     def where(self) -> str:
         return f"model.path={self.path}"

@@ -67,6 +67,23 @@ class ModuleSpec(ModelSpec):
         self.kwargs = dict(cfg.kwargs)
         self._vocab: int | None = None
 
+    @classmethod
+    def create(cls, cfg: ModelConfig, *, seed: int, block_size: int, storage_cfg=None,
+               factory: Callable[..., nn.Module] | None = None, record: dict | None = None) -> ModuleSpec:
+        return cls(cfg, seed, factory, storage_cfg)
+
+    @classmethod
+    def takes_factory(cls) -> bool:
+        return True
+
+    @classmethod
+    def exports_by_names(cls) -> bool:
+        return True
+
+    @classmethod
+    def describe(cls, record: dict) -> str:
+        return f"the module {record.get('factory')}" + (f" ({record['kwargs']})" if record.get("kwargs") else "")
+
     @property
     def where(self) -> str:
         return f"model.factory={self.cfg.factory}"

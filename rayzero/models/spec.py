@@ -14,6 +14,11 @@ checkpoint tools and the CLI ask it, and never name a model class:
     spec.record()                what a checkpoint notes of the model (kind, source, config hash)
     spec.export_plan(model)      the names an export writes, and what each one holds
     spec.check(seq_len, ...)     what can be checked in the driver, before any cluster starts
+
+What a kind answers before a spec is made (the driver's checks, a checkpoint's record) its
+class answers, found by `models.spec_class(kind)`: `model_dir(cfg)`, `takes_factory()`,
+`exports_by_names()`, `describe(record)` and the like; what the config's validation asks,
+`ModelConfig` answers without torch. Nothing outside `models` tests the kind.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import hashlib
 import json
 import zlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
@@ -201,12 +207,62 @@ class ModelSpec:
     """What the trainer needs to know of one model; see the module docstring."""
 
     kind = "base"
+    block_size: int | None = None  # the context the model is built for, which generation crops to; None: any
 
     def __init__(self, cfg, seed: int, storage_cfg=None):
         self.cfg = cfg
         self.seed = seed
         self.freeze = tuple(cfg.freeze)
         self.storage_cfg = storage_cfg  # S3 settings for model.path
+
+    # -- the kind: what its class answers from a config or a record, with no spec made --------
+    @classmethod
+    def create(cls, cfg, *, seed: int, block_size: int, storage_cfg=None, factory: Callable | None = None,
+               record: dict | None = None) -> ModelSpec:
+        """The spec of `cfg` (see `models.model_spec`); `record`: the model's record in the
+        checkpoint it is rebuilt from."""
+        return cls(cfg, seed, storage_cfg)
+
+    @classmethod
+    def takes_factory(cls) -> bool:
+        """Whether the model is built by a user's callable (`model.factory`, or one given from Python)."""
+        return False
+
+    @classmethod
+    def model_dir(cls, cfg) -> str | None:
+        """The directory of the model's own files (config.json, generation config, tokenizer:
+        the tokenizer its data must be made with), or None where it has none (a model built from
+        rayzero's config or a factory; its `model.path` holds weights only)."""
+        return None
+
+    @classmethod
+    def exports_by_names(cls) -> bool:
+        """Whether a checkpoint may be exported by its parameters' names alone where the model
+        cannot be rebuilt in this process (a module whose factory was defined in a notebook)."""
+        return False
+
+    @classmethod
+    def adapter_base_kind(cls, base: Path) -> str:
+        """The kind of the model a PEFT adapter goes onto, where the adapter names its base
+        (`base`, a local path) and this kind is the one configured."""
+        return cls.kind
+
+    @classmethod
+    def architecture(cls, record: dict) -> str | None:
+        """The model's architecture by name, as its record (`record()`) says, or None."""
+        return None
+
+    @classmethod
+    def describe(cls, record: dict) -> str:
+        """A model as a checkpoint records it (`record()`), in a few words."""
+        raise NotImplementedError
+
+    @classmethod
+    def plan_line(cls, entry: dict) -> str:
+        """The model in the dry run's plan, from the plan's `model` entry."""
+        what = entry["architecture"] or entry["kind"]
+        source = f" from {entry['source']}" if entry["source"] else ""
+        return f"{what}{source} ({'pretrained weights' if entry['init'] == 'pretrained' else 'random init'})"
 
     @functools.cached_property
     def weights(self):

@@ -1,4 +1,5 @@
-"""The layers import in one direction only: jobs -> cluster -> workers -> sharding/models/data.
+"""The layers import in one direction only: jobs -> cluster -> workers -> sharding/models/data,
+and no modules import each other round a cycle (function-level imports count).
 
 Checked on the source with `ast`, so nothing here imports the modules (or ray).
 """
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import sys
+from fnmatch import fnmatchcase
 from functools import lru_cache
 from pathlib import Path
 
@@ -189,3 +191,126 @@ def test_a_config_error_imports_neither_torch_nor_ray():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert run.stdout.split() == ["2", "False", "False"]
     assert "sharding.strategy" in run.stderr
+
+
+# No import cycles, and no import upwards. Every module has a layer; it imports from its own
+# layer and those below it only. A component's config module is a leaf that the root config
+# composes (config lives with its component), so it sits in the bottom layer whatever package
+# holds it; the root config sits above the components it composes, below the code that runs
+# them. An entry names a module or a package (with its modules); `*` matches any name.
+
+LAYERS = [
+    ["rayzero._frozen", "rayzero.version", "rayzero.*.config"],
+    ["rayzero.checkpoint.storage"],  # URI -> filesystem: the data and the models read through it too
+    ["rayzero.sharding"],
+    ["rayzero.data"],
+    ["rayzero.models"],
+    ["rayzero.checkpoint"],
+    ["rayzero.config"],
+    ["rayzero.workers"],
+    ["rayzero.cluster"],
+    ["rayzero.jobs"],
+    ["rayzero.sdk", "rayzero.config_reference"],
+]
+TOP = len(LAYERS)  # the package root, which re-exports the SDK: nothing imports it
+
+
+def layer_of(module: str) -> int | None:
+    """The layer of the most specific entry (the one with the most dotted parts) naming `module`."""
+    if module == "rayzero":
+        return TOP
+    found = [(entry.count("."), i) for i, layer in enumerate(LAYERS) for entry in layer
+             if fnmatchcase(module, entry) or fnmatchcase(module, entry + ".*")]
+    return max(found)[1] if found else None
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Each rayzero module -> the rayzero modules it imports, function bodies included."""
+    return _graph(ROOT)
+
+
+@lru_cache(maxsize=None)
+def _graph(root: Path) -> dict[str, set[str]]:
+    files = {module_name(f): f for f in sorted(root.rglob("*.py"))}
+    return {m: {n for n in imports_of(f) if n in files and n != m} for m, f in files.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle through each strongly connected group of modules (Tarjan's algorithm), as the
+    modules in import order, the first one again at the end."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:  # v is the first of its group left on the stack: pop the group
+            group = set()
+            while v not in group:
+                group.add(stack.pop())
+            if len(group) > 1:
+                groups.append(group)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return [_cycle_through(graph, group) for group in groups]
+
+
+def _cycle_through(graph: dict[str, set[str]], group: set[str]) -> list[str]:
+    """The shortest import path from the group's first module back to itself, inside the group."""
+    start = min(group)
+    paths = {start: [start]}
+    todo = [start]
+    while todo:
+        v = todo.pop(0)
+        for w in sorted(graph[v] & group):
+            if w == start:
+                return paths[v] + [start]
+            if w not in paths:
+                paths[w] = paths[v] + [w]
+                todo.append(w)
+    raise AssertionError(f"no cycle in {sorted(group)}")
+
+
+def test_no_import_cycles():
+    assert [" -> ".join(c) for c in cycles(module_graph())] == []
+
+
+def test_every_module_has_a_layer():
+    assert [m for m in sorted(module_graph()) if layer_of(m) is None] == []
+
+
+def test_no_module_imports_a_higher_layer():
+    bad = [f"{m} (layer {layer_of(m)}) imports {n} (layer {layer_of(n)})"
+           for m, deps in sorted(module_graph().items()) for n in sorted(deps)
+           if None not in (layer_of(m), layer_of(n)) and layer_of(n) > layer_of(m)]
+    assert bad == []
+
+
+def test_layers_place_what_they_should():
+    assert layer_of("rayzero.cluster.config") == 0 and layer_of("rayzero.models.config") == 0
+    assert layer_of("rayzero.checkpoint.storage") < layer_of("rayzero.data") < layer_of("rayzero.checkpoint")
+    assert layer_of("rayzero.models.hf") == layer_of("rayzero.models")
+    assert layer_of("rayzero.jobs.train") < TOP and layer_of("rayzero.nothing") is None
+
+
+def test_checker_finds_cycles_through_function_level_imports(tmp_path, monkeypatch):
+    pkg = tmp_path / "rayzero" / "fake"
+    pkg.mkdir(parents=True)
+    (tmp_path / "rayzero" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from rayzero.fake import b\n")
+    (pkg / "b.py").write_text("def f():\n    from .c import g\n")
+    (pkg / "c.py").write_text("import rayzero.fake.a\n")
+    (pkg / "d.py").write_text("from rayzero.fake.a import x\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path / "rayzero")
+    assert cycles(module_graph()) == [["rayzero.fake.a", "rayzero.fake.b", "rayzero.fake.c", "rayzero.fake.a"]]
