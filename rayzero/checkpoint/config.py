@@ -67,6 +67,14 @@ class CheckpointConfig(Frozen):
         description="Retries per storage call, with exponential backoff; 0 = no retries.",
     )
 
+    @property
+    def storage(self):
+        """The S3 settings and retries as `rayzero.storage` takes them (`StorageSettings`)."""
+        from rayzero.storage import StorageSettings  # here, not above: the config imports no pyarrow
+
+        return StorageSettings(endpoint=self.s3_endpoint, region=self.s3_region, access_key_id=self.s3_access_key_id,
+                               secret_access_key=self.s3_secret_access_key.get_secret_value(), retries=self.retries)
+
     @field_validator("resume")
     @classmethod
     def _resume(cls, v: str) -> str:

@@ -14,6 +14,11 @@ from rayzero.config import ConfigError, load_config
 from rayzero.data.errors import DataError
 
 
+STORAGE_OPTIONS = ("S3 settings as overrides, the keys `rayzero train` takes: checkpoint.s3_endpoint=http://host:8333 "
+                   "checkpoint.s3_access_key_id=… checkpoint.s3_secret_access_key=… checkpoint.s3_region=…; "
+                   "those left out come from the AWS_* variables.")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rayzero", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -33,10 +38,11 @@ def _parser() -> argparse.ArgumentParser:
     dsub = d.add_subparsers(dest="data_command", required=True)
     prep = dsub.add_parser("prepare", help="tokenize text, JSON lines or Parquet into token shards", description=(
         "Tokenize documents into Parquet token shards training reads (data.path). SRC: a file, a folder or a "
-        "glob, local or s3:// (endpoint from $AWS_ENDPOINT_URL). .jsonl/.json: a document per record "
-        "(--text-field); .parquet: per row (--text-column); any other file is one document."))
+        "glob, local or s3://. .jsonl/.json: a document per record (--text-field); .parquet: per row "
+        "(--text-column); any other file is one document. " + STORAGE_OPTIONS))
     prep.add_argument("src", help="a file, a folder, or a glob such as 'docs/**.jsonl' (quote it)")
     prep.add_argument("out", help="output folder (local path or URI)")
+    prep.add_argument("overrides", nargs="*", metavar="key=value", help="storage settings (checkpoint.s3_*)")
     prep.add_argument("--tokenizer", default="byte", help="`byte` (default), or a local directory with a Hugging "
                       "Face tokenizer (tokenizer.json, or what AutoTokenizer loads: e.g. the model's directory)")
     prep.add_argument("--glob", default="*", help="which files under a SRC folder, by name (default: all)")
@@ -62,7 +68,8 @@ def _parser() -> argparse.ArgumentParser:
         "it was trained on) or a safetensors export (with the model's config: --config or model.* overrides). "
         "The tokenizer: --tokenizer, else the adapter's or model directory's own, else the training data's, else "
         "bytes. With a chat template the prompt is the user's message and only the answer is printed; generation "
-        "stops at the end-of-turn and end-of-sequence tokens."))
+        "stops at the end-of-turn and end-of-sequence tokens. A checkpoint or safetensors file may be in s3://. "
+        + STORAGE_OPTIONS))
     g.add_argument("weights", help="a checkpoint, an HF model directory, a PEFT adapter directory, or a "
                                    ".safetensors file")
     g.add_argument("--prompt", required=True, help="the text to continue, or (chat) the user's message")
@@ -80,8 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("overrides", nargs="*", metavar="key=value")
     c = sub.add_parser("ckpt", help="checkpoint tools", description=(
         "Inspect committed checkpoints. URI is a checkpoint directory (ls; the others take its "
-        "newest commit) or one step-… prefix. Storage options as overrides, e.g. "
-        "checkpoint.s3_endpoint=http://host:8333 (or the AWS_* variables)."))
+        "newest commit) or one step-… prefix. " + STORAGE_OPTIONS))
     csub = c.add_subparsers(dest="ckpt_command", required=True)
     for name, text in (("ls", "committed checkpoints: step, size, world size, strategy"),
                        ("verify", "read every shard and check its checksums"),
@@ -133,7 +139,7 @@ def _ckpt(args) -> int:
     from rayzero.checkpoint.export import parse_size
     from rayzero.checkpoint.manifest import CheckpointError, open_checkpoint
     from rayzero.checkpoint.shard_file import ChecksumError
-    from rayzero.checkpoint.storage import StorageError
+    from rayzero.storage import StorageError
     from rayzero.checkpoint.tools import export_checkpoint, list_checkpoints, verify_checkpoint
     from rayzero.models import ModelError
 
@@ -179,7 +185,7 @@ def _train(args) -> int:
     startup = Startup()
     startup.stage("checks", CHECKS)  # said before the imports below: torch and Ray take seconds
     from rayzero.checkpoint.manifest import CheckpointError
-    from rayzero.checkpoint.storage import StorageError
+    from rayzero.storage import StorageError
     from rayzero.cluster.failure import Stopped, TrainingFailed
     from rayzero.cluster.worker_group import PlacementError
     from rayzero.jobs.train import ClusterUnreachable, run_train
@@ -353,6 +359,7 @@ def _prepare(args) -> int:
     from rayzero.data.sources import Fields
     from rayzero.data.tokens import prepare
 
+    storage = load_config(None, args.overrides).checkpoint.storage  # before Ray: a typo fails at once
     logging.basicConfig(format="rayzero: warning: %(message)s", level=logging.WARNING)
     if args.ray:
         import ray
@@ -369,11 +376,11 @@ def _prepare(args) -> int:
                 raise _UserError(f"--address: cannot connect to a Ray cluster at {args.address!r}: {e}") from None
     tokenizer = args.tokenizer
     if "://" in tokenizer and not tokenizer.startswith("file://"):  # a model directory in storage
-        from rayzero.checkpoint.storage import StorageError
         from rayzero.models.hf import model_tokenizer
+        from rayzero.storage import StorageError
 
         try:
-            tokenizer = model_tokenizer(tokenizer, load_config(None, []).checkpoint)
+            tokenizer = model_tokenizer(tokenizer, storage)
         except StorageError as e:
             raise _UserError(f"--tokenizer: cannot read {args.tokenizer}: {e}") from None
         if tokenizer is None:
@@ -387,7 +394,7 @@ def _prepare(args) -> int:
         how = partial(prepare_on_ray, workers=args.workers)
     meta = how(args.src, args.out, pattern=args.glob, shard_tokens=args.shard_tokens, tokenizer=tokenizer,
                fields=Fields(args.text_field, args.text_column), strict_utf8=args.strict_utf8,
-               progress=not args.no_progress, instructions=args.instructions)
+               progress=not args.no_progress, instructions=args.instructions, storage_cfg=storage)
     tok = meta["tokenizer"]
     what = "examples" if args.instructions else "documents"
     print(f"wrote {meta['num_tokens']:,} tokens ({meta['dtype']}) from {meta['num_documents']:,} {what} "
@@ -399,7 +406,7 @@ def _prepare(args) -> int:
 
 def _generate(args) -> int:
     from rayzero.checkpoint.manifest import CheckpointError
-    from rayzero.checkpoint.storage import StorageError
+    from rayzero.storage import StorageError
     from rayzero.jobs.generate import load_generator
     from rayzero.models import ModelError
 
