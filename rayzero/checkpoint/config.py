@@ -10,8 +10,10 @@ from rayzero._frozen import Frozen
 
 
 class CheckpointConfig(Frozen):
-    """Where checkpoints go, how often, how many are kept, and what a run resumes from. S3
-    settings left empty fall back to the standard AWS variables (`AWS_ACCESS_KEY_ID`, ...)."""
+    """Where checkpoints go, how often, how many are kept, and what a run resumes from. The S3
+    settings are those of every `s3://` URI (`model.path`, `data.path`, `train.save_final`, and
+    `rayzero ckpt`, `generate` and `data prepare`, which take them as overrides); left empty they
+    fall back to the standard AWS variables (`AWS_ACCESS_KEY_ID`, ...)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, populate_by_name=True)
 
