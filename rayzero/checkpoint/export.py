@@ -17,12 +17,13 @@ import pyarrow.fs as pafs
 import torch
 from safetensors.torch import save
 
-from rayzero.storage import StorageError, destination, filesystem
+from rayzero.storage import Storage, StorageError, destination, filesystem
 
 
 def check_destination(uri: str, storage_cfg=None) -> None:
     """Fail now, not after training, if `uri` cannot be written: an unknown scheme, a local
-    folder that cannot be created or written. Raises ValueError saying why."""
+    folder that cannot be created or written, S3 that a probe write beside `uri` does not reach
+    (endpoint, keys, bucket). Raises ValueError saying why."""
     if "://" not in uri:
         parent = Path(uri).expanduser().resolve().parent
         if parent.exists() and not parent.is_dir():
@@ -36,6 +37,9 @@ def check_destination(uri: str, storage_cfg=None) -> None:
         return
     try:
         filesystem(uri, storage_cfg)
+        if uri.startswith("s3://"):
+            root = uri.rstrip("/")
+            Storage(root.rsplit("/", 1)[0] if root.count("/") > 2 else root, storage_cfg).probe()
     except StorageError as e:
         raise ValueError(str(e)) from None
 

@@ -3,6 +3,7 @@ the `checkpoint.s3_*` settings; against the suite's SeaweedFS with those setting
 `AWS_*` variable), what needs no Ray: `rayzero data prepare`'s source and output, and the final
 weights' checks and writes. tests/e2e/test_storage.py trains with every other URI in S3."""
 
+import dataclasses
 import json
 
 import pyarrow.fs as pafs
@@ -78,3 +79,6 @@ def test_the_final_weights_check_and_write_s3_with_the_checkpoint_settings(s3_se
         assert read_export_identity(uri, fmt, settings) == mine
         with pytest.raises(ValueError, match="already holds an export of gpt model"):
             check_final(uri, fmt, other, False, settings)
+    wrong = dataclasses.replace(settings, secret_access_key="wrong")
+    with pytest.raises(ValueError, match="SIGNATURE_DOES_NOT_MATCH"):  # found before training, in one line
+        check_destination("s3://final-unit/again.safetensors", wrong)
