@@ -54,7 +54,7 @@ def filesystem(uri: str, settings=None) -> tuple[pafs.FileSystem, str]:
     """The filesystem `uri` is on and its path there: a local path or file://... (resolved,
     `~` expanded); s3://bucket/key with `settings` (StorageSettings, or a config holding
     them); another scheme as pyarrow configures it. StorageError for a scheme pyarrow does not
-    know. Nothing is contacted."""
+    know. A local path or s3:// contacts nothing here."""
     if "://" not in uri or uri.startswith("file://"):
         return pafs.LocalFileSystem(), str(Path(uri.removeprefix("file://")).expanduser().resolve())
     if uri.startswith("s3://"):
