@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rayzero.checkpoint.shard_file import write_shard  # noqa: E402
 from rayzero.checkpoint.shards import read_shard  # noqa: E402
-from rayzero.checkpoint.storage import Storage  # noqa: E402
+from rayzero.storage import Storage  # noqa: E402
 from rayzero.cluster.checkpoints import Checkpoints  # noqa: E402
 from rayzero.config import load_config  # noqa: E402
 from rayzero.data.corpus import ensure_default_corpus  # noqa: E402

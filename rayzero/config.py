@@ -51,8 +51,8 @@ class RunConfig(Frozen):
     )
     save_final: str = Field(
         default="",
-        description="Where to write the final consolidated weights (local path or URI): a safetensors file, "
-        "or with `save_format=hf` a model directory; empty = none.",
+        description="Where to write the final consolidated weights (local path or URI; `s3://` uses the "
+        "`checkpoint.s3_*` settings): a safetensors file, or with `save_format=hf` a model directory; empty = none.",
     )
     save_format: Literal["safetensors", "hf", "peft"] = Field(
         default="safetensors",

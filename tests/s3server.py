@@ -94,3 +94,10 @@ class SeaweedS3:
                 f"checkpoint.s3_secret_access_key={self.SECRET}", f"checkpoint.s3_region={self.REGION}"]
 
 
+def without_aws_variables(monkeypatch) -> None:
+    """No `AWS_*` variable in this process, so that only the `checkpoint.s3_*` settings can reach
+    the server."""
+    for name in [n for n in os.environ if n.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+
+

@@ -10,8 +10,10 @@ from rayzero._frozen import Frozen
 
 
 class CheckpointConfig(Frozen):
-    """Where checkpoints go, how often, how many are kept, and what a run resumes from. S3
-    settings left empty fall back to the standard AWS variables (`AWS_ACCESS_KEY_ID`, ...)."""
+    """Where checkpoints go, how often, how many are kept, and what a run resumes from. The S3
+    settings are those of every `s3://` URI (`model.path`, `data.path`, `train.save_final`, and
+    `rayzero ckpt`, `generate` and `data prepare`, which take them as overrides); left empty they
+    fall back to the standard AWS variables (`AWS_ACCESS_KEY_ID`, ...)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, populate_by_name=True)
 
@@ -66,6 +68,14 @@ class CheckpointConfig(Frozen):
         default=5, ge=0,
         description="Retries per storage call, with exponential backoff; 0 = no retries.",
     )
+
+    @property
+    def storage(self):
+        """The S3 settings and retries as `rayzero.storage` takes them (`StorageSettings`)."""
+        from rayzero.storage import StorageSettings  # here, not above: the config imports no pyarrow
+
+        return StorageSettings(endpoint=self.s3_endpoint, region=self.s3_region, access_key_id=self.s3_access_key_id,
+                               secret_access_key=self.s3_secret_access_key.get_secret_value(), retries=self.retries)
 
     @field_validator("resume")
     @classmethod

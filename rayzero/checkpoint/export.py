@@ -13,15 +13,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import pyarrow as pa
 import pyarrow.fs as pafs
 import torch
 from safetensors.torch import save
 
+from rayzero.storage import Storage, StorageError, destination, filesystem
 
-def check_destination(uri: str) -> None:
+
+def check_destination(uri: str, storage_cfg=None) -> None:
     """Fail now, not after training, if `uri` cannot be written: an unknown scheme, a local
-    folder that cannot be created or written. Raises ValueError saying why."""
+    folder that cannot be created or written, S3 that a probe write beside `uri` does not reach
+    (endpoint, keys, bucket). Raises ValueError saying why."""
     if "://" not in uri:
         parent = Path(uri).expanduser().resolve().parent
         if parent.exists() and not parent.is_dir():
@@ -34,8 +36,11 @@ def check_destination(uri: str) -> None:
             raise ValueError(f"{parent} is not writable")
         return
     try:
-        pafs.FileSystem.from_uri(uri)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as e:
+        filesystem(uri, storage_cfg)
+        if uri.startswith("s3://"):
+            root = uri.rstrip("/")
+            Storage(root.rsplit("/", 1)[0] if root.count("/") > 2 else root, storage_cfg).probe()
+    except StorageError as e:
         raise ValueError(str(e)) from None
 
 
@@ -48,10 +53,10 @@ def export_identity(record: dict) -> dict:
     return {k: record.get(k) for k in ("kind", "source", "config_sha256")}
 
 
-def read_export_identity(uri: str, fmt: str) -> dict | None:
+def read_export_identity(uri: str, fmt: str, storage_cfg=None) -> dict | None:
     """The model an existing export at `uri` holds (its `export_identity`), {} where something
     is there that does not say (not a rayzero export), None where nothing is."""
-    fs, path = _fs(uri)
+    fs, path = filesystem(uri, storage_cfg)
     if fmt in ("hf", "peft"):  # a directory: its (first) weights file says
         if fs.get_file_info(path).type != pafs.FileType.Directory:
             return None if fs.get_file_info(path).type == pafs.FileType.NotFound else {}
@@ -73,10 +78,10 @@ def read_export_identity(uri: str, fmt: str) -> dict | None:
         return {}
 
 
-def check_final(uri: str, fmt: str, identity: dict, overwrite: bool) -> None:
+def check_final(uri: str, fmt: str, identity: dict, overwrite: bool, storage_cfg=None) -> None:
     """`train.save_final` must not replace an export of another model, unless told to:
     ValueError naming both. The same model's export (a rerun) is rewritten."""
-    there = read_export_identity(uri, fmt)
+    there = read_export_identity(uri, fmt, storage_cfg)
     if there is None or there == identity or overwrite:
         return
     held = (f"an export of {there.get('kind')} model {there.get('source') or '(no source)'} (config "
@@ -86,13 +91,8 @@ def check_final(uri: str, fmt: str, identity: dict, overwrite: bool) -> None:
                      "write elsewhere, or set train.overwrite_final=true to replace it")
 
 
-def _fs(uri: str) -> tuple[pafs.FileSystem, str]:
-    if "://" not in uri:
-        return pafs.LocalFileSystem(), str(Path(uri).expanduser().resolve())
-    return pafs.FileSystem.from_uri(uri)
-
-
-def save_safetensors(state: dict[str, torch.Tensor], uri: str, metadata: dict[str, str] | None = None) -> None:
+def save_safetensors(state: dict[str, torch.Tensor], uri: str, metadata: dict[str, str] | None = None,
+                     storage_cfg=None) -> None:
     """Write `state` to a local path or any `pyarrow.fs` URI (s3://…), atomically for local paths."""
     blob = save({k: v.contiguous() for k, v in state.items()}, metadata=metadata)
     if "://" not in uri:
@@ -102,8 +102,7 @@ def save_safetensors(state: dict[str, torch.Tensor], uri: str, metadata: dict[st
         tmp.write_bytes(blob)
         tmp.replace(path)
         return
-    fs, p = pafs.FileSystem.from_uri(uri)
-    fs.create_dir(posixpath.dirname(p), recursive=True)
+    fs, p = destination(uri, storage_cfg)
     with fs.open_output_stream(p) as f:
         f.write(blob)
 
@@ -169,16 +168,6 @@ def stream_safetensors(fs: pafs.FileSystem, path: str, tensors: list[Tensor],
             f.write(memoryview(values.view(-1).view(torch.uint8).numpy()))
 
 
-def _open_dir(uri: str) -> tuple[pafs.FileSystem, str]:
-    if "://" not in uri:
-        path = Path(uri).expanduser().resolve()
-        path.mkdir(parents=True, exist_ok=True)
-        return pafs.LocalFileSystem(), str(path)
-    fs, p = pafs.FileSystem.from_uri(uri)
-    fs.create_dir(p, recursive=True)
-    return fs, p
-
-
 def _swap_in(tmp: Path, final: Path) -> None:
     """Put the complete directory `tmp` where `final` is: the old one out of the way first,
     then a rename, so `final` is never a half-written export."""
@@ -193,7 +182,7 @@ def _swap_in(tmp: Path, final: Path) -> None:
 
 
 def write_hf_dir(uri: str, tensors: list[Tensor], files: dict[str, bytes], max_shard_bytes: int,
-                 metadata: dict[str, str] | None = None, stem: str = "model") -> list[str]:
+                 metadata: dict[str, str] | None = None, stem: str = "model", storage_cfg=None) -> list[str]:
     """A Hugging Face model directory at `uri` (local or any `pyarrow.fs` URI): `tensors` in
     safetensors files of at most `max_shard_bytes` each (`model.safetensors`, or
     `model-0000k-of-0000n.safetensors` with `model.safetensors.index.json`), and `files`
@@ -218,7 +207,7 @@ def write_hf_dir(uri: str, tensors: list[Tensor], files: dict[str, bytes], max_s
             raise
         _swap_in(tmp, final)
         return written
-    fs, root = _open_dir(uri)
+    fs, root = destination(uri, storage_cfg, folder=True)
     shards: list[list[Tensor]] = [[]]
     size = 0
     for t in tensors:
@@ -245,11 +234,12 @@ def write_hf_dir(uri: str, tensors: list[Tensor], files: dict[str, bytes], max_s
 
 def save_final(spec, weights: dict[str, torch.Tensor], uri: str, fmt: str, metadata: dict[str, str],
                dtype: str = "auto", max_shard_bytes: int = 5 * 10**9,
-               tokenizer: Callable[[], dict[str, bytes]] | None = None) -> None:
+               tokenizer: Callable[[], dict[str, bytes]] | None = None, storage_cfg=None) -> None:
     """The final weights (`full_state_dict`, by `state_dict()` names) as `fmt`: one
     safetensors file, or (`hf`) a directory `from_pretrained` loads, LoRA adapters merged into
     their base weights; or (`peft`) the adapters alone. `tokenizer()`: the training data's
-    tokenizer files, for a model directory that has no tokenizer of its own."""
+    tokenizer files, for a model directory that has no tokenizer of its own; `storage_cfg`:
+    the S3 settings for `uri`."""
     lora = spec.cfg.lora
     if lora is not None:
         from rayzero.models.lora import lora_of, merge_weights
@@ -258,11 +248,11 @@ def save_final(spec, weights: dict[str, torch.Tensor], uri: str, fmt: str, metad
         if fmt == "peft":
             entries = peft_entries(adapters, saved, {n: tuple(v.shape) for n, v in weights.items()})
             write_peft_dir(uri, spec, lora, adapters, entries, lambda n, lo, hi: weights[n].reshape(-1)[lo:hi],
-                           metadata, tokenizer)
+                           metadata, tokenizer, storage_cfg)
             return
         weights = merge_weights(base_as_stored(spec, weights, adapters, saved), adapters)
     if fmt == "safetensors":
-        save_safetensors(weights, uri, metadata)
+        save_safetensors(weights, uri, metadata, storage_cfg)
         return
     dtype = spec.export_dtype(dtype)
     plan = spec.export_plan(spec.build())
@@ -274,7 +264,7 @@ def save_final(spec, weights: dict[str, torch.Tensor], uri: str, fmt: str, metad
             continue
         tensors.append(Tensor(e.name, e.shape, _cast_dtype(weights[e.param], dtype), lambda e=e: e.produce(
             lambda n: tuple(weights[n].shape), lambda n, lo, hi: weights[n].reshape(-1)[lo:hi])))
-    write_hf_dir(uri, tensors, hf_files(spec, dtype, tokenizer), max_shard_bytes, metadata)
+    write_hf_dir(uri, tensors, hf_files(spec, dtype, tokenizer), max_shard_bytes, metadata, storage_cfg=storage_cfg)
 
 
 def hf_files(spec, dtype: str, tokenizer: Callable[[], dict[str, bytes]] | None = None) -> dict[str, bytes]:
@@ -332,7 +322,7 @@ def peft_entries(adapters: dict, saved: list[str], shapes: dict[str, tuple]) -> 
 
 def write_peft_dir(uri: str, spec, settings, adapters: dict, entries: list, read: Callable,
                    metadata: dict[str, str] | None = None,
-                   tokenizer: Callable[[], dict[str, bytes]] | None = None) -> list[str]:
+                   tokenizer: Callable[[], dict[str, bytes]] | None = None, storage_cfg=None) -> list[str]:
     """A PEFT adapter directory (`adapter_model.safetensors`, `adapter_config.json` naming
     the base model, `model.path`) that `peft.PeftModel.from_pretrained` loads onto the base;
     fp32, as PEFT keeps adapters. The tokenizer the model trained with goes beside them (the
@@ -344,7 +334,7 @@ def write_peft_dir(uri: str, spec, settings, adapters: dict, entries: list, read
     tensors = [Tensor(e.name, e.shape, torch.float32, lambda e=e: e.produce(shape_of, read)) for e in entries]
     files = {**trained_tokenizer_files(spec, tokenizer),
              "adapter_config.json": adapter_config(settings, adapters, spec.cfg.path)}
-    return write_hf_dir(uri, tensors, files, 2**62, metadata, stem="adapter_model")
+    return write_hf_dir(uri, tensors, files, 2**62, metadata, stem="adapter_model", storage_cfg=storage_cfg)
 
 
 def trained_tokenizer_files(spec, tokenizer: Callable[[], dict[str, bytes]] | None = None) -> dict[str, bytes]:

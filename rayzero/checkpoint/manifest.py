@@ -14,8 +14,8 @@ import logging
 import re
 from dataclasses import dataclass
 
-from rayzero.checkpoint.storage import Storage, StorageError
 from rayzero.models import spec_class
+from rayzero.storage import Storage, StorageError
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +88,10 @@ def committed(root: Storage) -> list[Committed]:
     return sorted(out, key=lambda c: c.step)
 
 
-def open_checkpoint(uri: str, cfg=None) -> Committed:
-    """A checkpoint by URI: a `step-…` prefix, or a directory (its newest commit)."""
-    storage = Storage(uri, cfg)
+def open_checkpoint(uri: str, storage_cfg=None) -> Committed:
+    """A checkpoint by URI: a `step-…` prefix, or a directory (its newest commit); `storage_cfg`:
+    the S3 settings (`StorageSettings`, or the checkpoint config)."""
+    storage = Storage(uri, storage_cfg)
     if _STEP.match(uri.rstrip("/").rsplit("/", 1)[-1]):
         return Committed(storage, read_manifest(storage))
     found = committed(storage)

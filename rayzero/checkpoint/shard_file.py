@@ -15,7 +15,7 @@ import struct
 import numpy as np
 import torch
 
-from rayzero.checkpoint.storage import Storage
+from rayzero.storage import Storage
 
 BLOCK = 4 << 20
 NAMES = ("main", "exp_avg", "exp_avg_sq")  # fp32, the same length, in the shard's local order

@@ -23,7 +23,7 @@ import torch
 
 from rayzero.checkpoint.manifest import shard_name
 from rayzero.checkpoint.shard_file import NAMES, ShardReader, write_shard
-from rayzero.checkpoint.storage import Storage
+from rayzero.storage import Storage
 from rayzero.sharding.layout import Range
 from rayzero.sharding.strategies import Strategy
 from rayzero.sharding.tensor_parallel import Split

@@ -4,30 +4,27 @@ from __future__ import annotations
 
 import json
 import logging
-import posixpath
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from rayzero.checkpoint.config import CheckpointConfig
 from rayzero.checkpoint.export import (
     EXPORT_DTYPES, MODEL_KEY, Tensor, export_identity, hf_files, stream_safetensors, write_hf_dir, write_peft_dir,
 )
 from rayzero.checkpoint.manifest import CheckpointError, Committed, committed
 from rayzero.checkpoint.shard_file import ShardReader, verify
 from rayzero.checkpoint.shards import SavedIndex
-from rayzero.checkpoint.storage import Storage
 from rayzero.models import ModelError, ModelSpec, spec_class, spec_from_manifest
 from rayzero.models.spec import ExportEntry
+from rayzero.storage import Storage, destination
 
 log = logging.getLogger(__name__)
 
 
-def list_checkpoints(uri: str, cfg: CheckpointConfig | None = None) -> list[dict]:
+def list_checkpoints(uri: str, storage_cfg=None) -> list[dict]:
     """One row per committed checkpoint under `uri` (a checkpoint directory), oldest first."""
     rows = []
-    for c in committed(Storage(uri, cfg)):
+    for c in committed(Storage(uri, storage_cfg)):
         lay = c.manifest["layout"]
         rows.append({"uri": c.uri, "step": c.step, "bytes": sum(s["size"] for s in c.manifest["shards"]),
                      "world_size": lay["world_size"], "strategy": lay["strategy"],
@@ -148,7 +145,7 @@ def export_checkpoint(c: Committed, out: str, fmt: str = "safetensors", dtype: s
         metadata[MODEL_KEY] = json.dumps(export_identity(c.manifest["model_source"]))
     if fmt == "peft":
         write_peft_dir(out, spec, spec.cfg.lora, weights.adapters, plan, weights.read_saved, metadata,
-                       lambda: data_tokenizer_files(c.manifest, storage_cfg))
+                       lambda: data_tokenizer_files(c.manifest, storage_cfg), storage_cfg)
         return len(plan)
     dtype = spec.export_dtype(dtype) if fmt == "hf" else ("float32" if dtype == "auto" else dtype)
     tensors = []
@@ -162,10 +159,9 @@ def export_checkpoint(c: Committed, out: str, fmt: str = "safetensors", dtype: s
         tensors.append(Tensor(e.name, e.shape, kind, produce))
     if fmt == "hf":
         write_hf_dir(out, tensors, hf_files(spec, dtype, lambda: data_tokenizer_files(c.manifest, storage_cfg)),
-                     max_shard_bytes, metadata)
+                     max_shard_bytes, metadata, storage_cfg=storage_cfg)
     else:
-        fs, path = _file(out)
-        stream_safetensors(fs, path, tensors, metadata)
+        stream_safetensors(*destination(out, storage_cfg), tensors, metadata)
     return len(tensors)
 
 
@@ -182,15 +178,3 @@ def data_tokenizer_files(manifest: dict, storage_cfg=None) -> dict[str, bytes]:
         return dataset_tokenizer_files(path, storage_cfg)
     except (DataError, OSError):
         return {}
-
-
-def _file(uri: str):
-    import pyarrow.fs as pafs
-
-    if "://" not in uri:
-        path = Path(uri).expanduser().resolve()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return pafs.LocalFileSystem(), str(path)
-    fs, path = pafs.FileSystem.from_uri(uri)
-    fs.create_dir(posixpath.dirname(path), recursive=True)
-    return fs, path

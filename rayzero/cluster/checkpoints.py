@@ -12,7 +12,7 @@ from rayzero.checkpoint.manifest import (
     FORMAT, VERSION, CheckpointError, Committed, best_commit, check_model, check_shards_present, committed,
     different_model, lineage, model_differences, open_checkpoint, prune, step_dir, write_manifest,
 )
-from rayzero.checkpoint.storage import Storage, StorageError
+from rayzero.storage import Storage, StorageError
 from rayzero.config import RootConfig
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm  # a widget in Jupyter, a text bar in terminals
 from rayzero.checkpoint.export import MODEL_KEY, export_identity, save_final
 from rayzero.checkpoint.manifest import CheckpointError
 from rayzero.checkpoint.shard_file import ChecksumError
-from rayzero.checkpoint.storage import StorageError
+from rayzero.storage import StorageError
 from rayzero.cluster.checkpoints import Checkpoints
 from rayzero.cluster.dispatch import DISPATCHERS
 from rayzero.cluster.failure import (
@@ -267,7 +267,8 @@ class Controller:
             spec = self.spec or make_spec(cfg, self.factory)
             save_final(spec, weights, cfg.train.save_final, cfg.train.save_format,
                        {"strategy": cfg.sharding.strategy, MODEL_KEY: json.dumps(export_identity(infos[0]["model"]))},
-                       tokenizer=lambda: dataset_tokenizer_files(self.data_path, cfg.checkpoint))
+                       tokenizer=lambda: dataset_tokenizer_files(self.data_path, cfg.checkpoint),
+                       storage_cfg=cfg.checkpoint)
         self.state = "DONE"
         return True, infos[0]
 

@@ -13,7 +13,7 @@ from typing import Literal
 import ray
 import torch.distributed as dist
 
-from rayzero.checkpoint.storage import StorageError
+from rayzero.storage import StorageError
 from rayzero.cluster.worker_group import PlacementError
 from rayzero.config import RootConfig
 

@@ -9,8 +9,8 @@ class DataConfig(Frozen):
 
     path: str = Field(
         default="",
-        description="A prepared dataset (local path or URI); empty = the Python standard library's source, "
-        "prepared on first use.",
+        description="A prepared dataset (local path or URI; `s3://` uses the `checkpoint.s3_*` settings); empty = "
+        "the Python standard library's source, prepared on first use.",
     )
     cache_dir: str = Field(
         default="~/.cache/rayzero/datasets",

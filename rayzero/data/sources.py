@@ -23,11 +23,11 @@ import posixpath
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from rayzero.data.errors import DataError
+from rayzero.storage import StorageError, filesystem
 
 log = logging.getLogger(__name__)
 GLOB_CHARS = "*?["
@@ -60,19 +60,14 @@ class Fields:
 
 
 def _split(uri: str, storage_cfg=None) -> tuple[pafs.FileSystem, str, str]:
-    """(filesystem, path in it, the URI's prefix for naming files). s3:// takes the
-    checkpoint.s3_* settings (or the AWS variables); other schemes pyarrow knows work as it
-    configures them."""
-    from rayzero.checkpoint.storage import Storage
-
-    if uri.startswith("s3://") or "://" not in uri or uri.startswith("file://"):
-        storage = Storage(uri, storage_cfg)
-        return storage.fs, storage.base, "s3://" if uri.startswith("s3://") else ""
+    """(filesystem, path in it, the URI's prefix for naming files): `rayzero.storage.filesystem`,
+    s3:// with the checkpoint.s3_* settings (or the AWS variables)."""
     try:
-        fs, path = pafs.FileSystem.from_uri(uri)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError) as e:
-        raise DataError(f"{uri}: {str(e).splitlines()[0]}") from None
-    return fs, path, uri[: uri.index("://") + 3]
+        fs, path = filesystem(uri, storage_cfg)
+    except StorageError as e:
+        raise DataError(f"{uri}: {e}") from None
+    local = "://" not in uri or uri.startswith("file://")
+    return fs, path, "" if local else uri[: uri.index("://") + 3]
 
 
 def list_sources(src: str, pattern: str = "*", exclude: tuple[str, ...] = (), storage_cfg=None) -> list[SourceFile]:

@@ -17,7 +17,7 @@ def _ckpt(args) -> int:
     from rayzero.checkpoint.export import parse_size
     from rayzero.checkpoint.manifest import CheckpointError, open_checkpoint
     from rayzero.checkpoint.shard_file import ChecksumError
-    from rayzero.checkpoint.storage import StorageError
+    from rayzero.storage import StorageError
     from rayzero.checkpoint.tools import export_checkpoint, list_checkpoints, verify_checkpoint
     from rayzero.models import ModelError
 
@@ -63,7 +63,7 @@ def _train(args) -> int:
     startup = Startup()
     startup.stage("checks", CHECKS)  # said before the imports below: torch and Ray take seconds
     from rayzero.checkpoint.manifest import CheckpointError
-    from rayzero.checkpoint.storage import StorageError
+    from rayzero.storage import StorageError
     from rayzero.cluster.failure import Stopped, TrainingFailed
     from rayzero.cluster.worker_group import PlacementError
     from rayzero.jobs.train import ClusterUnreachable, run_train
@@ -235,6 +235,7 @@ def _prepare(args) -> int:
     from rayzero.data.sources import Fields
     from rayzero.data.tokens import prepare
 
+    storage = load_config(None, args.overrides).checkpoint.storage  # before Ray: a typo fails at once
     logging.basicConfig(format="rayzero: warning: %(message)s", level=logging.WARNING)
     if args.ray:
         import ray
@@ -251,11 +252,11 @@ def _prepare(args) -> int:
                 raise _UserError(f"--address: cannot connect to a Ray cluster at {args.address!r}: {e}") from None
     tokenizer = args.tokenizer
     if "://" in tokenizer and not tokenizer.startswith("file://"):  # a model directory in storage
-        from rayzero.checkpoint.storage import StorageError
         from rayzero.models.hf import model_tokenizer
+        from rayzero.storage import StorageError
 
         try:
-            tokenizer = model_tokenizer(tokenizer, load_config(None, []).checkpoint)
+            tokenizer = model_tokenizer(tokenizer, storage)
         except StorageError as e:
             raise _UserError(f"--tokenizer: cannot read {args.tokenizer}: {e}") from None
         if tokenizer is None:
@@ -269,7 +270,7 @@ def _prepare(args) -> int:
         how = partial(prepare_on_ray, workers=args.workers)
     meta = how(args.src, args.out, pattern=args.glob, shard_tokens=args.shard_tokens, tokenizer=tokenizer,
                fields=Fields(args.text_field, args.text_column), strict_utf8=args.strict_utf8,
-               progress=not args.no_progress, instructions=args.instructions)
+               progress=not args.no_progress, instructions=args.instructions, storage_cfg=storage)
     tok = meta["tokenizer"]
     what = "examples" if args.instructions else "documents"
     print(f"wrote {meta['num_tokens']:,} tokens ({meta['dtype']}) from {meta['num_documents']:,} {what} "
@@ -281,7 +282,7 @@ def _prepare(args) -> int:
 
 def _generate(args) -> int:
     from rayzero.checkpoint.manifest import CheckpointError
-    from rayzero.checkpoint.storage import StorageError
+    from rayzero.storage import StorageError
     from rayzero.jobs.generate import load_generator
     from rayzero.models import ModelError
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import argparse
 
+STORAGE_OPTIONS = ("S3 settings as overrides, the keys `rayzero train` takes: checkpoint.s3_endpoint=http://host:8333 "
+                   "checkpoint.s3_access_key_id=… checkpoint.s3_secret_access_key=… checkpoint.s3_region=…; "
+                   "those left out come from the AWS_* variables.")
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rayzero", description=__doc__)
@@ -25,10 +29,11 @@ def _parser() -> argparse.ArgumentParser:
     dsub = d.add_subparsers(dest="data_command", required=True)
     prep = dsub.add_parser("prepare", help="tokenize text, JSON lines or Parquet into token shards", description=(
         "Tokenize documents into Parquet token shards training reads (data.path). SRC: a file, a folder or a "
-        "glob, local or s3:// (endpoint from $AWS_ENDPOINT_URL). .jsonl/.json: a document per record "
-        "(--text-field); .parquet: per row (--text-column); any other file is one document."))
+        "glob, local or s3://. .jsonl/.json: a document per record (--text-field); .parquet: per row "
+        "(--text-column); any other file is one document. " + STORAGE_OPTIONS))
     prep.add_argument("src", help="a file, a folder, or a glob such as 'docs/**.jsonl' (quote it)")
     prep.add_argument("out", help="output folder (local path or URI)")
+    prep.add_argument("overrides", nargs="*", metavar="key=value", help="storage settings (checkpoint.s3_*)")
     prep.add_argument("--tokenizer", default="byte", help="`byte` (default), or a local directory with a Hugging "
                       "Face tokenizer (tokenizer.json, or what AutoTokenizer loads: e.g. the model's directory)")
     prep.add_argument("--glob", default="*", help="which files under a SRC folder, by name (default: all)")
@@ -54,7 +59,8 @@ def _parser() -> argparse.ArgumentParser:
         "it was trained on) or a safetensors export (with the model's config: --config or model.* overrides). "
         "The tokenizer: --tokenizer, else the adapter's or model directory's own, else the training data's, else "
         "bytes. With a chat template the prompt is the user's message and only the answer is printed; generation "
-        "stops at the end-of-turn and end-of-sequence tokens."))
+        "stops at the end-of-turn and end-of-sequence tokens. A checkpoint or safetensors file may be in s3://. "
+        + STORAGE_OPTIONS))
     g.add_argument("weights", help="a checkpoint, an HF model directory, a PEFT adapter directory, or a "
                                    ".safetensors file")
     g.add_argument("--prompt", required=True, help="the text to continue, or (chat) the user's message")
@@ -72,8 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("overrides", nargs="*", metavar="key=value")
     c = sub.add_parser("ckpt", help="checkpoint tools", description=(
         "Inspect committed checkpoints. URI is a checkpoint directory (ls; the others take its "
-        "newest commit) or one step-… prefix. Storage options as overrides, e.g. "
-        "checkpoint.s3_endpoint=http://host:8333 (or the AWS_* variables)."))
+        "newest commit) or one step-… prefix. " + STORAGE_OPTIONS))
     csub = c.add_subparsers(dest="ckpt_command", required=True)
     for name, text in (("ls", "committed checkpoints: step, size, world size, strategy"),
                        ("verify", "read every shard and check its checksums"),

@@ -12,6 +12,9 @@ WEIGHTS is any of
     a safetensors file        a `safetensors` export, with the model's config as overrides
                               (`model.preset=small`, or the training job's `--config`)
 
+A checkpoint and a safetensors file may be in s3://, reached with the `checkpoint.s3_*`
+overrides (else the AWS variables).
+
 The tokenizer is `--tokenizer` if given, else the model directory's own (an HF export, or
 `model.path`), else the one the training data was made with (kept with the dataset), else
 bytes. With a tokenizer that has a chat template the prompt is a user message (and `--system`
@@ -160,7 +163,7 @@ def _model_files(path: str | None, storage_cfg=None) -> dict[str, bytes]:
     """config.json and generation_config.json of a model directory, those that can be read."""
     if not path:
         return {}
-    from rayzero.checkpoint.storage import Storage, StorageError
+    from rayzero.storage import Storage, StorageError
 
     files = {}
     for name in ("config.json", "generation_config.json"):
@@ -169,6 +172,22 @@ def _model_files(path: str | None, storage_cfg=None) -> dict[str, bytes]:
         except (FileNotFoundError, StorageError, OSError):
             pass
     return files
+
+
+def _read_safetensors(uri: str, storage_cfg=None) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file, local or in storage (s3://…)."""
+    from safetensors.torch import load, load_file
+
+    from rayzero.storage import Storage
+
+    local = Path(uri).expanduser()
+    if local.is_file():
+        return load_file(str(local))
+    folder, name = uri.rsplit("/", 1)
+    try:
+        return load(Storage(folder, storage_cfg).read_bytes(name))
+    except FileNotFoundError:
+        raise ConfigError(f"{uri}: no such file") from None
 
 
 def _real(model: nn.Module, weights: dict[str, torch.Tensor]) -> nn.Module:
@@ -210,13 +229,11 @@ def load_generator(weights: str, cfg: RootConfig | None = None, tokenizer: str |
         model = tf.AutoModelForCausalLM.from_pretrained(str(local), dtype=torch.float32)
         tok = chosen or find_tokenizer(str(local), None, storage)
         return Generator(model, tok, eos_ids=_eos_ids(_model_files(str(local))))
-    if local.is_file() and local.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
+    if weights.endswith(".safetensors") and (local.is_file() or "://" in weights):
         from rayzero.workers.assembly import make_spec
 
         spec = make_spec(cfg)
-        model = _real(spec.build(), load_file(str(local)))
+        model = _real(spec.build(), _read_safetensors(weights, storage))
         path = spec.model_dir(cfg.model)
         tok = chosen or find_tokenizer(path, cfg.data.path or None, storage)
         return Generator(model, tok, spec.block_size, eos_ids=_eos_ids(_model_files(path, storage)))

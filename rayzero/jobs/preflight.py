@@ -12,7 +12,7 @@ from pathlib import Path
 import ray
 import torch
 
-from rayzero.checkpoint.storage import StorageError
+from rayzero.storage import StorageError
 from rayzero.cluster.checkpoints import Checkpoints
 from rayzero.cluster.history import load_rows
 from rayzero.config import ConfigError, RootConfig

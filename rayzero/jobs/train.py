@@ -13,7 +13,7 @@ from pathlib import Path
 import ray
 import torch
 
-from rayzero.checkpoint.storage import StorageError
+from rayzero.storage import StorageError
 from rayzero.cluster.checkpoints import Checkpoints
 from rayzero.cluster.controller import Controller
 from rayzero.cluster.startup import CHECKS, Startup
@@ -428,7 +428,7 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None,
     cfg = absolute_model_path(cfg)
     if cfg.train.save_final:
         try:
-            check_destination(cfg.train.save_final)
+            check_destination(cfg.train.save_final, cfg.checkpoint)
         except ValueError as e:
             raise ConfigError(f"train.save_final: {cfg.train.save_final!r} cannot be written: {e}") from None
     # The model, its weights, units and dtypes: fail here, before any cluster is touched.
@@ -447,7 +447,7 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None,
     if cfg.train.save_final:
         try:
             check_final(cfg.train.save_final, cfg.train.save_format, export_identity(spec.record()),
-                        cfg.train.overwrite_final)
+                        cfg.train.overwrite_final, cfg.checkpoint)
         except ValueError as e:
             raise ConfigError(f"train.save_final: {cfg.train.save_final}: {e}") from None
     checkpoints, resume = None, None

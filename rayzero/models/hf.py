@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from rayzero.checkpoint.storage import Storage, StorageError
+from rayzero.storage import Storage, StorageError
 from rayzero.models.config import ModelConfig
 from rayzero.models.conversions import Part, load_layout, saved_keys
 from rayzero.models.spec import (

@@ -336,7 +336,7 @@ class AdapterDir:
 def read_adapter(uri: str, storage_cfg=None) -> AdapterDir | None:
     """The PEFT adapter directory at `uri` (local or in storage), or None where there is none
     (no `adapter_config.json`). ModelError for one that cannot be read."""
-    from rayzero.checkpoint.storage import Storage, StorageError
+    from rayzero.storage import Storage, StorageError
 
     storage = Storage(uri, storage_cfg)
     try:
@@ -419,7 +419,7 @@ def adapter_source(adapter: AdapterDir, storage_cfg, adapters: dict[str, Adapter
     `TPSlices`): a `SafetensorsWeights` whose names are the parameters it fills. ModelError
     listing every adapter the file lacks or holds in another shape (another rank), and every
     tensor it holds that this model has no place for."""
-    from rayzero.checkpoint.storage import Storage
+    from rayzero.storage import Storage
     from rayzero.models.conversions import Part
     from rayzero.models.weights import SafetensorsWeights
 

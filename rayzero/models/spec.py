@@ -477,7 +477,7 @@ def pretrained_weights(cfg, storage_cfg=None):
     `model.init=pretrained` finds none, or the path cannot be read."""
     if not cfg.path or cfg.init == "random":
         return None
-    from rayzero.checkpoint.storage import StorageError
+    from rayzero.storage import StorageError
     from rayzero.models.weights import INDEX, SINGLE, SafetensorsWeights
 
     try:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rayzero.checkpoint.storage import Storage, StorageError
+from rayzero.storage import Storage, StorageError
 from rayzero.models.conversions import Part
 from rayzero.models.errors import ModelError
 from rayzero.sharding.flat_buffer import ParamSource, Piece

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from rayzero.checkpoint.shards import ShardSaver, apply_shard, layout_record, read_shard
-from rayzero.checkpoint.storage import Storage
+from rayzero.storage import Storage
 from rayzero.config import RootConfig
 from rayzero.data.batches import RankBatches
 from rayzero.data.tokens import TokenDataset

@@ -11,7 +11,7 @@ from rayzero.checkpoint.manifest import (
 )
 from rayzero.checkpoint.shard_file import BLOCK, ChecksumError, ShardReader, verify, write_shard
 from rayzero.checkpoint.shards import _coalesce, locate_saved
-from rayzero.checkpoint.storage import Storage, StorageError
+from rayzero.storage import Storage, StorageError
 
 
 def tensors(n=3 * BLOCK // 4 + 5):  # spans several 4 MiB blocks

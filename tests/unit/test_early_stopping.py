@@ -4,7 +4,7 @@
 import pytest
 
 from rayzero.checkpoint.manifest import best_commit, committed, prune, step_dir, write_manifest
-from rayzero.checkpoint.storage import Storage
+from rayzero.storage import Storage
 from rayzero.cluster.early_stopping import EarlyStopping
 
 

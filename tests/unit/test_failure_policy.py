@@ -5,7 +5,7 @@ import pytest
 import ray.exceptions
 import torch.distributed as dist
 
-from rayzero.checkpoint.storage import StorageError
+from rayzero.storage import StorageError
 from rayzero.cluster.history import History
 from rayzero.cluster.failure import Failure, FailurePolicy, classify, first_line
 from rayzero.cluster.watchdog import Watchdog

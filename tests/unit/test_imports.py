@@ -1,5 +1,6 @@
 """The layers import in one direction only: jobs -> cluster -> workers -> sharding/models/data,
-and no modules import each other round a cycle (function-level imports count).
+and no modules import each other round a cycle (function-level imports count); every package that
+reads or writes a URI -> rayzero.storage, which imports no other layer.
 
 Checked on the source with `ast`, so nothing here imports the modules (or ray).
 """
@@ -78,8 +79,8 @@ RULES = {
     "sharding": ["ray", "rayzero.cluster", "rayzero.workers", "rayzero.jobs"],
     "workers": ["rayzero.cluster", "rayzero.jobs"],
     "cluster": ["rayzero.jobs"],
-    "models": ["ray"],
-    "data": ["ray"],
+    "models": ["ray", "rayzero.checkpoint"],  # storage is rayzero.storage, below both
+    "data": ["ray", "rayzero.checkpoint"],
     "checkpoint": ["ray", "rayzero.cluster", "rayzero.workers", "rayzero.jobs"],
 }
 
@@ -87,6 +88,11 @@ RULES = {
 @pytest.mark.parametrize("subpackage", sorted(RULES))
 def test_layer_does_not_import_upwards(subpackage):
     assert violations(subpackage, RULES[subpackage]) == []
+
+
+def test_storage_is_below_every_layer():
+    """The URI -> filesystem rule is one module that every package may import: it imports none."""
+    assert sorted(n for n in imports_of(ROOT / "storage.py") if hits(n, "rayzero") or hits(n, "ray")) == []
 
 
 # The pure layers must stay free of ray even through another rayzero module they import.
@@ -129,8 +135,8 @@ def reachable(start: str) -> set[str]:
     "subpackage, forbidden",
     [
         ("sharding", ["ray", "rayzero.cluster", "rayzero.workers", "rayzero.jobs"]),
-        ("models", ["ray", "rayzero.cluster", "rayzero.workers", "rayzero.jobs"]),
-        ("data", ["ray", "rayzero.cluster", "rayzero.workers", "rayzero.jobs"]),
+        ("models", ["ray", "rayzero.cluster", "rayzero.workers", "rayzero.jobs", "rayzero.checkpoint"]),
+        ("data", ["ray", "rayzero.cluster", "rayzero.workers", "rayzero.jobs", "rayzero.checkpoint"]),
     ],
 )
 def test_pure_layers_do_not_reach_ray_transitively(subpackage, forbidden):
@@ -200,8 +206,9 @@ def test_a_config_error_imports_neither_torch_nor_ray():
 # them. An entry names a module or a package (with its modules); `*` matches any name.
 
 LAYERS = [
-    ["rayzero._frozen", "rayzero.version", "rayzero.*.config"],
-    ["rayzero.checkpoint.storage"],  # URI -> filesystem: the data and the models read through it too
+    # URI -> filesystem (rayzero.storage): the data, the models and the checkpoints read through it,
+    # and the checkpoint config makes its settings
+    ["rayzero._frozen", "rayzero.version", "rayzero.storage", "rayzero.*.config"],
     ["rayzero.sharding"],
     ["rayzero.data"],
     ["rayzero.models"],
@@ -298,7 +305,7 @@ def test_no_module_imports_a_higher_layer():
 
 def test_layers_place_what_they_should():
     assert layer_of("rayzero.cluster.config") == 0 and layer_of("rayzero.models.config") == 0
-    assert layer_of("rayzero.checkpoint.storage") < layer_of("rayzero.data") < layer_of("rayzero.checkpoint")
+    assert layer_of("rayzero.storage") == 0 < layer_of("rayzero.data") < layer_of("rayzero.checkpoint")
     assert layer_of("rayzero.models.hf") == layer_of("rayzero.models")
     assert layer_of("rayzero.jobs.train") < TOP and layer_of("rayzero.nothing") is None
 

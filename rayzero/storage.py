@@ -1,7 +1,11 @@
-"""Checkpoint storage through `pyarrow.fs`: local paths, file:// and s3://, with retries.
+"""Where every URI the project reads or writes goes: one rule from a URI to a `pyarrow.fs`
+filesystem and a path in it (`filesystem`), and `Storage`, a root addressed by relative keys
+with retries, for checkpoints and model directories.
 
-Credentials come from the config or the standard AWS variables and are never part of a
-message: errors name the URI, never the keys.
+A local path or file://... is the local filesystem; s3://bucket/key takes the `StorageSettings`
+(`checkpoint.s3_*`), their empty fields falling back to the standard AWS variables; any other
+scheme pyarrow knows (gs://, hdfs://, ...) is configured as pyarrow configures it. Credentials
+are never part of a message: errors name the URI, never the keys.
 """
 
 from __future__ import annotations
@@ -11,13 +15,12 @@ import os
 import posixpath
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
 import pyarrow as pa
 import pyarrow.fs as pafs
-
-from rayzero.checkpoint.config import CheckpointConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -27,21 +30,59 @@ class StorageError(RuntimeError):
     """Storage that cannot be reached, written or read; the message names the URI."""
 
 
-class Storage:
-    """One checkpoint root: a filesystem and a base path, addressed by relative keys."""
+@dataclass(frozen=True)
+class StorageSettings:
+    """How to reach S3 (`checkpoint.s3_*`, `CheckpointConfig.storage`), and how often to retry
+    a storage call. Empty fields fall back to the standard AWS variables, then AWS itself."""
 
-    def __init__(self, uri: str, cfg: CheckpointConfig | None = None):
-        cfg = cfg or CheckpointConfig()
-        self.uri = uri.rstrip("/")
-        self.retries = cfg.retries
-        if uri.startswith("s3://"):
-            self.fs = _s3(cfg)
-            self.base = uri[len("s3://"):].rstrip("/")
-        elif "://" in uri and not uri.startswith("file://"):
+    endpoint: str = ""  # host:port (https) or a URL such as http://127.0.0.1:8333
+    region: str = ""
+    access_key_id: str = ""
+    secret_access_key: str = field(default="", repr=False)
+    retries: int = 5
+
+
+def settings_of(given) -> StorageSettings:
+    """`given` as StorageSettings: None = the defaults; a config holding them (the checkpoint
+    config, which every caller already has): its `storage`."""
+    if given is None:
+        return StorageSettings()
+    return given if isinstance(given, StorageSettings) else given.storage
+
+
+def filesystem(uri: str, settings=None) -> tuple[pafs.FileSystem, str]:
+    """The filesystem `uri` is on and its path there: a local path or file://... (resolved,
+    `~` expanded); s3://bucket/key with `settings` (StorageSettings, or a config holding
+    them); another scheme as pyarrow configures it. StorageError for a scheme pyarrow does not
+    know. A local path or s3:// contacts nothing here."""
+    if "://" not in uri or uri.startswith("file://"):
+        return pafs.LocalFileSystem(), str(Path(uri.removeprefix("file://")).expanduser().resolve())
+    if uri.startswith("s3://"):
+        return _s3(settings_of(settings)), uri[len("s3://"):].rstrip("/")
+    try:
+        return pafs.FileSystem.from_uri(uri)
+    except (pa.ArrowException, ValueError, OSError) as e:
+        raise StorageError(_clean(e)) from None
+
+
+def destination(uri: str, settings=None, *, folder: bool = False) -> tuple[pafs.FileSystem, str]:
+    """`filesystem(uri, settings)`, with the folder `uri` goes in (`folder`: `uri` itself)
+    made where it is not there yet (a bucket included)."""
+    fs, path = filesystem(uri, settings)
+    fs.create_dir(path if folder else posixpath.dirname(path), recursive=True)
+    return fs, path
+
+
+class Storage:
+    """One root (a checkpoint directory, a model directory): a filesystem and a base path,
+    addressed by relative keys, each call retried. Local paths, file:// and s3:// only."""
+
+    def __init__(self, uri: str, settings=None):
+        if "://" in uri and not uri.startswith(("s3://", "file://")):
             raise StorageError(f"{uri}: unsupported scheme (use a local path, file:// or s3://)")
-        else:
-            self.fs = pafs.LocalFileSystem()
-            self.base = str(Path(uri.removeprefix("file://")).expanduser().resolve())
+        self.uri = uri.rstrip("/")
+        self.retries = settings_of(settings).retries
+        self.fs, self.base = filesystem(uri, settings)
 
     def path(self, key: str = "") -> str:
         return posixpath.join(self.base, key) if key else self.base
@@ -130,19 +171,19 @@ class Storage:
             raise StorageError(f"{self.uri}: {_clean(e)}") from None
 
 
-def _s3(cfg: CheckpointConfig) -> pafs.S3FileSystem:
+def _s3(settings: StorageSettings) -> pafs.S3FileSystem:
     kw: dict = {}
     # pyarrow itself ignores the standard variable for S3-compatible stores (MinIO, SeaweedFS).
-    endpoint = cfg.s3_endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    endpoint = settings.endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     if endpoint:
         scheme, sep, rest = endpoint.partition("://")
         kw["endpoint_override"] = rest if sep else endpoint
         kw["scheme"] = scheme if sep else "https"
-    if cfg.s3_region:
-        kw["region"] = cfg.s3_region
-    if cfg.s3_access_key_id:
-        kw["access_key"] = cfg.s3_access_key_id
-        kw["secret_key"] = cfg.s3_secret_access_key.get_secret_value()
+    if settings.region:
+        kw["region"] = settings.region
+    if settings.access_key_id:
+        kw["access_key"] = settings.access_key_id
+        kw["secret_key"] = settings.secret_access_key
     # Fail fast on a dead endpoint: the retries above are ours, with backoff.
     kw.update(connect_timeout=5, request_timeout=30, allow_bucket_creation=True,
               retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=2))
