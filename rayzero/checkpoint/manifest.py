@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 
 from rayzero.models import spec_class
+from rayzero.models.config import ModelConfig
 from rayzero.storage import Storage, StorageError
 
 log = logging.getLogger(__name__)
@@ -109,13 +110,19 @@ def check_shards_present(c: Committed) -> None:
                                   f"{size} bytes, the manifest says {s['size']}"))
 
 
+def recorded(record: dict | None) -> dict:
+    """A model's record (`ModelSpec.record()`); for a checkpoint from before models were recorded,
+    the default kind's."""
+    return record or {"kind": ModelConfig.model_fields["kind"].default}
+
+
 def model_differences(manifest: dict, params: dict[str, list[int]], frozen: list[str] | None = None,
                       model: dict | None = None) -> list[str]:
     """How the model a checkpoint holds differs from this one, tensor by tensor: its kind,
     parameter names and shapes, and which parameters are frozen (empty: the same model)."""
     saved = {p["name"]: p["shape"] for p in manifest["params"]}
     problems = []
-    was = manifest.get("model_source") or {"kind": "gpt"}
+    was = recorded(manifest.get("model_source"))
     if model is not None and was.get("kind") != model.get("kind"):
         problems.append(f"model.kind: {was.get('kind')} in the checkpoint, {model.get('kind')} here")
     problems += [f"{n}: missing from the checkpoint" for n in params if n not in saved]
@@ -131,7 +138,7 @@ def model_differences(manifest: dict, params: dict[str, list[int]], frozen: list
 
 def describe_model(record: dict | None) -> str:
     """A model as a checkpoint records it (`ModelSpec.record()`), in a few words."""
-    record = record or {"kind": "gpt"}
+    record = recorded(record)
     return spec_class(record.get("kind")).describe(record)
 
 
@@ -144,7 +151,7 @@ def what_differs(was: dict | None, now: dict | None) -> str | None:
     """What makes two models (`ModelSpec.record()`s) different, in a few words, where their
     records say: the kind, the LoRA settings, the config keys, the source; None where they say
     nothing (the same model, configured alike)."""
-    was, now = was or {"kind": "gpt"}, now or {"kind": "gpt"}
+    was, now = recorded(was), recorded(now)
 
     def pairs(a: dict, b: dict, prefix: str = "", skip=()) -> list[str]:
         keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and k not in skip]
@@ -199,7 +206,7 @@ def check_model(manifest: dict, params: dict[str, list[int]], uri: str, frozen: 
     problems = model_differences(manifest, params, frozen, model)
     if problems:
         raise different_model(uri, manifest, problems, model)
-    was = manifest.get("model_source") or {"kind": "gpt"}
+    was = recorded(manifest.get("model_source"))
     if model is not None and was.get("config_sha256") not in (None, model.get("config_sha256")):
         log.warning("%s was saved from a model of another config (%s) with the same parameter shapes; "
                     "resuming from it", uri, was.get("source") or was.get("kind"))
