@@ -1,4 +1,4 @@
-"""ZeRO-3 / FSDP: parameters at rest are a shard; each FSDP unit is gathered around its use.
+"""ZeRO-3 / FSDP's placement: parameters at rest are a shard; each FSDP unit is gathered around its use.
 
 Units are the modules whose class is listed in `sharding.fsdp_units` (the outermost, when
 they nest); each unit's parameters form one bucket of the flat buffer (two where the unit
@@ -20,14 +20,18 @@ at most two units' full gradients (the one filling and the one being reduced).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
 from rayzero.sharding.comm import wait
-from rayzero.sharding.layout import Bucket
-from rayzero.sharding.strategies import _bytes
-from rayzero.sharding.zero import ShardOptimGrads
+from rayzero.sharding.config import ShardingConfig
+from rayzero.sharding.layout import Bucket, Layout, Range, build_layout
+from rayzero.sharding.memory import nbytes
+
+if TYPE_CHECKING:
+    from rayzero.sharding.strategies import Strategy
 
 ROOT = -1  # the unit id of parameters outside every unit
 
@@ -82,66 +86,68 @@ def find_units(model: nn.Module, classes: tuple[str, ...]) -> Units:
     return Units(tuple(unit_modules), owner, users)
 
 
-class ShardOptimGradsParams(ShardOptimGrads):
-    """ZeRO-3: AdamW on the shard, gradients reduce-scattered per unit, parameters sharded."""
+class ShardedUnits:
+    """ZeRO-3's placement: a rank keeps its shard of each bucket (one bucket per unit); a unit is
+    gathered whole just before it runs and released after, in forward and again in backward."""
 
-    name = "optim_grads_params"
-    _full_params_at_rest = False
+    whole_at_rest = False
 
-    def __init__(self, model: nn.Module, *args, **kwargs):
-        sharding = args[1] if len(args) > 1 else kwargs["sharding"]
-        self.units = find_units(model, tuple(sharding.fsdp_units))
+    def __init__(self, s: Strategy):
+        self.s = s
+        self.units = find_units(s.model, tuple(s.cfg.fsdp_units))
         self._shards: list[torch.Tensor] = []
         self._gathering: dict[int, object] = {}  # bucket index -> pending all-gather work
         self._resident: set[int] = set()
         self._fwd_order: list[str] = []
         self._last_fwd_order: list[str] = list(self.units.users)
         self._bwd_seen: set[str] = set()
-        self._bwd_current: frozenset[int] = frozenset()
         self._recomputed: set[int] = set()  # units a recompute gathered, their backward not run yet
-        super().__init__(model, *args, **kwargs)
+
+    @staticmethod
+    def layout(model: nn.Module, sharding: ShardingConfig, dp_size: int) -> tuple[list, Layout]:
+        """One bucket per unit, in forward order: ROOT (-1) first, then units in module order, each
+        unit's frozen parameters after its trainable ones (a stable sort keeps the order within
+        each). A unit is one bucket whatever its size: it is gathered whole anyway."""
+        owner = find_units(model, tuple(sharding.fsdp_units)).owner
+        named = sorted(model.named_parameters(), key=lambda item: (owner[item[0]], not item[1].requires_grad))
+        return named, build_layout([p.numel() for _, p in named], dp_size, 2**62, sharding.shard_align,
+                                   [(owner[n], not p.requires_grad) for n, p in named])
+
+    def attach(self) -> None:
+        """Once the buffer is built: which buckets each unit has, and the module hooks."""
+        buffer = self.s.buffer
         self._unit_buckets: dict[int, list[int]] = {}  # unit -> its buckets (trainable, then frozen)
         self._bucket_unit: dict[int, int] = {}
-        for i, n in enumerate(self.buffer.names):
-            unit, b = self.units.owner[n], self.buffer.bucket_of(i)
+        for i, n in enumerate(buffer.names):
+            unit, b = self.units.owner[n], buffer.bucket_of(i)
             if b not in self._bucket_unit:
                 self._bucket_unit[b] = unit
                 self._unit_buckets.setdefault(unit, []).append(b)
         self._root = self._unit_buckets.get(ROOT, [])
         self._partly_frozen = {u for u, bs in self._unit_buckets.items()
-                               if len({self.buffer.trainable(self.buffer.buckets[b]) for b in bs}) > 1}
+                               if len({buffer.trainable(buffer.buckets[b]) for b in bs}) > 1}
         self._unit_index = {name: k for k, name in enumerate(self.units.modules)}
-        self._register_hooks()
+        modules = dict(self.s.model.named_modules())
+        self.s.model.register_forward_pre_hook(lambda _m, _a: self._pre_model_forward())
+        for name in self.units.users:
+            modules[name].register_forward_pre_hook(self._make_pre_forward(name))
+            modules[name].register_forward_hook(self._make_post_forward(name))
 
-    # -- layout: one bucket per unit, in forward order ----------------------------------
-    @classmethod
-    def _buffer_order(cls, model, sharding):
-        # ROOT (-1) first, then units in module order, each unit's frozen parameters after its
-        # trainable ones; a stable sort keeps the order within each.
-        owner = find_units(model, tuple(sharding.fsdp_units)).owner
-        return sorted(model.named_parameters(), key=lambda item: (owner[item[0]], not item[1].requires_grad))
-
-    @classmethod
-    def _bucket_groups(cls, model, named, sharding):
-        owner = find_units(model, tuple(sharding.fsdp_units)).owner
-        return [(owner[n], not p.requires_grad) for n, p in named]
-
-    @classmethod
-    def _bucket_numel(cls, sharding, trainable_numel, dp_size) -> int:
-        return 2**62  # a unit is one bucket, whatever its size: it is gathered whole anyway
-
-    def _hold_params(self, b: Bucket, category: str) -> None:
-        shard = self.buffer.data[b.index][self._local(self.inner(b), b)].clone()
-        self.ledger.hold(category, _bytes(shard))
+    # -- storage: the shard at rest ------------------------------------------------------
+    def hold(self, b: Bucket, category: str) -> None:
+        s = self.s
+        shard = s.buffer.data[b.index][b.local(s.inner(b))].clone()
+        s.ledger.hold(category, nbytes(shard))
         self._shards.append(shard)
-        self.buffer.release(b)  # materialized one unit at a time: the model is never whole
+        s.buffer.release(b)  # materialized one unit at a time: the model is never whole
 
-    def _param_view(self, b, r):
-        return self._shards[b.index][r.shift(-self.inner(b).start).slice()]
+    def view(self, b: Bucket, r: Range) -> torch.Tensor:
+        return self._shards[b.index][r.shift(-self.s.inner(b).start).slice()]
 
-    def _whole_params(self, b):
-        full = torch.empty(b.world.size, dtype=self._shards[b.index].dtype, device=self.buffer.device)
-        wait(self.shard_axis.start_all_gather(full, self._shards[b.index]))
+    def whole(self, b: Bucket) -> torch.Tensor:
+        """Every rank must call it: the bucket is all-gathered into a new tensor."""
+        full = torch.empty(b.world.size, dtype=self._shards[b.index].dtype, device=self.s.buffer.device)
+        wait(self.s.shard_axis.start_all_gather(full, self._shards[b.index]))
         return full
 
     # -- gather and release -------------------------------------------------------------
@@ -149,14 +155,15 @@ class ShardOptimGradsParams(ShardOptimGrads):
         return [i for u in units for i in self._unit_buckets[u]]
 
     def _start_gather(self, units) -> None:
+        buffer = self.s.buffer
         for i in self._buckets_of(units):
             if i in self._resident:
                 continue
-            b = self.buffer.buckets[i]
-            self.buffer.restore(b)
-            self.ledger.grow(self.buffer.nbytes(b))
+            b = buffer.buckets[i]
+            buffer.restore(b)
+            self.s.ledger.grow(buffer.nbytes(b))
             self._resident.add(i)
-            self._gathering[i] = self.shard_axis.start_all_gather(self.buffer.data[i], self._shards[i])
+            self._gathering[i] = self.s.shard_axis.start_all_gather(buffer.data[i], self._shards[i])
 
     def _finish_gather(self, units) -> None:
         self._start_gather(units)
@@ -166,26 +173,20 @@ class ShardOptimGradsParams(ShardOptimGrads):
 
     def _release(self, units, root: bool = False) -> None:
         """Free the gathered parameters of `units` (the root unit's only with `root`)."""
+        buffer = self.s.buffer
         for i in self._buckets_of(units):
             if i not in self._resident or (i in self._root and not root):
                 continue
             if i in self._gathering:
                 wait(self._gathering.pop(i))
-            self.buffer.release(self.buffer.buckets[i])
-            self.ledger.shrink(self.buffer.nbytes(self.buffer.buckets[i]))
+            buffer.release(buffer.buckets[i])
+            self.s.ledger.shrink(buffer.nbytes(buffer.buckets[i]))
             self._resident.discard(i)
 
     def _units_of_resident(self) -> set[int]:
         return {self._bucket_unit[i] for i in self._resident}
 
     # -- hooks ---------------------------------------------------------------------------
-    def _register_hooks(self) -> None:
-        modules = dict(self.model.named_modules())
-        self.model.register_forward_pre_hook(lambda _m, _a: self._pre_model_forward())
-        for name in self.units.users:
-            modules[name].register_forward_pre_hook(self._make_pre_forward(name))
-            modules[name].register_forward_hook(self._make_post_forward(name))
-
     def _pre_model_forward(self) -> None:
         if self._fwd_order:
             self._last_fwd_order = self._fwd_order
@@ -213,7 +214,7 @@ class ShardOptimGradsParams(ShardOptimGrads):
                 return
             self._fwd_order.append(name)
             self._finish_gather(needs)
-            if self.cfg.overlap_param_gather:
+            if self.s.cfg.overlap_param_gather:
                 self._start_gather(self._neighbour(name, +1))
 
         return hook
@@ -222,7 +223,7 @@ class ShardOptimGradsParams(ShardOptimGrads):
         def hook(_module, _args, output):
             if _in_backward():  # a recompute: its backward comes next and releases the unit after
                 return
-            keep = self._neighbour(name, +1) if self.cfg.overlap_param_gather else frozenset()
+            keep = self._neighbour(name, +1) if self.s.cfg.overlap_param_gather else frozenset()
             self._release(self.units.users[name] - keep)
             if torch.is_grad_enabled():
                 for t in _tensors(output):
@@ -237,7 +238,7 @@ class ShardOptimGradsParams(ShardOptimGrads):
                 return
             self._bwd_seen.add(name)
             needs = self.units.users[name]
-            ahead = self._neighbour(name, -1) if self.cfg.overlap_param_gather else frozenset()
+            ahead = self._neighbour(name, -1) if self.s.cfg.overlap_param_gather else frozenset()
             self._recomputed -= needs
             # Units gathered for modules whose backward has run are done with (not those a
             # recompute gathered for a backward still to come).
@@ -255,40 +256,33 @@ class ShardOptimGradsParams(ShardOptimGrads):
         allocating a gradient per parameter first (when gradients are kept in the parameters'
         dtype). A unit's own parameters only: a weight it borrows (a tied head) gets its
         gradient when the owner's backward comes."""
-        if self.precision.grad != self.precision.param:
+        s = self.s
+        if s.precision.grad != s.precision.param:
             return
         for i in self._unit_buckets.get(unit, []):
-            b = self.buffer.buckets[i]
-            if not self.buffer.trainable(b) or i in self._reduced:
+            b = s.buffer.buckets[i]
+            if not s.buffer.trainable(b) or i in s.grad_sync.reduced:
                 continue
-            full = self._grad_landing(b)
+            full = s.grad_sync.landing(b)
             for j in b.params:
-                p = self.buffer.params[j]
+                p = s.buffer.params[j]
                 if p.grad is None:
-                    p.grad = full[self._local(self.buffer.layout.params[j].world, b)].view(p.shape)
+                    p.grad = full[b.local(s.buffer.layout.params[j].world)].view(p.shape)
 
-    def _on_grad(self, i, param):
-        super()._on_grad(i, param)
-        b = self.buffer.buckets[self.buffer.bucket_of(i)]
-        unit = self.units.owner[self.buffer.names[i]]
+    def on_grad(self, i: int, b: Bucket) -> None:
         # The unit's backward is over once its last gradient is in, unless it also holds frozen
         # weights (a LoRA base): the backward to its input may still need them, so it goes when
         # the next unit's backward starts (or the backward ends).
-        if self.buffer.pending(b) == 0 and unit not in self._partly_frozen:
+        unit = self.units.owner[self.s.buffer.names[i]]
+        if self.s.buffer.pending(b) == 0 and unit not in self._partly_frozen:
             self._release([unit])
 
-    def _after_backward(self, last_microbatch):
+    def after_backward(self) -> None:
         self._recomputed = set()
         self._release(self._units_of_resident(), root=True)
-        super()._after_backward(last_microbatch)
 
     def after_forward_only(self) -> None:
         self._release(self._units_of_resident(), root=True)
-
-    # -- phases ----------------------------------------------------------------------------
-    def begin_step(self) -> None:
-        for g in self.grads:
-            g.zero_()
 
 
 def _in_backward() -> bool:

@@ -72,6 +72,10 @@ class Bucket:
         size = self.shard_size(dp_size)
         return Range(self.world.start + dp_rank * size, self.world.start + (dp_rank + 1) * size)
 
+    def local(self, r: Range) -> slice:
+        """`r` (world coordinates, inside this bucket) as a slice of the bucket's own tensors."""
+        return r.shift(-self.world.start).slice()
+
 
 @dataclass(frozen=True)
 class ShardPiece:

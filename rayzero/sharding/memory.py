@@ -16,6 +16,10 @@ import torch
 CATEGORIES = ("compute_params", "main_params", "optimizer", "grads", "frozen_params")
 
 
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 @dataclass
 class MemoryLedger:
     persistent: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))

@@ -1,30 +1,46 @@
-"""The base every sharding strategy shares; the strategies themselves are one class each, each
-a ZeRO stage on top of the one before it (zero.py, fsdp.py):
+"""The sharding strategies: one `Strategy` that owns the flat buffers and drives the phases of
+an iteration, composed of three small policies that one table chooses per strategy:
 
-    NoShard                 DDP: all-reduce gradients, AdamW on everything
-    ShardOptim              ZeRO-1: reduce-scatter gradients, AdamW on the shard, all-gather
-    ShardOptimGrads         ZeRO-2: as ZeRO-1, but each bucket is reduce-scattered on every
-                            micro-batch and only the gradient shard is kept
-    ShardOptimGradsParams   ZeRO-3 / FSDP (fsdp.py): as ZeRO-2, and parameters at rest are a
-                            shard, gathered per unit around its forward and backward
+    strategy                    gradients               parameters    optimizer state
+    no_shard            DDP     AllReduceAtEnd          WholeParams   OwnAll
+    optim               ZeRO-1  ReduceScatterAtEnd      WholeParams   OwnShard
+    optim_grads         ZeRO-2  ReduceScatterPerBucket  WholeParams   OwnShard
+    optim_grads_params  ZeRO-3  ReduceScatterPerBucket  ShardedUnits  OwnShard
 
-A strategy is driven through the phases of one iteration:
+The policies, a file per column (grad_sync.py, placement.py with fsdp.py, ownership.py):
+
+    gradients   AllReduceAtEnd: full gradient buckets, all-reduced once per step, as the last
+                micro-batch's backward completes each; ReduceScatterAtEnd: the same, reduce-
+                scattered; ReduceScatterPerBucket: each bucket reduce-scattered on every
+                micro-batch as backward completes it, only the rank's shard of the sums kept
+    parameters  WholeParams: whole on every rank, in the flat buffer; ShardedUnits: a shard at
+                rest, each FSDP unit gathered around its forward and backward, then released
+    ownership   OwnAll: AdamW on everything; OwnShard: AdamW on the rank's shard, then the
+                updated shards all-gathered where parameters are whole at rest
+
+Hybrid sharding (`dp_outer` > 1) shards within the "shard" axis and keeps the row, with the
+ownership that `outer_strategy` names (HYBRID_OWNERSHIP): `no_shard` (HSDP) keeps OwnShard,
+whose gradient shards are all-reduced across the "replicate" axis; `optim` (Hybrid-FSDP) takes
+OwnShardAcrossReplicas, which splits each shard across the replicas too (reduce-scatter across
+them, then an all-gather across them after the step).
+
+Each policy has a start/finish pair: a bucket's gradient reduction (`grad_sync.start(bucket)`,
+`grad_sync.finish()`), a unit's parameter all-gather (ShardedUnits), the all-gather of the
+updated parameters after the step (`owner.start()`, `owner.finish(buckets)`). The phases of
+one iteration:
 
     begin_step()                 gather: zero gradients; wait for the parameter all-gather
                                  (or, overlapped, let forward wait bucket by bucket)
     backward(loss, last)         backward: gradient reductions start as buckets complete
     finish_grad_sync()           reduce_scatter: finish them, then the outer (hybrid) reduction
     step(lr) -> grad_norm        step: clip by the global norm, AdamW, start the all-gather
-
-Hybrid sharding (`dp_outer` > 1) shards within the "shard" axis and adds an outer reduction
-across the "replicate" axis; with `outer_strategy=optim` the optimizer state is split across
-replicas too, and parameters are all-gathered across them after the step.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -35,23 +51,40 @@ from rayzero.sharding.adamw import AdamWHyper, FlatAdamW, merge_runs
 from rayzero.sharding.comm import Axis, wait
 from rayzero.sharding.config import OptimConfig, ShardingConfig
 from rayzero.sharding.flat_buffer import Fill, FlatBuffer, ParamSource, as_source
-from rayzero.sharding.layout import Bucket, Layout, Range, auto_bucket_numel, build_layout
-from rayzero.sharding.memory import MemoryLedger
+from rayzero.sharding.fsdp import ShardedUnits
+from rayzero.sharding.grad_sync import AllReduceAtEnd, ReduceScatterAtEnd, ReduceScatterPerBucket
+from rayzero.sharding.layout import Bucket, Layout, Range
+from rayzero.sharding.memory import MemoryLedger, nbytes
+from rayzero.sharding.ownership import OwnAll, OwnShard, OwnShardAcrossReplicas
+from rayzero.sharding.placement import WholeParams
 from rayzero.sharding.precision import Precision, build_loss_scaler
 from rayzero.sharding.tensor_parallel import TPLayout, gather_global
 from rayzero.sharding.mesh import Mesh
 
 
-def _bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+@dataclass(frozen=True)
+class Row:
+    """What one strategy is: its three policies."""
+
+    grads: type  # how gradients are synchronized
+    params: type  # where parameters live
+    owner: type  # who owns the optimizer state
+
+
+STRATEGIES: dict[str, Row] = {
+    "no_shard":           Row(AllReduceAtEnd,         WholeParams,  OwnAll),    # DDP
+    "optim":              Row(ReduceScatterAtEnd,     WholeParams,  OwnShard),  # ZeRO-1
+    "optim_grads":        Row(ReduceScatterPerBucket, WholeParams,  OwnShard),  # ZeRO-2
+    "optim_grads_params": Row(ReduceScatterPerBucket, ShardedUnits, OwnShard),  # ZeRO-3 / FSDP
+}
+
+# With `dp_outer` > 1: the ownership `outer_strategy` names, in place of the row's.
+HYBRID_OWNERSHIP: dict[str, type] = {"no_shard": OwnShard, "optim": OwnShardAcrossReplicas}
 
 
 class Strategy:
-    """DDP's storage (full parameters, full gradients) and the machinery every stage shares."""
-
-    name = "base"
-    reduce_every_microbatch = False  # ZeRO-2/3: gradients never stay whole across micro-batches
-    _full_params_at_rest = True  # ZeRO-3: False, a rank keeps only its shard of each unit
+    """The flat buffers (parameters, gradients, fp32 main copy, AdamW state) and the phases of an
+    iteration; what is sharded and when it is communicated is the policies' (the table above)."""
 
     def __init__(
         self,
@@ -64,12 +97,14 @@ class Strategy:
         device: torch.device | str = "cpu",
         tp: TPLayout | None = None,
     ):
-        """`model` may be on the meta device when `source` gives each parameter's initial fp32
-        values (a `ParamSource`, or a `fill(name, out)` function); without it the model's
-        current values are copied. Parameters with `requires_grad=False` stay frozen: they
-        get buckets of their own, with no gradient, main copy or optimizer state. `tp`: what
-        tensor parallelism split (the model's parameters are then this rank's local shards).
-        `mesh`: a connected one (its groups) on a rank; its shape alone builds on the meta device."""
+        """The strategy `sharding.strategy` names. `model` may be on the meta device when `source`
+        gives each parameter's initial fp32 values (a `ParamSource`, or a `fill(name, out)`
+        function); without it the model's current values are copied. Parameters with
+        `requires_grad=False` stay frozen: they get buckets of their own, with no gradient, main
+        copy or optimizer state. `tp`: what tensor parallelism split (the model's parameters are
+        then this rank's local shards). `mesh`: a connected one (its groups) on a rank; its shape
+        alone builds on the meta device."""
+        self.name = sharding.strategy
         self.model = model
         self.mesh = mesh
         self.cfg = sharding
@@ -81,10 +116,12 @@ class Strategy:
         self.scaler = build_loss_scaler(sharding)
         self.ledger = MemoryLedger()
         self.last_step_skipped = False
-        self._param_sync_in_forward = False
-        self._inflight: dict[int, tuple[dist.Work | None, Callable[[], None]]] = {}
-        self._reduced: set[int] = set()
-        self._reduce_in_backward = False
+
+        row = STRATEGIES[sharding.strategy]
+        self.placement = row.params(self)
+        self.grad_sync = row.grads(self)
+        owner = HYBRID_OWNERSHIP[sharding.outer_strategy] if sharding.dp_outer > 1 else row.owner
+        self.owner = owner(self)
 
         named, layout = self.layout(model, sharding, mesh.size("dp"))
         self.buffer = FlatBuffer(model, named, layout, self.precision.param, torch.device(device))
@@ -100,7 +137,15 @@ class Strategy:
         decaying = {i for i, n in enumerate(self.buffer.names) if decays(n, self.buffer.params[i])}
         hyper = AdamWHyper(optim.beta1, optim.beta2, optim.eps, optim.weight_decay)
         self.optimizer = FlatAdamW(self.main_params, hyper, self._decay_runs(decaying))
-        self.ledger.hold("optimizer", 2 * _bytes(self.optimizer.exp_avg))
+        self.ledger.hold("optimizer", 2 * nbytes(self.optimizer.exp_avg))
+        self.placement.attach()
+        self.owner.attach()
+
+    @staticmethod
+    def layout(model: nn.Module, sharding: ShardingConfig, dp_size: int) -> tuple[list, Layout]:
+        """The parameters in buffer order and the buckets they fall in: what the strategy
+        builds (the dry run asks it of a model on the meta device)."""
+        return STRATEGIES[sharding.strategy].params.layout(model, sharding, dp_size)
 
     def _initial_values(self, b: Bucket, source: ParamSource) -> torch.Tensor:
         """The bucket's fp32 values. From a partial source (weights in storage) each rank reads
@@ -108,40 +153,11 @@ class Strategy:
         if not source.partial:
             return self.buffer.initial_values(b, source)
         full32 = self.buffer.initial_values(b, source, only=self.inner(b))
-        if self._full_params_at_rest:
+        if self.placement.whole_at_rest:
             wait(self.shard_axis.start_all_gather(full32, self.shard_axis.chunk(full32)))
         return full32
 
-    # -- layout and ownership ------------------------------------------------------------
-    @classmethod
-    def layout(cls, model: nn.Module, sharding: ShardingConfig, dp_size: int) -> tuple[list, Layout]:
-        """The parameters in buffer order and the buckets they fall in: what the strategy
-        builds (the dry run asks it of a model on the meta device)."""
-        named = cls._buffer_order(model, sharding)
-        trainable = sum(p.numel() for _, p in named if p.requires_grad)
-        return named, build_layout([p.numel() for _, p in named], dp_size,
-                                   cls._bucket_numel(sharding, trainable, dp_size), sharding.shard_align,
-                                   cls._bucket_groups(model, named, sharding))
-
-    @classmethod
-    def _buffer_order(cls, model: nn.Module, sharding: ShardingConfig) -> list[tuple[str, nn.Parameter]]:
-        # Reverse order: backward produces the last layers' gradients first, so the first
-        # bucket fills first and its reduction can start while backward goes on. Frozen
-        # parameters go last, in buckets of their own.
-        named = list(reversed(list(model.named_parameters())))
-        return sorted(named, key=lambda item: not item[1].requires_grad)
-
-    @classmethod
-    def _bucket_groups(cls, model: nn.Module, named, sharding: ShardingConfig) -> list | None:
-        frozen = [not p.requires_grad for _, p in named]
-        return frozen if any(frozen) else None
-
-    @classmethod
-    def _bucket_numel(cls, sharding: ShardingConfig, trainable_numel: int, dp_size: int) -> int:
-        if sharding.bucket_numel == "auto":
-            return auto_bucket_numel(trainable_numel, dp_size)
-        return sharding.bucket_numel
-
+    # -- ownership ---------------------------------------------------------------------------
     def inner(self, b: Bucket) -> Range:
         """The part of `b` this rank's shard group assigns to it (world coordinates)."""
         return b.shard(self.shard_axis.rank, self.shard_axis.size)
@@ -150,61 +166,31 @@ class Strategy:
         """The part of `b` whose optimizer update this rank runs (none of a frozen bucket)."""
         if not self.buffer.trainable(b):
             return Range(b.world.start, b.world.start)
-        return self._owned_range(b)
+        return self.owner.owned(b)
 
-    def _owned_range(self, b: Bucket) -> Range:
-        return b.world
-
-    @property
-    def owner_axis(self) -> Axis | None:
-        """The axis across which owned ranges tile the buffer exactly once (grad norm, export)."""
-        return None
-
-    def _trainable_buckets(self) -> list[Bucket]:
+    def trainable_buckets(self) -> list[Bucket]:
         return [b for b in self.buffer.buckets if self.buffer.trainable(b)]
-
-    def _local(self, r: Range, b: Bucket) -> slice:
-        return r.shift(-b.world.start).slice()
 
     # -- storage -------------------------------------------------------------------------
     def _build_bucket(self, b: Bucket, full32: torch.Tensor) -> None:
         if not self.buffer.trainable(b):
-            self._hold_params(b, "frozen_params")
+            self.placement.hold(b, "frozen_params")
             empty = torch.zeros(0, device=self.buffer.device)
             self.grads.append(empty.to(self.precision.grad))
             self.main_params.append(empty)
             self.main_grads.append(empty)
             return
-        self._hold_params(b, "compute_params")
-        self._add_main(b, full32)
-        self._add_grads(b)
-
-    def _hold_params(self, b: Bucket, category: str) -> None:
-        """Keep the bucket's compute parameters (whole here; ZeRO-3 keeps only its shard)."""
-        self.ledger.hold(category, self.buffer.nbytes(b))
-
-    def _add_grads(self, b: Bucket) -> None:
-        grad = torch.zeros(b.world.size, dtype=self.precision.grad, device=self.buffer.device)
-        self.ledger.hold("grads", _bytes(grad))
-        self.grads.append(grad)
-        if self.precision.grad == self.precision.param:
-            for i in b.params:  # autograd accumulates straight into the bucket
-                span = self.buffer.layout.params[i].world.shift(-b.world.start)
-                self.buffer.params[i].grad = grad[span.slice()].view(self.buffer.params[i].shape)
-        self.main_grads.append(grad[self._local(self.owned(b), b)])
-
-    def _add_main(self, b: Bucket, full32: torch.Tensor) -> None:
+        self.placement.hold(b, "compute_params")
         own = self.owned(b)
         if self.precision.main_is_param:
-            self.main_params.append(self._param_view(b, own))
+            self.main_params.append(self.placement.view(b, own))
         else:
-            main = full32[self._local(own, b)].clone()
-            self.ledger.hold("main_params", _bytes(main))
+            main = full32[b.local(own)].clone()
+            self.ledger.hold("main_params", nbytes(main))
             self.main_params.append(main)
-
-    def _param_view(self, b: Bucket, r: Range) -> torch.Tensor:
-        """The compute parameters of `b` over `r`, a view of the resident storage."""
-        return self.buffer.data[b.index][self._local(r, b)]
+        grad, main_grad = self.grad_sync.allocate(b)
+        self.grads.append(grad)
+        self.main_grads.append(main_grad)
 
     def _decay_runs(self, decaying: set[int]) -> list[Range]:
         """Local ranges of the owned shard that belong to parameters taking weight decay."""
@@ -218,103 +204,37 @@ class Strategy:
             local_offset += own.size
         return merge_runs(runs)
 
-    # -- gradient reduction -------------------------------------------------------------
-    def _on_grad(self, i: int, param: nn.Parameter) -> None:
-        b = self.buffer.buckets[self.buffer.bucket_of(i)]
-        if param.grad is not None and not self._grad_is_view(i):
-            span = self.buffer.layout.params[i].world
-            landing = self._grad_landing(b)[self._local(span, b)]
-            if param.grad.data_ptr() != landing.data_ptr():  # else autograd accumulated in place
-                landing.add_(param.grad.view(-1))
-            param.grad = None
-        if self._reduce_in_backward and self.buffer.pending(b) == 0:
-            self._start_reduce(b)
-
-    def _grad_is_view(self, i: int) -> bool:
-        return self.precision.grad == self.precision.param
-
-    def _grad_landing(self, b: Bucket) -> torch.Tensor:
-        """The full-bucket tensor a parameter's gradient is added into."""
-        return self.grads[b.index]
-
-    def _start_reduce(self, b: Bucket) -> None:
-        """Launch the bucket's gradient reduction; its finisher runs after the wait."""
-        if b.index in self._reduced or not self.buffer.trainable(b):
-            return
-        self._reduced.add(b.index)
-        self._inflight[b.index] = self._launch_reduce(b)
-
-    def _launch_reduce(self, b: Bucket) -> tuple[dist.Work | None, Callable[[], None]]:
-        grad = self.grads[b.index]
-        comm = self._to_comm(grad)
-        work = self.shard_axis.start_all_reduce(comm)
-
-        def finish():
-            if comm is not grad:
-                grad.copy_(comm)
-            self._free_comm(comm, grad)
-
-        return work, finish
-
-    def _to_comm(self, t: torch.Tensor) -> torch.Tensor:
-        """`t` in the communication dtype: a transient copy when that differs."""
-        if t.dtype == self.precision.comm or self.shard_axis.size == 1:
-            return t
-        c = t.to(self.precision.comm)
-        self.ledger.grow(_bytes(c))
-        return c
-
-    def _free_comm(self, comm: torch.Tensor, t: torch.Tensor) -> None:
-        if comm is not t:
-            self.ledger.shrink(_bytes(comm))
-
-    def _finish_reduce(self, index: int) -> None:
-        work, finish = self._inflight.pop(index)
-        wait(work)
-        finish()
-
-    def _finish_all_reduces(self) -> None:
-        for index in sorted(self._inflight):
-            self._finish_reduce(index)
-
     # -- phases --------------------------------------------------------------------------
     def begin_step(self) -> None:
-        if not self._param_sync_in_forward:
-            self.finish_param_sync()
+        if not self.owner.in_forward:
+            self.owner.finish()
         for g in self.grads:
             g.zero_()
 
     def backward(self, loss: torch.Tensor, last_microbatch: bool) -> None:
-        overlap = self.cfg.overlap_grad_reduce
-        self._reduce_in_backward = overlap and (last_microbatch or self.reduce_every_microbatch)
-        self._reduced = set()
+        self.grad_sync.begin_backward(last_microbatch)
         self.buffer.arm(self._on_grad)
         scale = self.scaler.scale if self.scaler is not None else 1.0
         (loss * scale if scale != 1.0 else loss).backward()
-        self._after_backward(last_microbatch)
-
-    def _after_backward(self, last_microbatch: bool) -> None:
+        self.placement.after_backward()
         self.buffer.disarm()
-        if self.reduce_every_microbatch:
-            for b in self.buffer.buckets:  # parameters that got no gradient: reduce zeros
-                self._start_reduce(b)
-            if not last_microbatch:
-                self._finish_all_reduces()
+        self.grad_sync.after_backward(last_microbatch)
+
+    def _on_grad(self, i: int, param: nn.Parameter) -> None:
+        b = self.buffer.buckets[self.buffer.bucket_of(i)]
+        self.grad_sync.on_grad(i, b, param)
+        self.placement.on_grad(i, b)
 
     def finish_grad_sync(self) -> None:
         for b in self.buffer.buckets:
-            self._start_reduce(b)
-        self._finish_all_reduces()
-        self._reduced = set()
-        self._outer_reduce()
-
-    def _outer_reduce(self) -> None:
-        """Hybrid: reduce each rank's gradient shard across the replicas."""
+            self.grad_sync.start(b)
+        self.grad_sync.finish()
+        self.owner.reduce_outer([self.grad_sync.inner_grad(b) for b in self.trainable_buckets()])
 
     def step(self, lr: float) -> float:
         """Clip to the global gradient norm, update the owned shard, start the all-gather.
         With loss scaling, a step whose gradients are not finite is skipped."""
-        self.finish_param_sync()  # the update must not race a gather still writing the buffer
+        self.owner.finish()  # the update must not race a gather still writing the buffer
         self._sum_partial_grads_over_tp()
         scale = self.scaler.scale if self.scaler is not None else 1.0
         norm = self.grad_norm() / scale
@@ -329,7 +249,7 @@ class Strategy:
             coef *= min(clip / (norm + 1e-6), 1.0)  # as torch.nn.utils.clip_grad_norm_
         self.optimizer.step(self.main_grads, lr, grad_scale=coef)
         self._write_back()
-        self._start_param_sync()
+        self.owner.start()
         return norm
 
     def _write_back(self) -> None:
@@ -338,16 +258,15 @@ class Strategy:
             return
         for b, main in zip(self.buffer.buckets, self.main_params):
             if self.buffer.trainable(b):
-                self._param_view(b, self.owned(b)).copy_(main)
-
-    def _start_param_sync(self) -> None:
-        """After the step: begin making updated parameters whole on every rank."""
+                self.placement.view(b, self.owned(b)).copy_(main)
 
     def finish_param_sync(self, buckets: list[int] | None = None) -> None:
         """Wait until every rank holds the updated parameters of `buckets` (default: all)."""
+        self.owner.finish(buckets)
 
     def after_forward_only(self) -> None:
         """After forwards without backward (evaluation): nothing is left gathered."""
+        self.placement.after_forward_only()
 
     def grad_norm(self) -> float:
         """The L2 norm of the full gradient; each element counted once across the group: with
@@ -361,8 +280,8 @@ class Strategy:
             for b, cut, name in self._owned_params:
                 weight = 1.0 if name in self.tp.split else 1.0 / self.tp.size
                 sq += weight * torch.linalg.vector_norm(self.main_grads[b][cut].float()).double() ** 2
-        if self.owner_axis is not None and self.owner_axis.size > 1:
-            dist.all_reduce(sq, group=self.owner_axis.group)
+        if self.owner.axis is not None and self.owner.axis.size > 1:
+            dist.all_reduce(sq, group=self.owner.axis.group)
         if self.tp is not None:
             dist.all_reduce(sq, group=self.mesh.axis("tp").group)
         return float(sq.sqrt())
@@ -371,7 +290,7 @@ class Strategy:
     def _owned_params(self) -> list[tuple[int, slice, str]]:
         """(bucket, slice of its owned shard, parameter name) for every parameter in the owned shards."""
         out = []
-        for b in self._trainable_buckets():
+        for b in self.trainable_buckets():
             own = self.owned(b)
             for i in b.params:
                 cut = self.buffer.layout.params[i].world.intersect(own)
@@ -398,14 +317,14 @@ class Strategy:
         for b, main in zip(self.buffer.buckets, self.main_params):
             if self.buffer.trainable(b):
                 full = torch.zeros(b.world.size, dtype=torch.float32, device=self.buffer.device)
-                full[self._local(self.owned(b), b)] = main
-                if self.owner_axis is not None:
-                    wait(self.owner_axis.start_all_reduce(full))
+                full[b.local(self.owned(b))] = main
+                if self.owner.axis is not None:
+                    wait(self.owner.axis.start_all_reduce(full))
             else:  # frozen: no main copy, the compute parameters are the values
-                full = self._whole_params(b).float()
+                full = self.placement.whole(b).float()
             for i in b.params:
                 span = self.buffer.layout.params[i].world
-                by_name[self.buffer.names[i]] = full[self._local(span, b)].view(
+                by_name[self.buffer.names[i]] = full[b.local(span)].view(
                     self.buffer.params[i].shape).cpu().clone()
         if self.tp is not None:  # the TP ranks' shards, whole (every rank of the group in one order)
             for name in sorted(n for n in by_name if n in self.tp.split):
@@ -423,10 +342,6 @@ class Strategy:
             used.add(name)
         return out
 
-    def _whole_params(self, b: Bucket) -> torch.Tensor:
-        """The bucket's compute parameters, whole (every rank must call it where they are sharded)."""
-        return self.buffer.data[b.index]
-
     def memory(self) -> dict[str, int]:
         return self.ledger.report()
 
@@ -440,16 +355,11 @@ class Strategy:
     def saves_shard(self) -> bool:
         """Whether this rank writes a checkpoint shard: one copy of every element is written,
         so replicas (DDP ranks, HSDP replicas) other than the first leave it to that one."""
-        axis = self.owner_axis
-        if axis is None:
-            return self.mesh.coord("dp") == 0
-        if axis is self.shard_axis:
-            return self.replicate_axis.rank == 0
-        return True
+        return self.owner.saves_shard
 
     def after_load(self) -> None:
         """Main parameters were just written: round them into the compute parameters and make
         them whole where the strategy keeps them whole."""
         self._write_back()
-        self._start_param_sync()
-        self.finish_param_sync()
+        self.owner.start()
+        self.owner.finish()

@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from rayzero.config import RootConfig
 from rayzero.models import ModelSpec, model_spec
-from rayzero.sharding import STRATEGY_CLASSES, Layout, Mesh, ShardingConfig, build_strategy
+from rayzero.sharding import Layout, Mesh, ShardingConfig, Strategy, build_strategy
 from rayzero.sharding.comm import Axis
 from rayzero.sharding.flat_buffer import ParamSource, PerName
 from rayzero.sharding.fsdp import find_units
@@ -169,7 +169,7 @@ def assemble(cfg: RootConfig, spec: ModelSpec, mesh: Mesh, device: torch.device,
 def bucket_layout(cfg: RootConfig, spec: ModelSpec, model: nn.Module) -> Layout:
     """The buckets the ranks will build for `model` (on the meta device is enough)."""
     sharding = resolved_sharding(cfg, spec, model)
-    return STRATEGY_CLASSES[sharding.strategy].layout(model, sharding, cfg.mesh().size("dp"))[1]
+    return Strategy.layout(model, sharding, cfg.mesh().size("dp"))[1]
 
 
 def check_buildable(cfg: RootConfig, device: torch.device | None, spec: ModelSpec | None = None,

@@ -36,12 +36,18 @@ def imports_of(path: Path) -> set[str]:
     """Every module a file imports, anywhere in it (function bodies included), as absolute names.
 
     ``from a.b import c`` counts as importing both ``a.b`` and ``a.b.c`` (c may be a submodule).
+    What is imported only for annotations (under ``if TYPE_CHECKING:``) never runs, and is not
+    counted: a policy may name the `Strategy` it serves.
     """
     tree = ast.parse(path.read_text(), filename=str(path))
     this = module_name(path)
     package = this if is_package(path) else this.rpartition(".")[0]
     found: set[str] = set()
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and _is_type_checking(block.test)
+                   for stmt in block.body for n in ast.walk(stmt)}
     for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -54,6 +60,11 @@ def imports_of(path: Path) -> set[str]:
             found.add(base)
             found.update(f"{base}.{alias.name}" for alias in node.names if alias.name != "*")
     return found
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def files_under(subpackage: str) -> list[Path]:

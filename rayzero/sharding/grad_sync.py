@@ -1,0 +1,224 @@
+"""How gradients are synchronized across the shard group: the gradient column of the table in
+strategies.py.
+
+    AllReduceAtEnd          DDP: full gradient buckets, each all-reduced once per step
+    ReduceScatterAtEnd      ZeRO-1: the same buckets, each reduce-scattered once per step
+    ReduceScatterPerBucket  ZeRO-2/3: each bucket reduce-scattered on every micro-batch as soon
+                            as backward fills it; only this rank's shard of the sums is kept
+
+Each is a start/finish pair around a bucket's collective: `start(bucket)` launches it (once
+per backward), `finish()` waits for all in flight and puts their sums in place. At the end
+of a step the strategy starts what backward did not and finishes everything; the outer
+(hybrid) reduction across the replicas then works on `inner_grad(bucket)`, this rank's
+reduced shard of each bucket.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from rayzero.sharding.comm import wait
+from rayzero.sharding.layout import Bucket
+from rayzero.sharding.memory import nbytes
+
+if TYPE_CHECKING:
+    from rayzero.sharding.strategies import Strategy
+
+
+class InFlight:
+    """Bucket collectives started and not yet waited for, each with what runs after its wait."""
+
+    def __init__(self):
+        self._works: dict[int, tuple[dist.Work | None, Callable[[], None]]] = {}
+
+    def add(self, index: int, work: dist.Work | None, then: Callable[[], None]) -> None:
+        self._works[index] = (work, then)
+
+    def finish(self) -> None:
+        for index in sorted(self._works):
+            work, then = self._works.pop(index)
+            wait(work)
+            then()
+
+
+def to_comm(s: Strategy, t: torch.Tensor) -> torch.Tensor:
+    """`t` in the communication dtype: a transient copy when that differs."""
+    if t.dtype == s.precision.comm or s.shard_axis.size == 1:
+        return t
+    c = t.to(s.precision.comm)
+    s.ledger.grow(nbytes(c))
+    return c
+
+
+def free_comm(s: Strategy, comm: torch.Tensor, t: torch.Tensor) -> None:
+    if comm is not t:
+        s.ledger.shrink(nbytes(comm))
+
+
+def accumulate(s: Strategy, landing: torch.Tensor, i: int, b: Bucket, param: nn.Parameter) -> None:
+    """Add parameter `i`'s gradient into its place in `landing` (a full bucket) and drop it."""
+    into = landing[b.local(s.buffer.layout.params[i].world)]
+    if param.grad.data_ptr() != into.data_ptr():  # else autograd accumulated in place
+        into.add_(param.grad.view(-1))
+    param.grad = None
+
+
+class AllReduceAtEnd:
+    """DDP: a full gradient bucket per bucket of parameters, which every micro-batch's backward
+    accumulates into (in place, through the parameters' `.grad` views, where gradients share
+    the parameters' dtype); each bucket all-reduced once per step, during the last
+    micro-batch's backward as soon as it is complete (with `overlap_grad_reduce`)."""
+
+    every_microbatch = False
+
+    def __init__(self, s: Strategy):
+        self.s = s
+        self.inflight = InFlight()
+        self.reduced: set[int] = set()  # buckets whose reduction started in this backward
+        self.in_backward = False
+        self._views = s.precision.grad == s.precision.param
+
+    def allocate(self, b: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bucket's gradient storage, and its part over what this rank owns (the optimizer's)."""
+        s = self.s
+        grad = torch.zeros(b.world.size, dtype=s.precision.grad, device=s.buffer.device)
+        s.ledger.hold("grads", nbytes(grad))
+        if self._views:
+            for i in b.params:  # autograd accumulates straight into the bucket
+                p = s.buffer.params[i]
+                p.grad = grad[b.local(s.buffer.layout.params[i].world)].view(p.shape)
+        return grad, grad[b.local(s.owned(b))]
+
+    def landing(self, b: Bucket) -> torch.Tensor:
+        """The full-bucket tensor a parameter's gradient is added into."""
+        return self.s.grads[b.index]
+
+    def inner_grad(self, b: Bucket) -> torch.Tensor:
+        """This rank's reduced shard of `b`'s gradient."""
+        return self.s.grads[b.index][b.local(self.s.inner(b))]
+
+    def begin_backward(self, last_microbatch: bool) -> None:
+        self.in_backward = self.s.cfg.overlap_grad_reduce and last_microbatch
+        self.reduced = set()
+
+    def on_grad(self, i: int, b: Bucket, param: nn.Parameter) -> None:
+        if param.grad is not None and not self._views:
+            accumulate(self.s, self.landing(b), i, b, param)
+        if self.in_backward and self.s.buffer.pending(b) == 0:
+            self.start(b)
+
+    def after_backward(self, last_microbatch: bool) -> None:
+        """Gradients stay in the full buckets until the last micro-batch."""
+
+    def start(self, b: Bucket) -> None:
+        if b.index in self.reduced or not self.s.buffer.trainable(b):
+            return
+        self.reduced.add(b.index)
+        grad = self.s.grads[b.index]
+        comm = to_comm(self.s, grad)
+        work = self._collective(comm)
+
+        def then():
+            if comm is not grad:
+                self._keep(b, grad, comm)
+            free_comm(self.s, comm, grad)
+
+        self.inflight.add(b.index, work, then)
+
+    def finish(self) -> None:
+        self.inflight.finish()
+        self.reduced = set()
+
+    def _collective(self, comm: torch.Tensor) -> dist.Work | None:
+        return self.s.shard_axis.start_all_reduce(comm)
+
+    def _keep(self, b: Bucket, grad: torch.Tensor, comm: torch.Tensor) -> None:
+        """Copy the sums back from a communication copy of another dtype."""
+        grad.copy_(comm)
+
+
+class ReduceScatterAtEnd(AllReduceAtEnd):
+    """ZeRO-1: DDP's full gradient buckets, each reduce-scattered once per step instead: the
+    sums of this rank's shard land in its place in the bucket (the rest is scratch)."""
+
+    def _collective(self, comm: torch.Tensor) -> dist.Work | None:
+        return self.s.shard_axis.start_reduce_scatter(comm)
+
+    def _keep(self, b: Bucket, grad: torch.Tensor, comm: torch.Tensor) -> None:
+        grad[b.local(self.s.inner(b))].copy_(self.s.shard_axis.chunk(comm))
+
+
+class ReduceScatterPerBucket:
+    """ZeRO-2/3: a rank keeps only its shard of each bucket's gradient. Every micro-batch, a
+    full bucket is allocated when backward first adds into it, reduce-scattered once complete,
+    its shard of the sums added into the kept shard, and freed; one bucket's reduction is in
+    flight besides the one filling, which bounds the transient memory to two full buckets."""
+
+    every_microbatch = True
+
+    def __init__(self, s: Strategy):
+        self.s = s
+        self.inflight = InFlight()
+        self.reduced: set[int] = set()
+        self.in_backward = False
+        self._landing: dict[int, torch.Tensor] = {}
+
+    def allocate(self, b: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
+        s, inner = self.s, self.s.inner(b)
+        grad = torch.zeros(inner.size, dtype=s.precision.grad, device=s.buffer.device)
+        s.ledger.hold("grads", nbytes(grad))
+        return grad, grad[s.owned(b).shift(-inner.start).slice()]
+
+    def landing(self, b: Bucket) -> torch.Tensor:
+        if b.index not in self._landing:
+            full = torch.zeros(b.world.size, dtype=self.s.precision.grad, device=self.s.buffer.device)
+            self.s.ledger.grow(nbytes(full))
+            self._landing[b.index] = full
+        return self._landing[b.index]
+
+    def inner_grad(self, b: Bucket) -> torch.Tensor:
+        return self.s.grads[b.index]
+
+    def begin_backward(self, last_microbatch: bool) -> None:
+        self.in_backward = self.s.cfg.overlap_grad_reduce
+        self.reduced = set()
+
+    def on_grad(self, i: int, b: Bucket, param: nn.Parameter) -> None:
+        if param.grad is not None:
+            accumulate(self.s, self.landing(b), i, b, param)
+        if self.in_backward and self.s.buffer.pending(b) == 0:
+            self.start(b)
+
+    def after_backward(self, last_microbatch: bool) -> None:
+        for b in self.s.buffer.buckets:  # parameters that got no gradient: reduce zeros
+            self.start(b)
+        if not last_microbatch:
+            self.finish()
+
+    def start(self, b: Bucket) -> None:
+        if b.index in self.reduced:
+            return
+        self.inflight.finish()  # the previous bucket's, so that two full buckets at most are alive
+        if not self.s.buffer.trainable(b):
+            return
+        self.reduced.add(b.index)
+        s, full = self.s, self.landing(b)
+        for i in b.params:  # no view of the landing outlives it (a parameter that got no gradient)
+            s.buffer.params[i].grad = None
+        comm = to_comm(s, full)
+        work = s.shard_axis.start_reduce_scatter(comm)
+
+        def then():
+            s.grads[b.index].add_(s.shard_axis.chunk(comm))
+            free_comm(s, comm, full)
+            s.ledger.shrink(nbytes(self._landing.pop(b.index)))
+
+        self.inflight.add(b.index, work, then)
+
+    def finish(self) -> None:
+        self.inflight.finish()
+        self.reduced = set()

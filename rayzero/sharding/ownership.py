@@ -1,0 +1,161 @@
+"""Who owns the optimizer state: the ownership column of the table in strategies.py.
+
+    OwnAll                   DDP: every rank steps AdamW on everything
+    OwnShard                 ZeRO-1/2/3: each rank steps its shard of every bucket, then the
+                             updated shards are all-gathered where parameters are whole at rest
+    OwnShardAcrossReplicas   Hybrid-FSDP (`dp_outer` > 1, `outer_strategy=optim`): the replicas
+                             split that shard again; the strategy picks it in place of OwnShard
+
+Each has a start/finish pair around the all-gather of updated parameters: `start()` after the
+step, `finish(buckets)` before they are read (the next forward waits per bucket where
+`overlap_param_gather` lets it). And each says what happens across the replicas of hybrid
+sharding at the end of gradient sync (`reduce_outer`): a rank must end with the sum over every
+data-parallel rank of the gradients it owns.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from rayzero.sharding.comm import Axis, wait
+from rayzero.sharding.layout import Bucket, Range
+
+if TYPE_CHECKING:
+    from rayzero.sharding.strategies import Strategy
+
+
+def _wait_all(works: list[dist.Work | None]) -> None:
+    for work in works:
+        wait(work)
+
+
+class OwnAll:
+    """DDP: every rank owns every element; the updated parameters are already whole."""
+
+    axis: Axis | None = None  # owned ranges tile the buffer on every rank: nothing to sum across
+    in_forward = False
+
+    def __init__(self, s: Strategy):
+        self.s = s
+
+    def owned(self, b: Bucket) -> Range:
+        return b.world
+
+    @property
+    def saves_shard(self) -> bool:
+        return self.s.mesh.coord("dp") == 0  # the other ranks hold the same copy
+
+    def attach(self) -> None:
+        """Nothing to wait for in forward."""
+
+    def reduce_outer(self, grads: list[torch.Tensor]) -> None:
+        """No replicas: DDP is never hybrid."""
+
+    def start(self) -> None:
+        """Nothing to gather."""
+
+    def finish(self, buckets: list[int] | None = None) -> None:
+        """Nothing to wait for."""
+
+
+class OwnShard:
+    """Each rank owns its shard of every bucket (the part its shard group assigns it). HSDP
+    replicas own the same shards: their gradients are all-reduced across the replicas."""
+
+    def __init__(self, s: Strategy):
+        self.s = s
+        self._work: dict[int, dist.Work | None] = {}  # bucket -> its pending all-gather
+        # Forward waits bucket by bucket for the all-gather instead of all at once before it.
+        self.in_forward = s.cfg.overlap_param_gather and s.placement.whole_at_rest
+
+    @property
+    def axis(self) -> Axis:
+        """The ranks across which owned ranges tile the buffer exactly once (grad norm, export)."""
+        return self.s.shard_axis
+
+    def owned(self, b: Bucket) -> Range:
+        return self.s.inner(b)
+
+    @property
+    def saves_shard(self) -> bool:
+        return self.s.replicate_axis.rank == 0  # other replicas hold the same shards
+
+    def attach(self) -> None:
+        """With `in_forward`, each module's forward first waits for its buckets' all-gather."""
+        if not self.in_forward:
+            return
+        buffer = self.s.buffer
+        bucket_of = {id(p): buffer.bucket_of(i) for i, p in enumerate(buffer.params)}
+        for module in self.s.model.modules():
+            own = sorted({bucket_of[id(p)] for p in module.parameters(recurse=False)})
+            if own:
+                module.register_forward_pre_hook(self._wait_for(own))
+
+    def _wait_for(self, buckets: list[int]):
+        def hook(_module, _args) -> None:
+            self.finish(buckets)
+
+        return hook
+
+    def reduce_outer(self, grads: list[torch.Tensor]) -> None:
+        axis = self.s.replicate_axis
+        if axis.size > 1:
+            _wait_all([axis.start_all_reduce(g) for g in grads])
+
+    def start(self) -> None:
+        s = self.s
+        if s.shard_axis.size == 1 or not s.placement.whole_at_rest:
+            return
+        # Forward order: the buffer holds parameters last layer first, so the last bucket is
+        # the one the next forward needs first. In place: each rank's shard already sits at
+        # its place in the bucket (NCCL and gloo both accept that aliasing).
+        for b in reversed(s.trainable_buckets()):  # frozen buckets never change
+            full = s.buffer.data[b.index]
+            self._work[b.index] = s.shard_axis.start_all_gather(full, s.shard_axis.chunk(full))
+
+    def finish(self, buckets: list[int] | None = None) -> None:
+        for i in list(self._work) if buckets is None else buckets:
+            if i in self._work:
+                wait(self._work.pop(i))
+
+
+class OwnShardAcrossReplicas:
+    """Hybrid-FSDP: the replicas split each rank's shard again, so a rank owns 1/dp_outer of it.
+    Gradients are reduce-scattered across the replicas; after the step the replicas' pieces are
+    all-gathered into the shard, which is then made whole as OwnShard makes it."""
+
+    saves_shard = True  # every rank owns a distinct piece
+
+    def __init__(self, s: Strategy):
+        self.s = s
+        self.within = OwnShard(s)  # the shard group's part, as without replicas
+        self.in_forward = self.within.in_forward
+
+    @property
+    def axis(self) -> Axis:
+        return self.s.mesh.axis("dp")
+
+    def owned(self, b: Bucket) -> Range:
+        inner = self.s.inner(b)
+        n = inner.size // self.s.replicate_axis.size
+        start = inner.start + self.s.replicate_axis.rank * n
+        return Range(start, start + n)
+
+    def attach(self) -> None:
+        self.within.attach()
+
+    def reduce_outer(self, grads: list[torch.Tensor]) -> None:
+        axis = self.s.replicate_axis
+        _wait_all([axis.start_reduce_scatter(g) for g in grads])
+
+    def start(self) -> None:
+        s, view = self.s, self.s.placement.view
+        _wait_all([s.replicate_axis.start_all_gather(view(b, s.inner(b)), view(b, s.owned(b)).clone())
+                   for b in s.trainable_buckets()])
+        self.within.start()
+
+    def finish(self, buckets: list[int] | None = None) -> None:
+        self.within.finish(buckets)
