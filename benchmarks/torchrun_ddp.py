@@ -40,8 +40,8 @@ def main() -> None:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if world != cfg.dp_size:
-        raise SystemExit(f"torchrun started {world} ranks but cluster.num_workers is {cfg.dp_size}")
+    if world != cfg.mesh().size("dp"):
+        raise SystemExit(f"torchrun started {world} ranks but the config's data-parallel ranks are {cfg.mesh().size('dp')}")
     trainer = PlainTrainer(cfg, data_path, fsdp2=args.fsdp2)
     step_s, losses = trainer.run(cfg.train.steps)
     peak_rss = [None] * world
