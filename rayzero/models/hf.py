@@ -24,8 +24,9 @@ import torch.nn as nn
 from rayzero.storage import Storage, StorageError
 from rayzero.models.config import ModelConfig
 from rayzero.models.conversions import Part, load_layout, saved_keys
+from rayzero.models.init import SeededInit, params_on_meta
 from rayzero.models.spec import (
-    ExportEntry, ModelError, ModelSpec, ModelUnavailable, SeededInit, global_shapes, params_on_meta, weights_record,
+    ExportEntry, ModelError, ModelSpec, ModelUnavailable, global_shapes, weights_record,
 )
 from rayzero.sharding.flat_buffer import ParamSource
 

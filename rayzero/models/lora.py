@@ -219,7 +219,7 @@ class AdapterInit(ParamSource):
         out.copy_(self._ready.pop(name))
 
     def _init(self, a: Adapter) -> None:
-        from rayzero.models.spec import name_seed
+        from rayzero.models.init import name_seed
 
         layer = self.model.get_submodule(a.module)
         mods = {a.a: layer.lora_A[ADAPTER], a.b: layer.lora_B[ADAPTER]}

@@ -20,8 +20,9 @@ import torch
 import torch.nn as nn
 
 from rayzero.models.config import ModelConfig
+from rayzero.models.init import SeededInit, params_on_meta
 from rayzero.models.spec import (
-    ModelError, ModelSpec, SeededInit, config_hash, params_on_meta, weights_record,
+    ModelError, ModelSpec, config_hash, weights_record,
 )
 from rayzero.sharding.flat_buffer import ParamSource
 
