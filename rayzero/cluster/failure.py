@@ -14,6 +14,7 @@ import ray
 import torch.distributed as dist
 
 from rayzero.storage import StorageError
+from rayzero.cluster.scaling import ScalingPolicy
 from rayzero.cluster.worker_group import PlacementError
 from rayzero.config import RootConfig
 
@@ -74,13 +75,14 @@ class Decision:
 
 class FailurePolicy:
     """`failure.max_restarts` restarts (−1: unlimited) with exponential backoff that resets
-    once a checkpoint commits; a smaller world when the cluster can no longer hold the current
-    one and `cluster.min_workers` allows it."""
+    once a checkpoint commits. Whether to go on is this policy's; at how many ranks is the
+    scaling policy's (a smaller world when the cluster can no longer hold the current one and
+    `cluster.min_workers` allows it)."""
 
-    def __init__(self, cfg: RootConfig):
+    def __init__(self, cfg: RootConfig, scaling: ScalingPolicy | None = None):
         self.max_restarts = cfg.failure.max_restarts
         self.backoff_s, self.backoff_max_s = cfg.failure.backoff_s, cfg.failure.backoff_max_s
-        self.worlds = cfg.world_sizes()
+        self.scaling = scaling or ScalingPolicy.from_config(cfg)
 
     def decide(self, failure: Failure, restarts: int, streak: int, world: int, capacity: int) -> Decision:
         """`restarts` so far, `streak` failures since the last commit, the `world` that failed
@@ -90,11 +92,11 @@ class FailurePolicy:
         if self.max_restarts >= 0 and restarts >= self.max_restarts:
             return Decision("give_up", world, 0.0, f"failure.max_restarts={self.max_restarts} reached")
         delay = min(self.backoff_max_s, self.backoff_s * 2 ** max(0, streak - 1))
-        fits = [w for w in self.worlds if w <= capacity]
-        if fits and fits[0] < world:
-            return Decision("shrink", fits[0], delay, f"the cluster can place {capacity} ranks now")
+        then = self.scaling.after_failure(world, capacity)
+        if then < world:
+            return Decision("shrink", then, delay, f"the cluster can place {capacity} ranks now")
         # Enough room (or none at all yet: placement waits for it, then shrinks if it can).
-        return Decision("restart", max(world, fits[0]) if fits else world, delay, "a fresh group")
+        return Decision("restart", then, delay, "a fresh group")
 
 
 def classify(exc: BaseException) -> str:

@@ -38,18 +38,18 @@ def step_metrics(results: list[dict], phase: dict[str, float], dt: float, tokens
     return metrics
 
 
-def run_summary(c, rank0_info: dict) -> dict:
+def run_summary(cfg, rec, h, ckpt, early, tracker, run_dir: str) -> dict:
     """The run's summary (what `--summary-json` writes and `Result.summary` holds), from the
-    controller `c` at the end of `fit`, and rank 0's build info."""
-    cfg, h = c.cfg, c.history
+    run record `rec` and history `h` at the end of `fit`, the checkpoints `ckpt` (None: off),
+    the early-stopping policy and the tracker."""
+    info = rec.build
     trained = bool(h.losses)
     step_s = mean(h.timed(h.step_s)) if trained else None
-    memory = h.memory or [rank0_info["memory"]]
-    ckpt = c.checkpoints
+    memory = h.memory or [info["memory"]]
     tokens_per_s = cfg.train.global_batch_size * cfg.train.seq_len / step_s if trained else None
-    rate = throughput(tokens_per_s, c.world, rank0_info["flops_per_token"], rank0_info["device_name"]) \
-        if trained else {}
+    rate = throughput(tokens_per_s, rec.world, info["flops_per_token"], info["device_name"]) if trained else {}
     best = ckpt.best if ckpt is not None else None
+    first_start = rec.first_start or (0, None)
     return {
         "first_loss": h.losses[0] if trained else None,
         "final_loss": h.losses[-1] if trained else None,
@@ -60,48 +60,49 @@ def run_summary(c, rank0_info: dict) -> dict:
                                       None),
         "val_losses": [[s, v] for s, v in zip(h.val_steps, h.val_losses)],
         "steps": len(h.losses),
-        "start_step": c.first_start[0],
+        "start_step": first_start[0],
         "total_steps": cfg.train.steps,
         "tokens_per_s": tokens_per_s,
         "tokens_per_s_per_rank": rate.get("tokens_per_s_per_rank"),
         "mfu": rate.get("mfu"),  # None on a CPU or a device whose peak is not known
-        "model_flops_per_token": rank0_info["flops_per_token"],
-        "device": rank0_info["device_name"],
+        "model_flops_per_token": info["flops_per_token"],
+        "device": info["device_name"],
         "step_ms": step_s * 1e3 if trained else None,
         "phase_ms": {p: mean(h.timed(v)) * 1e3 for p, v in h.phase_s.items()} if trained else {},
         "data_ms": mean(h.timed(data_ms)) if (data_ms := [r["data_ms"] for r in h.rows if "data_ms" in r
-                                                         and r["step"] >= c.first_start[0]]) else None,
-        "world_size": c.world,
-        "num_workers": c.cfg.cluster.num_workers,
+                                                         and r["step"] >= first_start[0]]) else None,
+        "world_size": rec.world,
+        "num_workers": cfg.cluster.num_workers,
         "strategy": cfg.sharding.strategy,
         "tp": cfg.parallel.tp,
         "sequence_parallel": cfg.parallel.sequence_parallel,
         # the embedding, head and logits split over the TP ranks (what the ranks built, not only what was asked)
-        "vocab_parallel": bool((rank0_info.get("tp") or {}).get("vocab_parallel")),
-        "grad_accum": cfg.grad_accum_for(cfg.mesh(c.world)),
-        "num_params": rank0_info["num_params"],
-        "trainable_params": rank0_info["trainable_params"],
-        "backend": rank0_info["backend"],
+        "vocab_parallel": bool((info.get("tp") or {}).get("vocab_parallel")),
+        "grad_accum": cfg.grad_accum_for(cfg.mesh(rec.world)),
+        "num_params": info["num_params"],
+        "trainable_params": info["trainable_params"],
+        "backend": info["backend"],
         "dispatch": cfg.cluster.dispatch,
-        "mlflow_run_id": c.tracker.run_id,
-        "mlflow_tracking_uri": c.tracker.uri,
-        "mlflow_unsent": c.tracker.spilled_to,
-        "run_dir": c.run_dir,
+        "mlflow_run_id": tracker.run_id,
+        "mlflow_tracking_uri": tracker.uri,
+        "mlflow_unsent": tracker.spilled_to,
+        "run_dir": run_dir,
         "final_weights": cfg.train.save_final or None,
         "skipped_steps": h.skipped,
-        "resumed_from": c.first_start[1],
+        "resumed_from": first_start[1],
         "checkpoint": ckpt.last_committed if ckpt is not None else None,
         "checkpoints_committed": ckpt.commits if ckpt is not None else 0,
         "best_checkpoint": best.uri if best is not None else None,
         "best_val_loss": best.manifest["metrics"]["val_loss"] if best is not None else None,
-        "stopped_early": ({"step": c.early.stopped_after, "reason": c.early.stopped}
-                          if c.early.stopped else None),
-        "schedule_steps": c.schedule_steps,
-        "restarts": len(c.failures),
-        "failures": [f.record() for f in c.failures],
-        "resizes": c.resizes,
+        "stopped_early": ({"step": early.stopped_after, "reason": early.stopped}
+                          if early.stopped else None),
+        "schedule_steps": rec.schedule_steps,
+        "restarts": len(rec.failures),
+        "failures": [f.record() for f in rec.failures],
+        "resizes": rec.resizes,
+        "replacements": rec.replacements,
         "memory": {
-            "bytes_per_param": bytes_per_param(memory, c.num_params),
+            "bytes_per_param": bytes_per_param(memory, info["params_per_rank"]),
             "transient_bytes": max(r["transient_peak"] for r in memory),
             # what a micro-batch's forward leaves saved for its backward, at its peak (the most on any rank)
             "activations_peak_bytes": max(r.get("activations_peak", 0) for r in memory),

@@ -89,6 +89,23 @@ class WorkerGroup:
         addr, port = ray.get(self.actors[0].address.remote())
         return ray.get([a.setup.remote(addr, port) for a in self.actors])
 
+    def call(self, name: str, *args) -> list:
+        """Every rank's answer to its call `name(*args)`, in rank order (a rank's error raises)."""
+        return ray.get([getattr(a, name).remote(*args) for a in self.actors])
+
+    def dead_ranks(self, timeout_s: float = 2.0) -> list[tuple[int, BaseException]]:
+        """(rank, why) for each rank actor that is dead, asking every one of them."""
+        refs = [a.progress.remote() for a in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        dead = []
+        for r, ref in enumerate(refs):
+            if ref in ready:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as e:
+                    dead.append((r, e))
+        return dead
+
     def shutdown(self, graceful_timeout_s: float = 10.0) -> None:
         """Close the process groups if possible, then kill every actor and free the bundles."""
         if self.actors:
@@ -132,3 +149,16 @@ def free_bundles(bundle: dict[str, float], settle_s: float = 2.0) -> int:
             return now
         last = now
     return last
+
+
+class RayCluster:
+    """What the controller asks of the Ray cluster: a group placed, and how much room is free.
+    (The controller's states take it as a parameter, so they run without Ray in the tests.)"""
+
+    @staticmethod
+    def place(actor_cls, world: int, bundle: dict[str, float], actor_args, **options) -> WorkerGroup:
+        return WorkerGroup.create(actor_cls, world, bundle, actor_args, **options)
+
+    @staticmethod
+    def free(bundle: dict[str, float], settle_s: float = 2.0) -> int:
+        return free_bundles(bundle, settle_s=settle_s)

@@ -1,0 +1,513 @@
+"""The controller's states: each does one thing with the run and returns the state after it.
+
+    Placing → Building → Resuming → Training → Finishing → Done
+       ↑                                          │ resources are back: regroup at a commit
+       ├─────────────────── Resizing ←────────────┘
+       └─────────────────── Recovering ←── a failure in any state before Done
+
+`state.next(run)` takes the run (`controller.Controller`: the config, the policies, the
+cluster, the tracker, the checkpoints, the history and the run record) and returns the next
+state; whatever the next state needs from this one it gets as an argument. A group of ranks,
+once placed, travels from state to state in a `Live` until one releases it: Resizing politely,
+Recovering by killing it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import ray
+from tqdm.auto import tqdm  # a widget in Jupyter, a text bar in terminals
+
+from rayzero.checkpoint.export import MODEL_KEY, export_identity, save_final
+from rayzero.checkpoint.manifest import CheckpointError
+from rayzero.checkpoint.shard_file import ChecksumError
+from rayzero.cluster.failure import ERROR, PLACEMENT, Decision, Failure, TrainingFailed, diagnose, unwrap
+from rayzero.cluster.history import PHASES, memory_metrics
+from rayzero.cluster.report import step_metrics
+from rayzero.cluster.schedule import evaluates, lr_at, schedule_length
+from rayzero.cluster.throughput import throughput
+from rayzero.cluster.worker_group import PlacementError
+from rayzero.config import RootConfig
+from rayzero.data.tokens import dataset_tokenizer_files
+from rayzero.storage import StorageError
+from rayzero.workers.assembly import make_spec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Live:
+    """A placed group and what runs alongside it: its watchdog, and while training, its dispatch."""
+
+    group: object  # worker_group.WorkerGroup (or a stand-in in the tests)
+    watchdog: object | None = None
+    dispatch: object | None = None
+
+    def release(self, kill: bool) -> None:
+        """Stop the watchdog and free the group: killed at once after a failure (a graph or a
+        process group waits on a lost member until it times out), closed politely otherwise."""
+        wd, self.watchdog = self.watchdog, None
+        if wd is not None:
+            wd.stop()
+        group, self.group = self.group, None
+        dispatch, self.dispatch = self.dispatch, None
+        if kill and group is not None:
+            group.kill()
+        if dispatch is not None:
+            try:
+                dispatch.close()
+            except Exception as e:
+                log.debug("closing the dispatcher failed: %s", e)
+        if group is not None and not kill:
+            try:
+                group.shutdown()
+            except Exception as e:
+                log.warning("shutting the group down failed: %s", e)
+
+
+class State:
+    code = ""  # its short name (`Controller.state`)
+    doing = ""  # what the run does in it, for a failure that no rank raised
+    # A state that holds a group has it as `live` (what a failure in it must release): see held().
+
+    def next(self, run) -> "State":
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return type(self).__name__
+
+
+def held(state: State) -> Live | None:
+    """The group `state` holds, if any."""
+    return getattr(state, "live", None)
+
+
+# -- placing and building a group ---------------------------------------------------------
+def bundle_words(bundle: dict[str, float]) -> str:
+    return ", ".join(f"{v:g} {k}" for k, v in bundle.items())
+
+
+def build_words(cfg: RootConfig, spec) -> str:
+    """The start-up's line for the ranks' build: where their first weights come from."""
+    m = cfg.model
+    pretrained = spec.weights is not None if spec is not None else bool(m.path) and m.init != "random"
+    start = f"pretrained weights from {m.path}" if pretrained else f"initial values, seed {cfg.train.seed}"
+    if m.adapter:
+        start += f", adapters from {m.adapter}"
+    return f"building and sharding the model on the ranks ({start})"
+
+
+@dataclass(repr=False)
+class Placing(State):
+    """Reserve room for `world` ranks and start their processes; failing that within
+    `cluster.placement_timeout_s` (elastic), the largest smaller world the scaling policy allows
+    that the cluster holds now."""
+
+    world: int
+    code = "PLACE"
+    doing = "placing the ranks"
+
+    def next(self, run) -> State:
+        run.record.world = self.world
+        run.startup.stage("placement", f"placing {self.world} ranks ({bundle_words(run.bundle)} each) "
+                                       "and starting their processes")
+        group, world = self.place(run)
+        run.record.world = world
+        run.clock.mark("placement")
+        live = Live(group)
+        live.watchdog = run.make_watchdog(group.actors, on_fire=group.kill)
+        return Building(live)
+
+    def place(self, run):
+        cfg, c = run.cfg, run.cfg.cluster
+        first_error = None
+        candidates = run.scaling.to_place(self.world)
+        for w in candidates:
+            try:
+                group = run.cluster.place(
+                    run.actor_cls, w, run.bundle, lambda rank, w=w: (cfg, rank, w, run.data_path, run.factory),
+                    strategy=c.placement_strategy,
+                    # The first try waits for resources to appear; smaller ones only take what is free.
+                    placement_timeout_s=c.placement_timeout_s if first_error is None else min(c.placement_timeout_s, 2.0),
+                    same_node=cfg.parallel.tp,
+                )
+            except PlacementError as e:
+                first_error = first_error or e
+                continue
+            if w < self.world:
+                log.warning("only %d of %d ranks can be placed; continuing with %d (cluster.min_workers=%d)",
+                            w, self.world, w, c.min_workers)
+            return group, w
+        if run.scaling.elastic:
+            raise PlacementError(f"{first_error}; nor any smaller world down to cluster.min_workers={c.min_workers}")
+        raise first_error
+
+
+@dataclass(repr=False)
+class Building(State):
+    """Wait for the ranks' processes, then the rendezvous: every rank joins the process group
+    and builds its share of the model."""
+
+    live: Live
+    code = "BUILD"
+    doing = "building the model on the ranks"
+
+    def next(self, run) -> State:
+        run.check_interrupt()
+        group = self.live.group
+        group.wait_started()
+        run.startup.stage("build", build_words(run.cfg, run.spec))
+        infos = group.rendezvous()
+        run.record.pids = {i["pid"]: i["rank"] for i in infos}
+        run.record.build = infos[0]
+        run.clock.mark("rendezvous")
+        return Resuming(self.live, infos)
+
+
+@dataclass(repr=False)
+class Resuming(State):
+    """Load the newest usable commit into every rank (none: from step 0), and forget what the
+    history holds of the steps to be trained again."""
+
+    live: Live
+    infos: list[dict]
+    code = "RESUME"
+    doing = "resuming from the checkpoint"
+
+    def next(self, run) -> State:
+        rec, ckpt = run.record, run.checkpoints
+        rec.start_step, rec.resumed_from = 0, None
+        if ckpt is not None:
+            ckpt.configure(self.infos, run.tracker.run_id)
+            self.resume(run, self.infos[0]["params"])
+        else:
+            run.early.restore(None)  # from step 0 again
+            rec.schedule_steps = run.cfg.train.steps
+        dropped = run.history.rewind(rec.start_step)
+        if dropped:  # steps trained again: their earlier points in MLflow go (one point per step), and
+            # so does an early stop after one of them (one before would have ended training there)
+            keys = sorted({k for row in dropped for k in row} - {"step"})
+            run.tracker.rewind(rec.start_step, keys, tags=["stopped_early"])
+        if ckpt is not None:
+            ckpt.schedule_steps = rec.schedule_steps
+        if rec.first_start is None:
+            rec.first_start = (rec.start_step, rec.resumed_from)
+        run.clock.mark("load")
+        return Training(self.live, rec.start_step)
+
+    def resume(self, run, params: dict) -> None:
+        """With `checkpoint.resume=auto`, a checkpoint whose shard fails its checksum is
+        skipped (with a warning) for the one before it."""
+        ckpt, rec, group = run.checkpoints, run.record, self.live.group
+        for c in ckpt.resume_target(params):  # with the model's record from setup (configure)
+            run.startup.stage("resume", f"resuming from checkpoint {c.uri} (step {c.step})")
+            try:
+                group.call("load_checkpoint", c.uri, c.manifest)
+            except ray.exceptions.RayTaskError as e:
+                cause = e.cause if isinstance(getattr(e, "cause", None), Exception) else e
+                if ckpt.resume_mode != "auto" or not isinstance(cause, ChecksumError):
+                    if isinstance(cause, (StorageError, ray.exceptions.RayActorError)):
+                        raise  # the storage or a rank went away: a fault to retry, not a bad checkpoint
+                    raise CheckpointError(f"cannot resume from {c.uri}: {cause}") from None
+                log.warning("checkpoint %s is damaged (%s); falling back to the one before it", c.uri, cause)
+                continue
+            group.call("apply_checkpoint")
+            rec.start_step, rec.resumed_from = c.step, c.uri
+            ckpt.adopt(c.manifest)
+            rec.schedule_steps = schedule_length(run.cfg.train.steps, run.cfg.optim, c.manifest)
+            run.early.restore(c.manifest.get("early_stopping"))
+            log.info("resumed from %s at step %d", c.uri, c.step)
+            run.tracker.set_tags({"resumed_from": c.uri})
+            return
+        rec.schedule_steps = run.cfg.train.steps
+        run.early.restore(None)
+
+
+# -- training -------------------------------------------------------------------------------
+@dataclass(repr=False)
+class Training(State):
+    """Iterations from `first` to `train.steps`, each planned here (learning rate, checkpoint,
+    evaluation) and run by the dispatcher on every rank. Ends at the last step, at an early stop,
+    or at a commit after which the scaling policy wants a bigger world (elastic: room is back)."""
+
+    live: Live
+    first: int
+    code = "TRAIN"
+    doing = "training"
+    grow: "Grow | None" = field(default=None, init=False)
+
+    def next(self, run) -> State:
+        cfg = run.cfg
+        rec = run.record
+        prepare = run.dispatcher.preparing
+        if prepare:
+            run.startup.stage("compile", prepare)
+        self.live.dispatch = run.dispatcher(self.live.group.actors, cfg.grad_accum_for(cfg.mesh(rec.world)),
+                                            timeout_s=cfg.cluster.pg_timeout_s)
+        self.train(run)
+        dispatch, self.live.dispatch = self.live.dispatch, None
+        dispatch.close()
+        return Finishing(self.live, self.grow)
+
+    def train(self, run) -> None:
+        cfg, rec, h, dispatch, ckpt = run.cfg, run.record, run.history, self.live.dispatch, run.checkpoints
+        tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
+        first = self.first
+        if first >= cfg.train.steps or run.early.stopped:
+            return
+        left = cfg.train.steps - first
+        run.startup.stage("first_step", f"training {left} step{'s' if left != 1 else ''}"
+                          + (f" from step {first}" if first else ""))
+        bar = tqdm(range(first, cfg.train.steps), desc="train", unit="step", disable=not run.progress,
+                   mininterval=1.0, dynamic_ncols=True, initial=first, total=cfg.train.steps)
+        plans: dict[int, dict] = {}
+
+        def plan(k: int) -> dict:
+            due = run.evaluates(k)
+            where = ckpt.plan(k) if ckpt is not None else None
+            if where is None and ckpt is not None and due and run.early.may_stop_next():
+                where = ckpt.plan(k, force=True)  # this evaluation may end the run: commit what it saw
+            if where and self.grow is None and k + 1 < cfg.train.steps:
+                to = run.scaling.grow_to(rec.world, run.free_ranks()) if rec.world < run.scaling.start() else None
+                if to is not None:  # resources are back: stop after this checkpoint and regroup
+                    self.grow = Grow(k, rec.world, to)
+            plans[k] = {"step": k, "lr": lr_at(k, rec.schedule_steps, cfg.optim), "checkpoint": where,
+                        "evaluate": due, "evaluate_first": k == 0 and run.eval_at_start}
+            return plans[k]
+
+        last = time.perf_counter()
+        pending = dispatch.submit(plan(first))
+        for step in bar:
+            rec.step = step
+            run.check_interrupt()
+            stops_here = self.grow is not None and self.grow.step == step
+            more = step + 1 < cfg.train.steps and not stops_here
+            # Queue the next iteration before reading this one: ranks never wait on the driver;
+            # except after an evaluation that may end the run, which must be read first.
+            hold = bool(run.early.patience) and plans.pop(step)["evaluate"]
+            queued = dispatch.submit(plan(step + 1)) if more and not hold else None
+            results = dispatch.collect(pending, queued=queued is not None)
+            run.startup.first_step()
+            now = time.perf_counter()
+            dt, last = now - last, now
+            stop = self.record_step(run, step, results, dt, tokens_per_step)
+            bar.set_postfix(loss=f"{h.losses[-1]:.4f}", tok_s=f"{tokens_per_step / dt:,.0f}", refresh=False)
+            if stop or (self.grow is not None and self.grow.step == step):
+                bar.close()
+                return
+            if hold and more:
+                queued = dispatch.submit(plan(step + 1))
+            pending = queued
+
+    def record_step(self, run, step: int, results: list[dict], dt: float, tokens_per_step: int) -> bool:
+        """One iteration's results into the history, MLflow and the checkpoints. True when
+        early stopping ends the run after it."""
+        cfg, rec, h, early = run.cfg, run.record, run.history, run.early
+        phase = {p: max(r["phase_s"][p] for r in results) for p in PHASES}  # the slowest rank's
+        build = rec.build
+        metrics = step_metrics(results, phase, dt, tokens_per_step, rec.world,
+                               throughput(tokens_per_step / dt, rec.world, build["flops_per_token"],
+                                          build["device_name"]),
+                               cfg.train.global_batch_size // cfg.train.micro_batch_size)
+        h.record(step, metrics["loss"], dt, phase)
+        stop = False
+        if "val0_loss_sum" in results[0]:  # before the first step: the curve's baseline, at step -1
+            base = val_loss(results, "val0_")
+            run.log_val(-1, base, None)
+            early.observe(-1, base)
+        if "val_loss_sum" in results[0]:
+            val = val_loss(results, "val_")
+            run.log_val(step, val, metrics)
+            stop = early.observe(step, val)
+            if stop:
+                log.warning("stopping early after step %d: %s", step, early.stopped)
+                run.tracker.set_tags({"stopped_early": f"after step {step}: {early.stopped}"})
+        h.skipped += int(results[0]["skipped"])
+        h.memory = [r["memory"] for r in results]
+        if step == self.first:
+            metrics["world_size"] = rec.world
+        if step == 0 or step + 1 == cfg.train.steps or stop:
+            metrics.update(memory_metrics(h.memory, build["params_per_rank"]))
+        ckpt = run.checkpoints
+        if ckpt is not None:
+            metrics["checkpoint_stall_ms"] = max(r["phase_s"].get("checkpoint", 0.0) for r in results) * 1e3
+            if ckpt.mlflow_run_id is None and any(r["uploads"] for r in results):  # a commit may come
+                # The MLflow run a rerun goes on with, for its manifest: a slow store may have
+                # created it only after `configure` asked (reading run_id waits 2 s at most).
+                ckpt.mlflow_run_id = run.tracker.run_id
+            before = ckpt.last_committed
+            record = {"early_stopping": early.state()}
+            if "val_loss" in metrics:
+                record["metrics"] = {"val_loss": metrics["val_loss"]}
+            ckpt.collect(step, results, record)
+            if ckpt.last_committed != before:
+                run.tracker.set_tags({"checkpoint": ckpt.last_committed})
+        if step == self.first:
+            recovered = run.clock.done()
+            if recovered is not None:
+                metrics["recovery_s"] = recovered
+        run.tracker.log_metrics(step, metrics)
+        run.add_row({"step": step, "world_size": rec.world, **metrics})
+        return stop
+
+
+def val_loss(results: list[dict], prefix: str) -> float:
+    return sum(r[f"{prefix}loss_sum"] for r in results) / max(sum(r[f"{prefix}tokens"] for r in results), 1)
+
+
+def val_values(val: float) -> dict[str, float]:
+    return {"val_loss": val, "val_perplexity": math.exp(min(val, 700.0))}
+
+
+@dataclass(frozen=True)
+class Grow:
+    """A planned regrouping: after the commit at `step`, from `world` ranks to `to`."""
+
+    step: int
+    world: int
+    to: int
+
+
+# -- after training ---------------------------------------------------------------------------
+@dataclass(repr=False)
+class Finishing(State):
+    """The group's last uploads and their commit; then either the final weights (the run is
+    done) or, when it stopped to grow, the regrouping."""
+
+    live: Live
+    grow: Grow | None
+    code = "FINISH"
+
+    @property
+    def doing(self) -> str:
+        return "finishing the checkpoint uploads" if self.grow is not None else "writing the final weights"
+
+    def next(self, run) -> State:
+        cfg, ckpt, group = run.cfg, run.checkpoints, self.live.group
+        if ckpt is not None:
+            reports = group.call("finish_checkpoints")
+            before = ckpt.last_committed
+            ckpt.add_uploads([u for r in reports for u in r])
+            if ckpt.last_committed != before:
+                run.tracker.set_tags({"checkpoint": ckpt.last_committed})
+        if self.grow is not None:
+            return Resizing(self.live, self.grow)
+        if cfg.train.save_final:
+            weights = group.call("full_state_dict")[0]
+            spec = run.spec or make_spec(cfg, run.factory)
+            save_final(spec, weights, cfg.train.save_final, cfg.train.save_format,
+                       {"strategy": cfg.sharding.strategy,
+                        MODEL_KEY: json.dumps(export_identity(run.record.build["model"]))},
+                       tokenizer=lambda: dataset_tokenizer_files(run.data_path, cfg.checkpoint),
+                       storage_cfg=cfg.checkpoint)
+        return Done(self.live)
+
+
+@dataclass(repr=False)
+class Resizing(State):
+    """Close the group politely (its commit is in) and place the bigger one."""
+
+    live: Live
+    grow: Grow
+    code = "RESIZE"
+    doing = "regrouping"
+
+    def next(self, run) -> State:
+        self.live.release(kill=False)
+        g = self.grow
+        run.record.resizes.append({"step": g.step + 1, "from": g.world, "to": g.to})
+        log.info("growing from %d to %d ranks at step %d", g.world, g.to, g.step + 1)
+        return Placing(g.to)
+
+
+@dataclass(repr=False)
+class Done(State):
+    """Training is over and everything is saved; the group is released by the controller."""
+
+    live: Live | None
+    code = "DONE"
+    doing = "finishing"
+
+
+# -- failures ---------------------------------------------------------------------------------
+@dataclass(repr=False)
+class Recovering(State):
+    """After a failure in state `failed`: who failed and how, the group torn down, the failure
+    policy asked; then the backoff and a new placement, or (the policy gives up) the run ends
+    with one message naming the commit to resume from."""
+
+    error: Exception
+    failed: State
+    doing = "recovering"
+
+    @property
+    def code(self) -> str:  # recovering belongs to the state that failed, until the next begins
+        return self.failed.code
+
+    @property
+    def live(self) -> Live | None:
+        return held(self.failed)
+
+    def next(self, run) -> State:
+        rec, exc = run.record, self.error
+        failure = self.diagnose(run)
+        if self.live is not None:
+            self.live.release(kill=True)
+        run.clock.mark("teardown")
+        if failure.kind == PLACEMENT and not rec.failures and not run.history.losses:
+            raise exc  # the very first placement: the request itself cannot be met
+        commits = run.checkpoints.commits if run.checkpoints is not None else 0
+        streak = rec.failed(commits)
+        capacity = run.free_ranks(settle_s=2.0)
+        decision = run.failure_policy.decide(failure, len(rec.failures), streak, rec.world, capacity)
+        run.record_failure(failure, decision)
+        if decision.action == "give_up":
+            cause = unwrap(exc)
+            if failure.kind == ERROR and isinstance(cause, CheckpointError):
+                raise cause from None  # a user's mistake, already worded as one
+            raise TrainingFailed(give_up_message(run, failure, decision)) from exc
+        time.sleep(decision.delay_s)
+        run.clock.mark("backoff")
+        return Placing(decision.world_size)
+
+    def diagnose(self, run) -> Failure:
+        """Who failed, where, and how: the watchdog's finding if it fired, else `diagnose` of
+        the dead ranks and the exception."""
+        detected = time.time()
+        live, rec, exc = self.live, run.record, self.error
+        wd = live.watchdog if live is not None else None
+        if wd is not None:
+            wd.stop()
+        if wd is not None and wd.fired is not None:
+            failure = wd.fired
+        else:
+            rank = phase = None
+            if isinstance(exc, ray.exceptions.RayTaskError):
+                rank = rec.pids.get(getattr(exc, "pid", None))
+                phase = (getattr(exc, "function_name", "") or "").rpartition(".")[2] or None
+            dead = live.group.dead_ranks() if live is not None and live.group is not None and live.group.actors else []
+            training = isinstance(self.failed, Training)
+            failure = diagnose(exc, rank, phase, dead=dead, last_seen=wd.last if wd is not None else {},
+                               step=rec.step if training else None, doing=self.failed.doing)
+        failure.detected_at = detected
+        run.clock.start(failure, detected)
+        run.clock.mark("diagnose")
+        if failure.kind != ERROR:  # an error in the training code is reported once, as the run ends
+            log.warning("failure (%s): %s", failure.kind, failure.message)
+        return failure
+
+
+def give_up_message(run, failure: Failure, decision: Decision) -> str:
+    restarts = len(run.record.failures) - 1
+    last = run.last_checkpoint()
+    where = (f"The last committed checkpoint is {last}; run the same command again to resume from it"
+             if last else "No checkpoint was committed")
+    more = failure.detail.splitlines()[1:] if failure.kind == ERROR else []
+    return (f"training stopped after {restarts} restart{'s' if restarts != 1 else ''} "
+            f"({decision.reason}): {failure.message}"
+            + "".join(f"\n  {line}" for line in more) + f"\n{where}.")

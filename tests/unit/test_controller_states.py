@@ -1,0 +1,359 @@
+"""The controller's states and its two policies, without Ray: a stand-in cluster whose room can
+shrink and come back, groups of stand-in ranks, a dispatcher that fails where a test says, and
+checkpoints kept in memory. Each test reads what a run went through (`record.states`), what it
+decided and what it recorded."""
+
+import pytest
+import ray.exceptions
+
+from rayzero.cluster.controller import Controller
+from rayzero.cluster.failure import Failure, FailurePolicy, TrainingFailed
+from rayzero.cluster.history import PHASES
+from rayzero.cluster.scaling import ScalingPolicy
+from rayzero.cluster.worker_group import PlacementError
+from rayzero.config import load_config
+
+BASE = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "train.seq_len=32", "train.micro_batch_size=2",
+        "failure.backoff_s=0", "failure.backoff_max_s=0"]
+FIXED = [*BASE, "cluster.num_workers=2", "train.global_batch_size=8", "train.steps=10"]
+# 24 sequences of 2 per micro-batch: 4, 3 and 2 ranks divide them
+ELASTIC = [*BASE, "cluster.num_workers=4", "cluster.min_workers=2", "train.global_batch_size=24", "train.steps=16"]
+EVERY = 4
+
+
+def loss_at(step: int) -> float:
+    """What a step's loss is, whichever group trains it: a resumed run repeats it exactly."""
+    return 10.0 / (1 + step)
+
+
+class Events:
+    """What the stand-in cluster does, by step: a rank dies (`faults`), the room changes (`room`)."""
+
+    def __init__(self, capacity: int, faults: dict | None = None, room: dict | None = None):
+        self.capacity = capacity
+        # step -> the exception raised when that step's results are read (once), or a function of
+        # the events that returns it (and may change the room first)
+        self.faults = dict(faults or {})
+        self.room = dict(room or {})  # step -> the cluster's room from then on
+        self.placed = 0  # ranks held by the live group
+        self.groups: list[FakeGroup] = []
+
+
+class FakeGroup:
+    def __init__(self, events: Events, world: int):
+        self.events, self.world = events, world
+        self.actors = list(range(world))
+        self.calls: list[str] = []
+        self.killed = self.closed = False
+
+    def wait_started(self):
+        pass
+
+    def rendezvous(self) -> list[dict]:
+        memory = {"compute_params": 4, "main_params": 0, "optimizer": 8, "grads": 4, "frozen_params": 0,
+                  "total": 16, "transient_peak": 0}
+        return [{"pid": 1000 + r, "rank": r, "params_per_rank": 1, "flops_per_token": 6.0, "device_name": "cpu",
+                 "params": {"w": [1]}, "saves_shard": True, "model": {"kind": "gpt"}, "memory": memory,
+                 "num_params": 1, "trainable_params": 1, "backend": "gloo", "tp": None, "layout": {},
+                 "frozen": []} for r in self.actors]
+
+    def call(self, name: str, *args) -> list:
+        self.calls.append(name)
+        if name == "finish_checkpoints":
+            return [[] for _ in self.actors]
+        return [{} for _ in self.actors]
+
+    def dead_ranks(self, timeout_s: float = 2.0):
+        return []
+
+    def kill(self):
+        self.killed = True
+        self.events.placed = 0
+        self.actors = []
+
+    def shutdown(self):
+        self.closed = True
+        self.kill()
+
+
+class FakeCluster:
+    def __init__(self, events: Events):
+        self.events = events
+        self.asked: list[int] = []
+
+    def place(self, actor_cls, world, bundle, actor_args, **options):
+        self.asked.append(world)
+        if world > self.events.capacity - self.events.placed:
+            raise PlacementError(f"no room for {world}")
+        self.events.placed += world
+        group = FakeGroup(self.events, world)
+        self.events.groups.append(group)
+        return group
+
+    def free(self, bundle, settle_s=0.0) -> int:
+        return max(0, self.events.capacity - self.events.placed)
+
+
+class FakeCheckpoints:
+    """Commits in memory: a step's checkpoint commits when its results come in."""
+
+    resume_mode = "auto"
+
+    def __init__(self):
+        self.commits, self.last_committed, self.best, self.mlflow_run_id = 0, None, None, None
+        self.steps: list[int] = []
+        self.schedule_steps, self.run = 0, {}
+
+    def plan(self, k, force=False):
+        return {"uri": f"mem://step-{k + 1:06d}", "step": k + 1} if force or (k + 1) % EVERY == 0 else None
+
+    def configure(self, infos, run_id):
+        pass
+
+    def resume_target(self, params):
+        return [Commit(s) for s in self.steps[::-1][:1]]
+
+    def adopt(self, manifest):
+        pass
+
+    def collect(self, step, results, record=None):
+        if results[0]["checkpointed"]:
+            self.steps.append(step + 1)
+            self.commits += 1
+            self.last_committed = f"mem://step-{step + 1:06d}"
+
+    def add_uploads(self, uploads):
+        pass
+
+
+class Commit:
+    def __init__(self, step):
+        self.step, self.uri = step, f"mem://step-{step:06d}"
+        self.manifest = {"schedule": {"total_steps": 0}, "early_stopping": None}
+
+
+class FakeDispatch:
+    """Every rank's results of a plan, read in `collect`; a step in `events.faults` raises there once."""
+
+    preparing = None
+    events: Events
+
+    def __init__(self, actors, num_microbatches, timeout_s=0.0):
+        self.world = len(actors)
+
+    def submit(self, plan):
+        return plan
+
+    def collect(self, plan, queued=True):
+        fault = self.events.faults.pop(plan["step"], None)
+        if fault is not None:
+            raise fault(self.events) if callable(fault) else fault
+        if plan["step"] in self.events.room:
+            self.events.capacity = self.events.room.pop(plan["step"])
+        memory = {"compute_params": 4, "main_params": 0, "optimizer": 8, "grads": 4, "frozen_params": 0,
+                  "total": 16, "transient_peak": 0}
+        return [{"rank": r, "step": plan["step"], "lr": plan["lr"], "loss_sum": loss_at(plan["step"]) / self.world,
+                 "tokens": 1.0 / self.world, "aux_loss_sum": None, "grad_norm": 1.0, "skipped": False,
+                 "loss_scale": None, "memory": memory, "phase_s": {p: 0.001 for p in PHASES},
+                 "uploads": [], "checkpointed": bool(plan["checkpoint"]), "done_at": 0.0}
+                for r in range(self.world)]
+
+    def close(self):
+        pass
+
+
+class Tracker:
+    uri = run_id = ""
+    spilled_to = None
+
+    def __init__(self):
+        self.metrics, self.tags, self.rewinds, self.status = {}, {}, [], None
+
+    def log_metrics(self, step, metrics):
+        self.metrics.setdefault(step, {}).update(metrics)
+
+    def set_tags(self, tags):
+        self.tags.update(tags)
+
+    def rewind(self, step, metrics, tags=()):
+        self.rewinds.append(step)
+
+    def finish(self, status="FINISHED"):
+        self.status = status
+
+
+def run(tmp_path, overrides, events: Events, checkpoints=True):
+    cfg = load_config(None, overrides)
+    dispatch = type("Dispatch", (FakeDispatch,), {"events": events})
+    c = Controller(cfg, "data", str(tmp_path), Tracker(), progress=False,
+                   checkpoints=FakeCheckpoints() if checkpoints else None,
+                   cluster=FakeCluster(events), dispatcher=dispatch, watchdog=lambda actors, on_fire: None)
+    return c
+
+
+def died(step: int) -> Exception:
+    """What the dispatcher raises when a rank's process is gone."""
+    return ray.exceptions.ActorDiedError()
+
+
+def test_an_unbroken_run_goes_through_each_state_once(tmp_path):
+    c = run(tmp_path, FIXED, Events(capacity=2))
+    summary = c.fit()
+    assert c.record.states == ["PLACE", "BUILD", "RESUME", "TRAIN", "FINISH", "DONE"]
+    assert summary["steps"] == 10 and summary["world_size"] == 2 and summary["restarts"] == 0
+    assert summary["checkpoints_committed"] == 2 and c.tracker.status == "FINISHED"
+    assert [c.tracker.metrics[s]["loss"] for s in range(10)] == [loss_at(s) for s in range(10)]
+    assert c.state == "DONE"
+
+
+def test_a_lost_rank_restarts_the_group_from_the_last_commit(tmp_path):
+    events = Events(capacity=2, faults={6: died(6)})
+    c = run(tmp_path, FIXED, events)
+    summary = c.fit()
+    assert c.record.states == ["PLACE", "BUILD", "RESUME", "TRAIN", "RECOVER",
+                               "PLACE", "BUILD", "RESUME", "TRAIN", "FINISH", "DONE"]
+    (f,) = c.failures
+    assert (f.kind, f.decision, f.world_size, f.step) == ("rank_died", "restart", 2, 6)
+    assert events.groups[0].killed and not events.groups[0].closed, "a failed group is killed, not closed"
+    assert events.groups[1].calls[:2] == ["load_checkpoint", "apply_checkpoint"]
+    assert c.tracker.rewinds == [4] and summary["resumed_from"] is None and summary["steps"] == 10
+    assert [r["step"] for r in c.history.rows] == list(range(10)), "steps 4 and 5 trained again, once each"
+    assert c.tracker.tags["resumed_from"] == "mem://step-000004"
+    assert set(f.timings) >= {"diagnose_s", "teardown_s", "backoff_s", "placement_s", "rendezvous_s", "load_s",
+                              "first_step_s", "total_s"}
+    assert "recovery_s" in c.tracker.metrics[4]
+
+
+def test_the_cluster_shrinking_shrinks_the_run_and_its_return_grows_it_back_at_a_commit(tmp_path):
+    def node_lost(events):  # a rank dies with its node: room for 3 ranks is left
+        events.capacity = 3
+        return died(6)
+
+    events = Events(capacity=4, faults={6: node_lost}, room={9: 4})  # the node is back at step 9
+    c = run(tmp_path, ELASTIC, events)
+    summary = c.fit()
+    (f,) = c.failures
+    assert (f.decision, f.world_size) == ("shrink", 3)
+    # back at 3 ranks from the step-4 commit; the room returns during step 9; the next commit
+    # (after step 11) is where the run regroups at 4
+    assert c.resizes == [{"step": 12, "from": 3, "to": 4}]
+    assert c.record.states == ["PLACE", "BUILD", "RESUME", "TRAIN", "RECOVER",
+                               "PLACE", "BUILD", "RESUME", "TRAIN", "FINISH", "RESIZE",
+                               "PLACE", "BUILD", "RESUME", "TRAIN", "FINISH", "DONE"]
+    assert [g.world for g in events.groups] == [4, 3, 4] and events.groups[1].closed, "closed politely"
+    assert summary["world_size"] == 4 and summary["steps"] == 16 and summary["resizes"] == c.resizes
+    assert [c.tracker.metrics[s]["world_size"] for s in (0, 4, 12)] == [4, 3, 4]
+
+
+def test_giving_up_names_the_cause_and_the_commit_to_resume_from(tmp_path):
+    events = Events(capacity=2, faults={6: died(6)})
+    c = run(tmp_path, [*FIXED, "failure.max_restarts=0"], events)
+    with pytest.raises(TrainingFailed) as e:
+        c.fit()
+    assert "failure.max_restarts=0 reached" in str(e.value) and "mem://step-000004" in str(e.value)
+    assert c.tracker.status == "FAILED" and events.groups[0].killed
+    assert c.state == "TRAIN", "the run ended in the state that failed"
+
+
+def test_an_error_in_the_training_code_is_not_retried(tmp_path):
+    events = Events(capacity=2, faults={3: ValueError("shapes do not match")})
+    c = run(tmp_path, FIXED, events)
+    with pytest.raises(TrainingFailed, match="training code"):
+        c.fit()
+    assert [f.decision for f in c.failures] == ["give_up"] and len(events.groups) == 1
+
+
+def test_the_very_first_placement_failing_is_the_requests_fault(tmp_path):
+    c = run(tmp_path, FIXED, Events(capacity=1))
+    with pytest.raises(PlacementError, match="no room for 2"):
+        c.fit()
+    assert c.record.states == ["PLACE", "RECOVER"] and not c.failures
+
+
+def test_a_failure_while_building_is_recovered_and_said_as_such(tmp_path):
+    events = Events(capacity=2)
+    c = run(tmp_path, FIXED, events)
+    calls = {"n": 0}
+    original = FakeGroup.rendezvous
+
+    def rendezvous(self):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise ray.exceptions.ActorDiedError()
+        return original(self)
+
+    FakeGroup.rendezvous = rendezvous
+    try:
+        c.fit()
+    finally:
+        FakeGroup.rendezvous = original
+    (f,) = c.failures
+    assert f.step is None and "building the model on the ranks failed" in f.message
+    assert c.record.states[:6] == ["PLACE", "BUILD", "RECOVER", "PLACE", "BUILD", "RESUME"]
+
+
+def test_elastic_placement_takes_the_largest_world_the_cluster_holds(tmp_path):
+    events = Events(capacity=3)
+    c = run(tmp_path, ELASTIC, events, checkpoints=False)
+    c.fit()
+    assert c.cluster.asked == [4, 3] and c.world == 3
+
+
+# -- the policies, as tables ------------------------------------------------------------------
+def scaling(*overrides) -> ScalingPolicy:
+    return ScalingPolicy.from_config(load_config(None, [*ELASTIC, *overrides]))
+
+
+@pytest.mark.parametrize("world, capacity, then", [
+    (4, 4, 4),  # room for the same world: the same world
+    (4, 3, 3),  # room for 3: shrink to 3
+    (4, 2, 2),
+    (4, 1, 4),  # room for none of the valid worlds: the same world (placement waits, then shrinks)
+    (3, 4, 4),  # already shrunk and the room is back: the configured world again
+    (2, 3, 3),
+])
+def test_scaling_after_a_failure(world, capacity, then):
+    assert scaling().after_failure(world, capacity) == then
+
+
+@pytest.mark.parametrize("world, free, to", [
+    (4, 2, None),  # at the configured world: never grows
+    (3, 0, None),
+    (3, 1, 4),
+    (2, 1, 3),
+    (2, 2, 4),  # the biggest valid world that fits
+])
+def test_scaling_grows_back_to_the_biggest_world_that_fits(world, free, to):
+    assert scaling().grow_to(world, free) == to
+
+
+def test_scaling_keeps_to_the_valid_worlds():
+    s = scaling("train.global_batch_size=16")  # 16 sequences of 2: 4 and 2 ranks divide them, 3 does not
+    assert s.worlds == [4, 2] and s.to_place(4) == [4, 2] and s.to_place(3) == [2]
+    assert s.after_failure(4, 3) == 2 and s.grow_to(2, 1) is None and s.grow_to(2, 2) == 4
+    fixed = ScalingPolicy.from_config(load_config(None, FIXED))
+    assert not fixed.elastic and fixed.after_failure(2, 1) == 2 and fixed.grow_to(2, 10) is None
+
+
+@pytest.mark.parametrize("kind, restarts, capacity, action, world", [
+    ("rank_died", 0, 4, "restart", 4),
+    ("rank_died", 0, 3, "shrink", 3),
+    ("hang", 0, 2, "shrink", 2),
+    ("storage", 5, 4, "restart", 4),
+    ("rank_died", 10, 4, "give_up", 4),  # failure.max_restarts=10
+    ("error", 0, 4, "give_up", 4),
+])
+def test_failure_policy_table(kind, restarts, capacity, action, world):
+    cfg = load_config(None, [*ELASTIC, "failure.max_restarts=10"])
+    d = FailurePolicy(cfg).decide(Failure(kind, "x"), restarts, 1, world=4, capacity=capacity)
+    assert (d.action, d.world_size) == (action, world)
+
+
+def test_the_failure_policy_asks_the_injected_scaling_policy():
+    class Never(ScalingPolicy):
+        def after_failure(self, world, capacity):
+            return world
+
+    cfg = load_config(None, ELASTIC)
+    d = FailurePolicy(cfg, Never(cfg.world_sizes())).decide(Failure("rank_died", "x"), 0, 1, world=4, capacity=2)
+    assert (d.action, d.world_size) == ("restart", 4)
