@@ -28,7 +28,8 @@ from rayzero.cluster.report import run_summary
 from rayzero.cluster.scaling import ScalingPolicy
 from rayzero.cluster.schedule import evaluates
 from rayzero.cluster.startup import Startup
-from rayzero.cluster.states import Done, Finishing, Placing, Recovering, State, held, val_values
+from rayzero.cluster.recovery import Recovering
+from rayzero.cluster.states import Done, Finishing, Placing, State, held, val_values
 from rayzero.cluster.watchdog import Watchdog
 from rayzero.cluster.worker_group import RayCluster
 from rayzero.config import RootConfig

@@ -1,0 +1,94 @@
+"""After a failure: the state that finds who failed and how, asks the failure policy, and
+either places a fresh group or ends the run with one message naming the commit to resume from."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import ray
+
+from rayzero.checkpoint.manifest import CheckpointError
+from rayzero.cluster.failure import ERROR, PLACEMENT, Decision, Failure, TrainingFailed, diagnose, unwrap
+from rayzero.cluster.states import Live, Placing, State, Training, held
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(repr=False)
+class Recovering(State):
+    """After a failure in state `failed`: who failed and how, the group torn down, the failure
+    policy asked; then the backoff and a new placement, or (the policy gives up) the run ends
+    with one message naming the commit to resume from."""
+
+    error: Exception
+    failed: State
+    doing = "recovering"
+
+    @property
+    def code(self) -> str:  # recovering belongs to the state that failed, until the next begins
+        return self.failed.code
+
+    @property
+    def live(self) -> Live | None:
+        return held(self.failed)
+
+    def next(self, run) -> State:
+        rec, exc = run.record, self.error
+        failure = self.diagnose(run)
+        if self.live is not None:
+            self.live.release(kill=True)
+        run.clock.mark("teardown")
+        if failure.kind == PLACEMENT and not rec.failures and not run.history.losses:
+            raise exc  # the very first placement: the request itself cannot be met
+        commits = run.checkpoints.commits if run.checkpoints is not None else 0
+        streak = rec.failed(commits)
+        capacity = run.free_ranks(settle_s=2.0)
+        decision = run.failure_policy.decide(failure, len(rec.failures), streak, rec.world, capacity)
+        run.record_failure(failure, decision)
+        if decision.action == "give_up":
+            cause = unwrap(exc)
+            if failure.kind == ERROR and isinstance(cause, CheckpointError):
+                raise cause from None  # a user's mistake, already worded as one
+            raise TrainingFailed(give_up_message(run, failure, decision)) from exc
+        time.sleep(decision.delay_s)
+        run.clock.mark("backoff")
+        return Placing(decision.world_size)
+
+    def diagnose(self, run) -> Failure:
+        """Who failed, where, and how: the watchdog's finding if it fired, else `diagnose` of
+        the dead ranks and the exception."""
+        detected = time.time()
+        live, rec, exc = self.live, run.record, self.error
+        wd = live.watchdog if live is not None else None
+        if wd is not None:
+            wd.stop()
+        if wd is not None and wd.fired is not None:
+            failure = wd.fired
+        else:
+            rank = phase = None
+            if isinstance(exc, ray.exceptions.RayTaskError):
+                rank = rec.pids.get(getattr(exc, "pid", None))
+                phase = (getattr(exc, "function_name", "") or "").rpartition(".")[2] or None
+            dead = live.group.dead_ranks() if live is not None and live.group is not None and live.group.actors else []
+            training = isinstance(self.failed, Training)
+            failure = diagnose(exc, rank, phase, dead=dead, last_seen=wd.last if wd is not None else {},
+                               step=rec.step if training else None, doing=self.failed.doing)
+        failure.detected_at = detected
+        run.clock.start(failure, detected)
+        run.clock.mark("diagnose")
+        if failure.kind != ERROR:  # an error in the training code is reported once, as the run ends
+            log.warning("failure (%s): %s", failure.kind, failure.message)
+        return failure
+
+
+def give_up_message(run, failure: Failure, decision: Decision) -> str:
+    restarts = len(run.record.failures) - 1
+    last = run.last_checkpoint()
+    where = (f"The last committed checkpoint is {last}; run the same command again to resume from it"
+             if last else "No checkpoint was committed")
+    more = failure.detail.splitlines()[1:] if failure.kind == ERROR else []
+    return (f"training stopped after {restarts} restart{'s' if restarts != 1 else ''} "
+            f"({decision.reason}): {failure.message}"
+            + "".join(f"\n  {line}" for line in more) + f"\n{where}.")
