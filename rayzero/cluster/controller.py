@@ -78,6 +78,7 @@ class Controller:
         # Every step's row, also on disk: a resumed run's history starts at step 0, not where it resumed.
         self.history_file = Path(run_dir) / "history.jsonl"
         self.history.rows = load_rows(self.history_file)
+        self.spares = None  # the warm spares (failure.spares), started with the first group
         self._state: State | None = None
         self._interrupted = False  # a SIGINT arrived (see _catch_interrupts)
 
@@ -144,6 +145,8 @@ class Controller:
             live = held(self._state) if self._state is not None else None
             if live is not None:
                 live.release(kill=status != "FINISHED")
+            if self.spares is not None:
+                self.spares.kill()
             self.tracker.finish(status)
         return self.summary()
 
@@ -191,6 +194,14 @@ class Controller:
         return Stopped(self.record.step, self.last_checkpoint(), finishing=self._trained)
 
     # -- what the states share ------------------------------------------------------------
+    def start_spares(self, world: int) -> None:
+        """Once, after the first group is placed (so that spares never take a rank's room):
+        `failure.spares` standby actors, as many as the cluster holds (a warning says how many)."""
+        n = self.cfg.failure.spares
+        if n and self.spares is None:
+            self.spares = self.cluster.start_spares(
+                self.actor_cls, n, self.bundle, lambda: (self.cfg, None, world, self.data_path, self.factory))
+
     def free_ranks(self, settle_s: float = 0.0) -> int:
         """How many more ranks the cluster has room for now."""
         return self.cluster.free(self.bundle, settle_s=settle_s)

@@ -54,10 +54,11 @@ class Failure:
     message: str  # one line: who, where, what
     detail: str = ""  # the error's whole message
     rank: int | None = None
+    lost: list[int] = field(default_factory=list)  # every rank found dead (a node may take several)
     phase: str | None = None
     step: int | None = None  # the iteration (0-based) the rank was in
     detected_at: float = 0.0  # time.time() when the controller caught it
-    decision: str = ""  # what the policy decided: restart, shrink, give_up
+    decision: str = ""  # what the policy decided: replace, restart, shrink, give_up
     world_size: int | None = None  # the world placed next
     timings: dict[str, float] = field(default_factory=dict)  # recovery, filled in as it goes
 
@@ -67,36 +68,52 @@ class Failure:
 
 @dataclass(frozen=True)
 class Decision:
-    action: Literal["restart", "shrink", "give_up"]
-    world_size: int  # the world to place next (restart, shrink)
+    action: Literal["replace", "restart", "shrink", "give_up"]
+    world_size: int  # the world to train at next (replace, restart, shrink)
     delay_s: float  # backoff before placing
     reason: str
 
 
 class FailurePolicy:
-    """`failure.max_restarts` restarts (−1: unlimited) with exponential backoff that resets
+    """`failure.max_restarts` recoveries (−1: unlimited) with exponential backoff that resets
     once a checkpoint commits. Whether to go on is this policy's; at how many ranks is the
     scaling policy's (a smaller world when the cluster can no longer hold the current one and
-    `cluster.min_workers` allows it)."""
+    `cluster.min_workers` allows it). Lost ranks that warm spares can stand in for are
+    replaced, at once, with no backoff: the other ranks keep their processes."""
 
     def __init__(self, cfg: RootConfig, scaling: ScalingPolicy | None = None):
         self.max_restarts = cfg.failure.max_restarts
         self.backoff_s, self.backoff_max_s = cfg.failure.backoff_s, cfg.failure.backoff_max_s
         self.scaling = scaling or ScalingPolicy.from_config(cfg)
 
-    def decide(self, failure: Failure, restarts: int, streak: int, world: int, capacity: int) -> Decision:
-        """`restarts` so far, `streak` failures since the last commit, the `world` that failed
-        and how many ranks the cluster could `capacity` place now."""
+    def replaces(self, failure: Failure, restarts: int, world: int, spares: int) -> Decision | None:
+        """Replace the lost ranks with warm spares, if the failure is only that (ranks found
+        dead, no more than the `spares` ready) and restarts remain; else None (see `decide`)."""
+        if failure.kind != RANK_DIED or not failure.lost or len(failure.lost) > spares or self._exhausted(restarts):
+            return None
+        who = f"rank{'s' if len(failure.lost) > 1 else ''} {', '.join(map(str, failure.lost))}"
+        return Decision("replace", world, 0.0, f"warm spares take the place of {who}")
+
+    def decide(self, failure: Failure, restarts: int, streak: int, world: int, capacity: int,
+               spares: int = 0) -> Decision:
+        """`restarts` so far, `streak` failures since the last commit, the `world` that failed,
+        how many ranks the cluster could `capacity` place now and how many warm `spares` are ready."""
         if failure.kind not in RETRYABLE:
             return Decision("give_up", world, 0.0, "the error is in the training code, not a lost resource")
-        if self.max_restarts >= 0 and restarts >= self.max_restarts:
+        if self._exhausted(restarts):
             return Decision("give_up", world, 0.0, f"failure.max_restarts={self.max_restarts} reached")
+        replace = self.replaces(failure, restarts, world, spares)
+        if replace is not None:
+            return replace
         delay = min(self.backoff_max_s, self.backoff_s * 2 ** max(0, streak - 1))
         then = self.scaling.after_failure(world, capacity)
         if then < world:
             return Decision("shrink", then, delay, f"the cluster can place {capacity} ranks now")
         # Enough room (or none at all yet: placement waits for it, then shrinks if it can).
         return Decision("restart", then, delay, "a fresh group")
+
+    def _exhausted(self, restarts: int) -> bool:
+        return self.max_restarts >= 0 and restarts >= self.max_restarts
 
 
 def classify(exc: BaseException) -> str:
@@ -139,7 +156,7 @@ def diagnose(exc: BaseException, rank: int | None, phase: str | None, dead: list
         where = (f" in phase {phase}" if phase else "") + (
             "" if step is None else f" of step {step}" if phase else f" at step {step}")
     return Failure(kind, f"{who}{where}: {first_line(exc)}", rank=rank, phase=phase, step=step,
-                   detail=str(unwrap(exc)).strip())
+                   detail=str(unwrap(exc)).strip(), lost=[r for r, _ in dead])
 
 
 def unwrap(exc: BaseException) -> BaseException:

@@ -11,7 +11,7 @@ import ray
 
 from rayzero.checkpoint.manifest import CheckpointError
 from rayzero.cluster.failure import ERROR, PLACEMENT, Decision, Failure, TrainingFailed, diagnose, unwrap
-from rayzero.cluster.states import Live, Placing, State, Training, held
+from rayzero.cluster.states import Building, Live, Placing, State, Training, held
 
 log = logging.getLogger(__name__)
 
@@ -35,17 +35,23 @@ class Recovering(State):
         return held(self.failed)
 
     def next(self, run) -> State:
-        rec, exc = run.record, self.error
+        rec, exc, live = run.record, self.error, self.live
         failure = self.diagnose(run)
-        if self.live is not None:
-            self.live.release(kill=True)
+        commits = run.checkpoints.commits if run.checkpoints is not None else 0
+        streak = rec.failed(commits)
+        policy = run.failure_policy
+        spares = len(run.spares) if run.spares is not None and live is not None and live.group is not None else 0
+        replace = policy.replaces(failure, len(rec.failures), rec.world, spares) if spares else None
+        if replace is not None:  # the other ranks keep their processes: nothing to tear down here
+            run.record_failure(failure, replace)
+            return Replacing(live, failure)
+        if live is not None:
+            live.release(kill=True)
         run.clock.mark("teardown")
         if failure.kind == PLACEMENT and not rec.failures and not run.history.losses:
             raise exc  # the very first placement: the request itself cannot be met
-        commits = run.checkpoints.commits if run.checkpoints is not None else 0
-        streak = rec.failed(commits)
         capacity = run.free_ranks(settle_s=2.0)
-        decision = run.failure_policy.decide(failure, len(rec.failures), streak, rec.world, capacity)
+        decision = policy.decide(failure, len(rec.failures), streak, rec.world, capacity)
         run.record_failure(failure, decision)
         if decision.action == "give_up":
             cause = unwrap(exc)
@@ -92,3 +98,49 @@ def give_up_message(run, failure: Failure, decision: Decision) -> str:
     return (f"training stopped after {restarts} restart{'s' if restarts != 1 else ''} "
             f"({decision.reason}): {failure.message}"
             + "".join(f"\n  {line}" for line in more) + f"\n{where}.")
+
+
+# A survivor leaves its broken process group in well under a second (a peer SIGKILLed, gloo);
+# one that takes longer is stuck (in a collective its dead peer will never join, or an upload
+# that does not finish), and the run falls back to a fresh group.
+LEAVE_TIMEOUT_S = 20.0
+# How long a replacement waits for a spare that is still warming up (importing torch).
+SPARE_WAIT_S = 60.0
+
+
+@dataclass(repr=False)
+class Replacing(State):
+    """Warm spares take the places of the ranks `failure.lost`: the iteration's graph is torn
+    down (it holds every rank), the surviving ranks leave their broken process group but keep
+    their processes, each spare is given a lost rank's mesh coordinates, and the same group
+    goes back to Building (a fresh rendezvous) and Resuming (the last commit, as a restart
+    would: the result stays bitwise that of the unbroken run). The spares are replenished in
+    the lost ranks' bundles. Anything failing here is a new failure: Recovering kills the group
+    and places a fresh one."""
+
+    live: Live
+    failure: Failure
+    code = "REPLACE"
+    doing = "replacing lost ranks with warm spares"
+
+    def next(self, run) -> State:
+        live, rec, lost = self.live, run.record, self.failure.lost
+        group = live.group
+        dispatch, live.dispatch = live.dispatch, None
+        if dispatch is not None:
+            dispatch.close()
+        uploads = group.leave(lost, timeout_s=LEAVE_TIMEOUT_S)
+        if run.checkpoints is not None:  # a commit the lost ranks had finished their part of
+            run.checkpoints.add_uploads([u for r in uploads for u in r.get("uploads", [])])
+        run.clock.mark("teardown")
+        for rank in lost:
+            spare = run.spares.take(timeout_s=SPARE_WAIT_S)
+            if spare is None:
+                raise RuntimeError(f"no warm spare became ready within {SPARE_WAIT_S:g}s to replace rank {rank}")
+            pid = group.take_in(rank, spare, rec.world)
+            run.spares.replenish(group.vacant_bundle())
+            rec.replacements.append({"rank": rank, "step": self.failure.step, "pid": pid})
+            log.warning("a warm spare (pid %s) takes the place of rank %d", pid, rank)
+        live.watchdog = run.make_watchdog(group.actors, on_fire=group.kill)
+        run.clock.mark("replacement")
+        return Building(live)

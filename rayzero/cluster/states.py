@@ -117,6 +117,7 @@ class Placing(State):
                                        "and starting their processes")
         group, world = self.place(run)
         run.record.world = world
+        run.start_spares(world)
         run.clock.mark("placement")
         live = Live(group)
         live.watchdog = run.make_watchdog(group.actors, on_fire=group.kill)
