@@ -113,6 +113,16 @@ class ShardSaver:
             self._thread = None
         self._raise()
 
+    def settle(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for the upload in flight; whether none is left running. Its
+        error, if any, stays for `reports` to raise."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                return False
+            self._thread = None
+        return True
+
     def _raise(self) -> None:
         if self._error is not None:
             e, self._error = self._error, None

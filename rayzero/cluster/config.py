@@ -112,3 +112,10 @@ class FailureConfig(Frozen):
         default=30.0, ge=0,
         description="Upper bound on the wait before a restart, in seconds.",
     )
+    spares: int = Field(
+        default=0, ge=0,
+        description="Warm spare ranks kept on standby, each a Ray actor of a rank's resources with torch "
+        "imported and the model's code loaded: when a rank is lost, a spare takes its place and the run goes "
+        "on at the same world size from the newest commit, without restarting the other ranks. Spares the "
+        "cluster cannot hold are left out, with a warning; 0 = no spares (a failure restarts every rank).",
+    )

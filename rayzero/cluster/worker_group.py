@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import ray
@@ -22,6 +23,11 @@ class WorkerGroup:
     def __init__(self, actors: list, pg):
         self.actors = actors
         self.pg = pg
+        # Where each rank's actor lives: (placement group, bundle index). Rank r starts in bundle r
+        # of `pg`; a spare that takes a rank's place brings its own single-bundle group.
+        self.homes: dict[int, tuple[Any, int]] = {r: (pg, r) for r in range(len(actors))}
+        self.spare_pgs: list = []  # placement groups of spares that became ranks: removed with `pg`
+        self.vacant: list[int] = []  # bundles of `pg` whose rank was replaced: free for a new spare
 
     @classmethod
     def create(
@@ -79,6 +85,33 @@ class WorkerGroup:
             raise
         return cls(actors, pg)
 
+    def replace(self, rank: int, actor, pg, bundle_index: int = 0) -> None:
+        """Put `actor` (a warm spare, `Spares.take`) at `rank`, in bundle `bundle_index` of `pg`
+        (its own group, which this group then removes in `kill`, or a vacant bundle of this
+        group's). The lost rank's actor is killed, in case it is hung rather than dead; its
+        bundle of the main group becomes vacant (`vacant_bundle`), a spare's own group of a
+        rank lost before is removed."""
+        old = self.actors[rank]
+        try:
+            ray.kill(old, no_restart=True)
+        except Exception as e:
+            log.debug("kill of the lost rank %d failed: %s", rank, e)
+        old_pg, old_index = self.homes[rank]
+        if old_pg is self.pg:
+            self.vacant.append(old_index)
+        else:
+            self.spare_pgs.remove(old_pg)
+            remove_placement_group(old_pg)
+        self.actors[rank] = actor
+        self.homes[rank] = (pg, bundle_index)
+        if pg is not self.pg:
+            self.spare_pgs.append(pg)
+
+    def vacant_bundle(self) -> tuple[Any, int] | None:
+        """A bundle of this group's placement group that no rank uses any more, taken off the
+        list: (placement group, index), for `Spares.replenish`; None if there is none."""
+        return (self.pg, self.vacant.pop(0)) if self.vacant else None
+
     def wait_started(self) -> None:
         """Until every rank's process is up: started, its modules imported, its `Rank` made
         (the seconds a new process spends importing torch come here, not in the rendezvous)."""
@@ -124,12 +157,123 @@ class WorkerGroup:
             except Exception as e:
                 log.debug("kill failed: %s", e)
         self.actors = []
-        if self.pg is not None:
-            pg, self.pg = self.pg, None
-            remove_placement_group(pg)
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline and placement_group_table(pg).get("state") != "REMOVED":
-                time.sleep(0.01)
+        groups = [*self.spare_pgs, *([self.pg] if self.pg is not None else [])]
+        self.pg, self.spare_pgs, self.vacant = None, [], []
+        _remove(groups)
+
+
+def _remove(groups: list) -> None:
+    """Remove placement groups and wait (5 s at most) until Ray has freed their resources."""
+    for pg in groups:
+        remove_placement_group(pg)
+    deadline = time.monotonic() + 5
+    for pg in groups:
+        while time.monotonic() < deadline and placement_group_table(pg).get("state") != "REMOVED":
+            time.sleep(0.01)
+
+
+def spares_warning(requested: int, placed: int, bundle: dict[str, float]) -> str | None:
+    """The one line a run logs when the cluster holds fewer spares than `failure.spares` asks."""
+    if placed >= requested:
+        return None
+    each = ", ".join(f"{v:g} {k}" for k, v in bundle.items())
+    return (f"failure.spares={requested}: only {placed} of {requested} spares could be placed ({each} each); "
+            f"the cluster has no free resources for more, and a lost rank beyond them restarts every rank")
+
+
+@dataclass
+class Spare:
+    """A standby rank actor: where it lives, and its `warm()` call's result."""
+
+    actor: Any
+    pg: Any
+    bundle_index: int
+    owns_pg: bool  # its own single-bundle group (else a vacant bundle of a worker group's)
+    warmed: Any  # ObjectRef of `actor.warm()`
+
+
+class Spares:
+    """Warm standby rank actors (`failure.spares`): each started with no rank, in a bundle of a
+    rank's shape, and warmed (`Rank.warm`: torch and the model's code loaded), ready to take a
+    lost rank's place (`take`, then `WorkerGroup.replace`)."""
+
+    def __init__(self, actor_cls, bundle: dict[str, float], actor_args: Callable[[], tuple[Any, ...]]):
+        """`actor_args()`: the spare's constructor arguments, its rank None."""
+        self.actor_cls, self.bundle, self.actor_args = actor_cls, dict(bundle), actor_args
+        self.spares: list[Spare] = []
+
+    @classmethod
+    def start(cls, actor_cls, count: int, bundle: dict[str, float], actor_args: Callable[[], tuple[Any, ...]],
+              *, wait_s: float = 2.0) -> "Spares":
+        """Up to `count` spares, each in a single-bundle placement group of its own, given
+        `wait_s` to be placed; the first that cannot be stops the count (the others would not
+        fit either), with one warning naming how many were placed."""
+        pool = cls(actor_cls, bundle, actor_args)
+        for _ in range(count):
+            pg = placement_group([dict(bundle)])
+            try:
+                ray.get(pg.ready(), timeout=wait_s)
+            except GetTimeoutError:
+                remove_placement_group(pg)
+                break
+            pool._start(pg, 0, owns_pg=True)
+        warning = spares_warning(count, len(pool.spares), bundle)
+        if warning:
+            log.warning(warning)
+        return pool
+
+    def _start(self, pg, bundle_index: int, owns_pg: bool) -> None:
+        actor = self.actor_cls.options(
+            num_cpus=self.bundle.get("CPU", 0),
+            num_gpus=self.bundle.get("GPU", 0),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_index),
+        ).remote(*self.actor_args())
+        self.spares.append(Spare(actor, pg, bundle_index, owns_pg, actor.warm.remote()))
+
+    def __len__(self) -> int:
+        return len(self.spares)
+
+    def take(self, timeout_s: float = 0.0) -> Spare | None:
+        """A spare whose `warm()` has finished, out of the pool, waiting up to `timeout_s` for
+        one; None if none is ready. A spare that died is dropped on the way."""
+        deadline = time.monotonic() + timeout_s
+        while self.spares:
+            refs = [s.warmed for s in self.spares]
+            ready, _ = ray.wait(refs, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return None
+            spare = self.spares.pop(refs.index(ready[0]))
+            try:
+                ray.get(spare.warmed)
+            except Exception as e:
+                log.warning("a spare failed to warm up and is dropped: %s", e)
+                self._kill(spare)
+                continue
+            return spare
+        return None
+
+    def replenish(self, home: tuple[Any, int] | None = None) -> None:
+        """Start one more spare without waiting for it: in `home` (a worker group's vacant
+        bundle, `WorkerGroup.vacant_bundle`) if given, else in a new single-bundle group that
+        Ray places when resources allow. `take` offers it once it is warm."""
+        if home is not None:
+            self._start(home[0], home[1], owns_pg=False)
+        else:
+            self._start(placement_group([dict(self.bundle)]), 0, owns_pg=True)
+
+    def _kill(self, spare: Spare) -> None:
+        try:
+            ray.kill(spare.actor, no_restart=True)
+        except Exception as e:
+            log.debug("kill of a spare failed: %s", e)
+        if spare.owns_pg:
+            _remove([spare.pg])
+
+    def kill(self) -> None:
+        """Kill every spare and remove the placement groups of their own."""
+        spares, self.spares = self.spares, []
+        for spare in spares:
+            self._kill(spare)
 
 
 def free_bundles(bundle: dict[str, float], settle_s: float = 2.0) -> int:

@@ -79,6 +79,12 @@ class RankBatches:
         self.next_step = step + 1
         return self._split(rows)
 
+    def close(self) -> None:
+        """Stop the read-ahead thread (a rank that leaves its group and joins a new one makes
+        new batches; the old reader would otherwise linger until garbage collection)."""
+        self._ahead = None
+        self._reader.shutdown(wait=True, cancel_futures=True)
+
     def _split(self, rows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(mb[:, :-1], mb[:, 1:]) for mb in rows.split(self.micro_batch)]
 

@@ -13,7 +13,8 @@ class RankShim:
     """Forwards every call to a `Rank`; `RankActor` is this as a Ray actor. The calls of
     `phases.CALLS` (setup, checkpoints, the iteration's phases) are added below, one each."""
 
-    def __init__(self, cfg: RootConfig, rank: int, world_size: int, data_path: str, factory=None):
+    def __init__(self, cfg: RootConfig, rank: int | None, world_size: int, data_path: str, factory=None):
+        """`rank`: None for a warm spare (see `Rank`)."""
         self.rank = Rank(cfg, rank, world_size, data_path, factory)
 
     # In its own thread, so the controller's watchdog gets an answer while a phase runs.
@@ -26,6 +27,19 @@ class RankShim:
 
     def close(self) -> None:
         self.rank.close()
+
+    # A spare's and a survivor's calls, outside `phases.CALLS`: none of them is a step of the
+    # run that the watchdog times or the history records. A spare has no watchdog (it is in no
+    # group), and the controller bounds `leave` with its own timeout, after which it falls back
+    # to a full restart; `assign` is arithmetic.
+    def warm(self) -> dict:
+        return self.rank.warm()
+
+    def assign(self, rank: int, world_size: int) -> dict:
+        return self.rank.assign(rank, world_size)
+
+    def leave(self, upload_wait_s: float = 10.0) -> dict:
+        return self.rank.leave(upload_wait_s)
 
 
 def _forwarded(name: str):

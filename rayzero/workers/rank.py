@@ -8,6 +8,7 @@ the controller can chain them into one compiled graph per iteration.
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import random
 import socket
@@ -30,7 +31,7 @@ from rayzero.models.spec import IGNORE_INDEX
 from rayzero.sharding.comm import wait
 from rayzero.sharding.rng import RandomStreams
 from rayzero.workers.activations import ActivationMeter
-from rayzero.workers.assembly import assemble, make_spec, whole_counts, whole_shapes
+from rayzero.workers.assembly import assemble, build_model, make_spec, whole_counts, whole_shapes
 from rayzero.workers.phases import CALLS
 
 
@@ -84,16 +85,23 @@ def watched(fn):
 
 
 class Rank:
-    def __init__(self, cfg: RootConfig, rank: int, world_size: int, data_path: str,
+    """One rank's life: `setup` (join the group, build) → phases … → `close`. A rank whose peer
+    died `leave`s its broken group and can `setup` again at a new rendezvous; a warm spare is
+    made with no rank (`rank=None`), `warm`s up, and is `assign`ed the lost rank's place."""
+
+    def __init__(self, cfg: RootConfig, rank: int | None, world_size: int, data_path: str,
                  factory: Callable | None = None):
-        """`factory`: the model's callable when given from Python (`model.kind=module`)."""
+        """`factory`: the model's callable when given from Python (`model.kind=module`);
+        `rank`: None for a spare, which has no mesh coordinates until `assign`."""
         self.cfg = cfg
         self.factory = factory
-        self.mesh = cfg.mesh(world_size, rank)  # connected to its process groups in `setup`
+        # connected to its process groups in `setup`
+        self.mesh = cfg.mesh(world_size, rank) if rank is not None else None
         self.data_path = data_path
         self.device = torch.device("cpu")
         self._times: dict[str, float] = {}
         self.saver: ShardSaver | None = None
+        self.model = self.strategy = self.data = self.val = None  # built by `setup`
         self.plan: dict = {}
         self._current: tuple[str, float] | None = None  # (phase, monotonic start) while in one
 
@@ -107,7 +115,7 @@ class Rank:
         if current and saver is not None and saver.waiting:
             # Waiting on its checkpoint upload: slow is not stuck while bytes still move.
             elapsed = min(elapsed, now - saver.moved_at)
-        return {"rank": self.mesh.rank, "step": self.plan.get("step"),
+        return {"rank": self.mesh.rank if self.mesh is not None else None, "step": self.plan.get("step"),
                 "phase": current[0] if current else None, "elapsed_s": elapsed}
 
     # -- setup -------------------------------------------------------------------------
@@ -116,8 +124,70 @@ class Rank:
         """`ip` and a free port on it, for rank 0 to host the rendezvous."""
         return ip, rendezvous_port(ip)
 
+    def warm(self) -> dict:
+        """On a spare, before it has a rank: load the model's code by building the model once
+        on the meta device (no memory, no process group), so that `setup` after `assign` pays
+        for none of it. The built model is dropped: the rank builds its own, for its mesh."""
+        t0 = time.perf_counter()
+        build_model(self.cfg, make_spec(self.cfg, self.factory))
+        return {"pid": os.getpid(), "warm_s": time.perf_counter() - t0}
+
+    def assign(self, rank: int, world_size: int) -> dict:
+        """Give this spare (or a rank that has left its group) the mesh coordinates of `rank`
+        of `world_size`; `setup` joins the group there."""
+        if dist.is_initialized():
+            raise RuntimeError(f"assign({rank}, {world_size}) on a rank still in a process group: leave first")
+        self.mesh = self.cfg.mesh(world_size, rank)
+        return {"rank": rank, "pid": os.getpid()}
+
+    def leave(self, upload_wait_s: float = 10.0) -> dict:
+        """Leave a process group that lost a member, keeping the process (torch imported, the
+        model's code loaded) for a `setup` at a new rendezvous. No barrier: a peer is dead.
+        Drops the model, strategy, data readers and saver. A checkpoint upload in flight gets
+        `upload_wait_s` to finish (a later step may write the same file); past that this
+        raises, and the process must go (the upload thread cannot be stopped from outside).
+        Returns the uploads finished and not yet reported, which may still complete a commit."""
+        t0 = time.perf_counter()
+        rank = self.mesh.rank if self.mesh is not None else None
+        uploads = self._drop(upload_wait_s)
+        if dist.is_initialized():
+            # No barrier and nothing sent: with a SIGKILLed peer this takes ~0.2 s on gloo
+            # (benchmarks/spare_swap.py), most of it the collection above.
+            dist.destroy_process_group()
+        if self.mesh is not None:
+            self.mesh = self.cfg.mesh(self.mesh.world_size, self.mesh.rank)  # its groups are gone
+        return {"rank": rank, "uploads": uploads, "leave_s": time.perf_counter() - t0}
+
+    def _drop(self, upload_wait_s: float) -> list[dict]:
+        """Release what `setup` built, the upload first (it reads the strategy's buffers).
+        Returns the finished uploads not yet reported (none if the upload failed)."""
+        saver, uploads = self.saver, []
+        if saver is not None:
+            if not saver.settle(upload_wait_s):
+                raise RuntimeError(f"a checkpoint upload is still running after {upload_wait_s:g} s; "
+                                   f"this rank cannot rejoin safely")
+            try:
+                uploads = saver.reports()
+            except RuntimeError:  # a failed upload never commits; nothing to pass on
+                uploads = []
+        self.saver = None
+        if self.data is not None:
+            self.data.close()
+        self.model = self.strategy = self.data = self.val = None
+        self.streams = self.vocab = self.meter = None
+        self._micro = self._loss = self._staged = self._valid_work = None
+        self.plan, self._current = {}, None
+        gc.collect()  # the buffers go now, before the next setup allocates its own
+        return uploads
+
     @watched
     def setup(self, master_addr: str, master_port: int) -> dict:
+        """Join the process group at `master_addr:master_port`, build the model and strategy,
+        open the data. A rank set up before leaves its old group first (`leave`)."""
+        if self.mesh is None:
+            raise RuntimeError("a spare has no rank: assign it one before setup")
+        if self.model is not None or dist.is_initialized():
+            self.leave()
         cfg = self.cfg
         backend = cfg.cluster.backend
         if backend == "auto":
@@ -401,6 +471,8 @@ class Rank:
     def close(self) -> None:
         if self.saver is not None:
             self.saver.wait()
+        if self.data is not None:
+            self.data.close()
         if dist.is_initialized():
             dist.barrier()
             self.model = self.strategy = None  # drop buffers before the group goes away

@@ -165,6 +165,10 @@ def test_world_sizes_and_bad_min_workers():
         load_config(None, ["cluster.num_workers=4", "cluster.min_workers=3", "train.global_batch_size=16"])
     with pytest.raises(ConfigError, match="failure.max_restarts"):
         load_config(None, ["failure.max_restarts=-2"])
+    assert load_config(None, []).failure.spares == 0
+    assert load_config(None, ["failure.spares=2"]).failure.spares == 2
+    with pytest.raises(ConfigError, match="failure.spares"):
+        load_config(None, ["failure.spares=-1"])
 
 
 def test_history_rewinds_to_the_resumed_step():

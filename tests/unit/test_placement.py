@@ -51,3 +51,83 @@ def test_groups_each_on_one_node_pass_the_check(placed):
     place(["a", "a", "b", "b"])
     with pytest.raises(AssertionError, match="no actor may start"):  # past the check: the actors start
         worker_group.WorkerGroup.create(NoActor, 4, {"CPU": 1}, lambda r: (), same_node=2)
+
+
+class FakeSpare:
+    """A spare actor class: records the spares started and answers `warm` with a token."""
+
+    started: list = []
+
+    @classmethod
+    def options(cls, **options):
+        cls.started.append(options)
+        return cls
+
+    @classmethod
+    def remote(cls, *args):
+        assert args[1] is None, "a spare starts with no rank"
+        return cls()
+
+    class warm:
+        @staticmethod
+        def remote():
+            return "warmed"
+
+
+@pytest.fixture
+def cluster_of(monkeypatch):
+    """A stubbed cluster with room for `free` single-bundle placement groups."""
+    removed = []
+
+    def make(free: int):
+        placed = []
+
+        def get(ref, timeout=None):
+            if len(placed) > free:
+                raise worker_group.GetTimeoutError()
+
+        def group(bundles, strategy="PACK"):
+            pg = Placed(["a"] * len(bundles))
+            placed.append(pg)
+            return pg
+
+        monkeypatch.setattr(worker_group, "placement_group", group)
+        monkeypatch.setattr(worker_group.ray, "get", get)
+        monkeypatch.setattr(worker_group, "remove_placement_group", removed.append)
+        monkeypatch.setattr(worker_group, "placement_group_table", lambda g: {"state": "REMOVED"})
+        monkeypatch.setattr(worker_group.ray, "kill", lambda actor, no_restart=True: None)
+        FakeSpare.started = []
+        return placed
+
+    return make, removed
+
+
+def test_spares_beyond_the_free_resources_are_left_out_with_one_warning(cluster_of, caplog):
+    make, removed = cluster_of
+    placed = make(free=1)
+    pool = worker_group.Spares.start(FakeSpare, 3, {"CPU": 1}, lambda: ("cfg", None, 2, "data"), wait_s=0.1)
+    assert len(pool) == 1 and len(FakeSpare.started) == 1
+    assert removed == [placed[1]], "the group that could not be placed is given back; no third is tried"
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == ["failure.spares=3: only 1 of 3 spares could be placed (1 CPU each); the cluster has no "
+                        "free resources for more, and a lost rank beyond them restarts every rank"]
+
+
+def test_all_spares_placed_warn_nothing(cluster_of, caplog):
+    make, _ = cluster_of
+    make(free=2)
+    assert len(worker_group.Spares.start(FakeSpare, 2, {"CPU": 1}, lambda: ("cfg", None, 2, "data"))) == 2
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_a_replaced_rank_leaves_its_bundle_vacant_and_its_spare_group_is_kept(cluster_of):
+    make, removed = cluster_of
+    make(free=9)
+    group = worker_group.WorkerGroup(["a0", "a1"], "main")
+    group.replace(1, "s1", "spare-pg")
+    assert group.actors == ["a0", "s1"] and group.vacant_bundle() == ("main", 1) and group.vacant_bundle() is None
+    group.replace(1, "s2", "main", bundle_index=1)  # a spare started in the vacant bundle
+    assert removed == ["spare-pg"], "the first spare's own group goes with it"
+    group.replace(0, "s3", "pg3")
+    group.kill()
+    assert removed == ["spare-pg", "pg3", "main"], "kill removes every group the worker group holds"

@@ -1,0 +1,88 @@
+"""A rank leaves a broken group and a warm spare takes the lost rank's place, on real gloo
+groups: both set up again at a new rendezvous, resume from the commit, and end bitwise equal to
+the unbroken run, with no reader or upload thread left over from the first group."""
+
+import threading
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from rayzero.checkpoint.manifest import open_checkpoint
+from rayzero.cluster.checkpoints import Checkpoints
+from rayzero.cluster.schedule import lr_at
+from tests.conftest import free_port
+from tests.dist.ckpt_helpers import config, run
+from tests.dist.pool import spawn
+
+COMMIT_AT, FAIL_AFTER, STEPS = 4, 6, 8  # commit after step 3; the failure after step 5
+
+
+def _plan(cfg, k: int, ckpt: Checkpoints | None = None) -> dict:
+    plan = {"step": k, "lr": lr_at(k, cfg.train.steps, cfg.optim)}
+    if ckpt is not None and k + 1 == COMMIT_AT:
+        plan["checkpoint"] = {"uri": ckpt.root.child(f"step-{COMMIT_AT:06d}").uri, "step": COMMIT_AT}
+    return plan
+
+
+def _ours() -> list[str]:
+    """This process's data-reader and checkpoint-upload threads."""
+    return [t.name for t in threading.enumerate() if t.name.startswith(("rayzero-data", "ckpt-upload"))]
+
+
+def _rank(rank, world, cfg, data_path, ports, out):
+    from rayzero.workers.rank import Rank
+
+    torch.set_num_threads(1)
+    r = Rank(cfg, rank, world, data_path)
+    info = r.setup("127.0.0.1", ports[0])
+    ckpt = Checkpoints(cfg)
+    uploads = []  # reported by the steps after the save, and by the wait for the last upload
+    for k in range(FAIL_AFTER):
+        res = r.iteration(_plan(cfg, k, ckpt))
+        uploads += res["uploads"]
+        if k + 1 == COMMIT_AT:
+            saved = res
+    uploads += r.finish_checkpoints()
+    # The controller's commit, on rank 0, from every rank's report.
+    reports = [None] * world
+    dist.all_gather_object(reports, (info, saved, uploads))
+    if rank == 0:
+        ckpt.configure([i for i, _, _ in reports], mlflow_run_id=None)
+        ckpt.collect(COMMIT_AT - 1, [s for _, s, _ in reports])
+        ckpt.add_uploads([u for _, _, us in reports for u in us])
+    where = [ckpt.last_committed if rank == 0 else None]
+    dist.broadcast_object_list(where)
+
+    # The failure: rank 0 survives and leaves its group; rank 1 is replaced by a warm spare.
+    left = r.leave(upload_wait_s=5.0)
+    assert left["rank"] == rank and left["uploads"] == []
+    assert not dist.is_initialized() and r.model is None and r.saver is None
+    if rank == 1:
+        r = Rank(cfg, None, world, data_path)
+        assert r.progress()["rank"] is None
+        r.warm()
+        r.assign(1, world)
+    assert _ours() == [], _ours()
+    r.setup("127.0.0.1", ports[1])
+    c = open_checkpoint(where[0])
+    r.load_checkpoint(c.uri, c.manifest)
+    r.apply_checkpoint()
+    for k in range(COMMIT_AT, STEPS):
+        r.iteration(_plan(cfg, k))
+    state = r.full_state_dict()
+    out[rank] = {"state": state, "committed": where[0], "threads": _ours()}
+    r.close()
+
+
+def test_a_survivor_and_a_spare_resume_bitwise(tmp_path, small_dataset):
+    cfg = config(2, "optim", str(tmp_path / "ckpt"), ["train.steps=8"])
+    straight = run(cfg, small_dataset, 0, STEPS)
+    with mp.Manager() as manager:
+        out = manager.dict()
+        spawn(_rank, args=(2, cfg, small_dataset, (free_port(), free_port()), out), nprocs=2)
+        out = {r: out[r] for r in range(2)}
+    assert out[0]["committed"].endswith(f"step-{COMMIT_AT:06d}")
+    assert all(len([t for t in out[r]["threads"] if t.startswith("rayzero-data")]) <= 1 for r in out)
+    for name, ref in straight["state"].items():
+        assert torch.equal(out[0]["state"][name], ref), name
