@@ -238,7 +238,7 @@ class Controller:
         text = (f"step {failure.step}: {failure.message} -> {decision.action}"
                 + (f" at {decision.world_size} ranks" if decision.action != "give_up" else f" ({decision.reason})"))
         if decision.action != "give_up":
-            log.warning("restart %d: %s", n, text)
+            log.warning("%s %d: %s", "replacement" if decision.action == "replace" else "restart", n, text)
         try:  # MLflow must not turn a recoverable failure into a fatal one
             self.tracker.set_tags({f"failure.{n}": text[:5000], "failure.last_cause": failure.kind})
             if decision.action != "give_up":

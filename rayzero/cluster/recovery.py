@@ -40,7 +40,11 @@ class Recovering(State):
         commits = run.checkpoints.commits if run.checkpoints is not None else 0
         streak = rec.failed(commits)
         policy = run.failure_policy
-        spares = len(run.spares) if run.spares is not None and live is not None and live.group is not None else 0
+        # Only a group that failed while training can take spares in: its other ranks are in a
+        # phase, whose collectives fail at once when a peer's process goes. Elsewhere they may be
+        # waiting on the lost rank where nothing gives up soon (the rendezvous, whose store the
+        # lost rank may host; a replacement already under way): a fresh group, then.
+        spares = len(run.spares) if run.spares is not None and isinstance(self.failed, Training) else 0
         replace = policy.replaces(failure, len(rec.failures), rec.world, spares) if spares else None
         if replace is not None:  # the other ranks keep their processes: nothing to tear down here
             run.record_failure(failure, replace)
@@ -115,8 +119,8 @@ class Replacing(State):
     their processes, each spare is given a lost rank's mesh coordinates, and the same group
     goes back to Building (a fresh rendezvous) and Resuming (the last commit, as a restart
     would: the result stays bitwise that of the unbroken run). The spares are replenished in
-    the lost ranks' bundles. Anything failing here is a new failure: Recovering kills the group
-    and places a fresh one."""
+    the lost ranks' bundles. Anything failing here, or in the Building and Resuming after it,
+    is a new failure, and Recovering kills the group and places a fresh one (see there)."""
 
     live: Live
     failure: Failure

@@ -4,6 +4,8 @@
        ↑                                          │ resources are back: regroup at a commit
        ├─────────────────── Resizing ←────────────┘
        └─────────────────── Recovering ←── a failure in any state before Done (recovery.py)
+                               │ ranks lost while training, warm spares ready for them
+                               └→ Replacing → Building (the same group, the other ranks' processes kept)
 
 `state.next(run)` takes the run (`controller.Controller`: the config, the policies, the
 cluster, the tracker, the checkpoints, the history and the run record) and returns the next

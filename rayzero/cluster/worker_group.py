@@ -107,6 +107,19 @@ class WorkerGroup:
         if pg is not self.pg:
             self.spare_pgs.append(pg)
 
+    def leave(self, lost: list[int], timeout_s: float) -> list[dict]:
+        """Every rank but the `lost` leaves its broken process group, keeping its process (see
+        `Rank.leave`); their answers (uploads finished and not yet reported). GetTimeoutError
+        past `timeout_s`: a rank stuck in a collective with a dead peer."""
+        survivors = [a for r, a in enumerate(self.actors) if r not in lost]
+        return ray.get([a.leave.remote() for a in survivors], timeout=timeout_s)
+
+    def take_in(self, rank: int, spare: "Spare", world_size: int) -> int:
+        """A warm spare (`Spares.take`) becomes `rank` of `world_size`; returns its pid."""
+        answer = ray.get(spare.actor.assign.remote(rank, world_size))
+        self.replace(rank, spare.actor, spare.pg, spare.bundle_index)
+        return answer["pid"]
+
     def vacant_bundle(self) -> tuple[Any, int] | None:
         """A bundle of this group's placement group that no rank uses any more, taken off the
         list: (placement group, index), for `Spares.replenish`; None if there is none."""
@@ -306,3 +319,7 @@ class RayCluster:
     @staticmethod
     def free(bundle: dict[str, float], settle_s: float = 2.0) -> int:
         return free_bundles(bundle, settle_s=settle_s)
+
+    @staticmethod
+    def start_spares(actor_cls, count: int, bundle: dict[str, float], actor_args) -> "Spares":
+        return Spares.start(actor_cls, count, bundle, actor_args)

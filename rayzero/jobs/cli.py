@@ -119,6 +119,8 @@ def _print_plan(p: dict) -> None:
         + f"  mlflow {p['tracking'] or 'off'}\n"
         f"  restarts up to {p['failure']['max_restarts']} (-1: unlimited), phase watchdog "
         f"{p['failure']['phase_timeout_s']:g} s"
+        + (f", {p['failure']['spares']} warm spare{'s' if p['failure']['spares'] > 1 else ''}"
+           if p["failure"].get("spares") else "")
     )
 
 
@@ -191,7 +193,8 @@ def _print_summary(s: dict) -> None:
         f"{mem['transient_bytes'] / 2**20:.1f} MiB; activations {mem['activations_peak_bytes'] / 2**20:.1f} MiB "
         f"a micro-batch at their peak\n"
         + (f"  {s['skipped_steps']} steps skipped by loss scaling\n" if s["skipped_steps"] else "")
-        + "".join(f"  restart {i}: {f['message']}; {f['decision']} at {f['world_size']} ranks, "
+        + "".join(f"  {'replacement' if f['decision'] == 'replace' else 'restart'} {i}: {f['message']}; "
+                  f"{f['decision']} at {f['world_size']} ranks, "
                   f"training again {f['timings'].get('total_s', 0):.1f}s later\n"
                   for i, f in enumerate(s["failures"], 1))
         + "".join(f"  grew from {r['from']} to {r['to']} ranks at step {r['step']}\n" for r in s["resizes"])

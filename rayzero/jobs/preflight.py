@@ -106,7 +106,7 @@ def nothing_to_train(cfg: RootConfig, resume) -> tuple[dict, list[dict]] | None:
         "stopped_early": ({"step": m["early_stopping"].get("stopped_after"), "reason": stopped} if stopped else None),
         "run_dir": run.get("dir"), "mlflow_run_id": m.get("mlflow_run_id"),
         "mlflow_tracking_uri": run.get("mlflow_tracking_uri"), "final_weights": None, "restarts": 0,
-        "failures": [], "resizes": [], "world_size": None, "strategy": cfg.sharding.strategy,
+        "failures": [], "resizes": [], "replacements": [], "world_size": None, "strategy": cfg.sharding.strategy,
     }
     rows = load_rows(Path(run["dir"]) / "history.jsonl") if run.get("dir") else []
     return summary, rows

@@ -403,7 +403,8 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
         "tracking": (cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite in the run directory")
         if cfg.tracking.enabled else None,
         "data": cfg.data.path or "the default corpus (prepared on first use)",
-        "failure": {"max_restarts": cfg.failure.max_restarts, "phase_timeout_s": cfg.failure.phase_timeout_s},
+        "failure": {"max_restarts": cfg.failure.max_restarts, "phase_timeout_s": cfg.failure.phase_timeout_s,
+                    "spares": cfg.failure.spares},
     }
 
 

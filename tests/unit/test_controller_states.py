@@ -37,6 +37,8 @@ class Events:
         self.room = dict(room or {})  # step -> the cluster's room from then on
         self.placed = 0  # ranks held by the live group
         self.groups: list[FakeGroup] = []
+        self.dead: list[int] = []  # ranks of the live group found dead
+        self.spares_die = False  # a spare dies as it is put in
 
 
 class FakeGroup:
@@ -64,7 +66,21 @@ class FakeGroup:
         return [{} for _ in self.actors]
 
     def dead_ranks(self, timeout_s: float = 2.0):
-        return []
+        return [(r, ray.exceptions.ActorDiedError()) for r in self.events.dead if r < len(self.actors)]
+
+    def leave(self, lost, timeout_s):
+        self.calls.append(f"leave {lost}")
+        return [{"uploads": []} for r in self.actors if r not in lost]
+
+    def take_in(self, rank, spare, world):
+        if self.events.spares_die:
+            raise ray.exceptions.ActorDiedError()
+        self.calls.append(f"take_in {rank}")
+        self.events.dead.remove(rank)
+        return 2000 + rank
+
+    def vacant_bundle(self):
+        return "vacant"
 
     def kill(self):
         self.killed = True
@@ -86,12 +102,36 @@ class FakeCluster:
         if world > self.events.capacity - self.events.placed:
             raise PlacementError(f"no room for {world}")
         self.events.placed += world
+        self.events.dead = []
         group = FakeGroup(self.events, world)
         self.events.groups.append(group)
         return group
 
     def free(self, bundle, settle_s=0.0) -> int:
         return max(0, self.events.capacity - self.events.placed)
+
+    def start_spares(self, actor_cls, count, bundle, actor_args):
+        return FakeSpares(count)
+
+
+class FakeSpares:
+    def __init__(self, count):
+        self.ready, self.replenished, self.killed = count, [], False
+
+    def __len__(self):
+        return self.ready
+
+    def take(self, timeout_s=0.0):
+        if not self.ready:
+            return None
+        self.ready -= 1
+        return object()
+
+    def replenish(self, home=None):
+        self.replenished.append(home)
+
+    def kill(self):
+        self.killed = True
 
 
 class FakeCheckpoints:
@@ -196,6 +236,14 @@ def died(step: int) -> Exception:
     return ray.exceptions.ActorDiedError()
 
 
+def lost(*ranks):
+    """A fault: these ranks' processes are gone."""
+    def fault(events):
+        events.dead = list(ranks)
+        return ray.exceptions.ActorDiedError()
+    return fault
+
+
 def test_an_unbroken_run_goes_through_each_state_once(tmp_path):
     c = run(tmp_path, FIXED, Events(capacity=2))
     summary = c.fit()
@@ -297,6 +345,63 @@ def test_elastic_placement_takes_the_largest_world_the_cluster_holds(tmp_path):
     c = run(tmp_path, ELASTIC, events, checkpoints=False)
     c.fit()
     assert c.cluster.asked == [4, 3] and c.world == 3
+
+
+def test_a_warm_spare_takes_a_lost_ranks_place_and_the_other_ranks_stay(tmp_path):
+    events = Events(capacity=2, faults={6: lost(1)})
+    c = run(tmp_path, [*FIXED, "failure.spares=1"], events)
+    summary = c.fit()
+    assert c.record.states == ["PLACE", "BUILD", "RESUME", "TRAIN", "RECOVER", "REPLACE",
+                               "BUILD", "RESUME", "TRAIN", "FINISH", "DONE"]
+    (f,) = c.failures
+    assert (f.kind, f.decision, f.lost, f.world_size) == ("rank_died", "replace", [1], 2)
+    (group,) = events.groups
+    assert group.closed, "the one group, closed politely at the end: never killed"
+    assert group.calls[:3] == ["leave [1]", "take_in 1", "load_checkpoint"]
+    assert c.spares.replenished == ["vacant"] and c.spares.killed, "replenished in the lost rank's bundle"
+    assert summary["replacements"] == [{"rank": 1, "step": 6, "pid": 2001}] and summary["restarts"] == 1
+    assert [r["step"] for r in c.history.rows] == list(range(10))
+    assert {"teardown_s", "replacement_s", "rendezvous_s", "load_s", "total_s"} <= set(f.timings)
+    assert "backoff_s" not in f.timings and "placement_s" not in f.timings
+
+
+def test_a_node_with_more_ranks_than_spares_restarts_the_group(tmp_path):
+    events = Events(capacity=3, faults={6: lost(0, 1)})
+    c = run(tmp_path, [*FIXED, "failure.spares=1"], events)
+    c.fit()
+    (f,) = c.failures
+    assert (f.decision, f.lost) == ("restart", [0, 1]) and len(events.groups) == 2 and events.groups[0].killed
+
+
+def test_a_spare_that_dies_as_it_is_put_in_falls_back_to_a_restart(tmp_path):
+    events = Events(capacity=3, faults={6: lost(1)})
+    events.spares_die = True
+    c = run(tmp_path, [*FIXED, "failure.spares=1"], events)
+    c.fit()
+    assert [f.decision for f in c.failures] == ["replace", "restart"]
+    assert c.record.states[4:8] == ["RECOVER", "REPLACE", "RECOVER", "PLACE"]
+    assert events.groups[0].killed and len(events.groups) == 2 and c.history.steps[-1] == 9
+
+
+def test_a_rank_lost_while_the_group_joins_is_not_replaced_but_restarted(tmp_path):
+    """The other ranks may wait on it in the rendezvous, where nothing gives up soon."""
+    events = Events(capacity=3)
+    c = run(tmp_path, [*FIXED, "failure.spares=1"], events)
+    original = FakeGroup.rendezvous
+
+    def rendezvous(self):
+        if len(events.groups) == 1:
+            events.dead = [1]
+            raise ray.exceptions.ActorDiedError()
+        return original(self)
+
+    FakeGroup.rendezvous = rendezvous
+    try:
+        c.fit()
+    finally:
+        FakeGroup.rendezvous = original
+    (f,) = c.failures
+    assert (f.lost, f.decision) == ([1], "restart") and len(events.groups) == 2
 
 
 # -- the policies, as tables ------------------------------------------------------------------
