@@ -13,7 +13,7 @@ each recovery, split into:
     (the restart: backoff, placement, new processes, rendezvous, build; the spare: the
     survivors leaving their process group, the spare put in, rendezvous, build);
   - load: every rank reading the last commit;
-  - step: the first iteration after it (the graph compiled again, one step).
+  - first_step: the first iteration after it (the graph compiled again, one step).
 
 Target: detection + replacement <= 3 s with one spare. With --hang, the 0-spare run also
 freezes a rank once (SIGSTOP, `failure.phase_timeout_s=5`) and reports its detection.
@@ -45,10 +45,10 @@ from rayzero.cluster.tracking import NullTracker  # noqa: E402
 from rayzero.config import load_config  # noqa: E402
 from rayzero.jobs.train import resolve_data  # noqa: E402
 
-STAGES = ("detection", "replacement", "load", "step")
+STAGES = ("detection", "replacement", "load", "first_step")
 # the controller's timings (failure.timings) that make up each stage after detection
-PARTS = {"replacement": ("teardown", "backoff", "placement", "replacement", "rendezvous"),
-         "load": ("load",), "step": ("first_step",)}
+PARTS = {"replacement": ("teardown", "leave", "backoff", "placement", "replacement", "rendezvous"),
+         "load": ("load",), "first_step": ("first_step",)}
 HANG_TIMEOUT_S = 5.0
 TARGET_S = 3.0
 
@@ -86,8 +86,8 @@ def strike(controller, errors: list, how: str, i: int, rng: random.Random) -> di
     if errors:
         return None
     f = controller.failures[i]
-    return {"how": how, "rank": f.rank, "kind": f.kind, "step": f.step, "decision": f.decision,
-            **stages(f, struck, HANG_TIMEOUT_S if how == "hang" else 0.0)}
+    return {"how": how, "rank": f.rank, "kind": f.kind, "at_step": f.step, "decision": f.decision,
+            "timings": dict(f.timings), **stages(f, struck, HANG_TIMEOUT_S if how == "hang" else 0.0)}
 
 
 def measure(spares: int, kills: int, hang: bool, root: Path) -> list[dict]:
@@ -118,8 +118,9 @@ def measure(spares: int, kills: int, hang: bool, root: Path) -> list[dict]:
             break
         row["spares"] = spares
         rows.append(row)
-        print(f"spares={spares} {how:5s} rank {row['rank']} at step {row['step']} -> {row['decision']}: "
-              + "  ".join(f"{k} {row[k]:.2f}" for k in (*STAGES, "total")) + " s", flush=True)
+        print(f"spares={spares} {how:5s} rank {row['rank']} at step {row['at_step']} -> {row['decision']}: "
+              + "  ".join(f"{k} {row[k]:.2f}" for k in (*STAGES, "total")) + " s ("
+              + ", ".join(f"{k[:-2]} {v:.2f}" for k, v in row["timings"].items()) + ")", flush=True)
     ray.shutdown()  # ends the run: its actors go with the driver's connection
     if errors and not rows:
         raise SystemExit(f"the run with failure.spares={spares} failed: {errors[0]!r}")
@@ -131,16 +132,20 @@ def main() -> None:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--kills", type=int, default=3)
     ap.add_argument("--hang", action="store_true", help="also freeze a rank once in the 0-spare run")
+    ap.add_argument("--only", type=int, choices=(0, 1), help="one run only, with this many spares")
     args = ap.parse_args()
 
     rows = []
-    for spares in (0, 1):
+    for spares in (0, 1) if args.only is None else (args.only,):
         root = Path(tempfile.mkdtemp(prefix=f"rayzero-recovery-{spares}-"))
         rows += measure(spares, args.kills, args.hang and spares == 0, root)
 
     keys = (*STAGES, "total", "detection+replacement")
     med = {s: {k: statistics.median(r[k] for r in rows if r["spares"] == s and r["how"] == "kill") for k in keys}
-           for s in (0, 1)}
+           for s in {r["spares"] for r in rows}}
+    if len(med) < 2:
+        print(json.dumps(med, indent=2))
+        return
     print(f"\nmedian of {args.kills} kills each, small model, 4 ranks (seconds):")
     print("| stage | 0 spares | 1 spare | 1 spare / 0 spares |\n|---|---|---|---|")
     for k in keys:

@@ -104,19 +104,19 @@ def give_up_message(run, failure: Failure, decision: Decision) -> str:
             + "".join(f"\n  {line}" for line in more) + f"\n{where}.")
 
 
-# A survivor leaves its broken process group in well under a second (a peer SIGKILLed, gloo);
-# one that takes longer is stuck (in a collective its dead peer will never join, or an upload
-# that does not finish), and the run falls back to a fresh group.
-LEAVE_TIMEOUT_S = 20.0
+# A survivor breaks out of its collectives and leaves its broken process group in well under
+# a second; one that takes longer is stuck (an upload that does not finish, a phase that does
+# not return), and the run falls back to a fresh group.
+LEAVE_TIMEOUT_S = 10.0
 # How long a replacement waits for a spare that is still warming up (importing torch).
 SPARE_WAIT_S = 60.0
 
 
 @dataclass(repr=False)
 class Replacing(State):
-    """Warm spares take the places of the ranks `failure.lost`: the iteration's graph is torn
-    down (it holds every rank), the surviving ranks leave their broken process group but keep
-    their processes, each spare is given a lost rank's mesh coordinates, and the same group
+    """Warm spares take the places of the ranks `failure.lost`: the surviving ranks break out of
+    their collectives, the iteration's graph is torn down (it holds every rank), the surviving
+    ranks leave their broken process group but keep their processes, each spare is given a lost rank's mesh coordinates, and the same group
     goes back to Building (a fresh rendezvous) and Resuming (the last commit, as a restart
     would: the result stays bitwise that of the unbroken run). The spares are replenished in
     the lost ranks' bundles. Anything failing here, or in the Building and Resuming after it,
@@ -130,13 +130,18 @@ class Replacing(State):
     def next(self, run) -> State:
         live, rec, lost = self.live, run.record, self.failure.lost
         group = live.group
+        # The other ranks' collectives first: on gloo some of them wait on live peers until the
+        # collective timeout (see workers/disconnect.py), and the graph cannot be torn down
+        # while a rank is stuck inside one of its phases.
+        group.disconnect(lost, timeout_s=LEAVE_TIMEOUT_S)
         dispatch, live.dispatch = live.dispatch, None
         if dispatch is not None:
             dispatch.close()
+        run.clock.mark("teardown")
         uploads = group.leave(lost, timeout_s=LEAVE_TIMEOUT_S)
         if run.checkpoints is not None:  # a commit the lost ranks had finished their part of
             run.checkpoints.add_uploads([u for r in uploads for u in r.get("uploads", [])])
-        run.clock.mark("teardown")
+        run.clock.mark("leave")
         for rank in lost:
             spare = run.spares.take(timeout_s=SPARE_WAIT_S)
             if spare is None:

@@ -107,6 +107,11 @@ class WorkerGroup:
         if pg is not self.pg:
             self.spare_pgs.append(pg)
 
+    def disconnect(self, lost: list[int], timeout_s: float) -> list[dict]:
+        """Every rank but the `lost` makes its collectives in flight fail now (`Rank.disconnect`)."""
+        survivors = [a for r, a in enumerate(self.actors) if r not in lost]
+        return ray.get([a.disconnect.remote() for a in survivors], timeout=timeout_s)
+
     def leave(self, lost: list[int], timeout_s: float) -> list[dict]:
         """Every rank but the `lost` leaves its broken process group, keeping its process (see
         `Rank.leave`); their answers (uploads finished and not yet reported). GetTimeoutError

@@ -30,13 +30,17 @@ class RankShim:
 
     # A spare's and a survivor's calls, outside `phases.CALLS`: none of them is a step of the
     # run that the watchdog times or the history records. A spare has no watchdog (it is in no
-    # group), and the controller bounds `leave` with its own timeout, after which it falls back
-    # to a full restart; `assign` is arithmetic.
+    # group), and the controller bounds `disconnect` and `leave` with its own timeout, after
+    # which it falls back to a full restart; `assign` is arithmetic. They run on the actor's
+    # default thread, free while the compiled graph's thread may be stuck in a collective.
     def warm(self) -> dict:
         return self.rank.warm()
 
     def assign(self, rank: int, world_size: int) -> dict:
         return self.rank.assign(rank, world_size)
+
+    def disconnect(self) -> dict:
+        return self.rank.disconnect()
 
     def leave(self, upload_wait_s: float = 10.0) -> dict:
         return self.rank.leave(upload_wait_s)

@@ -32,6 +32,7 @@ from rayzero.sharding.comm import wait
 from rayzero.sharding.rng import RandomStreams
 from rayzero.workers.activations import ActivationMeter
 from rayzero.workers.assembly import assemble, build_model, make_spec, whole_counts, whole_shapes
+from rayzero.workers.disconnect import break_group, opened_while
 from rayzero.workers.phases import CALLS
 
 
@@ -140,6 +141,14 @@ class Rank:
         self.mesh = self.cfg.mesh(world_size, rank)
         return {"rank": rank, "pid": os.getpid()}
 
+    def disconnect(self) -> dict:
+        """A peer is lost: make every collective of this rank's process groups in flight, here
+        or at a peer waiting on this rank, fail now rather than at the collective timeout
+        (`workers/disconnect.py`). Safe from another thread while a phase is stuck in one;
+        `leave` then destroys the groups."""
+        return {"rank": self.mesh.rank if self.mesh is not None else None,
+                "cut": break_group(getattr(self, "_group_sockets", set()))}
+
     def leave(self, upload_wait_s: float = 10.0) -> dict:
         """Leave a process group that lost a member, keeping the process (torch imported, the
         model's code loaded) for a `setup` at a new rendezvous. No barrier: a peer is dead.
@@ -195,15 +204,17 @@ class Rank:
         if cfg.cluster.use_gpu:
             self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://{master_addr}:{master_port}",
-            rank=self.mesh.rank,
-            world_size=self.mesh.world_size,
-            timeout=timedelta(seconds=cfg.cluster.pg_timeout_s),
-        )
+        self._group_sockets: set[int] = set()
+        with opened_while(self._group_sockets):  # what `disconnect` cuts (see workers/disconnect.py)
+            dist.init_process_group(
+                backend,
+                init_method=f"tcp://{master_addr}:{master_port}",
+                rank=self.mesh.rank,
+                world_size=self.mesh.world_size,
+                timeout=timedelta(seconds=cfg.cluster.pg_timeout_s),
+            )
+            self.mesh = self.mesh.connect()
         self.spec = make_spec(cfg, self.factory)
-        self.mesh = self.mesh.connect()
         # Dropout's streams, seeded afresh at each micro-batch's forward (`sharding/rng.py`):
         # nothing drawn in setup, evaluation or a restart shifts what training draws.
         self.streams = RandomStreams(cfg.train.seed, self.mesh.coord("tp"), self.device)

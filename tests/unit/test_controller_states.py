@@ -68,6 +68,9 @@ class FakeGroup:
     def dead_ranks(self, timeout_s: float = 2.0):
         return [(r, ray.exceptions.ActorDiedError()) for r in self.events.dead if r < len(self.actors)]
 
+    def disconnect(self, lost, timeout_s):
+        self.calls.append(f"disconnect {lost}")
+
     def leave(self, lost, timeout_s):
         self.calls.append(f"leave {lost}")
         return [{"uploads": []} for r in self.actors if r not in lost]
@@ -357,7 +360,7 @@ def test_a_warm_spare_takes_a_lost_ranks_place_and_the_other_ranks_stay(tmp_path
     assert (f.kind, f.decision, f.lost, f.world_size) == ("rank_died", "replace", [1], 2)
     (group,) = events.groups
     assert group.closed, "the one group, closed politely at the end: never killed"
-    assert group.calls[:3] == ["leave [1]", "take_in 1", "load_checkpoint"]
+    assert group.calls[:4] == ["disconnect [1]", "leave [1]", "take_in 1", "load_checkpoint"]
     assert c.spares.replenished == ["vacant"] and c.spares.killed, "replenished in the lost rank's bundle"
     assert summary["replacements"] == [{"rank": 1, "step": 6, "pid": 2001}] and summary["restarts"] == 1
     assert [r["step"] for r in c.history.rows] == list(range(10))
