@@ -40,6 +40,7 @@ from rayzero.config import RootConfig
 from rayzero.data.tokens import dataset_tokenizer_files
 from rayzero.workers.actor import RankActor
 from rayzero.workers.assembly import make_spec
+from rayzero.workers.results import merge, per_rank_ledgers
 
 log = logging.getLogger(__name__)
 
@@ -357,7 +358,9 @@ class Controller:
             if where and grow_at is None and k + 1 < cfg.train.steps and self._can_grow():
                 grow_at = k  # resources are back: stop after this checkpoint and regroup
             plans[k] = {"step": k, "lr": lr_at(k, self.schedule_steps, cfg.optim), "checkpoint": where,
-                        "evaluate": evaluates, "evaluate_first": k == 0 and self.eval_at_start}
+                        "evaluate": evaluates, "evaluate_first": k == 0 and self.eval_at_start,
+                        # every rank's memory ledger, for the summary: where the run may end
+                        "ledgers": k + 1 == cfg.train.steps or (evaluates and bool(self.early.patience))}
             return plans[k]
 
         last = time.perf_counter()
@@ -391,8 +394,11 @@ class Controller:
     def _record_step(self, cfg: RootConfig, step: int, results: list[dict], dt: float, tokens_per_step: int,
                      first: int) -> bool:
         """One iteration's results into the history, MLflow and the checkpoints. True when
-        early stopping ends the run after it."""
+        early stopping ends the run after it. `results`: one per rank or per node (see
+        `CompiledDispatch`), merged here into one, which reads as a rank's result does."""
         h = self.history
+        result = merge(results)
+        results = [result]
         phase = {p: max(r["phase_s"][p] for r in results) for p in PHASES}  # the slowest rank's
         metrics = step_metrics(results, phase, dt, tokens_per_step, self.world,
                                throughput(tokens_per_step / dt, self.world, self.flops_per_token, self.device_name),
@@ -412,7 +418,7 @@ class Controller:
                 log.warning("stopping early after step %d: %s", step, self.early.stopped)
                 self.tracker.set_tags({"stopped_early": f"after step {step}: {self.early.stopped}"})
         h.skipped += int(skipped)
-        h.memory = [r["memory"] for r in results]
+        h.memory = per_rank_ledgers(result) or [result["memory"]]  # the per-rank ones where the run may end
         if step == first:
             metrics["world_size"] = self.world
         if step == 0 or step + 1 == cfg.train.steps or stop:
