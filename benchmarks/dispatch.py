@@ -214,7 +214,7 @@ def measure(hosts: list, world: int, nodes: int, per_node: bool, warmup: int, it
                                 per_node=per_node, fan_in=fan_in)
     try:
         totals, works = time_dispatch(dispatch, world, warmup, iters)
-        settle = max(0.002, 3 * statistics.median(totals) / 1e3)
+        settle = max(0.002, 2 * statistics.median(totals) / 1e3)
         driver, _ = time_dispatch(dispatch, world, warmup // 2, ready_iters, settle_s=settle)
     finally:
         dispatch.close()  # an actor belongs to one compiled graph at a time
@@ -255,6 +255,10 @@ def model(rows: list[dict], merge_ms: float) -> dict:
             "flat_ms": a + b * MODEL_RANKS, "model_ranks": MODEL_RANKS, "model_nodes": MODEL_NODES}
 
 
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else float("nan")
+
+
 def print_table(rows: list[dict]) -> None:
     by = {(r["ranks"], r["nodes"], r["dispatch"]): r for r in rows}
     worlds = sorted({r["ranks"] for r in rows})
@@ -268,7 +272,7 @@ def print_table(rows: list[dict]) -> None:
             if f is None or m is None:
                 continue
             print(f"{world:>5} {nodes:>5}  {f['median_ms']:>8.3f} {f['p90_ms']:>8.3f}  {m['median_ms']:>10.3f} "
-                  f"{m['p90_ms']:>10.3f}  {f['median_ms'] / m['median_ms']:>10.2f}x  {f['driver_median_ms']:>11.3f} "
+                  f"{m['p90_ms']:>10.3f}  {_ratio(f['median_ms'], m['median_ms']):>10.2f}x  {f['driver_median_ms']:>11.3f} "
                   f"{m['driver_median_ms']:>13.3f}")
 
 
@@ -279,7 +283,7 @@ def main() -> None:
     ap.add_argument("--worlds", type=int, nargs="+", default=list(WORLD_SIZES), help="rank counts to measure")
     ap.add_argument("--cpus-per-actor", type=float, default=0.05, help="CPUs reserved per no-op rank")
     args = ap.parse_args()
-    warmup, iters, ready_iters = (10, 200, 60) if args.quick else (20, 300, 200)
+    warmup, iters, ready_iters = (10, 200, 60) if args.quick else (20, 300, 100)
 
     if not ray.is_initialized():
         ray.init(num_cpus=max(os.cpu_count() or 1, 2), logging_level="WARNING")
@@ -317,7 +321,7 @@ def main() -> None:
     print(f"modelled at {MODEL_RANKS} ranks on {MODEL_NODES} nodes: merged {fitted['merged_ms']:.2f} ms "
           f"(driver reads {fitted['driver_outputs']}; merges of {MODEL_RANKS // MODEL_NODES} ranks a node, then "
           f"{FAN_IN} results a level), flat {fitted['flat_ms']:.2f} ms "
-          f"(a + b*{MODEL_RANKS}): flat/merged {fitted['flat_ms'] / fitted['merged_ms']:.1f}x\n")
+          f"(a + b*{MODEL_RANKS}): flat/merged {_ratio(fitted['flat_ms'], fitted['merged_ms']):.1f}x\n")
     # one node: the dispatch merges nothing (see CompiledDispatch), so the flat row is what runs
     at = next(r for r in rows if (r["ranks"], r["nodes"], r["dispatch"]) == (TARGET_WORLD, TARGET_NODES, "flat"))
     targets = [
