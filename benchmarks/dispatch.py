@@ -317,7 +317,7 @@ def main() -> None:
           + "".join(f"\n  {d:<6} ms = {v[0]:.3f} + {v[1]:.4f} * ranks (largest residual {v[2]:.3f})" for d, v in e2e.items()))
     print(f"driver's own work (results ready when read), every row: ms = {fitted['a_ms']:.4f} + "
           f"{fitted['b_ms_per_output']:.4f} * outputs (largest residual {fitted['max_residual_ms']:.3f}); "
-          f"merge per rank on its node {fitted['m_ms_per_merged_rank']:.4f} ms")
+          f"merge per rank on its node {fitted['m_ms_per_merged_result']:.4f} ms")
     print(f"modelled at {MODEL_RANKS} ranks on {MODEL_NODES} nodes: merged {fitted['merged_ms']:.2f} ms "
           f"(driver reads {fitted['driver_outputs']}; merges of {MODEL_RANKS // MODEL_NODES} ranks a node, then "
           f"{FAN_IN} results a level), flat {fitted['flat_ms']:.2f} ms "
