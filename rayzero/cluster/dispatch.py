@@ -21,8 +21,10 @@ from typing import Any
 
 import ray
 from ray.dag import InputNode, MultiOutputNode
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rayzero.workers.phases import iteration
+from rayzero.workers.results import PARTS, merge, work_s
 
 # Waiting on a compiled graph's output spins a core in the driver (measured: ~100% of one
 # core for the whole iteration), and on a machine with few cores that core is taken from the
@@ -38,12 +40,20 @@ from rayzero.workers.phases import iteration
 # made from that drifts later each iteration until the ranks run out of queued work.
 NAP_MIN_S = 0.005
 RECENT = 3
-PARTS = ("data",)  # times a rank reports that are part of a phase's (gather's), not after it
+# The most results one reader (a node's merger, or the driver) reads per iteration: past this
+# many nodes the node results are merged again, this many at a time, on the first one's node
+# (a tree, as Monarch gathers from thousands of actors). Measured (benchmarks/dispatch.py):
+# each read costs a reader ~0.08 ms, so 128 nodes read by the driver would cost ~10 ms alone.
+FAN_IN = 16
 
 
 class Nap:
     """When the driver should start reading an iteration's results, from the iterations
-    before it (pure bookkeeping: no Ray, no sleeping)."""
+    before it (pure bookkeeping: no Ray, no sleeping).
+
+    The first iteration sets only where the next one begins, never how long they last: it
+    runs the compiled graph's first execution and faults in the ranks' memory, often many
+    times a step, and a median of the few recent iterations would keep it for two more."""
 
     def __init__(self):
         self.recent: deque[float] = deque(maxlen=RECENT)  # how long recent iterations' work took
@@ -62,15 +72,21 @@ class Nap:
 
     def observe(self, results: list, submitted: float, woke: float, done: float) -> None:
         """An iteration's results, read at `done` after sleeping until `woke` (wall clock)."""
-        start = max(submitted, self.last_end) if self.last_end is not None else submitted
+        first = self.last_end is None
+        start = submitted if first else max(submitted, self.last_end)
         ends = [r.get("done_at") for r in results if isinstance(r, dict)]
         end = max(ends) if ends and len(ends) == len(results) and None not in ends else None
         work = _work_s(results)
         if work is None:  # ranks that report no phase times: the driver's clock
-            # Waiting at all means the work took until `done`. No wait means it finished
-            # during the nap, some unknown time earlier: assume well earlier, to adapt fast.
-            work = done - start if done - woke > 1e-3 else 0.8 * (woke - start)
-        self.recent.append(work)
+            if done - woke > 1e-3:  # it waited: the work took until `done`
+                work = done - start
+            else:  # it ended during the nap, some unknown time before `woke`: every guess kept
+                # was too long, so start again from half the nap (halving, not a slow decay,
+                # finds a short iteration in a few steps; one that waits then measures it)
+                self.recent.clear()
+                work = 0.5 * (woke - start)
+        if not first:
+            self.recent.append(work)
         self.last_end = end if end is not None else min(done, start + work)
 
 
@@ -116,26 +132,104 @@ class _Dispatch:
         pass
 
 
+@ray.remote(num_cpus=0)
+class NodeMerger:
+    """Merges one node's ranks' results on that node (`results.merge`), so the driver reads
+    one result per node. An actor of its own rather than one of the ranks: a rank that raises
+    leaves the others waiting for it in a collective, and a merge queued behind one of those
+    would hold the error back until the collective timed out; this one is free to pass it on
+    at once (a compiled graph forwards an upstream exception without running the task)."""
+
+    def merge(self, plan: dict, *results: dict) -> dict:
+        return merge(list(results), ledgers=bool(plan.get("ledgers", True)))
+
+
+def _node_id(_actor, *_args) -> str:
+    return ray.get_runtime_context().get_node_id()
+
+
+def node_ids(actors: list) -> list[str]:
+    """The node each actor runs on (any actor class: asked through `__ray_call__`)."""
+    return ray.get([a.__ray_call__.remote(_node_id) for a in actors])
+
+
+def node_groups(nodes: list) -> list[list[int]]:
+    """The ranks of each node, nodes in the order of their first rank."""
+    groups: dict = {}
+    for rank, node in enumerate(nodes):
+        groups.setdefault(node, []).append(rank)
+    return list(groups.values())
+
+
 class CompiledDispatch(_Dispatch):
+    """One Ray Compiled Graph: the plan goes in once (Ray's shared-memory channel writes it
+    once per node, for every reader there), each rank runs the iteration's phases, and on a
+    cluster of several nodes each node's results are merged on that node, so the driver reads
+    one result per node.
+
+    Chosen by `benchmarks/dispatch.py`: reading every rank's result costs the driver a channel
+    read and an unpickle per rank, which grows with the world; merged per node it grows with
+    the nodes, and each node's merge runs beside the others'. On one node the merge is left
+    out: the driver's reads of a node's few ranks cost about what the merge's extra hop does,
+    and a merger waiting on a compiled-graph channel spins a core (as the driver would without
+    its nap), which a small machine's ranks feel. `per_node` forces either way."""
+
     preparing = "compiling the iteration (Ray Compiled Graph)"
 
-    def __init__(self, actors: list, num_microbatches: int, timeout_s: float = 600.0):
+    def __init__(self, actors: list, num_microbatches: int, timeout_s: float = 600.0,
+                 nodes: list | None = None, per_node: bool | None = None, fan_in: int = FAN_IN):
+        """`nodes`: each rank's node, to group the ranks by (None: where Ray placed each actor;
+        the benchmark passes simulated nodes); `per_node`: merge each node's results there
+        (None: when the ranks are on more than one node); `fan_in`: see FAN_IN."""
         self.timeout_s = timeout_s
+        self.graph = None
+        self.mergers: list = []
         names = iteration(num_microbatches)
-        with InputNode() as plan:
-            outputs = []
-            for actor in actors:
-                node = plan
-                for name in names:
-                    node = getattr(actor, name).bind(node)
-                outputs.append(node)
-        self.graph = MultiOutputNode(outputs).experimental_compile()
+        where = node_ids(actors)
+        groups = node_groups(nodes if nodes is not None else where)
+        if per_node is None:
+            per_node = len(groups) > 1
+        if not per_node:
+            groups = [[r] for r in range(len(actors))]
+        try:
+            for g in groups:  # a node of one rank needs no merge: the driver reads that rank
+                self.mergers.append(None if len(g) == 1 else NodeMerger.options(
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(where[g[0]], soft=False)).remote())
+            self.groups = groups  # the ranks of each node merged (one each: the driver reads every rank)
+            with InputNode() as plan:
+                ranks = []
+                for actor in actors:
+                    node = plan
+                    for name in names:
+                        node = getattr(actor, name).bind(node)
+                    ranks.append(node)
+                outputs = [ranks[g[0]] if m is None else m.merge.bind(plan, *[ranks[r] for r in g])
+                           for m, g in zip(self.mergers, groups)]
+                homes = [where[g[0]] for g in groups]  # the node each output is written on
+                while per_node and len(outputs) > fan_in:
+                    outputs, homes = self._merge_again(plan, outputs, homes, fan_in)
+            self.outputs = len(outputs)  # what the driver reads per iteration
+            self.graph = MultiOutputNode(outputs).experimental_compile()
+        except BaseException:
+            self.close()
+            raise
         self.nap = Nap()
+
+    def _merge_again(self, plan, outputs: list, homes: list, fan_in: int) -> tuple[list, list]:
+        """One more level of the tree: each `fan_in` consecutive outputs merged on the first's node."""
+        merged, merged_homes = [], []
+        for i in range(0, len(outputs), fan_in):
+            merger = NodeMerger.options(scheduling_strategy=NodeAffinitySchedulingStrategy(homes[i], soft=False)).remote()
+            self.mergers.append(merger)
+            merged.append(merger.merge.bind(plan, *outputs[i:i + fan_in]))
+            merged_homes.append(homes[i])
+        return merged, merged_homes
 
     def _submit(self, plan: dict):
         return self.graph.execute(plan)
 
     def collect(self, pending: Pending, queued: bool = True) -> list[dict]:
+        """One result per node (a merge of its ranks', see `results.merge`), or per rank."""
         wake = self.nap.wake_at(pending.submitted_at, time.time()) if queued else None
         if wake is not None:
             time.sleep(max(0.0, wake - time.time()))
@@ -148,12 +242,17 @@ class CompiledDispatch(_Dispatch):
         if self.graph is not None:
             self.graph.teardown()
             self.graph = None
+        for m in self.mergers:
+            if m is not None:
+                ray.kill(m)
+        self.mergers = []
 
 
 def _work_s(results: list) -> float | None:
-    """How long the slowest rank worked on this iteration, from the phase times it reports."""
-    times = [sum(v for k, v in r["phase_s"].items() if k not in PARTS)
-             for r in results if isinstance(r, dict) and "phase_s" in r]
+    """How long the slowest rank worked on this iteration, from the phase times it reports
+    (each rank's, or each merged group's slowest)."""
+    times = [r["work_s"] if "work_s" in r else work_s(r["phase_s"])
+             for r in results if isinstance(r, dict) and ("work_s" in r or "phase_s" in r)]
     return max(times) if times and len(times) == len(results) else None
 
 

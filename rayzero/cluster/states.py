@@ -37,6 +37,7 @@ from rayzero.config import RootConfig
 from rayzero.data.tokens import dataset_tokenizer_files
 from rayzero.storage import StorageError
 from rayzero.workers.assembly import make_spec
+from rayzero.workers.results import merge, per_rank_ledgers
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +280,9 @@ class Training(State):
                 if to is not None:  # resources are back: stop after this checkpoint and regroup
                     self.grow = Grow(k, rec.world, to)
             plans[k] = {"step": k, "lr": lr_at(k, rec.schedule_steps, cfg.optim), "checkpoint": where,
-                        "evaluate": due, "evaluate_first": k == 0 and run.eval_at_start}
+                        "evaluate": due, "evaluate_first": k == 0 and run.eval_at_start,
+                        # every rank's memory ledger, for the summary: where the run may end
+                        "ledgers": k + 1 == cfg.train.steps or (due and bool(run.early.patience))}
             return plans[k]
 
         last = time.perf_counter()
@@ -308,8 +311,11 @@ class Training(State):
 
     def record_step(self, run, step: int, results: list[dict], dt: float, tokens_per_step: int) -> bool:
         """One iteration's results into the history, MLflow and the checkpoints. True when
-        early stopping ends the run after it."""
+        early stopping ends the run after it. `results`: one per rank or per node (see
+        `CompiledDispatch`), merged here into one, which reads as a rank's result does."""
         cfg, rec, h, early = run.cfg, run.record, run.history, run.early
+        result = merge(results)
+        results = [result]
         phase = {p: max(r["phase_s"][p] for r in results) for p in PHASES}  # the slowest rank's
         build = rec.build
         metrics = step_metrics(results, phase, dt, tokens_per_step, rec.world,
@@ -330,7 +336,7 @@ class Training(State):
                 log.warning("stopping early after step %d: %s", step, early.stopped)
                 run.tracker.set_tags({"stopped_early": f"after step {step}: {early.stopped}"})
         h.skipped += int(results[0]["skipped"])
-        h.memory = [r["memory"] for r in results]
+        h.memory = per_rank_ledgers(result) or [result["memory"]]  # the per-rank ones where the run may end
         if step == self.first:
             metrics["world_size"] = rec.world
         if step == 0 or step + 1 == cfg.train.steps or stop:

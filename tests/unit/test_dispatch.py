@@ -26,16 +26,22 @@ def test_no_nap_before_anything_is_known():
     assert Nap().wake_at(submitted=100.0, now=100.0) is None
 
 
-def test_the_second_iteration_already_sleeps():
-    # The first iteration's times guide the second (a slow first one makes the driver wake
-    # late, which costs nothing while the next iteration is queued).
+def compiled() -> Nap:
+    """A nap past the first iteration (the compile's), which sets only where the next begins."""
     nap = Nap()
+    nap.observe([result(9.0, done_at=0.0)], submitted=-9.0, woke=-9.0, done=0.0)
+    return nap
+
+
+def test_the_iteration_after_the_first_timed_one_already_sleeps():
+    # The second iteration's times guide the third (the first, the compile's, guides nothing).
+    nap = compiled()
     nap.observe([result(1.0, done_at=101.0), result(1.0, done_at=101.2)], submitted=100.0, woke=100.0, done=101.3)
     assert nap.wake_at(submitted=100.05, now=101.3) == pytest.approx(101.2 + 1.0)
 
 
 def test_an_iteration_starts_when_the_slowest_rank_ended_the_one_before():
-    nap = Nap()
+    nap = compiled()
     for k, end in enumerate([11.0, 12.0, 13.0]):
         nap.observe([result(0.5, 0.5, done_at=end - 0.1), result(0.5, 0.5, done_at=end)],
                     submitted=10.0 + k, woke=end, done=end + 0.4)
@@ -47,25 +53,52 @@ def test_an_iteration_starts_when_the_slowest_rank_ended_the_one_before():
 
 
 def test_the_median_of_recent_iterations_ignores_one_slow_iteration():
-    nap = Nap()
+    nap = compiled()
     for k, work in enumerate([1.0, 5.0, 1.2]):  # e.g. a checkpoint or validation step
         nap.observe([result(work, done_at=10.0 * (k + 1))], submitted=0.0, woke=0.0, done=10.0 * (k + 1))
     assert nap.wake_at(submitted=29.0, now=30.0) == pytest.approx(30.0 + 1.2)
 
 
 def test_a_rank_clock_ahead_of_the_driver_cannot_make_it_sleep_past_one_iteration():
-    nap = Nap()
+    nap = compiled()
     nap.observe([result(2.0, done_at=1000.0)], submitted=0.0, woke=0.0, done=10.0)  # clock 990 s ahead
     assert nap.wake_at(submitted=9.0, now=10.0) == pytest.approx(12.0)
 
 
 def test_short_iterations_are_not_slept_on():
-    nap = Nap()
+    nap = compiled()
     nap.observe([result(NAP_MIN_S / 2, done_at=1.0)], submitted=0.0, woke=0.0, done=1.0)
     assert nap.wake_at(submitted=1.0, now=1.0) is None
 
 
 def test_without_phase_times_or_end_times_the_driver_clock_guides_it():
     nap = Nap()
+    nap.observe([{"rank": 0}], submitted=-5.0, woke=-5.0, done=0.0)
     nap.observe([{"rank": 0}], submitted=0.0, woke=0.0, done=2.0)  # waited 2 s: the work took 2 s
     assert nap.wake_at(submitted=1.0, now=2.0) == pytest.approx(2.0 + 2.0)
+
+
+def test_merged_results_give_their_slowest_rank_s_work():
+    merged = {"ranks": 4, "work_s": 0.7, "phase_s": {"gather": 0.1, "forward": 0.6}}
+    assert _work_s([merged, result(0.1, 0.2)]) == pytest.approx(0.7)
+
+
+def test_a_slow_first_iteration_does_not_set_the_pace():
+    nap = Nap()
+    nap.observe([result(5.0, done_at=105.0)], submitted=100.0, woke=100.0, done=105.1)  # compiling
+    assert nap.wake_at(submitted=105.0, now=105.1) is None  # nothing known yet of an ordinary one
+    nap.observe([result(0.5, done_at=105.6)], submitted=105.0, woke=105.1, done=105.6)
+    assert nap.wake_at(submitted=105.5, now=105.6) == pytest.approx(105.6 + 0.5)
+
+
+def test_without_phase_times_an_overlong_nap_is_halved_not_slowly_decayed():
+    nap = Nap()
+    nap.observe([{"rank": 0}], submitted=0.0, woke=0.0, done=2.0)  # the first: where the next begins
+    nap.observe([{"rank": 0}], submitted=1.0, woke=2.0, done=4.0)  # waited: 2 s of work
+    nap.observe([{"rank": 0}], submitted=3.0, woke=4.0, done=6.0)
+    assert nap.wake_at(submitted=5.0, now=6.0) == pytest.approx(8.0)
+    # the iterations became short: done before the driver woke, twice; the guess halves each time
+    nap.observe([{"rank": 0}], submitted=5.0, woke=8.0, done=8.0)  # began at 6
+    assert nap.wake_at(submitted=7.0, now=8.0) == pytest.approx(7.0 + 1.0)
+    nap.observe([{"rank": 0}], submitted=7.0, woke=8.0, done=8.0)
+    assert nap.wake_at(submitted=7.5, now=8.0) == pytest.approx(7.5 + 0.5)
