@@ -109,7 +109,8 @@ def measure(spares: int, kills: int, hang: bool, root: Path) -> list[dict]:
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    threading.Thread(target=fit, daemon=True).start()
+    thread = threading.Thread(target=fit, daemon=True)
+    thread.start()
     rng = random.Random(spares)
     rows = []
     for i, how in enumerate(["kill"] * kills + (["hang"] if hang else [])):
@@ -121,7 +122,9 @@ def measure(spares: int, kills: int, hang: bool, root: Path) -> list[dict]:
         print(f"spares={spares} {how:5s} rank {row['rank']} at step {row['at_step']} -> {row['decision']}: "
               + "  ".join(f"{k} {row[k]:.2f}" for k in (*STAGES, "total")) + " s ("
               + ", ".join(f"{k[:-2]} {v:.2f}" for k, v in row["timings"].items()) + ")", flush=True)
-    ray.shutdown()  # ends the run: its actors go with the driver's connection
+    controller.stop()  # ends the run after the iteration in flight (its actors and spares go with it)
+    thread.join(timeout=120)
+    ray.shutdown()
     if errors and not rows:
         raise SystemExit(f"the run with failure.spares={spares} failed: {errors[0]!r}")
     return rows

@@ -186,6 +186,11 @@ class Controller:
         s = self._state
         return isinstance(s, Done) or (isinstance(s, Finishing) and s.grow is None)
 
+    def stop(self) -> None:
+        """Stop the run after the iteration in flight, as a Ctrl-C does (from any thread): `fit`
+        raises `Stopped` naming the checkpoint to resume from."""
+        self._interrupted = True
+
     def check_interrupt(self) -> None:
         if self._interrupted:
             raise KeyboardInterrupt

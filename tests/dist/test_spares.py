@@ -86,3 +86,57 @@ def test_a_survivor_and_a_spare_resume_bitwise(tmp_path, small_dataset):
     assert all(len([t for t in out[r]["threads"] if t.startswith("rayzero-data")]) <= 1 for r in out)
     for name, ref in straight["state"].items():
         assert torch.equal(out[0]["state"][name], ref), name
+
+
+def _stuck(rank, world, ports, events):
+    """Rank 0 waits in an all-reduce that rank 1 (alive) never joins, as a survivor waits on a
+    peer that gave up on the collective; cutting rank 0's group connections ends the wait at
+    once, long before the group's timeout, and a new group forms in the same processes."""
+    from datetime import timedelta
+
+    from rayzero.workers.disconnect import break_group, opened_while
+
+    sockets: set[int] = set()
+    with opened_while(sockets):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=120))
+    dist.all_reduce(torch.ones(4))  # the group works
+    if rank == 0:
+        caught = []
+
+        def stuck():
+            try:
+                dist.all_reduce(torch.ones(1000))
+            except RuntimeError as e:
+                caught.append(str(e))
+
+        t = threading.Thread(target=stuck)
+        t.start()
+        t.join(1.0)
+        assert t.is_alive(), "rank 1 never joins this all-reduce: it waits"
+        assert break_group(sockets) > 0
+        t.join(60)
+        events["before_the_peer_moved"] = "peer_moved" not in events  # rank 1 moves only once freed is set
+        events["freed"] = not t.is_alive() and bool(caught)
+    else:
+        for _ in range(600):  # absent from the collective until rank 0 is free (or a minute)
+            if "freed" in events:
+                break
+            threading.Event().wait(0.1)
+        events["peer_moved"] = True
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[1]}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    events[f"again{rank}"] = t.tolist()
+    dist.destroy_process_group()
+
+
+def test_cutting_a_groups_connections_frees_a_rank_stuck_in_a_collective_with_a_live_peer():
+    with mp.Manager() as manager:
+        events = manager.dict()
+        spawn(_stuck, args=(2, (free_port(), free_port()), events), nprocs=2)
+        events = dict(events)
+    assert events["freed"] and events["before_the_peer_moved"], events
+    assert events["again0"] == events["again1"] == [2.0] * 4
