@@ -5,8 +5,11 @@ Every rank is a `NoopRank` actor: its phases (gather, forward, backward, reduce_
 evaluate: one micro-batch) do no work but time themselves and return what a real rank returns
 (loss and token sums, phase times, the memory ledger, uploads, `done_at`), so the driver and
 the node merges handle results of the real size and shape. The dispatch is the real one:
-`CompiledDispatch` over these actors, one actor process per rank, with the ranks grouped into
-1, 2 or 4 simulated nodes (all on this machine; each node's `NodeMerger` is a real actor).
+`CompiledDispatch` over these ranks, each with its own task chain and output channel, with the
+ranks grouped into 1, 2 or 4 simulated nodes (all on this machine; each node's `NodeMerger` is
+a real actor). A simulated node's ranks share one process (`NoopHost`): a compiled graph's
+reader spins a core while it waits, and 32 spinning processes on 2 cores would measure the
+contention rather than the dispatch.
 
 Driver cost of one iteration = submit to last reply, less the slowest rank's own reported work
 (`work_s`); the first iterations (the compile's first execution, the processes' warm-up) are

@@ -161,7 +161,7 @@ class Rank:
         uploads = self._drop(upload_wait_s)
         if dist.is_initialized():
             # No barrier and nothing sent: with a SIGKILLed peer this takes ~0.2 s on gloo
-            # (benchmarks/spare_swap.py), most of it the collection above.
+            # (benchmarks/recovery.py: the "leave" part), most of it the collection above.
             dist.destroy_process_group()
         if self.mesh is not None:
             self.mesh = self.cfg.mesh(self.mesh.world_size, self.mesh.rank)  # its groups are gone

@@ -39,6 +39,7 @@ class Events:
         self.groups: list[FakeGroup] = []
         self.dead: list[int] = []  # ranks of the live group found dead
         self.spares_die = False  # a spare dies as it is put in
+        self.joining_fails: list[int] | None = None  # the first group's rendezvous fails, these ranks dead
 
 
 class FakeGroup:
@@ -52,6 +53,9 @@ class FakeGroup:
         pass
 
     def rendezvous(self) -> list[dict]:
+        if self.events.joining_fails is not None and self is self.events.groups[0]:
+            self.events.dead = self.events.joining_fails
+            raise ray.exceptions.ActorDiedError()
         memory = {"compute_params": 4, "main_params": 0, "optimizer": 8, "grads": 4, "frozen_params": 0,
                   "total": 16, "transient_peak": 0}
         return [{"pid": 1000 + r, "rank": r, "params_per_rank": 1, "flops_per_token": 6.0, "device_name": "cpu",
@@ -323,21 +327,9 @@ def test_the_very_first_placement_failing_is_the_requests_fault(tmp_path):
 
 def test_a_failure_while_building_is_recovered_and_said_as_such(tmp_path):
     events = Events(capacity=2)
+    events.joining_fails = []
     c = run(tmp_path, FIXED, events)
-    calls = {"n": 0}
-    original = FakeGroup.rendezvous
-
-    def rendezvous(self):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise ray.exceptions.ActorDiedError()
-        return original(self)
-
-    FakeGroup.rendezvous = rendezvous
-    try:
-        c.fit()
-    finally:
-        FakeGroup.rendezvous = original
+    c.fit()
     (f,) = c.failures
     assert f.step is None and "building the model on the ranks failed" in f.message
     assert c.record.states[:6] == ["PLACE", "BUILD", "RECOVER", "PLACE", "BUILD", "RESUME"]
@@ -389,20 +381,9 @@ def test_a_spare_that_dies_as_it_is_put_in_falls_back_to_a_restart(tmp_path):
 def test_a_rank_lost_while_the_group_joins_is_not_replaced_but_restarted(tmp_path):
     """The other ranks may wait on it in the rendezvous, where nothing gives up soon."""
     events = Events(capacity=3)
+    events.joining_fails = [1]
     c = run(tmp_path, [*FIXED, "failure.spares=1"], events)
-    original = FakeGroup.rendezvous
-
-    def rendezvous(self):
-        if len(events.groups) == 1:
-            events.dead = [1]
-            raise ray.exceptions.ActorDiedError()
-        return original(self)
-
-    FakeGroup.rendezvous = rendezvous
-    try:
-        c.fit()
-    finally:
-        FakeGroup.rendezvous = original
+    c.fit()
     (f,) = c.failures
     assert (f.lost, f.decision) == ([1], "restart") and len(events.groups) == 2
 
