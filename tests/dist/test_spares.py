@@ -49,7 +49,8 @@ def _rank(rank, world, cfg, data_path, ports, out):
     dist.all_gather_object(reports, (info, saved, uploads))
     if rank == 0:
         ckpt.configure([i for i, _, _ in reports], mlflow_run_id=None)
-        ckpt.collect(COMMIT_AT - 1, [s for _, s, _ in reports])
+        # `uploads` holds every report, the saving step's own too (an upload that ends at once)
+        ckpt.collect(COMMIT_AT - 1, [{**s, "uploads": []} for _, s, _ in reports])
         ckpt.add_uploads([u for _, _, us in reports for u in us])
     where = [ckpt.last_committed if rank == 0 else None]
     dist.broadcast_object_list(where)
