@@ -87,24 +87,22 @@ class FailurePolicy:
         self.scaling = scaling or ScalingPolicy.from_config(cfg)
 
     def replaces(self, failure: Failure, restarts: int, world: int, spares: int) -> Decision | None:
-        """Replace the lost ranks with warm spares, if the failure is only that (ranks found
-        dead, no more than the `spares` ready) and restarts remain; else None (see `decide`)."""
+        """Asked first, before the group is released: replace the lost ranks with warm spares, if
+        the failure is only that (ranks found dead, no more than the `spares` ready) and
+        restarts remain; else None, and `decide` says what then."""
         if failure.kind != RANK_DIED or not failure.lost or len(failure.lost) > spares or self._exhausted(restarts):
             return None
         who = f"rank{'s' if len(failure.lost) > 1 else ''} {', '.join(map(str, failure.lost))}"
         return Decision("replace", world, 0.0, f"warm spares take the place of {who}")
 
-    def decide(self, failure: Failure, restarts: int, streak: int, world: int, capacity: int,
-               spares: int = 0) -> Decision:
-        """`restarts` so far, `streak` failures since the last commit, the `world` that failed,
-        how many ranks the cluster could `capacity` place now and how many warm `spares` are ready."""
+    def decide(self, failure: Failure, restarts: int, streak: int, world: int, capacity: int) -> Decision:
+        """When no spare takes the lost ranks' places (`replaces`): `restarts` so far, `streak`
+        failures since the last commit, the `world` that failed and how many ranks the cluster
+        could `capacity` place now (the failed group released)."""
         if failure.kind not in RETRYABLE:
             return Decision("give_up", world, 0.0, "the error is in the training code, not a lost resource")
         if self._exhausted(restarts):
             return Decision("give_up", world, 0.0, f"failure.max_restarts={self.max_restarts} reached")
-        replace = self.replaces(failure, restarts, world, spares)
-        if replace is not None:
-            return replace
         delay = min(self.backoff_max_s, self.backoff_s * 2 ** max(0, streak - 1))
         then = self.scaling.after_failure(world, capacity)
         if then < world:

@@ -41,9 +41,9 @@ class Recovering(State):
         streak = rec.failed(commits)
         policy = run.failure_policy
         # Only a group that failed while training can take spares in: its other ranks are in a
-        # phase, whose collectives fail at once when a peer's process goes. Elsewhere they may be
-        # waiting on the lost rank where nothing gives up soon (the rendezvous, whose store the
-        # lost rank may host; a replacement already under way): a fresh group, then.
+        # phase, whose collectives `disconnect` breaks. Elsewhere they may be waiting on the lost
+        # rank where nothing gives up soon (the rendezvous, whose store the lost rank may host;
+        # a replacement already under way): a fresh group, then.
         spares = len(run.spares) if run.spares is not None and isinstance(self.failed, Training) else 0
         replace = policy.replaces(failure, len(rec.failures), rec.world, spares) if spares else None
         if replace is not None:  # the other ranks keep their processes: nothing to tear down here

@@ -109,15 +109,13 @@ class WorkerGroup:
 
     def disconnect(self, lost: list[int], timeout_s: float) -> list[dict]:
         """Every rank but the `lost` makes its collectives in flight fail now (`Rank.disconnect`)."""
-        survivors = [a for r, a in enumerate(self.actors) if r not in lost]
-        return ray.get([a.disconnect.remote() for a in survivors], timeout=timeout_s)
+        return self.call("disconnect", skip=lost, timeout_s=timeout_s)
 
     def leave(self, lost: list[int], timeout_s: float) -> list[dict]:
         """Every rank but the `lost` leaves its broken process group, keeping its process (see
         `Rank.leave`); their answers (uploads finished and not yet reported). GetTimeoutError
         past `timeout_s`: a rank stuck in a collective with a dead peer."""
-        survivors = [a for r, a in enumerate(self.actors) if r not in lost]
-        return ray.get([a.leave.remote() for a in survivors], timeout=timeout_s)
+        return self.call("leave", skip=lost, timeout_s=timeout_s)
 
     def take_in(self, rank: int, spare: "Spare", world_size: int) -> int:
         """A warm spare (`Spares.take`) becomes `rank` of `world_size`; returns its pid."""
@@ -140,9 +138,11 @@ class WorkerGroup:
         addr, port = ray.get(self.actors[0].address.remote())
         return ray.get([a.setup.remote(addr, port) for a in self.actors])
 
-    def call(self, name: str, *args) -> list:
-        """Every rank's answer to its call `name(*args)`, in rank order (a rank's error raises)."""
-        return ray.get([getattr(a, name).remote(*args) for a in self.actors])
+    def call(self, name: str, *args, skip=(), timeout_s: float | None = None) -> list:
+        """Every rank's answer to its call `name(*args)`, in rank order, but the ranks in `skip`
+        (a rank's error raises; GetTimeoutError past `timeout_s`)."""
+        return ray.get([getattr(a, name).remote(*args) for r, a in enumerate(self.actors) if r not in skip],
+                       timeout=timeout_s)
 
     def dead_ranks(self, timeout_s: float = 2.0) -> list[tuple[int, BaseException]]:
         """(rank, why) for each rank actor that is dead, asking every one of them."""

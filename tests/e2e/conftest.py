@@ -185,3 +185,17 @@ def mlflow_server(tmp_path_factory):
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory, ray_cluster, small_dataset):
+    """The failure tests' uninterrupted run (`faults.RUN`), made once for every test that ends on it."""
+    from tests.e2e.faults import NoFault, Reference, STEPS, controller_run
+
+    tmp = tmp_path_factory.mktemp("reference")
+    controller, error = controller_run(tmp, ray_cluster, small_dataset, NoFault)
+    assert error is None, error
+    assert not controller.failures and controller.summary_["steps"] == STEPS
+    losses = {k: v["loss"] for k, v in controller.tracker.metrics.items() if "loss" in v}
+    assert sorted(losses) == list(range(STEPS))
+    return Reference(tmp / "final.safetensors", losses)

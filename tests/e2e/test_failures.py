@@ -26,69 +26,14 @@ from rayzero.cluster.failure import TrainingFailed
 from rayzero.config import load_config
 from rayzero.workers.actor import RankShim, rank_actor
 from tests.e2e.conftest import BIN, leftovers, run_cli
+from tests.e2e.faults import (EVERY, RUN, STEPS, NoFault, NullTracker, OnceMarker, committed, controller_run,
+                              rank_pids, wait_for, weights_equal)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
-# 2 ranks on the 2-CPU test cluster, 2 micro-batches each per step; a commit every 20 steps.
-STEPS, EVERY = 120, 20
-RUN = ["model.n_layer=2", "model.n_embd=64", "model.n_head=4", "train.seq_len=64",
-       "train.global_batch_size=8", "train.micro_batch_size=2", "optim.warmup_steps=2",
-       "cluster.num_workers=2", f"train.steps={STEPS}", f"checkpoint.every_steps={EVERY}", "failure.backoff_s=0.2"]
-
-
-def rank_pids() -> list[int]:
-    """PIDs of the live rank actor processes on this machine (Ray names them ray::RankShim…)."""
-    pids = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if (d / "cmdline").read_bytes().startswith(b"ray::") and b"RankShim" in (d / "cmdline").read_bytes():
-                    pids.append(int(d.name))
-            except OSError:
-                pass
-    return sorted(pids)
-
-
-def wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def committed(root: Path) -> list[str]:
-    return sorted(p.parent.name for p in root.glob("step-*/manifest.json"))
-
-
-def weights_equal(a: Path, b: Path) -> bool:
-    x, y = load_file(a), load_file(b)
-    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
-
 
 def cli_args(tmp: Path, data: str, *extra: str) -> list[str]:
     return ["train", "--no-progress", "--summary-json", str(tmp / "s.json"), f"data.path={data}", *RUN,
             f"train.output_dir={tmp / 'runs'}", f"train.save_final={tmp / 'final.safetensors'}", *extra]
-
-
-class Reference:
-    """The uninterrupted run: its final weights and each step's loss."""
-
-    def __init__(self, weights: Path, losses: dict[int, float]):
-        self.weights, self.losses = weights, losses
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, ray_cluster, small_dataset) -> Reference:
-    tmp = tmp_path_factory.mktemp("reference")
-    controller, error = controller_run(tmp, ray_cluster, small_dataset, NoFault)
-    assert error is None, error
-    assert not controller.failures and controller.summary_["steps"] == STEPS
-    losses = {k: v["loss"] for k, v in controller.tracker.metrics.items() if "loss" in v}
-    assert sorted(losses) == list(range(STEPS))
-    return Reference(tmp / "final.safetensors", losses)
 
 
 def run_and_kill(tmp: Path, data: str, address: str, seed: int):
@@ -137,25 +82,6 @@ def test_killed_ranks_are_replaced_and_the_result_is_bitwise_the_same(tmp_path, 
     assert leftovers(ray_cluster) == ([], [])
 
 
-class OnceMarker:
-    """Faults that happen once per test each, whichever group of rank actors reaches them
-    first: a marker file per fault says it already has."""
-
-    marker: str = ""
-
-    def _first_time(self, fault: str) -> bool:
-        try:
-            fd = os.open(f"{self.marker}-{fault}", os.O_CREAT | os.O_EXCL)
-        except FileExistsError:
-            return False
-        os.close(fd)
-        return True
-
-
-class NoFault(OnceMarker):
-    pass
-
-
 class DiesDuringSecondUploadThenHangs(OnceMarker):
     """Rank 1 dies as its second commit's shard upload starts (step 40); in the group that
     comes back, it hangs inside backward at step 55."""
@@ -178,51 +104,6 @@ class AlwaysDiesAtStep30(RankShim):
         if self.rank.plan["step"] == 30 and self.rank.mesh.rank == 1:
             os._exit(1)
         return super().step(prev)
-
-
-class NullTracker:
-    """Keeps what the controller logs, for the assertions."""
-
-    uri = run_id = ""
-    spilled_to = None
-
-    def __init__(self):
-        self.metrics, self.tags, self.tag_updates, self.rewinds = {}, {}, [], []
-
-    def log_metrics(self, step, metrics):
-        self.metrics.setdefault(step, {}).update(metrics)
-
-    def set_tags(self, tags):
-        self.tags.update(tags)
-        self.tag_updates.append(dict(tags))
-
-    def rewind(self, step, metrics, tags=()):
-        self.rewinds.append(step)
-
-    def finish(self, status="FINISHED"):
-        self.status = status
-
-
-def controller_run(tmp: Path, address: str, data: str, actor: type, *extra: str):
-    """The controller in this process with a fault-injecting rank class; returns it after fit
-    (or after fit raised: the exception is returned too)."""
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
-    actor.marker = str(tmp / "fault-happened")
-    cfg = load_config(None, [*RUN, f"data.path={data}", f"train.output_dir={tmp / 'runs'}",
-                             f"train.save_final={tmp / 'final.safetensors'}", *extra])
-    ray.init(address=address, logging_level="ERROR")
-    error = None
-    try:
-        controller = Controller(cfg, data, str(tmp), NullTracker(), progress=False,
-                                actor_cls=rank_actor(type(actor.__name__, (actor, RankShim), {})),
-                                checkpoints=Checkpoints(cfg))
-        try:
-            controller.summary_ = controller.fit()
-        except Exception as e:
-            error = e
-    finally:
-        ray.shutdown()
-    return controller, error
 
 
 def test_a_rank_killed_during_an_upload_then_a_hung_rank_both_resume(tmp_path, ray_cluster, small_dataset,
@@ -388,7 +269,8 @@ def test_elastic_shrinks_when_a_node_is_lost_and_grows_back_when_it_returns(tmp_
 def elastic_run(tmp: Path, cluster, data: str, chaos):
     """The controller trains in a thread, its ranks `WaitsAtOneRankForTheNode`;
     `chaos(controller)` runs here meanwhile (adding a node must happen on the main thread)."""
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
+    for module in (__name__, OnceMarker.__module__):  # workers cannot import tests/
+        cloudpickle.register_pickle_by_value(sys.modules[module])
     WaitsAtOneRankForTheNode.marker = str(tmp / "fault-happened")
     actor = rank_actor(type("Elastic", (WaitsAtOneRankForTheNode, RankShim), {}))
     cfg = load_config(None, [*RUN, *ELASTIC, f"data.path={data}", f"train.output_dir={tmp / 'runs'}",
@@ -413,114 +295,3 @@ def elastic_run(tmp: Path, cluster, data: str, chaos):
     finally:
         ray.shutdown()
     return controller, (errors or [None])[0]
-
-
-# Warm spares: room for one next to the 2 ranks on the 2-CPU test cluster.
-SPARE = ["failure.spares=1", "cluster.cpus_per_worker=0.5"]
-
-
-class DiesOnceAtStep30(OnceMarker):
-    """Rank 1 dies once, at step 30 (after the step-20 commit)."""
-
-    def step(self, prev):
-        if self.rank.plan["step"] == 30 and self.rank.mesh.rank == 1 and self._first_time("die"):
-            os._exit(1)
-        return super().step(prev)
-
-
-def test_a_warm_spare_takes_a_killed_ranks_place_with_no_restart_and_the_same_result(
-        tmp_path, ray_cluster, small_dataset, reference):
-    controller, error = controller_run(tmp_path, ray_cluster, small_dataset, DiesOnceAtStep30, *SPARE)
-    assert error is None, error
-    (f,) = controller.failures
-    assert (f.kind, f.rank, f.lost, f.decision, f.world_size) == ("rank_died", 1, [1], "replace", 2)
-    s = controller.summary_
-    assert [(r["rank"], r["step"]) for r in s["replacements"]] == [(1, 30)]
-    assert s["world_size"] == 2 and not s["resizes"] and controller.record.states.count("PLACE") == 1, \
-        "one placement: the other rank kept its process"
-    resumed = [t["resumed_from"] for t in controller.tracker.tag_updates if "resumed_from" in t]
-    assert [r.rpartition("/")[2] for r in resumed] == ["step-000020"]
-    assert "-> replace at 2 ranks" in controller.tracker.tags["failure.1"]
-    assert controller.tracker.metrics[30]["restarts"] == 1 and "recovery_s" in controller.tracker.metrics[20]
-    assert weights_equal(tmp_path / "final.safetensors", reference.weights)
-    assert leftovers(ray_cluster) == ([], []), "the spares and their placement groups go with the run"
-
-
-class SpareDiesAsItIsPutIn(DiesOnceAtStep30):
-    """Rank 1 dies at step 30; the spare dies too, as it is given rank 1's place."""
-
-    def assign(self, rank, world_size):
-        if self._first_time("spare-dies"):
-            os._exit(1)
-        return super().assign(rank, world_size)
-
-
-class SurvivorDiesRejoining(DiesOnceAtStep30):
-    """Rank 1 dies at step 30; rank 0, rejoining with the spare, dies in its setup: a second
-    failure during the recovery."""
-
-    rejoining = False
-
-    def leave(self, *args):
-        self.rejoining = True
-        return super().leave(*args)
-
-    def setup(self, *args):
-        if self.rejoining and self._first_time("survivor-dies"):
-            os._exit(1)
-        return super().setup(*args)
-
-
-@pytest.mark.parametrize("fault", [SpareDiesAsItIsPutIn, SurvivorDiesRejoining])
-def test_a_failure_while_a_spare_is_put_in_still_ends_bitwise(tmp_path, ray_cluster, small_dataset, reference, fault):
-    controller, error = controller_run(tmp_path, ray_cluster, small_dataset, fault, *SPARE)
-    assert error is None, error
-    first, second = controller.failures
-    assert first.decision == "replace" and first.lost == [1]
-    # the spare gone, or rank 0 gone while the group joins again: a fresh group
-    assert second.kind == "rank_died" and second.decision == "restart", second
-    assert controller.world == 2 and controller.summary_["steps"] == STEPS
-    assert weights_equal(tmp_path / "final.safetensors", reference.weights)
-    assert leftovers(ray_cluster) == ([], [])
-
-
-def test_a_lost_node_with_more_ranks_than_spares_restarts_the_group_bitwise(tmp_path, small_dataset, reference):
-    """A 2-node cluster: both ranks on one node (2 CPUs), the spare on the other (1 CPU). The
-    ranks' node is lost after the first commit: two ranks lost, one spare, so the whole group
-    restarts (at the same world, once a node is back) and ends as the unbroken run does."""
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    node = cluster.add_node(num_cpus=2)
-    cluster.wait_for_nodes()
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
-    cfg = load_config(None, [*RUN, "failure.spares=1", f"data.path={small_dataset}",
-                             f"train.output_dir={tmp_path / 'runs'}", f"train.save_final={tmp_path / 'final.safetensors'}"])
-    errors = []
-    try:
-        ray.init(address=cluster.address, logging_level="ERROR")
-        controller = Controller(cfg, small_dataset, str(tmp_path), NullTracker(), progress=False,
-                                checkpoints=Checkpoints(cfg))
-
-        def fit():
-            try:
-                controller.fit()
-            except Exception as e:
-                errors.append(e)
-
-        thread = threading.Thread(target=fit, daemon=True)
-        thread.start()
-        wait_for(lambda: committed(tmp_path / "runs" / "checkpoints") or errors, 120, "the first commit")
-        cluster.remove_node(node, allow_graceful=False)
-        wait_for(lambda: controller.failures or errors, 60, "the lost node found")
-        cluster.add_node(num_cpus=2)
-        thread.join(timeout=300)
-        assert not thread.is_alive(), "training did not finish"
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-    assert not errors, errors
-    first = controller.failures[0]
-    assert (first.kind, sorted(first.lost), first.decision) == ("rank_died", [0, 1], "restart"), first
-    assert "ranks 0, 1 died" in first.message and controller.world == 2
-    assert weights_equal(tmp_path / "final.safetensors", reference.weights)

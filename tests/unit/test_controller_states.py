@@ -446,3 +446,20 @@ def test_the_failure_policy_asks_the_injected_scaling_policy():
     cfg = load_config(None, ELASTIC)
     d = FailurePolicy(cfg, Never(cfg.world_sizes())).decide(Failure("rank_died", "x"), 0, 1, world=4, capacity=2)
     assert (d.action, d.world_size) == ("restart", 4)
+
+
+@pytest.mark.parametrize("kind, lost, spares, restarts, replaces", [
+    ("rank_died", [1], 1, 0, True),
+    ("rank_died", [0, 1], 2, 0, True),
+    ("rank_died", [0, 1], 1, 0, False),  # a node with more ranks than spares
+    ("rank_died", [], 1, 0, False),  # no rank found dead (the graph's error alone)
+    ("hang", [1], 1, 0, False),  # the watchdog killed the group
+    ("rank_died", [1], 1, 10, False),  # failure.max_restarts=10 reached
+])
+def test_failure_policy_replaces_only_lost_ranks_that_spares_cover(kind, lost, spares, restarts, replaces):
+    cfg = load_config(None, [*ELASTIC, "failure.max_restarts=10"])
+    d = FailurePolicy(cfg).replaces(Failure(kind, "x", lost=lost), restarts, world=4, spares=spares)
+    assert (d is not None) == replaces
+    if replaces:
+        assert (d.action, d.world_size, d.delay_s) == ("replace", 4, 0.0) and str(lost[-1]) in d.reason
+
