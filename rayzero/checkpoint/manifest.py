@@ -4,7 +4,9 @@
     <dir>/step-000120/manifest.json                      written last, by the controller: the commit
 
 A prefix without `manifest.json` is not a checkpoint: readers skip it and the controller
-deletes it once a newer checkpoint is committed.
+deletes it once a newer checkpoint is committed. With pipeline stages the manifest's `params`
+are the whole model's, its `layout["stages"]` each stage's layout and each shard's `pp_rank`
+the stage it was saved by (`stages.py`); a manifest without them is one stage's.
 """
 
 from __future__ import annotations

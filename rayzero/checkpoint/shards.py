@@ -23,6 +23,7 @@ import torch
 
 from rayzero.checkpoint.manifest import shard_name
 from rayzero.checkpoint.shard_file import NAMES, ShardReader, write_shard
+from rayzero.checkpoint.stages import stage_layouts
 from rayzero.storage import Storage
 from rayzero.sharding.layout import Range
 from rayzero.sharding.strategies import Strategy
@@ -33,9 +34,19 @@ READ_CHUNK = 16 << 20 >> 2  # elements per ranged read (16 MiB)
 READ_THREADS = 8
 
 
+def _pp(mesh) -> tuple[int, int]:
+    """(pipeline stage, stages) of a mesh; (0, 1) for a mesh without a "pp" axis."""
+    try:
+        return mesh.coord("pp"), mesh.size("pp")
+    except ValueError:
+        return 0, 1
+
+
 def layout_record(strategy: Strategy) -> dict:
-    """The saved layout: enough to find any parameter element in the shard files."""
+    """The saved layout: enough to find any parameter element in the shard files. With
+    pipeline stages, the layout of this rank's stage (`pp_rank`), which holds only its names."""
     lay = strategy.buffer.layout
+    pp_rank, pp = _pp(strategy.mesh)
     return {
         "strategy": strategy.name,
         "world_size": strategy.mesh.world_size,
@@ -47,6 +58,8 @@ def layout_record(strategy: Strategy) -> dict:
         # tensor parallelism: each split tensor's placement and global shape (the manifest's
         # `params` hold global shapes); a shard file's `tp_rank` says which slice it holds
         "tp": strategy.tp.record() if strategy.tp is not None else None,
+        "pp_rank": pp_rank,
+        "pp": pp,
     }
 
 
@@ -79,6 +92,7 @@ class ShardSaver:
             "exp_avg_sq": opt.exp_avg_sq.detach().to("cpu", copy=True),
         }
         rank, world = s.mesh.rank, s.mesh.world_size
+        pp_rank = _pp(s.mesh)[0]  # the stage whose layout the pieces are in
         key = shard_name(rank, world)
         meta = {"step": str(step), "rank": str(rank)}
         pieces = [[r.start, r.end] for r in s.owned_pieces()]
@@ -89,7 +103,8 @@ class ShardSaver:
                 t = time.perf_counter()
                 entry = _with_retries(storage, lambda: write_shard(storage, key, snapshot, meta, self._moved))
                 with self._lock:
-                    self._done.append({"step": step, "rank": rank, "tp_rank": s.mesh.coord("tp"), "file": key,
+                    self._done.append({"step": step, "rank": rank, "tp_rank": s.mesh.coord("tp"),
+                                       "pp_rank": pp_rank, "file": key,
                                        "pieces": pieces,
                                        "adam_steps": adam_steps, "upload_s": time.perf_counter() - t, **entry})
             except BaseException as e:  # reported to the controller on the next call
@@ -223,29 +238,37 @@ def global_runs(split: Split | None, shape, tp: int, tp_rank: int, lo: int, hi: 
 class SavedIndex:
     """A checkpoint's saved elements in global terms: parameter `name`'s whole tensor, flat,
     sits at `offset[name]`; `locate` finds global elements in the shard files. Replicated
-    parameters saved by several TP ranks are read from the first's files."""
+    parameters saved by several TP ranks are read from the first's files; a name saved by
+    several pipeline stages (a tied embedding), from the lowest stage's. Each shard's pieces
+    are in its stage's layout (`shard["pp_rank"]`, 0 in a checkpoint without stages)."""
 
     def __init__(self, manifest: dict):
-        lay = manifest["layout"]
-        tp = lay.get("tp") or {"tp": 1, "split": {}}
+        stages = stage_layouts(manifest["layout"])
         shapes = {p["name"]: p["shape"] for p in manifest["params"]}
         self.offset, off = {}, 0
-        for name, (start, end) in zip(lay["param_order"], lay["param_world"]):
-            self.offset[name] = off
-            off += _numel(shapes.get(name)) if name in shapes else end - start
-        spans = sorted((start, end, name) for name, (start, end) in zip(lay["param_order"], lay["param_world"]))
-        span_starts = [s[0] for s in spans]
+        owner: dict[str, int] = {}  # name -> the stage whose copy is read
+        for k, lay in enumerate(stages):
+            for name, (start, end) in zip(lay["param_order"], lay["param_world"]):
+                if name in owner:
+                    continue
+                owner[name], self.offset[name] = k, off
+                off += _numel(shapes.get(name)) if name in shapes else end - start
+        spans = [sorted((start, end, name) for name, (start, end) in zip(lay["param_order"], lay["param_world"]))
+                 for lay in stages]
         pieces = []
         for f, shard in enumerate(manifest["shards"]):
+            k = shard.get("pp_rank", 0)
+            tp = stages[k].get("tp") or {"tp": 1, "split": {}}
             t, file_off = shard.get("tp_rank", 0), 0
+            span_starts = [s[0] for s in spans[k]]
             for start, end in shard["pieces"]:
                 i = max(bisect.bisect_right(span_starts, start) - 1, 0)
-                while i < len(spans) and spans[i][0] < end:
-                    p_start, p_end, name = spans[i]
+                while i < len(spans[k]) and spans[k][i][0] < end:
+                    p_start, p_end, name = spans[k][i]
                     cut = Range(p_start, p_end).intersect(Range(start, end))
                     i += 1
-                    if cut is None or not cut.size:
-                        continue
+                    if cut is None or not cut.size or owner[name] != k:
+                        continue  # a lower stage's copy is read
                     placed = tp["split"].get(name)
                     if placed is None and t != 0:
                         continue  # replicated over TP: rank 0 of the group's copy

@@ -14,6 +14,7 @@ from rayzero.checkpoint.export import (
 from rayzero.checkpoint.manifest import CheckpointError, Committed, committed
 from rayzero.checkpoint.shard_file import ShardReader, verify
 from rayzero.checkpoint.shards import SavedIndex
+from rayzero.checkpoint.stages import stage_layouts
 from rayzero.models import ModelError, ModelSpec, spec_class, spec_from_manifest
 from rayzero.models.spec import ExportEntry
 from rayzero.storage import Storage, destination
@@ -27,7 +28,7 @@ def list_checkpoints(uri: str, storage_cfg=None) -> list[dict]:
     for c in committed(Storage(uri, storage_cfg)):
         lay = c.manifest["layout"]
         rows.append({"uri": c.uri, "step": c.step, "bytes": sum(s["size"] for s in c.manifest["shards"]),
-                     "world_size": lay["world_size"], "strategy": lay["strategy"],
+                     "world_size": lay["world_size"], "strategy": lay["strategy"], "pp": len(stage_layouts(lay)),
                      "created": c.manifest.get("created", "")})
     return rows
 

@@ -12,6 +12,7 @@ from rayzero.checkpoint.manifest import (
     FORMAT, VERSION, CheckpointError, Committed, best_commit, check_model, check_shards_present, committed,
     different_model, lineage, model_differences, open_checkpoint, prune, step_dir, write_manifest,
 )
+from rayzero.checkpoint.stages import whole_build
 from rayzero.storage import Storage, StorageError
 from rayzero.config import RootConfig
 
@@ -55,13 +56,15 @@ class Checkpoints:
 
     def configure(self, infos: list[dict], mlflow_run_id: str | None) -> None:
         """For a new group of ranks (the first, or one rebuilt after a failure or a resize):
-        uploads the previous group left unfinished are dropped, uncommitted."""
+        uploads the previous group left unfinished are dropped, uncommitted. With pipeline
+        stages, the whole model's names and every stage's layout (`whole_build`)."""
         self.pending = {}
         self.saving_ranks = sum(1 for i in infos if i["saves_shard"])
-        self.layout = infos[0]["layout"]
-        self.params = [{"name": n, "shape": s} for n, s in infos[0]["params"].items()]
-        self.frozen = infos[0].get("frozen", [])
-        self.model = infos[0].get("model")
+        whole = whole_build(infos)
+        self.layout = whole["layout"]
+        self.params = [{"name": n, "shape": s} for n, s in whole["params"].items()]
+        self.frozen = whole.get("frozen", [])
+        self.model = whole.get("model")
         self.mlflow_run_id = mlflow_run_id
 
     def plan(self, step: int, force: bool = False) -> dict | None:
@@ -108,8 +111,9 @@ class Checkpoints:
             "params": self.params,
             "frozen": self.frozen,
             "layout": self.layout,
-            "shards": [{k: u[k] for k in ("rank", "tp_rank", "file", "size", "block", "sha256", "pieces")}
-                       for u in shards],
+            # `pp_rank`: the stage whose layout (`layout["stages"]`) the shard's pieces are in
+            "shards": [{**{k: u[k] for k in ("rank", "tp_rank", "file", "size", "block", "sha256", "pieces")},
+                        "pp_rank": u.get("pp_rank", 0)} for u in shards],
             "optimizer": {"name": "adamw", "step_count": shards[0]["adam_steps"]},
             "schedule": {"step": step, "total_steps": self.schedule_steps, "lr": entry["lr"],
                          "name": cfg.optim.schedule},

@@ -41,7 +41,7 @@ def step_metrics(results: list[dict], phase: dict[str, float], dt: float, tokens
 def run_summary(cfg, rec, h, ckpt, early, tracker, run_dir: str) -> dict:
     """The run's summary (what `--summary-json` writes and `Result.summary` holds), from the
     run record `rec` and history `h` at the end of `fit`, the checkpoints `ckpt` (None: off),
-    the early-stopping policy and the tracker."""
+    the early-stopping policy and the tracker. `rec.build`: the whole model's (`whole_build`)."""
     info = rec.build
     trained = bool(h.losses)
     step_s = mean(h.timed(h.step_s)) if trained else None
@@ -75,6 +75,8 @@ def run_summary(cfg, rec, h, ckpt, early, tracker, run_dir: str) -> dict:
         "num_workers": cfg.cluster.num_workers,
         "strategy": cfg.sharding.strategy,
         "tp": cfg.parallel.tp,
+        "pp": info.get("pp", 1),  # pipeline stages; each stage's own figures under "stages"
+        "stages": info.get("stages"),  # None without stages (`checkpoint/stages.py`)
         "sequence_parallel": cfg.parallel.sequence_parallel,
         # the embedding, head and logits split over the TP ranks (what the ranks built, not only what was asked)
         "vocab_parallel": bool((info.get("tp") or {}).get("vocab_parallel")),

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm  # a widget in Jupyter, a text bar in terminals
 from rayzero.checkpoint.export import MODEL_KEY, export_identity, save_final
 from rayzero.checkpoint.manifest import CheckpointError
 from rayzero.checkpoint.shard_file import ChecksumError
+from rayzero.checkpoint.stages import whole_build
 from rayzero.cluster.history import PHASES, memory_metrics
 from rayzero.cluster.report import step_metrics
 from rayzero.cluster.schedule import lr_at, schedule_length
@@ -167,7 +168,7 @@ class Building(State):
         run.startup.stage("build", build_words(run.cfg, run.spec))
         infos = group.rendezvous()
         run.record.pids = {i["pid"]: i["rank"] for i in infos}
-        run.record.build = infos[0]
+        run.record.build = whole_build(infos)  # with pipeline stages, the whole model's
         run.clock.mark("rendezvous")
         return Resuming(self.live, infos)
 
@@ -187,7 +188,7 @@ class Resuming(State):
         rec.start_step, rec.resumed_from = 0, None
         if ckpt is not None:
             ckpt.configure(self.infos, run.tracker.run_id)
-            self.resume(run, self.infos[0]["params"])
+            self.resume(run, whole_build(self.infos)["params"])
         else:
             run.early.restore(None)  # from step 0 again
             rec.schedule_steps = run.cfg.train.steps

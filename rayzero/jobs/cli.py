@@ -28,8 +28,9 @@ def _ckpt(args) -> int:
             if not rows:
                 print(f"no committed checkpoints under {args.uri}")
             for r in rows:
+                stages = f" pp {r['pp']}" if r["pp"] > 1 else ""
                 print(f"{r['uri']}  step {r['step']}  {r['bytes'] / 2**20:.1f} MiB  "
-                      f"world {r['world_size']}  {r['strategy']}  {r['created']}")
+                      f"world {r['world_size']}{stages}  {r['strategy']}  {r['created']}")
             return 0
         c = open_checkpoint(args.uri, cfg)
         if args.ckpt_command == "verify":
