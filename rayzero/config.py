@@ -182,8 +182,8 @@ class RootConfig(Frozen):
     def mesh(self, world_size: int | None = None, rank: int = 0) -> Mesh:
         """The mesh of `world_size` ranks (`cluster.num_workers` unless an elastic resize says
         otherwise), as `rank` sees it; its process groups come when a rank connects it."""
-        return Mesh(world_size or self.cluster.num_workers, rank, replicate=self.sharding.dp_outer,
-                    tp=self.parallel.tp)
+        return Mesh(world_size or self.cluster.num_workers, rank, pp=self.parallel.pp,
+                    replicate=self.sharding.dp_outer, tp=self.parallel.tp)
 
     def grad_accum_for(self, mesh: Mesh) -> int:
         """Micro-batches per rank per step on `mesh`: global batch / (micro batch x dp size)."""
@@ -202,7 +202,7 @@ class RootConfig(Frozen):
         t, c, tp = self.train, self.cluster, self.parallel.tp
         low = c.min_workers or c.num_workers
         return [w for w in range(c.num_workers, low - 1, -1)
-                if w == c.num_workers or (fits(w, replicate=self.sharding.dp_outer, tp=tp)
+                if w == c.num_workers or (fits(w, pp=self.parallel.pp, replicate=self.sharding.dp_outer, tp=tp)
                                           and t.global_batch_size % (t.micro_batch_size * self.mesh(w).size("dp")) == 0)]
 
     @property

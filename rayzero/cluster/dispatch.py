@@ -177,14 +177,15 @@ class CompiledDispatch(_Dispatch):
     preparing = "compiling the iteration (Ray Compiled Graph)"
 
     def __init__(self, actors: list, num_microbatches: int, timeout_s: float = 600.0,
-                 nodes: list | None = None, per_node: bool | None = None, fan_in: int = FAN_IN):
+                 nodes: list | None = None, per_node: bool | None = None, fan_in: int = FAN_IN,
+                 pipelined: bool = False):
         """`nodes`: each rank's node, to group the ranks by (None: where Ray placed each actor;
         the benchmark passes simulated nodes); `per_node`: merge each node's results there
         (None: when the ranks are on more than one node); `fan_in`: see FAN_IN."""
         self.timeout_s = timeout_s
         self.graph = None
         self.mergers: list = []
-        names = iteration(num_microbatches)
+        names = iteration(num_microbatches, pipelined)
         where = node_ids(actors)
         groups = node_groups(nodes if nodes is not None else where)
         if per_node is None:
@@ -257,8 +258,8 @@ def _work_s(results: list) -> float | None:
 
 
 class PipelinedDispatch(_Dispatch):
-    def __init__(self, actors: list, num_microbatches: int, timeout_s: float = 600.0):
-        self.actors, self.names, self.timeout_s = actors, iteration(num_microbatches), timeout_s
+    def __init__(self, actors: list, num_microbatches: int, timeout_s: float = 600.0, pipelined: bool = False):
+        self.actors, self.names, self.timeout_s = actors, iteration(num_microbatches, pipelined), timeout_s
 
     def _submit(self, plan: dict):
         refs = []
@@ -271,8 +272,8 @@ class PipelinedDispatch(_Dispatch):
 
 
 class PerPhaseDispatch(_Dispatch):
-    def __init__(self, actors: list, num_microbatches: int, timeout_s: float = 600.0):
-        self.actors, self.names, self.timeout_s = actors, iteration(num_microbatches), timeout_s
+    def __init__(self, actors: list, num_microbatches: int, timeout_s: float = 600.0, pipelined: bool = False):
+        self.actors, self.names, self.timeout_s = actors, iteration(num_microbatches, pipelined), timeout_s
 
     def _submit(self, plan: dict):
         return plan  # nothing runs until collect: one phase at a time

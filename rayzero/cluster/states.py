@@ -252,7 +252,7 @@ class Training(State):
         if prepare:
             run.startup.stage("compile", prepare)
         self.live.dispatch = run.dispatcher(self.live.group.actors, cfg.grad_accum_for(cfg.mesh(rec.world)),
-                                            timeout_s=cfg.cluster.pg_timeout_s)
+                                            timeout_s=cfg.cluster.pg_timeout_s, pipelined=cfg.parallel.pp > 1)
         self.train(run)
         dispatch, self.live.dispatch = self.live.dispatch, None
         dispatch.close()

@@ -119,6 +119,24 @@ class ModuleSpec(ModelSpec):
     def blocks(self, model: nn.Module) -> tuple[str, ...]:
         return self._layers(model, "model.checkpoint_blocks", "recompute")
 
+    def stage_blocks(self, model: nn.Module) -> list[str]:
+        """A module's stages come from its own `pipeline_blocks()`: the names of its blocks in
+        forward order, each taking the hidden states as its first argument and returning them
+        (the modules with parameters before the first block go to the first stage, those after
+        the last to the last one). Without it, a pipeline is refused."""
+        hook = getattr(model, "pipeline_blocks", None)
+        if hook is None:
+            raise ModelError(f"parallel.pp: model.kind=module ({type(model).__name__}) does not say how it splits "
+                             "into stages; give the module a `pipeline_blocks()` method returning its blocks' names "
+                             "in forward order (each block takes and returns the hidden states), or set parallel.pp=1")
+        names = list(hook())
+        modules = dict(model.named_modules())
+        missing = [n for n in names if n not in modules]
+        if missing or not names:
+            raise ModelError(f"parallel.pp: {type(model).__name__}.pipeline_blocks() names "
+                             f"{', '.join(missing) or 'no module'}, which the model does not have")
+        return names
+
     def _layers(self, model: nn.Module, key: str, purpose: str) -> tuple[str, ...]:
         best = None
         for m in model.modules():

@@ -224,6 +224,19 @@ class ModelSpec:
         activation checkpointing recomputes when `model.checkpoint_blocks` is left empty."""
         raise NotImplementedError
 
+    def stage_blocks(self, model: nn.Module) -> list[str]:
+        """Pipeline stages are runs of these modules, by name, in forward order: the outermost
+        modules of the `blocks` classes (the ones activation checkpointing recomputes)."""
+        classes = set(self.blocks(model))
+        found: list[str] = []
+        for name, m in model.named_modules():
+            if name and type(m).__name__ in classes and not any(name.startswith(f + ".") for f in found):
+                found.append(name)
+        if not found:
+            raise ModelError(f"parallel.pp: {type(model).__name__} has no blocks of class {', '.join(sorted(classes))} "
+                             "to split into stages")
+        return found
+
     def tp_plan(self, model: nn.Module) -> dict:
         """Tensor parallelism: module-name pattern -> `tensor_parallel.Style` for each linear
         that is split (the rest is replicated)."""

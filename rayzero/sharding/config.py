@@ -135,8 +135,51 @@ class ParallelConfig(Frozen):
         "plain layer (said before the run starts): replicated on every TP rank, with the full logits on each.",
     )
 
+    pp: int = Field(
+        default=1, ge=1,
+        description="Pipeline-parallel size: the model's blocks split into this many stages, in order (the "
+        "embedding on the first, the final norm, head and loss on the last; tied embeddings kept tied across "
+        "them), each on its own ranks, micro-batches passed between them by point-to-point sends as "
+        "`pp_schedule` orders. The world is `pp` x `sharding.dp_outer` x shards x `tp` ranks; each stage "
+        "shards its own parameters over its data-parallel ranks. 1 = no pipeline.",
+    )
+    pp_layers: list[int] | None = Field(
+        default=None,
+        description="With `pp` > 1: how many blocks each stage (each model chunk with "
+        "`pp_virtual_stages` > 1, in stage order) holds, e.g. [3, 5]; they must sum to the model's block count. "
+        "`null` = balanced by parameter count (the embedding counts to the first stage, the head to the last).",
+    )
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = Field(
+        default="1f1b",
+        description="The order in which each stage runs its micro-batches' forwards and backwards: `gpipe` (all "
+        "forwards, then all backwards: every micro-batch's activations held), `1f1b` (one forward, one backward: "
+        "at most `pp` micro-batches' activations held; bubble (pp-1)/m), `interleaved_1f1b` "
+        "(`pp_virtual_stages` model chunks per rank: bubble (pp-1)/(v m); micro-batches per step a multiple of "
+        "`pp`), `zero_bubble` (ZB-H1: backward split into its input- and weight-gradient parts, the weight parts "
+        "filling the bubble: about a third of 1F1B's at 1F1B's memory). m = micro-batches per rank per step.",
+    )
+    pp_virtual_stages: int = Field(
+        default=1, ge=1,
+        description="Model chunks per pipeline rank for `pp_schedule=interleaved_1f1b` (at least 2 there; 1 "
+        "otherwise): rank r holds stages r, r + pp, r + 2 pp, …",
+    )
+
     @model_validator(mode="after")
     def _check(self):
+        if self.pp_virtual_stages > 1 and self.pp_schedule != "interleaved_1f1b":
+            raise ValueError(f"pp_virtual_stages: {self.pp_virtual_stages} model chunks per rank need "
+                             "parallel.pp_schedule=interleaved_1f1b")
+        if self.pp_schedule == "interleaved_1f1b" and self.pp > 1 and self.pp_virtual_stages < 2:
+            raise ValueError("pp_schedule: interleaved_1f1b needs parallel.pp_virtual_stages of at least 2 "
+                             "(model chunks per rank)")
+        if self.pp_layers is not None:
+            stages = self.pp * self.pp_virtual_stages
+            if len(self.pp_layers) != stages:
+                raise ValueError(f"pp_layers: {len(self.pp_layers)} entries for {stages} stages (parallel.pp"
+                                 + (" x parallel.pp_virtual_stages" if self.pp_virtual_stages > 1 else "")
+                                 + f" = {stages}): give one block count per stage")
+            if any(n < 1 for n in self.pp_layers):
+                raise ValueError(f"pp_layers: {self.pp_layers}: every stage needs at least one block")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel: splits the sequence over tensor-parallel ranks; set parallel.tp > 1")
         return self

@@ -216,15 +216,15 @@ class FlatBuffer:
         return self._pending[bucket.index] if self._on_grad is not None else 0
 
     def _make_hook(self, i: int):
-        b = self.layout.params[i].bucket
+        return lambda param: self.landed(i, param)
 
-        def hook(param: nn.Parameter) -> None:
-            if self._on_grad is None:
-                return
-            self._pending[b] -= 1
-            self._on_grad(i, param)
-
-        return hook
+    def landed(self, i: int, param: nn.Parameter) -> None:
+        """Parameter `i`'s gradient is final for this backward (autograd's accumulation hook, or
+        a split backward that wrote `.grad` itself)."""
+        if self._on_grad is None:
+            return
+        self._pending[self.layout.params[i].bucket] -= 1
+        self._on_grad(i, param)
 
     def named_views(self) -> dict[str, nn.Parameter]:
         return dict(zip(self.names, self.params))

@@ -104,14 +104,17 @@ class ShardedUnits:
         self._recomputed: set[int] = set()  # units a recompute gathered, their backward not run yet
 
     @staticmethod
-    def layout(model: nn.Module, sharding: ShardingConfig, dp_size: int) -> tuple[list, Layout]:
+    def layout(model: nn.Module, sharding: ShardingConfig, dp_size: int,
+               alone: frozenset[str] = frozenset()) -> tuple[list, Layout]:
         """One bucket per unit, in forward order: ROOT (-1) first, then units in module order, each
         unit's frozen parameters after its trainable ones (a stable sort keeps the order within
-        each). A unit is one bucket whatever its size: it is gathered whole anyway."""
+        each), and `alone` ones (a pipeline's tied) in a bucket of their own. A unit is one
+        bucket whatever its size: it is gathered whole anyway."""
         owner = find_units(model, tuple(sharding.fsdp_units)).owner
-        named = sorted(model.named_parameters(), key=lambda item: (owner[item[0]], not item[1].requires_grad))
+        key = {n: (owner[n], not p.requires_grad, n in alone) for n, p in model.named_parameters()}
+        named = sorted(model.named_parameters(), key=lambda item: key[item[0]])
         return named, build_layout([p.numel() for _, p in named], dp_size, 2**62, sharding.shard_align,
-                                   [(owner[n], not p.requires_grad) for n, p in named])
+                                   [key[n] for n, _ in named])
 
     def attach(self) -> None:
         """Once the buffer is built: which buckets each unit has, and the module hooks."""
@@ -276,6 +279,13 @@ class ShardedUnits:
         unit = self.units.owner[self.s.buffer.names[i]]
         if self.s.buffer.pending(b) == 0 and unit not in self._partly_frozen:
             self._release([unit])
+
+    def begin_backward(self) -> None:
+        """A backward of its own (a pipeline's micro-batches interleave forwards and backwards):
+        each unit's backward hook runs afresh, and the root unit is whole for it."""
+        self._bwd_seen = set()
+        if self._root:
+            self._finish_gather([ROOT])
 
     def after_backward(self) -> None:
         self._recomputed = set()

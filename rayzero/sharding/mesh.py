@@ -8,6 +8,9 @@ works out a size, a coordinate or a group. An elastic resize builds a new mesh.
 The axes, outermost first (`ORDER`); their product is the world size:
 
     axis        size                             what runs over it
+    pp          parallel.pp                      pipeline stages: outermost, so a stage is a run of
+                                                 consecutive ranks (its TP groups on its nodes) and
+                                                 consecutive stages sit on neighbouring nodes
     replicate   sharding.dp_outer                hybrid sharding's outer reduction (HSDP / Hybrid-FSDP)
     shard       what the others leave            ZeRO sharding inside a replica
     tp          parallel.tp                      tensor parallelism: innermost, so a TP group is a
@@ -16,24 +19,12 @@ The axes, outermost first (`ORDER`); their product is the world size:
 and the flattened axes (`FLAT`), groups over several of them:
 
     dp          replicate x shard                the batch splits over it (a TP group shares one part)
+    stage       replicate x shard x tp           one pipeline stage's ranks (its norms and sums)
     world       every axis                       the global norm's and the loss's sums
 
 A rank's global number is its coordinates read row-major, outermost first:
 
-    world 8, dp_outer 2, tp 2:   rank = (replicate * 2 + shard) * 2 + tp
-        rank       0  1  2  3  4  5  6  7
-        replicate  0  0  0  0  1  1  1  1
-        shard      0  0  1  1  0  0  1  1
-        tp         0  1  0  1  0  1  0  1
-        tp groups         [0, 1] [2, 3] [4, 5] [6, 7]
-        shard groups      [0, 2] [1, 3] [4, 6] [5, 7]
-        replicate groups  [0, 4] [1, 5] [2, 6] [3, 7]
-        dp groups         [0, 2, 4, 6] [1, 3, 5, 7]
-
-Adding an axis is a change here and in the code that uses it, nowhere else. Pipeline stages,
-say, outermost: `ORDER = ("pp", "replicate", "shard", "tp")`, `KEYS["pp"] = "parallel.pp"`,
-a field `pp: int = 1`, and `RootConfig.mesh` passes `pp=cfg.parallel.pp`. Then at world 8, pp 2, tp 2:
-
+    world 8, pp 2, tp 2:   rank = (pp * 2 + shard) * 2 + tp
         rank       0  1  2  3  4  5  6  7
         pp         0  0  0  0  1  1  1  1
         shard      0  0  1  1  0  0  1  1
@@ -42,8 +33,13 @@ a field `pp: int = 1`, and `RootConfig.mesh` passes `pp=cfg.parallel.pp`. Then a
         shard groups      [0, 2] [1, 3] [4, 6] [5, 7]     (= dp: each stage shards on its own)
         tp groups         [0, 1] [2, 3] [4, 5] [6, 7]
 
-The coordinates, the groups, their creation on every rank, the divisibility check and its
-message, `describe` and the plan all follow from `ORDER`; the stages then use `mesh.axis("pp")`.
+    world 8, dp_outer 2, tp 2:   rank = (replicate * 2 + shard) * 2 + tp
+        replicate groups  [0, 4] [1, 5] [2, 6] [3, 7]
+        dp groups         [0, 2, 4, 6] [1, 3, 5, 7]
+
+Adding an axis is a change here and in the code that uses it, nowhere else: the coordinates,
+the groups, their creation on every rank, the divisibility check and its message, `describe`
+and the plan all follow from `ORDER`.
 """
 
 from __future__ import annotations
@@ -56,10 +52,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is imported only where groups are made: reading a config builds a mesh
     from rayzero.sharding.comm import Axis
 
-ORDER = ("replicate", "shard", "tp")  # outermost first
+ORDER = ("pp", "replicate", "shard", "tp")  # outermost first
 FILLS = "shard"  # the axis whose size is what the others leave of the world
-FLAT = {"dp": ("replicate", "shard"), "world": ORDER}  # groups over several axes
-KEYS = {"replicate": "sharding.dp_outer", "tp": "parallel.tp"}  # the config key that sets each set axis
+FLAT = {"dp": ("replicate", "shard"), "stage": ("replicate", "shard", "tp"), "world": ORDER}  # groups over several axes
+KEYS = {"pp": "parallel.pp", "replicate": "sharding.dp_outer", "tp": "parallel.tp"}  # the config key that sets each set axis
 
 
 class MeshError(ValueError):
@@ -97,6 +93,7 @@ class Mesh:
     rank: int = 0
     replicate: int = 1  # the size of each axis in KEYS (`shard` fills the rest)
     tp: int = 1
+    pp: int = 1
     groups_by_axis: dict[str, Axis] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
@@ -193,7 +190,8 @@ class Mesh:
         """The mesh in words: each axis of more than one rank and the global ranks of its groups
         (a flat axis only where its groups are not one axis's or the whole world)."""
         shape = self.shape
-        lines = ["mesh: " + " x ".join(f"{a} {n}" for a, n in shape.items()) + f" = {self.world_size} ranks"]
+        shown = {a: n for a, n in shape.items() if a != "pp" or n > 1}  # no pipeline: as before there was one
+        lines = ["mesh: " + " x ".join(f"{a} {n}" for a, n in shown.items()) + f" = {self.world_size} ranks"]
         for name in (*ORDER, *FLAT):
             size = self.size(name)
             same = name in FLAT and (size == self.world_size or size in (shape[a] for a in FLAT[name]))

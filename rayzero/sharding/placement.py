@@ -35,18 +35,20 @@ class WholeParams:
         self.s = s
 
     @staticmethod
-    def layout(model: nn.Module, sharding: ShardingConfig, dp_size: int) -> tuple[list, Layout]:
+    def layout(model: nn.Module, sharding: ShardingConfig, dp_size: int,
+               alone: frozenset[str] = frozenset()) -> tuple[list, Layout]:
         # Reverse order: backward produces the last layers' gradients first, so the first
         # bucket fills first and its reduction can start while backward goes on. Frozen
-        # parameters go last, in buckets of their own.
-        named = sorted(reversed(list(model.named_parameters())), key=lambda item: not item[1].requires_grad)
-        frozen = [not p.requires_grad for _, p in named]
+        # parameters go last, in buckets of their own; so do `alone` ones (a pipeline's tied).
+        named = sorted(reversed(list(model.named_parameters())),
+                       key=lambda item: (not item[1].requires_grad, item[0] in alone))
+        groups = [2 * (not p.requires_grad) + (n in alone) for n, p in named]
         trainable = sum(p.numel() for _, p in named if p.requires_grad)
         numel = sharding.bucket_numel
         if numel == "auto":
             numel = auto_bucket_numel(trainable, dp_size)
         return named, build_layout([p.numel() for _, p in named], dp_size, numel, sharding.shard_align,
-                                   frozen if any(frozen) else None)
+                                   groups if any(groups) else None)
 
     def hold(self, b: Bucket, category: str) -> None:
         """Keep the bucket's compute parameters (all of them: they stay in the buffer)."""
@@ -65,6 +67,9 @@ class WholeParams:
 
     def on_grad(self, i: int, b: Bucket) -> None:
         """Nothing to release as gradients come in."""
+
+    def begin_backward(self) -> None:
+        """Nothing to gather before backward."""
 
     def after_backward(self) -> None:
         """Nothing to release after backward."""

@@ -69,13 +69,15 @@ class RandomStreams:
         return torch.Generator(device=self.device).manual_seed(seed).get_state()
 
     # -- per micro-batch ---------------------------------------------------------------------
-    def begin(self, step: int, micro: int) -> None:
-        """Seed every stream for micro-batch `micro` (its global index) of step `step`; the
-        generator then holds the replicated stream. A stream's state is made when it is first
-        entered: without tensor parallelism only the replicated one ever is."""
-        self._saved = {"replicated": stream_seed(self.seed, "replicated", step, micro),
-                       "sequence": stream_seed(self.seed, "sequence", step, micro, self.tp_rank),
-                       "tp": stream_seed(self.seed, "tp", step, micro, self.tp_rank)}
+    def begin(self, step: int, micro: int, stage: int = 0) -> None:
+        """Seed every stream for micro-batch `micro` (its global index) of step `step`, in
+        pipeline stage `stage` (each stage draws its own, as Megatron offsets its seed per
+        stage); the generator then holds the replicated stream. A stream's state is made when
+        it is first entered: without tensor parallelism only the replicated one ever is."""
+        at = (step, micro) if stage == 0 else (step, micro, "stage", stage)
+        self._saved = {"replicated": stream_seed(self.seed, "replicated", *at),
+                       "sequence": stream_seed(self.seed, "sequence", *at, self.tp_rank),
+                       "tp": stream_seed(self.seed, "tp", *at, self.tp_rank)}
         self.active = None
         self.enter("replicated")
 

@@ -63,6 +63,18 @@ from rayzero.sharding.mesh import Mesh
 
 
 @dataclass(frozen=True)
+class Tied:
+    """Parameters a pipeline stage shares with another (a tied embedding on the first and last
+    stages): each in a bucket of its own, sharded alike on both, whose reduced gradients are
+    summed over `axis` (Megatron's embedding group) before the step, so both copies take the same
+    update; `counts` on one of them only, for the global norm."""
+
+    names: frozenset[str]
+    axis: Axis
+    counts: bool
+
+
+@dataclass(frozen=True)
 class Row:
     """What one strategy is: its three policies."""
 
@@ -96,6 +108,7 @@ class Strategy:
         source: ParamSource | Fill | None = None,
         device: torch.device | str = "cpu",
         tp: TPLayout | None = None,
+        tied: Tied | None = None,
     ):
         """The strategy `sharding.strategy` names. `model` may be on the meta device when `source`
         gives each parameter's initial fp32 values (a `ParamSource`, or a `fill(name, out)`
@@ -103,7 +116,8 @@ class Strategy:
         `requires_grad=False` stay frozen: they get buckets of their own, with no gradient, main
         copy or optimizer state. `tp`: what tensor parallelism split (the model's parameters are
         then this rank's local shards). `mesh`: a connected one (its groups) on a rank; its shape
-        alone builds on the meta device."""
+        alone builds on the meta device. `tied`: a pipeline stage's parameters shared with
+        another stage."""
         self.name = sharding.strategy
         self.model = model
         self.mesh = mesh
@@ -112,6 +126,8 @@ class Strategy:
         self.shard_axis = mesh.axis("shard")
         self.replicate_axis = mesh.axis("replicate")
         self.tp = tp if tp is not None and tp.size > 1 else None
+        self.tied = tied if tied is not None and tied.names else None
+        self.pp_axis = mesh.axis("pp")
         self.precision = Precision.from_config(sharding)
         self.scaler = build_loss_scaler(sharding)
         self.ledger = MemoryLedger()
@@ -123,7 +139,7 @@ class Strategy:
         owner = HYBRID_OWNERSHIP[sharding.outer_strategy] if sharding.dp_outer > 1 else row.owner
         self.owner = owner(self)
 
-        named, layout = self.layout(model, sharding, mesh.size("dp"))
+        named, layout = self.layout(model, sharding, mesh.size("dp"), self.tied.names if self.tied else frozenset())
         self.buffer = FlatBuffer(model, named, layout, self.precision.param, torch.device(device))
         if source is None:
             values = {n: p.detach() for n, p in named}
@@ -142,10 +158,12 @@ class Strategy:
         self.owner.attach()
 
     @staticmethod
-    def layout(model: nn.Module, sharding: ShardingConfig, dp_size: int) -> tuple[list, Layout]:
+    def layout(model: nn.Module, sharding: ShardingConfig, dp_size: int,
+               alone: frozenset[str] = frozenset()) -> tuple[list, Layout]:
         """The parameters in buffer order and the buckets they fall in: what the strategy
-        builds (the dry run asks it of a model on the meta device)."""
-        return STRATEGIES[sharding.strategy].params.layout(model, sharding, dp_size)
+        builds (the dry run asks it of a model on the meta device). `alone`: parameters each in
+        a bucket of its own (a pipeline's tied ones)."""
+        return STRATEGIES[sharding.strategy].params.layout(model, sharding, dp_size, alone)
 
     def _initial_values(self, b: Bucket, source: ParamSource) -> torch.Tensor:
         """The bucket's fp32 values. From a partial source (weights in storage) each rank reads
@@ -211,11 +229,44 @@ class Strategy:
         for g in self.grads:
             g.zero_()
 
-    def backward(self, loss: torch.Tensor, last_microbatch: bool) -> None:
-        self.grad_sync.begin_backward(last_microbatch)
-        self.buffer.arm(self._on_grad)
+    def backward(self, loss: torch.Tensor, last_microbatch: bool, grad: torch.Tensor | None = None) -> None:
+        """Backward from `loss`, scaled by the loss scale; or, with `grad`, from a pipeline
+        stage's output with the gradient the next stage sent (scaled there already)."""
+        out, grads = self.scaled(loss, grad)
+        self._run_backward(lambda: torch.autograd.backward(out, grads), last_microbatch)
+
+    def scaled(self, out: torch.Tensor, grad: torch.Tensor | None) -> tuple[torch.Tensor, list | None]:
+        """What a backward starts from: the loss times the loss scale, or a stage's output and its gradient."""
+        if grad is not None:
+            return out, [grad]
         scale = self.scaler.scale if self.scaler is not None else 1.0
-        (loss * scale if scale != 1.0 else loss).backward()
+        return (out * scale if scale != 1.0 else out), None
+
+    def backward_inputs(self, run: Callable):
+        """A pipeline stage's input-gradient half of a backward (`run()`; zero_bubble's I): no
+        weight gradient lands, ZeRO-3 gathers as for a backward. Returns what `run` returns."""
+        self.placement.begin_backward()
+        try:
+            return run()
+        finally:
+            self.placement.after_backward()
+
+    def backward_weights(self, run: Callable, params: list, last_microbatch: bool) -> None:
+        """The weight-gradient half (zero_bubble's W): `run()` writes `.grad`s without autograd's
+        accumulation hooks, so each parameter's gradient is handed over once it has run."""
+        def weights():
+            run()
+            for i, p in enumerate(self.buffer.params):
+                if p.requires_grad:
+                    self.buffer.landed(i, p)
+
+        self._run_backward(weights, last_microbatch)
+
+    def _run_backward(self, run: Callable, last_microbatch: bool) -> None:
+        self.grad_sync.begin_backward(last_microbatch)
+        self.placement.begin_backward()
+        self.buffer.arm(self._on_grad)
+        run()
         self.placement.after_backward()
         self.buffer.disarm()
         self.grad_sync.after_backward(last_microbatch)
@@ -230,6 +281,14 @@ class Strategy:
             self.grad_sync.start(b)
         self.grad_sync.finish()
         self.owner.reduce_outer([self.grad_sync.inner_grad(b) for b in self.trainable_buckets()])
+        if self.tied is not None:  # the same shard of the same bucket on both stages: summed
+            for b in self._tied_buckets:
+                dist.all_reduce(self.main_grads[b], group=self.tied.axis.group)
+
+    @functools.cached_property
+    def _tied_buckets(self) -> list[int]:
+        return [b.index for b in self.trainable_buckets()
+                if all(self.buffer.names[i] in self.tied.names for i in b.params)]
 
     def step(self, lr: float) -> float:
         """Clip to the global gradient norm, update the owned shard, start the all-gather.
@@ -273,17 +332,22 @@ class Strategy:
         tensor parallelism, a split parameter's shards summed over the TP ranks, a replicated
         one (the same on each) counted once."""
         sq = torch.zeros((), dtype=torch.float64, device=self.buffer.device)
+        skip = set(self._tied_buckets) if self.tied is not None and not self.tied.counts else set()
         if self.tp is None:
-            for g in self.main_grads:
-                sq += torch.linalg.vector_norm(g.float()).double() ** 2
+            for b, g in enumerate(self.main_grads):
+                if b not in skip:
+                    sq += torch.linalg.vector_norm(g.float()).double() ** 2
         else:
             for b, cut, name in self._owned_params:
                 weight = 1.0 if name in self.tp.split else 1.0 / self.tp.size
-                sq += weight * torch.linalg.vector_norm(self.main_grads[b][cut].float()).double() ** 2
+                if b not in skip:
+                    sq += weight * torch.linalg.vector_norm(self.main_grads[b][cut].float()).double() ** 2
         if self.owner.axis is not None and self.owner.axis.size > 1:
             dist.all_reduce(sq, group=self.owner.axis.group)
         if self.tp is not None:
             dist.all_reduce(sq, group=self.mesh.axis("tp").group)
+        if self.pp_axis.size > 1:  # every stage's part of the model
+            dist.all_reduce(sq, group=self.pp_axis.group)
         return float(sq.sqrt())
 
     @functools.cached_property

@@ -1,6 +1,7 @@
 """How a rank assembles its model: one place, one fixed order.
 
     build on meta → adapters → tensor parallel → activation checkpointing
+                  → pipeline stage (the blocks and ends of this rank's stages; the rest stand-ins)
                   → sharding strategy (over whatever the steps before left local)
                   → initial values, per name
 
@@ -22,8 +23,10 @@ import torch.nn as nn
 
 from rayzero.config import RootConfig
 from rayzero.models import ModelSpec, model_spec
+from rayzero.pipeline.stages import StagePlan, Stages, plan_stages, split, tied_axis
 from rayzero.sharding import Layout, Mesh, ShardingConfig, Strategy, build_strategy
 from rayzero.sharding.comm import Axis
+from rayzero.sharding.strategies import Tied
 from rayzero.sharding.flat_buffer import ParamSource, PerName
 from rayzero.sharding.fsdp import find_units
 from rayzero.sharding.tensor_parallel import TPLayout, TPSlices
@@ -46,6 +49,7 @@ class Built:
     added: frozenset[str] = frozenset()  # parameters the files are never asked for (adapters)
     adapters: dict = field(default_factory=dict)  # LoRA: base weight name -> `lora.Adapter`
     tp: TPLayout | None = None  # what tensor parallelism split, and each split tensor's global shape
+    stages: Stages | None = None  # the pipeline stages this rank holds
 
 
 # -- the steps, in order ---------------------------------------------------------------------------
@@ -112,6 +116,22 @@ def checkpoint_blocks(built: Built, cfg: RootConfig, spec: ModelSpec, streams: R
                            streams=streams)
 
 
+def stage_plan(cfg: RootConfig, spec: ModelSpec, model: nn.Module) -> StagePlan:
+    """`parallel.pp`: the model's blocks cut into stages (`pipeline/stages.py`); PipelineError,
+    ModelError."""
+    p = cfg.parallel
+    return plan_stages(model, spec.stage_blocks(model), p.pp, p.pp_virtual_stages, p.pp_layers)
+
+
+def pipeline_stage(built: Built, cfg: RootConfig, spec: ModelSpec, mesh: Mesh) -> None:
+    """Keep this rank's stages of the model; the modules of other ranks' become stand-ins. After
+    the steps that name modules of the whole model (TP's plan, recompute's blocks), before the
+    strategy: it shards only what the stages hold."""
+    if mesh.size("pp") == 1:
+        return
+    built.stages = split(built.model, stage_plan(cfg, spec, built.model), mesh.coord("pp"))
+
+
 def fsdp_units(cfg: RootConfig, spec: ModelSpec, model: nn.Module) -> tuple[str, ...]:
     """ZeRO-3's unit classes: `sharding.fsdp_units`, or the model's own."""
     return tuple(cfg.sharding.fsdp_units) or spec.fsdp_units(model)
@@ -149,8 +169,10 @@ def initial_values(spec: ModelSpec, built: Built) -> ParamSource:
 
 def assemble(cfg: RootConfig, spec: ModelSpec, mesh: Mesh, device: torch.device,
              streams: RandomStreams | None = None):
-    """Every step, on this rank: (the model, its strategy, where its initial values came from)."""
+    """Every step, on this rank: (the model, its strategy, where its initial values came from,
+    its pipeline stages or None)."""
     built = build_model(cfg, spec, mesh, streams)
+    pipeline_stage(built, cfg, spec, mesh)
     model = built.model
     for module in model.modules():  # buffers (RoPE frequencies, masks) are real: move them
         for name, b in module._buffers.items():
@@ -159,9 +181,15 @@ def assemble(cfg: RootConfig, spec: ModelSpec, mesh: Mesh, device: torch.device,
     check_buildable(cfg, device, spec, model)
     sharding = resolved_sharding(cfg, spec, model)
     source = initial_values(spec, built)
+    tied = None
+    if built.stages is not None:
+        axis = tied_axis(mesh, built.stages)  # a collective: every rank makes every group
+        tied = Tied(built.stages.tied, axis, counts=built.stages.first) if built.stages.tied else None
     strategy = build_strategy(sharding.strategy, model, mesh, sharding, cfg.optim, decays=spec.decays,
-                              source=source, device=device, tp=built.tp)
-    return model, strategy, source
+                              source=source, device=device, tp=built.tp, tied=tied)
+    if built.stages is not None:
+        built.stages.set_dtype(strategy.precision.param)
+    return model, strategy, source, built.stages
 
 
 # -- what the driver checks before anything starts ------------------------------------------------

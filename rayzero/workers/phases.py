@@ -4,6 +4,7 @@ its actor, the controller's dispatch, its watchdog and the run's history all rea
     setup → [load_checkpoint → apply_checkpoint] → iterations … → [finish_checkpoints] → [full_state_dict]
 
     one iteration:  gather → (forward → backward) x micro-batches → reduce_scatter → step → evaluate
+    pipelined:      gather → pipeline (the schedule's forwards and backwards) → reduce_scatter → step → evaluate
 """
 
 from __future__ import annotations
@@ -12,10 +13,13 @@ ITERATION = ("gather", "forward", "backward", "reduce_scatter", "step", "evaluat
 MICRO_BATCH = ("forward", "backward")  # run once per micro-batch, in this order
 BEFORE = ("setup", "load_checkpoint", "apply_checkpoint")
 AFTER = ("finish_checkpoints", "full_state_dict")
-CALLS = (*BEFORE, *ITERATION, *AFTER)  # a rank's calls in order: who is behind whom
+PIPELINE = "pipeline"  # with pipeline stages: every micro-batch's forward and backward, in the schedule's order
+CALLS = (*BEFORE, *ITERATION, PIPELINE, *AFTER)  # a rank's calls in order: who is behind whom
 
 
-def iteration(num_microbatches: int) -> list[str]:
-    """The phases of one iteration of `num_microbatches` micro-batches, in the order they run."""
+def iteration(num_microbatches: int, pipelined: bool = False) -> list[str]:
+    """The phases of one iteration of `num_microbatches` micro-batches, in the order they run
+    (`pipelined`: the micro-batches' in one phase, as the pipeline's schedule orders them)."""
     first, after = ITERATION.index(MICRO_BATCH[0]), ITERATION.index(MICRO_BATCH[-1]) + 1
-    return [*ITERATION[:first], *MICRO_BATCH * num_microbatches, *ITERATION[after:]]
+    middle = [PIPELINE] if pipelined else [*MICRO_BATCH * num_microbatches]
+    return [*ITERATION[:first], *middle, *ITERATION[after:]]

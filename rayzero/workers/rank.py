@@ -32,6 +32,7 @@ from rayzero.sharding.comm import wait
 from rayzero.sharding.rng import RandomStreams
 from rayzero.workers.activations import ActivationMeter
 from rayzero.workers.assembly import assemble, build_model, make_spec, whole_counts, whole_shapes
+from rayzero.workers import pipelined
 from rayzero.workers.disconnect import break_group, opened_while
 from rayzero.workers.phases import CALLS
 
@@ -180,6 +181,8 @@ class Rank:
             except RuntimeError:  # a failed upload never commits; nothing to pass on
                 uploads = []
         self.saver = None
+        self._pipe = None  # this rank's pipeline stages and schedule, with parallel.pp > 1
+        self._in_flight_peak = 0
         if self.data is not None:
             self.data.close()
         self.model = self.strategy = self.data = self.val = None
@@ -221,7 +224,7 @@ class Rank:
         # Built on the meta device, in assembly's fixed order: the strategy materializes its
         # buckets (ZeRO-3: one unit at a time, keeping only the shard), so no rank ever holds
         # more than it must.
-        self.model, self.strategy, source = assemble(cfg, self.spec, self.mesh, self.device, self.streams)
+        self.model, self.strategy, source, stages = assemble(cfg, self.spec, self.mesh, self.device, self.streams)
         tp = self.strategy.tp
         self.vocab = tp.vocab if tp is not None else None  # the head split over the vocabulary: the loss on shards
         dataset, val = validation_split(cfg, TokenDataset(self.data_path, storage_cfg=cfg.checkpoint))
@@ -244,6 +247,10 @@ class Rank:
         self.meter = ActivationMeter(lambda: {d.untyped_storage().data_ptr() for d in buffer.data if d is not None})
         self._activations_peak = 0
         self._micro_per_step = cfg.train.global_batch_size // cfg.train.micro_batch_size
+        self._pipe = None if stages is None else pipelined.start_pipeline(
+            cfg, self.spec, self.model, self.strategy, stages, self.mesh, self.device, self.streams, self.meter,
+            self.vocab)
+        self._in_flight_peak = 0
         num_params, trainable = self.spec.num_params(self.model)  # this rank's: its TP share
         whole = tp.split_numel() if tp is not None else 0  # what the other TP ranks add
         return {
@@ -266,11 +273,15 @@ class Rank:
             "saves_shard": self.strategy.saves_shard,
             "layout": layout_record(self.strategy),
             "params": whole_shapes(self.model, tp),  # what checkpoints record: whole, at any TP size
+            "pp_rank": self.mesh.coord("pp"),
+            "pp": self.mesh.size("pp"),
+            **(pipelined.stage_report(self.spec, self.model, stages, cfg.train.seq_len) if stages else {}),
         }
 
     def _memory(self) -> dict[str, int]:
         """The ledger, and the peak bytes a micro-batch's forward has left saved for backward."""
-        return {**self.strategy.memory(), "activations_peak": self._activations_peak}
+        pipe = {"activations_in_flight": self._in_flight_peak} if self._pipe is not None else {}
+        return {**self.strategy.memory(), "activations_peak": self._activations_peak, **pipe}
 
     # -- phases --------------------------------------------------------------------------
     @watched
@@ -340,6 +351,28 @@ class Rank:
         return {}
 
     @watched
+    def pipeline(self, _prev: dict) -> dict:
+        """Every micro-batch's forward and backward through this rank's stages, in the order its
+        schedule gives (`pipeline/runner.py`), in place of the forward and backward phases."""
+        if self._valid_work is not None:
+            wait(self._valid_work)
+            self._valid_work = None
+        if isinstance(self._valid, torch.Tensor):
+            self._valid = max(float(self._valid.item()), 1.0)
+        totals = self._pipe.iteration(self._micro, self.plan["step"], self._first_micro, self._valid,
+                                      self._micro_per_step)
+        self._loss_sum += totals.loss_sum
+        self._aux_sum += totals.aux_sum
+        self._tokens += totals.tokens
+        for k in ("forward", "backward"):
+            self._times[k] += totals.times[k]
+        self._times["pipeline_wait"] = totals.times["wait"]  # waiting on the other stages: the bubble
+        self._activations_peak = max(self._activations_peak, totals.activations_peak)
+        self._in_flight_peak = max(self._in_flight_peak, totals.in_flight_peak)
+        self._next_micro = len(self._micro)
+        return {}
+
+    @watched
     def backward(self, _prev: dict) -> dict:
         t0 = time.perf_counter()
         last = self._next_micro == len(self._micro) - 1
@@ -405,7 +438,9 @@ class Rank:
         self.model.eval()
         try:
             with torch.no_grad():
-                for batch in range(self.val.num_batches):
+                if self._pipe is not None:
+                    loss_sum, count = pipelined.validation_loss(self._pipe, self.val, self.device)
+                for batch in range(self.val.num_batches if self._pipe is None else 0):
                     for x, y in self.val.microbatches(batch):
                         part, valid, _ = self.spec.loss(self.model, x.to(self.device), y.to(self.device),
                                                         vocab=self.vocab)
@@ -420,14 +455,17 @@ class Rank:
 
     @property
     def _counts(self) -> bool:
-        """Whether this rank's losses count: the first of its tensor-parallel group."""
-        return self.mesh.coord("tp") == 0
+        """Whether this rank's losses count: the first of its tensor-parallel group (in the last
+        pipeline stage, where the loss is)."""
+        return self.mesh.coord("tp") == 0 and (self._pipe is None or self._pipe.stages.last)
 
     def iteration(self, plan: dict) -> dict:
         """Every phase of one iteration, in order, in this process: what the controller's
         graph runs on each rank, for use without Ray."""
         out = self.gather(plan)
-        for _ in range(len(self._micro)):
+        if self._pipe is not None:
+            out = self.pipeline(out)
+        for _ in range(len(self._micro) if self._pipe is None else 0):
             out = self.backward(self.forward(out))
         return self.evaluate(self.step(self.reduce_scatter(out)))
 
@@ -477,6 +515,8 @@ class Rank:
         """The whole model's fp32 weights on CPU, by `state_dict()` names (tied weights under
         each name), on rank 0; None elsewhere. Every rank must call it: it is a collective."""
         state = self.strategy.full_state_dict()
+        if self._pipe is not None:  # each stage's first rank holds its stage's: gathered to rank 0
+            return pipelined.whole_state_dict(state if self.mesh.coord("stage") == 0 else None, self.mesh)
         return state if self.mesh.rank == 0 else None
 
     def close(self) -> None:

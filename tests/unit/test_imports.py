@@ -88,6 +88,7 @@ def violations(subpackage: str, forbidden: list[str]) -> list[str]:
 
 RULES = {
     "sharding": ["ray", "rayzero.cluster", "rayzero.workers", "rayzero.jobs"],
+    "pipeline": ["ray", "rayzero.cluster", "rayzero.workers", "rayzero.jobs", "rayzero.models", "rayzero.checkpoint"],
     "workers": ["rayzero.cluster", "rayzero.jobs"],
     "cluster": ["rayzero.jobs"],
     "models": ["ray", "rayzero.checkpoint"],  # storage is rayzero.storage, below both
@@ -220,7 +221,7 @@ LAYERS = [
     # URI -> filesystem (rayzero.storage): the data, the models and the checkpoints read through it,
     # and the checkpoint config makes its settings
     ["rayzero._frozen", "rayzero.version", "rayzero.storage", "rayzero.*.config"],
-    ["rayzero.sharding"],
+    ["rayzero.sharding", "rayzero.pipeline"],
     ["rayzero.data"],
     ["rayzero.models"],
     ["rayzero.checkpoint"],

@@ -1,0 +1,192 @@
+"""One rank's part of a pipelined iteration: its schedule's actions, run in order.
+
+    RECV_F  post the receive of a chunk's input activations (from the stage before)
+    F       the chunk's forward (`StageRunner`); on the last stage, the loss
+    SEND_F  send its output activations to the stage after
+    RECV_B  post the receive of the gradient of those outputs
+    B       backward through the chunk (I then W: the input gradient first, the weights' later)
+    SEND_B  send the input gradient to the stage before
+
+Sends and receives are point-to-point on the pipeline group, tagged by the boundary they cross,
+of shapes known ahead (micro-batch x sequence (its TP shard with sequence parallelism) x hidden,
+in the compute dtype); a send returns at once, a receive is waited for by the compute that
+needs it. The backward goes through the strategy, so every sharding strategy's gradient
+reduction and ZeRO-3's gathers work inside a stage as they do without a pipeline. The W part of
+`zero_bubble` uses torch's split backward (`torch.distributed.pipelining`), and gives the weight
+gradients to the strategy as they land.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+from rayzero.pipeline.schedules import Action
+from rayzero.pipeline.stages import StageRunner, Stages
+
+
+@dataclass
+class Link:
+    """The pipeline group's point-to-point messages for this rank: peers by stage, tags by boundary."""
+
+    stages: Stages
+    rank_of_stage: list[int]  # global rank holding each stage, on this rank's (replicate, shard, tp)
+    micro_count: int
+
+    def tag(self, boundary: int, micro: int, backward: bool) -> int:
+        """The boundary between stage `boundary` and the next, for `micro`, either way."""
+        return ((micro * self.stages.plan.num_stages + boundary) << 1) | int(backward)
+
+    def send(self, t: torch.Tensor, stage: int, boundary: int, micro: int, backward: bool):
+        return dist.isend(t.contiguous(), self.rank_of_stage[stage], tag=self.tag(boundary, micro, backward))
+
+    def recv(self, out: torch.Tensor, stage: int, boundary: int, micro: int, backward: bool):
+        return dist.irecv(out, self.rank_of_stage[stage], tag=self.tag(boundary, micro, backward))
+
+
+@dataclass
+class Totals:
+    """What one iteration's pipeline leaves for the step's report."""
+
+    loss_sum: torch.Tensor
+    aux_sum: torch.Tensor
+    tokens: int = 0
+    times: dict[str, float] = field(default_factory=lambda: {"forward": 0.0, "backward": 0.0, "wait": 0.0})
+    activations_peak: int = 0  # the most one chunk's forward left saved
+    in_flight_peak: int = 0  # the most all forwards not yet backward held at once
+
+
+class PipelineRun:
+    """A rank's pipeline: runs its actions for each iteration's micro-batches."""
+
+    def __init__(self, model, spec, strategy, stages: Stages, link: Link, actions: list[Action],
+                 shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, streams, meter, vocab=None):
+        self.model, self.spec, self.strategy = model, spec, strategy
+        self.stages, self.link, self.actions = stages, link, actions
+        self.shape, self.dtype, self.device = shape, dtype, device
+        self.streams, self.meter, self.vocab = streams, meter, vocab
+        self.runner = StageRunner(model, stages)
+        self.checked = False
+        # The action after which no more weight gradients land on this rank: the strategy may
+        # start its last reductions there. (The first stage has no input gradient to split off:
+        # its I is the whole backward and its W nothing, as torch's pipelining does.)
+        self._full_at_i = stages.first
+        landing = [i for i, a in enumerate(actions)
+                   if a.op == "B" or a.op == ("I" if self._full_at_i else "W")]
+        self._last_backward = landing[-1]
+
+    # -- one iteration -------------------------------------------------------------------
+    def iteration(self, micro, step: int, first_micro: int, valid, micro_per_step: int) -> Totals:
+        """Every action of this rank's schedule over `micro` ((x, y) per micro-batch); `valid`:
+        the step's global count of valid targets (the loss's divisor)."""
+        totals = Totals(torch.zeros((), dtype=torch.float64, device=self.device),
+                        torch.zeros((), dtype=torch.float64, device=self.device))
+        self._inputs: dict = {}  # (micro, chunk) -> received activations (the leaf whose grad goes back)
+        self._outputs: dict = {}  # (micro, chunk) -> output activations, or the scaled loss
+        self._grads: dict = {}  # (micro, chunk) -> received output gradient
+        self._recvs: dict = {}  # (op, micro, chunk) -> pending receive
+        self._groups: dict = {}  # (micro, chunk) -> zero_bubble's weight-gradient groups
+        self._saved: dict = {}  # (micro, chunk) -> bytes its forward left saved
+        sends = []
+        for index, a in enumerate(self.actions):
+            t0 = time.perf_counter()
+            if a.op == "RECV_F":
+                buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                s = self.stages.chunks[a.chunk]
+                self._recvs["F", a.micro, a.chunk] = (buf, self.link.recv(buf, s - 1, s - 1, a.micro, False))
+            elif a.op == "RECV_B":
+                buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                s = self.stages.chunks[a.chunk]
+                self._recvs["B", a.micro, a.chunk] = (buf, self.link.recv(buf, s + 1, s, a.micro, True))
+            elif a.op == "SEND_F":
+                s = self.stages.chunks[a.chunk]
+                out = self._outputs[a.micro, a.chunk].detach()
+                sends.append((out, self.link.send(out, s + 1, s, a.micro, False)))
+            elif a.op == "SEND_B":
+                s = self.stages.chunks[a.chunk]
+                grad = self._inputs.pop((a.micro, a.chunk)).grad
+                sends.append((grad, self.link.send(grad, s - 1, s - 1, a.micro, True)))
+            elif a.op == "F":
+                self._forward(a, micro, step, first_micro, valid, micro_per_step, totals)
+                totals.times["forward"] += time.perf_counter() - t0
+                continue
+            else:
+                self._backward(a, last=index == self._last_backward, totals=totals)
+                totals.times["backward"] += time.perf_counter() - t0
+                continue
+            totals.times["wait"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for _, work in sends:
+            work.wait()
+        totals.times["wait"] += time.perf_counter() - t0
+        return totals
+
+    def _received(self, kind: str, a: Action) -> torch.Tensor:
+        t0 = time.perf_counter()
+        buf, work = self._recvs.pop((kind, a.micro, a.chunk))
+        work.wait()
+        self._wait_s += time.perf_counter() - t0
+        return buf
+
+    def _forward(self, a: Action, micro, step, first_micro, valid, micro_per_step, totals: Totals) -> None:
+        x, y = micro[a.micro]
+        self._wait_s = 0.0
+        received = None
+        if not self.stages.is_first(a.chunk):
+            received = self._received("F", a).requires_grad_()
+            self._inputs[a.micro, a.chunk] = received
+        # Each stage's dropout draws from streams of (step, micro-batch, stage): the same draws
+        # at any pipeline schedule, data-parallel size or resume.
+        self.streams.begin(step, first_micro + a.micro, self.stages.chunks[a.chunk])
+        last = self.stages.is_last(a.chunk)
+        with self.meter:
+            if last:
+                out = self.runner.run(a.chunk, received, lambda m: self.spec.loss(
+                    m, x, y, check=not self.checked, vocab=self.vocab))
+            else:
+                out = self.runner.run(a.chunk, received, lambda m: self.spec.logits(m, x))
+        self.checked = True
+        self._saved[a.micro, a.chunk] = self.meter.bytes
+        totals.activations_peak = max(totals.activations_peak, self.meter.bytes)
+        totals.in_flight_peak = max(totals.in_flight_peak, sum(self._saved.values()))
+        if last:
+            loss_sum, count, aux = out
+            loss = loss_sum / valid
+            if aux is not None:
+                loss = loss + self.spec.aux_coef * aux / micro_per_step
+                totals.aux_sum += aux.detach().double()
+            totals.loss_sum += loss_sum.detach().double()
+            totals.tokens += int(count)
+            out = loss
+        self._outputs[a.micro, a.chunk] = out
+        totals.times["wait"] += self._wait_s
+        totals.times["forward"] -= self._wait_s
+
+    def _backward(self, a: Action, last: bool, totals: Totals) -> None:
+        self._wait_s = 0.0
+        key = a.micro, a.chunk
+        if a.op == "W":
+            if self._full_at_i:
+                return
+            params, groups = self._groups.pop(key)
+            self.strategy.backward_weights(lambda: stage_backward_weight(iter(params), groups), params, last)
+            return
+        out = self._outputs.pop(key)
+        grad = None if self.stages.is_last(a.chunk) else self._received("B", a)
+        received = self._inputs.get(key)
+        if a.op == "B" or (a.op == "I" and self._full_at_i):
+            self.strategy.backward(out, last, grad=grad)
+        else:  # "I": the input gradient now, the weights' in this chunk's W
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            scaled, grads = self.strategy.scaled(out, grad)
+            _, groups = self.strategy.backward_inputs(
+                lambda: stage_backward_input([scaled], grads, [received] if received is not None else [],
+                                             iter(params)))
+            self._groups[key] = (params, groups)
+        self._saved.pop(key, None)
+        totals.times["wait"] += self._wait_s
+        totals.times["backward"] -= self._wait_s
