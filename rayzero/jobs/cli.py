@@ -86,6 +86,8 @@ def _train(args) -> int:
 
 
 def _print_plan(p: dict) -> None:
+    from rayzero.jobs.pipeline_plan import pipeline_lines
+
     elastic = f" (down to {p['world_sizes'][-1]} if the cluster shrinks)" if len(p["world_sizes"]) > 1 else ""
     bundle = ", ".join(f"{v:g} {k}" for k, v in p["bundle"].items())
     hybrid = f", {p['dp_outer']} replicas" if p["dp_outer"] > 1 else ""
@@ -95,7 +97,8 @@ def _print_plan(p: dict) -> None:
         f"plan (dry run: nothing started)\n"
         f"  {p['world_size']} ranks{elastic} of {bundle} each, on {p['cluster']}\n"
         f"  strategy {p['strategy']}{hybrid}; params {p['param_dtype']}, grads {p['grad_dtype']}\n"
-        + ("".join(f"  {line}\n" for line in p["mesh"]) if p["tp"] > 1 else "")
+        + ("".join(f"  {line}\n" for line in p["mesh"]) if p["tp"] > 1 or p.get("pipeline") else "")
+        + ("".join(f"  {line}\n" for line in pipeline_lines(p["pipeline"])) if p.get("pipeline") else "")
         + ("  sequence parallel: norms and residuals on 1/tp of the sequence\n" if p["sequence_parallel"] else "")
         + ("  vocabulary parallel: embedding, head and logits split over the tp ranks, the loss on the shards\n"
            if p["tp"] > 1 and p["vocab_parallel"] else "")

@@ -187,6 +187,10 @@ def check_model(cfg: RootConfig, factory=None, data_vocab: int | None = None) ->
         spec = make_spec(cfg, factory)
         spec.check(cfg.train.seq_len, data_vocab)
         check_buildable(cfg, None if cfg.cluster.use_gpu else torch.device("cpu"), spec)
+        if cfg.parallel.pp > 1:
+            from rayzero.jobs.pipeline_plan import check_pipeline
+
+            check_pipeline(cfg, spec, build_model(cfg, spec).model)
         if cfg.model.adapter:  # onto the model it was trained on, every adapter in its file
             from rayzero.models.lora import check_adapter_base, read_adapter
 
@@ -344,12 +348,17 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
         shape = spec.activation_shape(model)
         lora = lora_line(cfg, model)
         vocab = {"parallel": built.tp is not None and built.tp.vocab is not None, "note": vocab_note(cfg, built)}
+        stages = None
+        if cfg.parallel.pp > 1:
+            from rayzero.jobs.pipeline_plan import check_pipeline
+
+            stages = check_pipeline(cfg, spec, model)
     except ModelUnreachable as e:
         spec, note, num_params, trainable, buckets = None, f"not read from here: {e}", None, None, None
         whole_params = whole_trainable = None
         lora, vocab = None, {"parallel": cfg.parallel.tp > 1 and cfg.parallel.vocab_parallel, "note": None}
         record = {"kind": cfg.model.kind, "source": cfg.model.path, "init": cfg.model.init}
-        shape = None
+        shape = stages = None
     sh, t, c = cfg.sharding, cfg.train, cfg.cluster
     mesh = cfg.mesh()
     d = mesh.size("shard")  # ranks a shard is split over
@@ -362,7 +371,19 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
     # Per rank: its tensor-parallel share of the parameters (split ones / tp, replicated whole).
     bytes_per_rank = (int(per_param * trainable + frozen_per_param * (num_params - trainable))
                       if num_params else None)
+    act = activation_bytes(
+        shape, t.seq_len, t.micro_batch_size, param_bytes, cfg.model.checkpoint_every,
+        cfg.model.activation_checkpointing == "selective", cfg.parallel.tp,
+        cfg.parallel.sequence_parallel, vocab["parallel"]) if shape is not None else None
+    pipeline = None
+    if stages is not None:
+        from rayzero.jobs.pipeline_plan import pipeline_plan
+
+        pipeline = pipeline_plan(cfg, stages, model, per_param, frozen_per_param, act)
+        bytes_per_rank = max(r["bytes_per_rank"] for r in pipeline["ranks"])  # the fullest stage's
+        num_params = max(r["params"] for r in pipeline["ranks"])
     return {
+        "pipeline": pipeline,
         "world_size": c.num_workers,
         "tp": cfg.parallel.tp,
         "sequence_parallel": cfg.parallel.sequence_parallel,
@@ -393,10 +414,7 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
         "memory": {"bytes_per_param": bytes_per_rank / num_params if num_params else per_param,
                    "bytes_per_rank": bytes_per_rank,
                    # a micro-batch's saved activations, estimated from the model's shape (None: unknown)
-                   "activations_bytes": activation_bytes(
-                       shape, t.seq_len, t.micro_batch_size, param_bytes, cfg.model.checkpoint_every,
-                       cfg.model.activation_checkpointing == "selective", cfg.parallel.tp,
-                       cfg.parallel.sequence_parallel, vocab["parallel"]) if shape is not None else None,
+                   "activations_bytes": act,
                    "activation_checkpointing": cfg.model.activation_checkpointing},
         "checkpoint": ({"dir": checkpoint_root(cfg), "every_steps": cfg.checkpoint.every_steps,
                         "resume": cfg.checkpoint.resume} if cfg.checkpoint.dir else None),

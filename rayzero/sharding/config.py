@@ -164,6 +164,12 @@ class ParallelConfig(Frozen):
         "otherwise): rank r holds stages r, r + pp, r + 2 pp, …",
     )
 
+    @field_validator("pp_layers", mode="before")
+    @classmethod
+    def _split_layers(cls, v):
+        # From the command line: parallel.pp_layers=3,5 (or [3,5])
+        return [s.strip() for s in v.strip("[] ").split(",") if s.strip()] if isinstance(v, str) else v
+
     @model_validator(mode="after")
     def _check(self):
         if self.pp_virtual_stages > 1 and self.pp_schedule != "interleaved_1f1b":
