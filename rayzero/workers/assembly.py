@@ -3,7 +3,8 @@
     build on meta → adapters → tensor parallel → activation checkpointing
                   → pipeline stage (the blocks and ends of this rank's stages; the rest stand-ins)
                   → sharding strategy (over whatever the steps before left local)
-                  → initial values, per name
+                  → initial values, per name (their source matched to the whole model's names,
+                    before the pipeline stage keeps part of it)
 
 Each step is a function of the model, the config and the spec (the model seam) and knows no
 model class; the names checkpoints, exports and pretrained weights see stay the model's own at
@@ -172,6 +173,9 @@ def assemble(cfg: RootConfig, spec: ModelSpec, mesh: Mesh, device: torch.device,
     """Every step, on this rank: (the model, its strategy, where its initial values came from,
     its pipeline stages or None)."""
     built = build_model(cfg, spec, mesh, streams)
+    # Where each parameter's values come from, matched on the whole model: pretrained weights
+    # hold every stage's tensors, and a stage's model alone would leave the others' unclaimed.
+    source = initial_values(spec, built)
     pipeline_stage(built, cfg, spec, mesh)
     model = built.model
     for module in model.modules():  # buffers (RoPE frequencies, masks) are real: move them
@@ -180,7 +184,6 @@ def assemble(cfg: RootConfig, spec: ModelSpec, mesh: Mesh, device: torch.device,
                 module._buffers[name] = b.to(device)
     check_buildable(cfg, device, spec, model)
     sharding = resolved_sharding(cfg, spec, model)
-    source = initial_values(spec, built)
     tied = None
     if built.stages is not None:
         axis = tied_axis(mesh, built.stages)  # a collective: every rank makes every group
