@@ -269,6 +269,11 @@ class HFSpec(ModelSpec):
         aux = getattr(out, "aux_loss", None) if self.aux_coef else None
         return aux if isinstance(aux, torch.Tensor) else None
 
+    def routers(self, model: nn.Module):
+        from rayzero.models.routers import RouterLogits
+
+        return RouterLogits.of(model) if self.aux_coef else None
+
     @property
     def vocab_size(self) -> int:
         return self.text_config.vocab_size

@@ -302,6 +302,12 @@ class ModelSpec:
         """The model's auxiliary loss in the forward's output, or None."""
         return None
 
+    def routers(self, model: nn.Module):
+        """With an auxiliary loss that pipeline stages must compute together (a mixture of
+        experts' router loss): what records its inputs stage by stage (`models/routers.py`);
+        None for a model without one."""
+        return None
+
     @property
     def where(self) -> str:
         """The config key that names this model, for messages."""

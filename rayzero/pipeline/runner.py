@@ -9,8 +9,9 @@
 
 Sends and receives are point-to-point on the pipeline group, tagged by the boundary they cross,
 of shapes known ahead (micro-batch x sequence (its TP shard with sequence parallelism) x hidden,
-in the compute dtype); a send returns at once, a receive is waited for by the compute that
-needs it. The backward goes through the strategy, so every sharding strategy's gradient
+in the compute dtype; with a mixture of experts' router loss, also the router logits of every
+layer so far, `models/routers.py`); a send returns at once, a receive is waited for by the
+compute that needs it. The backward goes through the strategy, so every sharding strategy's gradient
 reduction and ZeRO-3's gathers work inside a stage as they do without a pipeline. The W part of
 `zero_bubble` uses torch's split backward (`torch.distributed.pipelining`), and gives the weight
 gradients to the strategy as they land.
@@ -36,16 +37,19 @@ class Link:
     stages: Stages
     rank_of_stage: list[int]  # global rank holding each stage, on this rank's (replicate, shard, tp)
     micro_count: int
+    tokens: int = 0  # a row's tokens (train.seq_len): the router logits' rows per micro-batch row
 
-    def tag(self, boundary: int, micro: int, backward: bool) -> int:
-        """The boundary between stage `boundary` and the next, for `micro`, either way."""
-        return ((micro * self.stages.plan.num_stages + boundary) << 1) | int(backward)
+    def tag(self, boundary: int, micro: int, backward: bool, part: int = 0) -> int:
+        """Part `part` of what crosses the boundary between stage `boundary` and the next, for `micro`, either way."""
+        return ((((micro * self.stages.plan.num_stages + boundary) << 1) | int(backward)) << 1) | part
 
-    def send(self, t: torch.Tensor, stage: int, boundary: int, micro: int, backward: bool):
-        return dist.isend(t.contiguous(), self.rank_of_stage[stage], tag=self.tag(boundary, micro, backward))
+    def send(self, ts: list[torch.Tensor], stage: int, boundary: int, micro: int, backward: bool) -> list:
+        return [dist.isend(t.contiguous(), self.rank_of_stage[stage], tag=self.tag(boundary, micro, backward, i))
+                for i, t in enumerate(ts)]
 
-    def recv(self, out: torch.Tensor, stage: int, boundary: int, micro: int, backward: bool):
-        return dist.irecv(out, self.rank_of_stage[stage], tag=self.tag(boundary, micro, backward))
+    def recv(self, outs: list[torch.Tensor], stage: int, boundary: int, micro: int, backward: bool) -> list:
+        return [dist.irecv(t, self.rank_of_stage[stage], tag=self.tag(boundary, micro, backward, i))
+                for i, t in enumerate(outs)]
 
 
 @dataclass
@@ -64,10 +68,12 @@ class PipelineRun:
     """A rank's pipeline: runs its actions for each iteration's micro-batches."""
 
     def __init__(self, model, spec, strategy, stages: Stages, link: Link, actions: list[Action],
-                 shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, streams, meter, vocab=None):
+                 shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, streams, meter, vocab=None,
+                 routers=None):
         self.model, self.spec, self.strategy = model, spec, strategy
         self.stages, self.link, self.actions = stages, link, actions
         self.shape, self.dtype, self.device = shape, dtype, device
+        self.routers = routers  # a mixture of experts' router logits, passed on with the activations
         self.streams, self.meter, self.vocab = streams, meter, vocab
         self.runner = StageRunner(model, stages)
         self.checked = False
@@ -94,22 +100,20 @@ class PipelineRun:
         sends = []
         for index, a in enumerate(self.actions):
             t0 = time.perf_counter()
+            s = self.stages.chunks[a.chunk]
             if a.op == "RECV_F":
-                buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-                s = self.stages.chunks[a.chunk]
-                self._recvs["F", a.micro, a.chunk] = (buf, self.link.recv(buf, s - 1, s - 1, a.micro, False))
+                bufs = self.boundary(s - 1)
+                self._recvs["F", a.micro, a.chunk] = (bufs, self.link.recv(bufs, s - 1, s - 1, a.micro, False))
             elif a.op == "RECV_B":
-                buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-                s = self.stages.chunks[a.chunk]
-                self._recvs["B", a.micro, a.chunk] = (buf, self.link.recv(buf, s + 1, s, a.micro, True))
+                bufs = self.boundary(s)
+                self._recvs["B", a.micro, a.chunk] = (bufs, self.link.recv(bufs, s + 1, s, a.micro, True))
             elif a.op == "SEND_F":
-                s = self.stages.chunks[a.chunk]
-                out = self._outputs[a.micro, a.chunk].detach()
-                sends.append((out, self.link.send(out, s + 1, s, a.micro, False)))
+                outs = [t.detach() for t in self._outputs[a.micro, a.chunk]]
+                sends.append((outs, self.link.send(outs, s + 1, s, a.micro, False)))
             elif a.op == "SEND_B":
-                s = self.stages.chunks[a.chunk]
-                grad = self._inputs.pop((a.micro, a.chunk)).grad
-                sends.append((grad, self.link.send(grad, s - 1, s - 1, a.micro, True)))
+                grads = [t.grad if t.grad is not None else torch.zeros_like(t)
+                         for t in self._inputs.pop((a.micro, a.chunk))]
+                sends.append((grads, self.link.send(grads, s - 1, s - 1, a.micro, True)))
             elif a.op == "F":
                 self._forward(a, micro, step, first_micro, valid, micro_per_step, totals)
                 totals.times["forward"] += time.perf_counter() - t0
@@ -120,35 +124,58 @@ class PipelineRun:
                 continue
             totals.times["wait"] += time.perf_counter() - t0
         t0 = time.perf_counter()
-        for _, work in sends:
-            work.wait()
+        for _, works in sends:
+            for work in works:
+                work.wait()
         totals.times["wait"] += time.perf_counter() - t0
         return totals
 
-    def _received(self, kind: str, a: Action) -> torch.Tensor:
+    def boundary(self, b: int) -> list[torch.Tensor]:
+        """Empty tensors for what crosses boundary `b` (after stage `b`): the activations, and
+        with routers every layer's router logits up to there."""
+        out = [torch.empty(self.shape, dtype=self.dtype, device=self.device)]
+        if self.routers is not None:
+            layers = sum(self.stages.routers_in[: b + 1])
+            tokens = self.shape[0] * self.link.tokens
+            out.append(torch.empty(layers, tokens, self.routers.experts, dtype=self.dtype, device=self.device))
+        return out
+
+    def _received(self, kind: str, a: Action) -> list[torch.Tensor]:
         t0 = time.perf_counter()
-        buf, work = self._recvs.pop((kind, a.micro, a.chunk))
-        work.wait()
+        bufs, works = self._recvs.pop((kind, a.micro, a.chunk))
+        for work in works:
+            work.wait()
         self._wait_s += time.perf_counter() - t0
-        return buf
+        return bufs
 
     def _forward(self, a: Action, micro, step, first_micro, valid, micro_per_step, totals: Totals) -> None:
         x, y = micro[a.micro]
         self._wait_s = 0.0
-        received = None
+        received = []
         if not self.stages.is_first(a.chunk):
-            received = self._received("F", a).requires_grad_()
+            received = [t.requires_grad_() for t in self._received("F", a)]
             self._inputs[a.micro, a.chunk] = received
         # Each stage's dropout draws from streams of (step, micro-batch, stage): the same draws
         # at any pipeline schedule, data-parallel size or resume.
         self.streams.begin(step, first_micro + a.micro, self.stages.chunks[a.chunk])
         last = self.stages.is_last(a.chunk)
+        hidden = received[0] if received else None
+        if self.routers is not None:
+            self.routers.recording = []
         with self.meter:
             if last:
-                out = self.runner.run(a.chunk, received, lambda m: self.spec.loss(
+                out = self.runner.run(a.chunk, hidden, lambda m: self.spec.loss(
                     m, x, y, check=not self.checked, vocab=self.vocab))
             else:
-                out = self.runner.run(a.chunk, received, lambda m: self.spec.logits(m, x))
+                out = [self.runner.run(a.chunk, hidden, lambda m: self.spec.logits(m, x))]
+            if self.routers is not None:  # this stage's router logits after those of the stages before
+                own = self.routers.recording
+                logits = torch.cat([*received[1:], *(t.unsqueeze(0) for t in own)])
+                self.routers.recording = None
+                if last:
+                    out = (*out[:2], self.routers.loss(logits))
+                else:
+                    out.append(logits)
         self.checked = True
         self._saved[a.micro, a.chunk] = self.meter.bytes
         totals.activations_peak = max(totals.activations_peak, self.meter.bytes)
@@ -161,7 +188,7 @@ class PipelineRun:
                 totals.aux_sum += aux.detach().double()
             totals.loss_sum += loss_sum.detach().double()
             totals.tokens += int(count)
-            out = loss
+            out = [loss]
         self._outputs[a.micro, a.chunk] = out
         totals.times["wait"] += self._wait_s
         totals.times["forward"] -= self._wait_s
@@ -177,15 +204,14 @@ class PipelineRun:
             return
         out = self._outputs.pop(key)
         grad = None if self.stages.is_last(a.chunk) else self._received("B", a)
-        received = self._inputs.get(key)
+        received = self._inputs.get(key, [])
         if a.op == "B" or (a.op == "I" and self._full_at_i):
             self.strategy.backward(out, last, grad=grad)
         else:  # "I": the input gradient now, the weights' in this chunk's W
             params = [p for p in self.model.parameters() if p.requires_grad]
-            scaled, grads = self.strategy.scaled(out, grad)
+            outs, grads = self.strategy.scaled(out, grad)
             _, groups = self.strategy.backward_inputs(
-                lambda: stage_backward_input([scaled], grads, [received] if received is not None else [],
-                                             iter(params)))
+                lambda: stage_backward_input(outs, grads, received, iter(params)))
             self._groups[key] = (params, groups)
         self._saved.pop(key, None)
         totals.times["wait"] += self._wait_s

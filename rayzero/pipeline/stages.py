@@ -185,6 +185,8 @@ class Stages:
     tied: frozenset[str] = frozenset()  # parameters another rank holds too (summed gradients)
     any_tied: bool = False  # whether any two stages share a parameter (every rank knows)
     absent: list[Absent] = field(default_factory=list)
+    routers: object | None = None  # a mixture of experts' router logits (`models/routers.py`), or None
+    routers_in: list[int] = field(default_factory=list)  # routers per stage
 
     @property
     def first(self) -> bool:

@@ -229,18 +229,19 @@ class Strategy:
         for g in self.grads:
             g.zero_()
 
-    def backward(self, loss: torch.Tensor, last_microbatch: bool, grad: torch.Tensor | None = None) -> None:
+    def backward(self, loss, last_microbatch: bool, grad: list[torch.Tensor] | None = None) -> None:
         """Backward from `loss`, scaled by the loss scale; or, with `grad`, from a pipeline
-        stage's output with the gradient the next stage sent (scaled there already)."""
-        out, grads = self.scaled(loss, grad)
-        self._run_backward(lambda: torch.autograd.backward(out, grads), last_microbatch)
+        stage's outputs (a list) with the gradients the next stage sent (scaled there already)."""
+        outs, grads = self.scaled(loss, grad)
+        self._run_backward(lambda: torch.autograd.backward(outs, grads), last_microbatch)
 
-    def scaled(self, out: torch.Tensor, grad: torch.Tensor | None) -> tuple[torch.Tensor, list | None]:
-        """What a backward starts from: the loss times the loss scale, or a stage's output and its gradient."""
+    def scaled(self, out, grad: list[torch.Tensor] | None) -> tuple[list[torch.Tensor], list | None]:
+        """What a backward starts from: the loss times the loss scale, or a stage's outputs and their gradients."""
+        outs = out if isinstance(out, (list, tuple)) else [out]
         if grad is not None:
-            return out, [grad]
+            return list(outs), list(grad)
         scale = self.scaler.scale if self.scaler is not None else 1.0
-        return (out * scale if scale != 1.0 else out), None
+        return [o * scale if scale != 1.0 else o for o in outs], None
 
     def backward_inputs(self, run: Callable):
         """A pipeline stage's input-gradient half of a backward (`run()`; zero_bubble's I): no

@@ -130,7 +130,13 @@ def pipeline_stage(built: Built, cfg: RootConfig, spec: ModelSpec, mesh: Mesh) -
     strategy: it shards only what the stages hold."""
     if mesh.size("pp") == 1:
         return
-    built.stages = split(built.model, stage_plan(cfg, spec, built.model), mesh.coord("pp"))
+    plan = stage_plan(cfg, spec, built.model)
+    routers = spec.routers(built.model)  # hooked on the whole model, counted per stage, before the split
+    modules = dict(built.model.named_modules())
+    counts = [sum(routers.count(modules[b]) for b in plan.stage_blocks(s)) for s in range(plan.num_stages)
+              ] if routers is not None else []
+    built.stages = split(built.model, plan, mesh.coord("pp"))
+    built.stages.routers, built.stages.routers_in = routers, counts
 
 
 def fsdp_units(cfg: RootConfig, spec: ModelSpec, model: nn.Module) -> tuple[str, ...]:

@@ -19,8 +19,9 @@ def start_pipeline(cfg, spec, model, strategy, stages: Stages, mesh, device, str
     actions = schedule(cfg.parallel.pp_schedule, p, m, v)[mesh.coord("pp")]
     coords = mesh.coords(mesh.rank)
     peers = [mesh.rank_at({**coords, "pp": place_of(s, p)[0]}) for s in range(stages.plan.num_stages)]
-    return PipelineRun(model, spec, strategy, stages, Link(stages, peers, m), actions,
-                       boundary_shape(cfg, stages), strategy.precision.param, device, streams, meter, vocab)
+    return PipelineRun(model, spec, strategy, stages, Link(stages, peers, m, cfg.train.seq_len), actions,
+                       boundary_shape(cfg, stages), strategy.precision.param, device, streams, meter, vocab,
+                       stages.routers)
 
 
 def boundary_shape(cfg, stages: Stages) -> tuple[int, int, int]:
@@ -48,14 +49,16 @@ def validation_loss(pipe: PipelineRun, val, device) -> tuple[torch.Tensor, int]:
                 received = None
                 if not stages.is_first(c):
                     received = torch.empty(pipe.shape, dtype=pipe.dtype, device=device)
-                    link.recv(received, s - 1, s - 1, index, False).wait()
+                    for work in link.recv([received], s - 1, s - 1, index, False):
+                        work.wait()
                 if stages.is_last(c):
                     part, valid, _ = pipe.runner.run(c, received, lambda m: pipe.spec.loss(m, x, y, vocab=pipe.vocab))
                     loss_sum += part.double()
                     count += int(valid)
                 else:
                     out = pipe.runner.run(c, received, lambda m: pipe.spec.logits(m, x))
-                    link.send(out, s + 1, s, index, False).wait()
+                    for work in link.send([out], s + 1, s, index, False):
+                        work.wait()
             index += 1
     return loss_sum, count
 

@@ -61,3 +61,16 @@ def test_tied_llama_sums_the_shared_weight_over_stages(llama_dirs, small_dataset
     assert set(stage0) & set(stage1) == {"model.embed_tokens.weight"}
     assert "lm_head.weight" not in stage1
     assert {"model.embed_tokens.weight", "lm_head.weight"} <= set(results[("1f1b", 0)]["state"])
+
+
+MOE = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_a_mixture_of_experts_router_loss_spans_the_stages(arch, tmp_path, small_dataset):
+    """The router loss (weighted up to show in a short run) is transformers' over every layer's router logits: each stage passes its
+    layers' logits on with the activations, the last computes the loss, and its gradient reaches
+    every stage's routers: equal to the single-process model with its router loss."""
+    dirs = {arch: str(save_hf_model(arch, tmp_path / arch, seed=3, **MOE))}
+    check(arch, [("1f1b", ["parallel.pp=2"]), ("zero_bubble", ["parallel.pp=2", "parallel.pp_schedule=zero_bubble"])],
+          dirs, small_dataset)

@@ -1,0 +1,54 @@
+"""A mixture of experts' router logits, gathered across pipeline stages for its load-balancing loss.
+
+transformers computes the loss from every layer's router logits at once
+(`load_balancing_loss_func` of the model's family: the experts' token shares and mean router
+probabilities over all layers' tokens, multiplied), so no stage can compute its part alone.
+Each stage records its routers' logits (the modules the model's `_can_record_outputs` names for
+"router_logits") and passes them on with the activations, stacked after those it received; the
+last stage calls the family's own function on all of them, so the loss, and the gradient that
+flows back through the logits to every stage's routers, are transformers' at any pipeline size.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn as nn
+
+
+class RouterLogits:
+    """Records the router logits of the modules that run while `recording` is a list."""
+
+    def __init__(self, model: nn.Module):
+        recorder = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
+        self.cls = getattr(recorder, "target_class", recorder)
+        self.index = getattr(recorder, "index", 0)
+        self.experts = int(getattr(model, "num_experts"))
+        self.top_k = int(getattr(model, "num_experts_per_tok"))
+        self._loss = getattr(sys.modules[type(model).__module__], "load_balancing_loss_func")
+        self.recording: list[torch.Tensor] | None = None
+        for m in model.modules():
+            if isinstance(m, self.cls):
+                m.register_forward_hook(self._record)
+
+    @staticmethod
+    def of(model: nn.Module) -> "RouterLogits | None":
+        """The model's routers, when it records router logits and computes a loss from them."""
+        recorder = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
+        family = sys.modules.get(type(model).__module__)
+        if recorder is None or not hasattr(family, "load_balancing_loss_func") or not hasattr(model, "num_experts"):
+            return None
+        return RouterLogits(model)
+
+    def _record(self, _module, _args, output) -> None:
+        if self.recording is not None:
+            self.recording.append(output[self.index] if isinstance(output, (tuple, list)) else output)
+
+    def count(self, module: nn.Module) -> int:
+        """The routers inside `module` (a block)."""
+        return sum(isinstance(m, self.cls) for m in module.modules())
+
+    def loss(self, logits: torch.Tensor) -> torch.Tensor:
+        """The family's load-balancing loss of every layer's logits, (layers, tokens, experts)."""
+        return self._loss(tuple(logits.unbind(0)), self.experts, self.top_k, None)
