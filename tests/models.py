@@ -36,6 +36,10 @@ def hf_config(arch: str, **extra):
         "gpt_neox": (tf.GPTNeoXConfig, dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                              num_attention_heads=4, max_position_embeddings=128,
                                              hidden_dropout=0.0, attention_dropout=0.0)),
+        # decoder families whose embedding or norms differ: Gemma scales its embeddings by sqrt(hidden) in
+        # the model's forward; Phi has a dropout after them and a LayerNorm with biases
+        "gemma": (tf.GemmaConfig, {**decoder, "head_dim": 8}),
+        "phi": (tf.PhiConfig, {**decoder, "num_key_value_heads": 4, "partial_rotary_factor": 0.5}),
         "mixtral": (tf.MixtralConfig, {**decoder, "intermediate_size": 48, "num_local_experts": 4,
                                        "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02}),
         "qwen2_moe": (tf.Qwen2MoeConfig, {**decoder, "moe_intermediate_size": 24, "shared_expert_intermediate_size": 40,

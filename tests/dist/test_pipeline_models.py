@@ -74,3 +74,18 @@ def test_a_mixture_of_experts_router_loss_spans_the_stages(arch, tmp_path, small
     dirs = {arch: str(save_hf_model(arch, tmp_path / arch, seed=3, **MOE))}
     check(arch, [("1f1b", ["parallel.pp=2"]), ("zero_bubble", ["parallel.pp=2", "parallel.pp_schedule=zero_bubble"])],
           dirs, small_dataset)
+
+
+FAMILY = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen2", "mistral", "gemma", "phi", "gpt_neox", "gpt2"])
+def test_each_decoder_family_splits_by_its_layers(arch, tmp_path, small_dataset):
+    """Each family's own forward runs a stage: its embedding (scaled, with dropout, or with
+    positions) on the first, its norm and head on the last, its decoder layers between."""
+    shape = dict(n_embd=64, n_layer=4, n_head=4) if arch == "gpt2" else dict(FAMILY)
+    if arch == "gpt_neox":
+        shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4)
+    dirs = {arch: str(save_hf_model(arch, tmp_path / arch, seed=4, **shape))}
+    check(arch, [("1f1b", ["parallel.pp=2"])], dirs, small_dataset)
