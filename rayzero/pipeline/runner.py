@@ -14,6 +14,9 @@ needs it. The backward goes through the strategy, so every sharding strategy's g
 reduction and ZeRO-3's gathers work inside a stage as they do without a pipeline. The W part of
 `zero_bubble` uses torch's split backward (`torch.distributed.pipelining`), and gives the weight
 gradients to the strategy as they land.
+
+For measuring (benchmarks/pipeline.py): `Link.sent_bytes` counts the bytes this rank has sent,
+and `PipelineRun.trace`, off unless set to a list, records each compute action's start and end.
 """
 
 from __future__ import annotations
@@ -36,12 +39,14 @@ class Link:
     stages: Stages
     rank_of_stage: list[int]  # global rank holding each stage, on this rank's (replicate, shard, tp)
     micro_count: int
+    sent_bytes: int = 0  # every tensor this rank has sent, since it was made
 
     def tag(self, boundary: int, micro: int, backward: bool) -> int:
         """The boundary between stage `boundary` and the next, for `micro`, either way."""
         return ((micro * self.stages.plan.num_stages + boundary) << 1) | int(backward)
 
     def send(self, t: torch.Tensor, stage: int, boundary: int, micro: int, backward: bool):
+        self.sent_bytes += t.numel() * t.element_size()
         return dist.isend(t.contiguous(), self.rank_of_stage[stage], tag=self.tag(boundary, micro, backward))
 
     def recv(self, out: torch.Tensor, stage: int, boundary: int, micro: int, backward: bool):
@@ -71,6 +76,9 @@ class PipelineRun:
         self.streams, self.meter, self.vocab = streams, meter, vocab
         self.runner = StageRunner(model, stages)
         self.checked = False
+        # Off (None) unless a caller sets a list: then each F, B, I and W appends (str(action),
+        # start, end) in time.perf_counter() seconds, a receive's wait left out of its start.
+        self.trace: list[tuple[str, float, float]] | None = None
         # The action after which no more weight gradients land on this rank: the strategy may
         # start its last reductions there. (The first stage has no input gradient to split off:
         # its I is the whole backward and its W nothing, as torch's pipelining does.)
@@ -112,10 +120,12 @@ class PipelineRun:
                 sends.append((grad, self.link.send(grad, s - 1, s - 1, a.micro, True)))
             elif a.op == "F":
                 self._forward(a, micro, step, first_micro, valid, micro_per_step, totals)
+                self._record(a, t0)
                 totals.times["forward"] += time.perf_counter() - t0
                 continue
             else:
                 self._backward(a, last=index == self._last_backward, totals=totals)
+                self._record(a, t0)
                 totals.times["backward"] += time.perf_counter() - t0
                 continue
             totals.times["wait"] += time.perf_counter() - t0
@@ -124,6 +134,10 @@ class PipelineRun:
             work.wait()
         totals.times["wait"] += time.perf_counter() - t0
         return totals
+
+    def _record(self, a: Action, t0: float) -> None:
+        if self.trace is not None:
+            self.trace.append((str(a), t0 + self._wait_s, time.perf_counter()))
 
     def _received(self, kind: str, a: Action) -> torch.Tensor:
         t0 = time.perf_counter()
