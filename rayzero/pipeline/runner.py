@@ -15,6 +15,9 @@ compute that needs it. The backward goes through the strategy, so every sharding
 reduction and ZeRO-3's gathers work inside a stage as they do without a pipeline. The W part of
 `zero_bubble` uses torch's split backward (`torch.distributed.pipelining`), and gives the weight
 gradients to the strategy as they land.
+
+For measuring (benchmarks/pipeline.py): `Link.sent_bytes` counts the bytes this rank has sent,
+and `PipelineRun.trace`, off unless set to a list, records each compute action's start and end.
 """
 
 from __future__ import annotations
@@ -38,12 +41,14 @@ class Link:
     rank_of_stage: list[int]  # global rank holding each stage, on this rank's (replicate, shard, tp)
     micro_count: int
     tokens: int = 0  # a row's tokens (train.seq_len): the router logits' rows per micro-batch row
+    sent_bytes: int = 0  # every tensor this rank has sent, since it was made
 
     def tag(self, boundary: int, micro: int, backward: bool, part: int = 0) -> int:
         """Part `part` of what crosses the boundary between stage `boundary` and the next, for `micro`, either way."""
         return ((((micro * self.stages.plan.num_stages + boundary) << 1) | int(backward)) << 1) | part
 
     def send(self, ts: list[torch.Tensor], stage: int, boundary: int, micro: int, backward: bool) -> list:
+        self.sent_bytes += sum(t.numel() * t.element_size() for t in ts)
         return [dist.isend(t.contiguous(), self.rank_of_stage[stage], tag=self.tag(boundary, micro, backward, i))
                 for i, t in enumerate(ts)]
 
@@ -77,6 +82,9 @@ class PipelineRun:
         self.streams, self.meter, self.vocab = streams, meter, vocab
         self.runner = StageRunner(model, stages)
         self.checked = False
+        # Off (None) unless a caller sets a list: then each F, B, I and W appends (str(action),
+        # start, end) in time.perf_counter() seconds, a receive's wait left out of its start.
+        self.trace: list[tuple[str, float, float]] | None = None
         # The action after which no more weight gradients land on this rank: the strategy may
         # start its last reductions there. (The first stage has no input gradient to split off:
         # its I is the whole backward and its W nothing, as torch's pipelining does.)
@@ -116,10 +124,12 @@ class PipelineRun:
                 sends.append((grads, self.link.send(grads, s - 1, s - 1, a.micro, True)))
             elif a.op == "F":
                 self._forward(a, micro, step, first_micro, valid, micro_per_step, totals)
+                self._record(a, t0)
                 totals.times["forward"] += time.perf_counter() - t0
                 continue
             else:
                 self._backward(a, last=index == self._last_backward, totals=totals)
+                self._record(a, t0)
                 totals.times["backward"] += time.perf_counter() - t0
                 continue
             totals.times["wait"] += time.perf_counter() - t0
@@ -139,6 +149,10 @@ class PipelineRun:
             tokens = self.shape[0] * self.link.tokens
             out.append(torch.empty(layers, tokens, self.routers.experts, dtype=self.dtype, device=self.device))
         return out
+
+    def _record(self, a: Action, t0: float) -> None:
+        if self.trace is not None:
+            self.trace.append((str(a), t0 + self._wait_s, time.perf_counter()))
 
     def _received(self, kind: str, a: Action) -> list[torch.Tensor]:
         t0 = time.perf_counter()
@@ -200,6 +214,7 @@ class PipelineRun:
             if self._full_at_i:
                 return
             params, groups = self._groups.pop(key)
+            self._saved.pop(key, None)  # what the weight gradients needed is freed now
             self.strategy.backward_weights(lambda: stage_backward_weight(iter(params), groups), params, last)
             return
         out = self._outputs.pop(key)
@@ -207,12 +222,12 @@ class PipelineRun:
         received = self._inputs.get(key, [])
         if a.op == "B" or (a.op == "I" and self._full_at_i):
             self.strategy.backward(out, last, grad=grad)
-        else:  # "I": the input gradient now, the weights' in this chunk's W
+            self._saved.pop(key, None)
+        else:  # "I": the input gradient now, the weights' in this chunk's W (its activations held until then)
             params = [p for p in self.model.parameters() if p.requires_grad]
             outs, grads = self.strategy.scaled(out, grad)
             _, groups = self.strategy.backward_inputs(
                 lambda: stage_backward_input(outs, grads, received, iter(params)))
             self._groups[key] = (params, groups)
-        self._saved.pop(key, None)
         totals.times["wait"] += self._wait_s
         totals.times["backward"] -= self._wait_s

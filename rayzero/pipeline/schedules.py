@@ -298,12 +298,16 @@ class Timeline:
         return "\n".join(rows)
 
 
-def simulate(actions: list[list[Action]], cost: dict[str, float] | None = None) -> Timeline:
-    """Run the ranks' actions in order with these costs (default `DEFAULT_COST`). A compute
-    starts when its rank is free and its inputs are there; a send takes no time on its rank
-    and arrives `cost[op]` later (0 unless given); a receive waits for its message."""
-    cost = {**DEFAULT_COST, **(cost or {})}
+def simulate(actions: list[list[Action]], cost: dict[str, float] | list[dict[str, float]] | None = None
+             ) -> Timeline:
+    """Run the ranks' actions in order with these costs (default `DEFAULT_COST`): one dict for
+    every rank, or a list of one per rank (stages that cost differently). A compute starts when
+    its rank is free and its inputs are there; a send takes no time on its rank and arrives
+    `cost[op]` later (0 unless given); a receive waits for its message."""
     p = len(actions)
+    costs = [{**DEFAULT_COST, **(c or {})} for c in (cost if isinstance(cost, list) else [cost] * p)]
+    if len(costs) != p:
+        raise ValueError(f"simulate: {len(costs)} cost dicts for {p} ranks")
     last = p * (1 + max((a.chunk for rank in actions for a in rank), default=0)) - 1
     backward = [_backward_op(rank) for rank in actions]
     clock, nxt, live = [0.0] * p, [0] * p, [0] * p
@@ -318,7 +322,7 @@ def simulate(actions: list[list[Action]], cost: dict[str, float] | None = None) 
             return False
         if a.op.startswith("SEND"):
             src, dst, msg = _message(a, r, p)
-            links[(src, dst)].append((msg, clock[r] + cost.get(a.op, 0.0)))
+            links[(src, dst)].append((msg, clock[r] + costs[r].get(a.op, 0.0)))
         elif a.op.startswith("RECV"):
             src, dst, msg = _message(a, r, p)
             queue = links[(src, dst)]
@@ -329,8 +333,8 @@ def simulate(actions: list[list[Action]], cost: dict[str, float] | None = None) 
                                  f"message on that link is {queue[0][0]}")
             clock[r] = max(clock[r], queue.popleft()[1])
         else:
-            spans[r].append((clock[r], clock[r] + cost[a.op], a))
-            clock[r] += cost[a.op]
+            spans[r].append((clock[r], clock[r] + costs[r][a.op], a))
+            clock[r] += costs[r][a.op]
             live[r] += {"F": 1, "B": -1, "I": -1}.get(a.op, 0)
             peaks[r] = max(peaks[r], live[r])
         done[r].add((a.op, a.micro, a.chunk))

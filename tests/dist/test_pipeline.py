@@ -3,7 +3,8 @@
 The built-in GPT (its head tied to its embedding, so the tied weight lives on the first and the
 last stage) at pp 2 under every schedule, pp 2 x dp 2 under every strategy and pp 2 x tp 2:
 after 10 steps every parameter matches `torch.optim.AdamW` on the whole global batch within 1e-5
-relative, and the reported loss the reference's mean.
+relative, and the reported loss the reference's mean. Each schedule's last step traces its
+compute in the schedule's order and sends the bytes the stage boundaries need.
 """
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 from rayzero.cluster.schedule import lr_at
+from rayzero.pipeline.schedules import schedule
 from rayzero.workers.rank import Rank
 from tests.conftest import free_port
 from tests.dist.pool import spawn
@@ -31,11 +33,13 @@ def _worker(rank: int, world: int, accum: int, runs, ports: list[int], data_path
         info = r.setup("127.0.0.1", port)
         losses = []
         for step in range(STEPS):
+            r._pipe.trace, sent = [], r._pipe.link.sent_bytes  # the last step's, for the test to read
             res = r.iteration({"step": step, "lr": lr_at(step, STEPS, cfg.optim)})
             losses.append((res["loss_sum"], res["tokens"], res["grad_norm"]))
         state = r.full_state_dict()
         out[(label, rank)] = {"losses": losses, "info": info, "memory": res["memory"],
-                              **({"state": state} if rank == 0 else {})}
+                              "trace": [a for a, _, _ in r._pipe.trace],
+                              "sent": r._pipe.link.sent_bytes - sent, **({"state": state} if rank == 0 else {})}
         r.close()
 
 
@@ -59,9 +63,18 @@ def test_every_schedule_equals_the_reference(small_dataset):
     world, accum = 2, 2  # 4 micro-batches per step through 2 stages
     ref_state, ref_losses = reference(pp_config(world, accum), small_dataset)
     results = run_ranks(world, accum, SCHEDULES, small_dataset)
-    for label, _ in SCHEDULES:
+    cfg = pp_config(world, accum)
+    m = cfg.train.global_batch_size // cfg.train.micro_batch_size
+    activation = cfg.train.micro_batch_size * cfg.train.seq_len * cfg.model.n_embd * 4  # fp32
+    for label, extra in SCHEDULES:
         assert results[(label, 0)]["info"]["pp_rank"] == 0 and results[(label, 1)]["info"]["pp_rank"] == 1
         assert_matches(results, label, world, ref_state, ref_losses)
+        keys = dict(o.split("=") for o in extra)
+        v = int(keys.get("parallel.pp_virtual_stages", 1))
+        for rank, actions in enumerate(schedule(keys["parallel.pp_schedule"], world, m, v)):
+            assert results[(label, rank)]["trace"] == [str(a) for a in actions if a.op in ("F", "B", "I", "W")]
+        # one activation forward and one gradient back per micro-batch at each of the 2v - 1 boundaries
+        assert sum(results[(label, r)]["sent"] for r in range(world)) == 2 * (world * v - 1) * m * activation
     stage0 = results[("1f1b", 0)]["info"]["params"]
     stage1 = results[("1f1b", 1)]["info"]["params"]
     assert "blocks.0.attn.qkv.weight" in stage0 and "blocks.0.attn.qkv.weight" not in stage1

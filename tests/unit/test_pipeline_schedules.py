@@ -56,6 +56,17 @@ def test_zero_bubble_formula_with_uneven_costs(costs):
         (p - 1) * (f + i - w) / (m * (f + i + w)))
 
 
+@pytest.mark.parametrize("m", [4, 8])
+def test_a_slower_stage_sets_the_pace(m):
+    """Costs per rank: with the last of 2 stages 10 % slower, gpipe's step is that stage's m
+    micro-batches plus one of the first stage's forward and backward (the fill and the drain)."""
+    fast, slow = {"F": 1.0, "B": 2.0}, {"F": 1.1, "B": 2.2}
+    timeline = simulate(schedule("gpipe", 2, m), [fast, slow])
+    assert timeline.makespan == pytest.approx(m * 3.3 + 3.0)
+    assert timeline.busy == pytest.approx((m * 3.0, m * 3.3))
+    assert simulate(schedule("1f1b", 4, m), [UNIT] * 4) == simulate(schedule("1f1b", 4, m), UNIT)
+
+
 def test_orders_on_a_small_pipeline():
     assert compute(schedule("1f1b", 2, 4)[0]) == "F0c0 F1c0 B0c0 F2c0 B1c0 F3c0 B2c0 B3c0".split()
     assert compute(schedule("gpipe", 2, 3)[1]) == "F0c0 F1c0 F2c0 B2c0 B1c0 B0c0".split()
