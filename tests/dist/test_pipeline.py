@@ -32,14 +32,17 @@ def _worker(rank: int, world: int, accum: int, runs, ports: list[int], data_path
         r = Rank(cfg, rank, world, data_path)
         info = r.setup("127.0.0.1", port)
         losses = []
+        pipe, sent = r._pipe, 0
         for step in range(STEPS):
-            r._pipe.trace, sent = [], r._pipe.link.sent_bytes  # the last step's, for the test to read
+            if pipe is not None:
+                pipe.trace, sent = [], pipe.link.sent_bytes  # the last step's, for the test to read
             res = r.iteration({"step": step, "lr": lr_at(step, STEPS, cfg.optim)})
             losses.append((res["loss_sum"], res["tokens"], res["grad_norm"]))
         state = r.full_state_dict()
         out[(label, rank)] = {"losses": losses, "info": info, "memory": res["memory"],
-                              "trace": [a for a, _, _ in r._pipe.trace],
-                              "sent": r._pipe.link.sent_bytes - sent, **({"state": state} if rank == 0 else {})}
+                              "trace": [a for a, _, _ in pipe.trace] if pipe is not None else [],
+                              "sent": pipe.link.sent_bytes - sent if pipe is not None else 0,
+                              **({"state": state} if rank == 0 else {})}
         r.close()
 
 
