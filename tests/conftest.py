@@ -13,7 +13,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import pytest
 
 from rayzero.data.tokens import prepare
-from rayzero.workers.rank import rendezvous_port
+from rayzero.workers.rendezvous import rendezvous_port
 from tests.s3server import SeaweedS3
 
 

@@ -79,6 +79,7 @@ class PipelineRun:
         self.stages, self.link, self.actions = stages, link, actions
         self.shape, self.dtype, self.device = shape, dtype, device
         self.routers = routers  # a mixture of experts' router logits, passed on with the activations
+        self.progress = lambda: None  # called at each action: a rank's watchdog sees a long schedule move
         self.streams, self.meter, self.vocab = streams, meter, vocab
         self.runner = StageRunner(model, stages)
         self.checked = False
@@ -107,6 +108,7 @@ class PipelineRun:
         self._saved: dict = {}  # (micro, chunk) -> bytes its forward left saved
         sends = []
         for index, a in enumerate(self.actions):
+            self.progress()
             t0 = time.perf_counter()
             s = self.stages.chunks[a.chunk]
             if a.op == "RECV_F":

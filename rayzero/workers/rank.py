@@ -10,11 +10,8 @@ from __future__ import annotations
 import functools
 import gc
 import os
-import random
-import socket
 import time
 from datetime import timedelta
-from pathlib import Path
 
 from typing import Callable
 
@@ -34,6 +31,7 @@ from rayzero.workers.activations import ActivationMeter
 from rayzero.workers.assembly import assemble, build_model, make_spec, whole_counts, whole_shapes
 from rayzero.workers import pipelined
 from rayzero.workers.disconnect import break_group, opened_while
+from rayzero.workers.rendezvous import rendezvous_port
 from rayzero.workers.phases import CALLS
 
 
@@ -44,29 +42,6 @@ def batches_for(dataset: TokenDataset) -> type:
 
         return InstructionBatches
     return RankBatches
-
-
-def rendezvous_port(ip: str, rng: random.Random | None = None) -> int:
-    """A port free on `ip` now, below the ephemeral range where the system allows it. The
-    kernel hands ephemeral ports to every outgoing connection and to gloo's own listeners, so
-    a port taken from that range (bind to 0) can be in use again by the time the process
-    group's store listens on it (EADDRINUSE, seen with several groups on one machine)."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 0
-    rng = rng or random.Random()
-    for _ in range(200 if low > 2048 else 0):
-        port = rng.randrange(max(1024, low - 12000), low)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((ip, port))
-            except OSError:
-                continue
-        return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no range known: any free port
-        s.bind((ip, 0))
-        return s.getsockname()[1]
 
 
 def watched(fn):
@@ -250,6 +225,8 @@ class Rank:
         self._pipe = None if stages is None else pipelined.start_pipeline(
             cfg, self.spec, self.model, self.strategy, stages, self.mesh, self.device, self.streams, self.meter,
             self.vocab)
+        if self._pipe is not None:  # the watchdog's clock restarts at each of the schedule's actions
+            self._pipe.progress = lambda: setattr(self, "_current", ("pipeline", time.monotonic()))
         self._in_flight_peak = 0
         num_params, trainable = self.spec.num_params(self.model)  # this rank's: its TP share
         whole = tp.split_numel() if tp is not None else 0  # what the other TP ranks add

@@ -11,7 +11,7 @@ import torch.nn as nn
 from rayzero.config import load_config
 from rayzero.jobs import cli
 from rayzero.models.errors import ModelError
-from rayzero.pipeline.stages import PipelineError, StageRunner, balanced, plan_stages, split
+from rayzero.pipeline.stages import StageRunner, balanced, plan_stages, split
 from rayzero.workers.assembly import build_model, make_spec, stage_plan
 
 
