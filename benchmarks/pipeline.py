@@ -36,10 +36,13 @@ Target: each schedule's measured bubble within 10 % of pred, on the pipeline's f
 one check per run: a rank-level bubble can be a few hundredths (zero_bubble's last stage),
 where 10 % is below the timer's reach, and stage costs move idle between ranks. Not checked:
 runs with more ranks than CPU cores (ranks take turns on a core, so idle is measured against
-stolen time) and runs without a clean step. What pred leaves out shows as measured > pred:
-message latency (about 0.5 ms per message that arrives just in time, on gloo over loopback)
-and a rank's speed changing within a step. On CPU the step time says little; the table holds
-ratios and bytes. The exit code is 0 either way.
+stolen time) and runs without a clean step. pred includes the message latency measured before
+each run (half a round trip of one activation between neighbours, while nothing else runs:
+about 0.2 ms here). What it leaves out shows as measured > pred: gloo moves messages on threads
+of its own, which on a machine with as many cores as ranks wait for a core that a rank's compute
+holds (measured on 2 cores: posting a receive while the peer's message is coming in takes up to
+7.6 ms, 24 ms a step in all at 1f1b m 16), and a rank's speed changing within a step. On CPU
+the step time says little; the table holds ratios and bytes. The exit code is 0 either way.
 
     python benchmarks/pipeline.py [--quick] [--steps N] [--json PATH]
 
@@ -89,12 +92,33 @@ def overrides(name: str, p: int, m: int, v: int, data_path: str) -> list[str]:
     ]
 
 
+def latency(rank: int, p: int, rounds: int = 30) -> float:
+    """Seconds one activation takes from a stage to the next: half the median round trip of a
+    (micro-batch, seq, hidden) message between pipeline neighbours (ranks 0 and 1), on gloo."""
+    t = torch.zeros(MICRO_BATCH, SEQ, WIDTH)
+    trips = []
+    for _ in range(rounds):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(t, 1)
+            dist.recv(t, 1)
+        elif rank == 1:
+            dist.recv(t, 0)
+            dist.send(t, 0)
+        trips.append(time.perf_counter() - t0)
+    out = torch.tensor([statistics.median(trips) / 2])
+    dist.broadcast(out, 0)
+    return float(out)
+
+
 def _rank(rank: int, p: int, runs, ports, warmup: int, steps: int, data_path: str, out) -> None:
     torch.set_num_threads(1)
     for (name, m, v), port in zip(runs, ports):
         cfg = load_config(None, overrides(name, p, m, v, data_path))
         r = Rank(cfg, rank, p, data_path)
         r.setup("127.0.0.1", port)
+        out[("latency", name, m, rank)] = latency(rank, p)
         pipe = r._pipe  # the rank's PipelineRun: its trace and its Link's byte count
         timed = []
         for k in range(warmup + steps):
@@ -138,7 +162,8 @@ def idle(makespan: float, busy: list[float]) -> float:
     return sum(makespan - b for b in busy) / sum(busy)
 
 
-def analyse(name: str, p: int, m: int, v: int, ranks: list[dict], oversubscribed: bool) -> list[dict]:
+def analyse(name: str, p: int, m: int, v: int, ranks: list[dict], oversubscribed: bool,
+            message_s: float = 0.0) -> list[dict]:
     """One row per rank and one for the whole pipeline ("all"). Each timed step is simulated at
     its own costs (a rank's speed drifts from step to step on a shared machine); figures are
     summed over the clean steps: idle over busy, bytes and memory per step."""
@@ -152,7 +177,9 @@ def analyse(name: str, p: int, m: int, v: int, ranks: list[dict], oversubscribed
     good = [k for k in range(count) if min(share[k]) >= CLEAN]
     contended, clean = not good, good or list(range(count))
     actions = schedule(name, p, m, v)
-    own = {k: simulate(actions, [mean_costs([t]) for t in traces[k]]) for k in clean}
+    sends = {"SEND_F": message_s, "SEND_B": message_s}  # the measured message latency
+    own = {k: simulate(actions, [{**mean_costs([t]), **sends} for t in traces[k]]) for k in clean}
+    free = {k: simulate(actions, [mean_costs([t]) for t in traces[k]]) for k in clean}
     pooled = {k: simulate(actions, mean_costs(traces[k])) for k in clean}
     unit = bubble_formula(name, p, m, v)
     act = MICRO_BATCH * SEQ * WIDTH * ELEMENT
@@ -163,9 +190,10 @@ def analyse(name: str, p: int, m: int, v: int, ranks: list[dict], oversubscribed
     def bubbles(ranks_of: range | list[int]) -> dict:
         measured = sum(makespan[k] - busy[k][r] for k in clean for r in ranks_of) / sum(
             busy[k][r] for k in clean for r in ranks_of)
-        predicted, mean = (sum(t[k].makespan - t[k].busy[r] for k in clean for r in ranks_of) / sum(
-            t[k].busy[r] for k in clean for r in ranks_of) for t in (own, pooled))
-        return {"bubble": measured, "predicted": predicted, "predicted_mean_costs": mean,
+        predicted, no_latency, mean = (sum(t[k].makespan - t[k].busy[r] for k in clean for r in ranks_of) / sum(
+            t[k].busy[r] for k in clean for r in ranks_of) for t in (own, free, pooled))
+        return {"bubble": measured, "predicted": predicted, "predicted_no_latency": no_latency,
+                "predicted_mean_costs": mean, "message_ms": 1e3 * message_s,
                 "bubble_ratio": measured / predicted,
                 "cpu_share": min(statistics.median(share[k][r] for k in clean) for r in ranks_of)}
 
@@ -195,16 +223,17 @@ def analyse(name: str, p: int, m: int, v: int, ranks: list[dict], oversubscribed
 
 def table(rows: list[dict]) -> None:
     print(f"{'schedule':<16} {'pp':>2} {'m':>2} {'v':>1} {'rank':>4}  {'cpu':>4}  {'bubble':>6} {'pred':>6} "
-          f"{'mean':>6} {'unit':>6} {'ratio':>5}  {'flight MiB':>10} {'formula':>7} {'ratio':>5}  "
+          f"{'free':>6} {'unit':>6} {'ratio':>5}  {'flight MiB':>10} {'formula':>7} {'ratio':>5}  "
           f"{'bytes/step':>10} {'formula':>10} {'ratio':>5}  costs ms")
     for x in rows:
         costs = " ".join(f"{op} {c:.1f}" for op, c in x.get("cost_ms", {}).items())
         if x["rank"] == "all":
-            costs = (f"step {x['step_ms']:.0f} ms (simulated {x['predicted_step_ms']:.0f}), "
+            costs = (f"step {x['step_ms']:.0f} ms (simulated {x['predicted_step_ms']:.0f}), message "
+                     f"{x['message_ms']:.2f} ms, "
                      f"{x['clean_steps']}/{x['steps']} clean steps") + (
                 " (oversubscribed)" if x["oversubscribed"] else "")
         print(f"{x['schedule']:<16} {x['pp']:>2} {x['m']:>2} {x['v']:>1} {x['rank']:>4}  {x['cpu_share']:>4.2f}  "
-              f"{x['bubble']:>6.3f} {x['predicted']:>6.3f} {x['predicted_mean_costs']:>6.3f} {x['formula']:>6.3f} "
+              f"{x['bubble']:>6.3f} {x['predicted']:>6.3f} {x['predicted_no_latency']:>6.3f} {x['formula']:>6.3f} "
               f"{x['bubble_ratio']:>5.2f}  {x['in_flight_mib']:>10.2f} {x['in_flight_formula_mib']:>7.2f} "
               f"{x['in_flight_ratio']:>5.2f}  {x['bytes']:>10,.0f} {x['bytes_formula']:>10,} "
               f"{x['bytes_ratio']:>5.2f}  {costs}")
@@ -228,11 +257,13 @@ def main() -> None:
         out = measure(p, warmup, steps, data_path)
         for name, v in SCHEDULES:
             for m in MICRO:
-                rows += analyse(name, p, m, v, [out[(name, m, r)] for r in range(p)], oversubscribed=p > cores)
+                rows += analyse(name, p, m, v, [out[(name, m, r)] for r in range(p)], oversubscribed=p > cores,
+                                message_s=out[("latency", name, m, 0)])
     table(rows)
     print(f"\ncpu: a rank's thread CPU time over its compute spans (\"all\": the least); bubble: idle over "
           f"compute, measured in the clean steps (every rank's cpu >= {CLEAN}); pred: simulated at each rank's "
-          f"costs in each step; mean: at the costs averaged over ranks; unit: bubble_formula; ratio: bubble / pred\n")
+          f"costs in each step and the measured message latency; free: the same with free messages; unit: "
+          f"bubble_formula; ratio: bubble / pred\n")
     for x in (x for x in rows if x["rank"] == "all"):
         what = f"{x['schedule']} pp {x['pp']} m {x['m']}"
         if x["oversubscribed"]:
