@@ -92,10 +92,11 @@ STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 
 
 @pytest.mark.parametrize("runs", [
-    [(f"pp2dp2/{s}", ["parallel.pp=2", f"sharding.strategy={s}"]) for s in STRATEGIES],
-    [("pp2tp2", ["parallel.pp=2", "parallel.tp=2"]),
-     ("pp2tp2/sp", ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"])],
-], ids=["pp2xdp2", "pp2xtp2"])
+    pytest.param([(f"pp2dp2/{s}", ["parallel.pp=2", f"sharding.strategy={s}"]) for s in STRATEGIES], id="pp2xdp2"),
+    pytest.param([("pp2tp2", ["parallel.pp=2", "parallel.tp=2"]),
+                  ("pp2tp2/sp", ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"])],
+                 id="pp2xtp2", marks=pytest.mark.slow),
+])
 def test_pipeline_composes_with_sharding_and_tensor_parallel(runs, small_dataset):
     world, accum = 4, 1
     ref_state, ref_losses = reference(pp_config(world, accum), small_dataset)
@@ -104,6 +105,7 @@ def test_pipeline_composes_with_sharding_and_tensor_parallel(runs, small_dataset
         assert_matches(results, label, world, ref_state, ref_losses)
 
 
+@pytest.mark.slow
 def test_recompute_lora_and_bf16_inside_stages(small_dataset):
     """Activation checkpointing replays a stage's blocks bit for bit; LoRA's adapters (the base
     frozen, the tied embedding frozen on both stages) train as at pp 1; bf16 compute follows its

@@ -57,6 +57,7 @@ def test_resume_at_pp2_is_bitwise_identical(tmp_path, small_dataset, unbroken):
         assert torch.equal(resumed["state"][name], ref), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("written, resumed", [("pp2", "pp1dp2"), ("pp1dp2", "pp2"), ("pp2x2", "pp2")])
 def test_resume_across_pipeline_layouts(written, resumed, tmp_path, small_dataset, unbroken):
     straight = unbroken["pp2"]
@@ -68,6 +69,7 @@ def test_resume_across_pipeline_layouts(written, resumed, tmp_path, small_datase
         assert err <= 1e-5, f"{written} -> {resumed}, {name}: {err:.2e}"
 
 
+@pytest.mark.slow
 def test_export_at_pp2_is_the_whole_model(tmp_path, small_dataset, unbroken):
     """Rank 0's `full_state_dict` at pp 2 holds every stage's weights under the model's own
     names (the tied head under both): the initial weights bitwise those of pp 1, the trained

@@ -45,6 +45,7 @@ def check(name: str, runs, llama_dirs, data_path: str) -> dict:
     return results
 
 
+@pytest.mark.slow
 def test_llama_every_schedule_equals_the_reference(llama_dirs, small_dataset):
     results = check("llama-untied", SCHEDULES, llama_dirs, small_dataset)
     stage0, stage1 = (results[("1f1b", r)]["info"]["params"] for r in (0, 1))
@@ -54,6 +55,7 @@ def test_llama_every_schedule_equals_the_reference(llama_dirs, small_dataset):
     assert not set(stage0) & set(stage1), "untied: no parameter on both stages"
 
 
+@pytest.mark.slow
 def test_tied_llama_sums_the_shared_weight_over_stages(llama_dirs, small_dataset):
     results = check("llama", SCHEDULES[1:2], llama_dirs, small_dataset)
     stage0, stage1 = (results[("1f1b", r)]["info"]["params"] for r in (0, 1))
@@ -66,6 +68,7 @@ def test_tied_llama_sums_the_shared_weight_over_stages(llama_dirs, small_dataset
 MOE = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
 def test_a_mixture_of_experts_router_loss_spans_the_stages(arch, tmp_path, small_dataset):
     """The router loss (weighted up to show in a short run) is transformers' over every layer's router logits: each stage passes its
