@@ -228,10 +228,7 @@ class ModelSpec:
         """Pipeline stages are runs of these modules, by name, in forward order: the outermost
         modules of the `blocks` classes (the ones activation checkpointing recomputes)."""
         classes = set(self.blocks(model))
-        found: list[str] = []
-        for name, m in model.named_modules():
-            if name and type(m).__name__ in classes and not any(name.startswith(f + ".") for f in found):
-                found.append(name)
+        found = outermost(model, classes)
         if not found:
             raise ModelError(f"parallel.pp: {type(model).__name__} has no blocks of class {', '.join(sorted(classes))} "
                              "to split into stages")
@@ -380,6 +377,16 @@ class ModelSpec:
         """(parameters, of which trainable), each tied weight counted once."""
         params = list(model.parameters())
         return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+
+
+def outermost(model: nn.Module, classes) -> list[str]:
+    """The names of the modules whose class is in `classes`, in module order, the outermost where
+    they nest: a model's blocks."""
+    found: list[str] = []
+    for name, m in model.named_modules():
+        if name and type(m).__name__ in classes and not any(name.startswith(f + ".") for f in found):
+            found.append(name)
+    return found
 
 
 def pretrained_weights(cfg, storage_cfg=None):

@@ -25,6 +25,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from rayzero.models.spec import outermost
 from rayzero.sharding.rng import RandomStreams
 
 _aten = torch.ops.aten
@@ -149,10 +150,7 @@ def blocks_of(model: nn.Module, classes: tuple[str, ...], every: int) -> list[st
     if missing:
         raise ValueError(f"model.checkpoint_blocks: no module of {type(model).__name__} has class "
                          f"{', '.join(missing)}; its module classes are {', '.join(sorted(names))}")
-    found: list[str] = []
-    for name, m in model.named_modules():
-        if name and type(m).__name__ in classes and not any(name.startswith(f + ".") for f in found):
-            found.append(name)
+    found = outermost(model, classes)
     if not found:
         raise ValueError(f"model.activation_checkpointing: {type(model).__name__} has no blocks to recompute; "
                          "name their class in model.checkpoint_blocks")

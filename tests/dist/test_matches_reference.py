@@ -69,11 +69,12 @@ def _worker(rank: int, world: int, accum: int, runs, ports: list[int], data_path
         r.close()
 
 
-def run_ranks(world: int, accum: int, runs, data_path: str) -> dict:
+def run_ranks(world: int, accum: int, runs, data_path: str, worker=None) -> dict:
+    """`worker` (default `_worker`) on `world` ranks for each of `runs`: what each put in `out`."""
     with mp.Manager() as manager:
         out = manager.dict()
         ports = [free_port() for _ in runs]
-        spawn(_worker, args=(world, accum, runs, ports, data_path, out), nprocs=world)
+        spawn(worker or _worker, args=(world, accum, runs, ports, data_path, out), nprocs=world)
         return dict(out)
 
 

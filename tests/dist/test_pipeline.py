@@ -9,13 +9,11 @@ compute in the schedule's order and sends the bytes the stage boundaries need.
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from rayzero.cluster.schedule import lr_at
 from rayzero.pipeline.schedules import schedule
 from rayzero.workers.rank import Rank
-from tests.conftest import free_port
-from tests.dist.pool import spawn
+from tests.dist import test_matches_reference as matches
 from tests.dist.test_matches_reference import STEPS, assert_matches, config, reference
 
 LAYERS = 4  # interleaved at pp 2 x 2 chunks: one block per stage
@@ -47,11 +45,7 @@ def _worker(rank: int, world: int, accum: int, runs, ports: list[int], data_path
 
 
 def run_ranks(world: int, accum: int, runs, data_path: str) -> dict:
-    with mp.Manager() as manager:
-        out = manager.dict()
-        ports = [free_port() for _ in runs]
-        spawn(_worker, args=(world, accum, runs, ports, data_path, out), nprocs=world)
-        return dict(out)
+    return matches.run_ranks(world, accum, runs, data_path, worker=_worker)
 
 
 SCHEDULES = [
