@@ -23,7 +23,7 @@ pipeline ("all"), summed over the clean timed steps:
     (`memory["activations_in_flight"]`) against the schedule's peak count of such forwards
     (`Timeline.peak_in_flight`) x the largest one chunk's forward left (`activations_peak`);
     below 1 where a rank's chunks differ (interleaved: the last stage's chunk also keeps the
-    logits). zero_bubble's count ends at I, as the runner's does: what W still needs is not in it;
+    logits). zero_bubble's count, as its runner's, lasts until a micro-batch's W;
   - bytes/step: what the rank's `Link` sent in a step against one activation (micro-batch x
     seq x hidden x 4 bytes) per micro-batch for each of its chunks with a next stage and one
     gradient for each with a stage before: 2 (pp v - 1) m activations over the pipeline.

@@ -144,13 +144,25 @@ class WorkerGroup:
         return ray.get([getattr(a, name).remote(*args) for r, a in enumerate(self.actors) if r not in skip],
                        timeout=timeout_s)
 
-    def dead_ranks(self, timeout_s: float = 2.0) -> list[tuple[int, BaseException]]:
-        """(rank, why) for each rank actor that is dead, asking every one of them."""
+    def dead_ranks(self, timeout_s: float = 2.0, settle_s: float = 10.0) -> list[tuple[int, BaseException]]:
+        """(rank, why) for each rank actor that is dead, asking every one of them. Where some
+        are dead and others have not answered in `timeout_s`, those get `settle_s` more: a lost
+        node's actors are reported dead one by one, seconds apart on a busy machine, and a
+        decision taken on the first alone would replace one rank of a node that took two."""
         refs = [a.progress.remote() for a in self.actors]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        ready, waiting = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        dead = self._failed(refs, ready)
+        if dead and waiting:
+            late, _ = ray.wait(waiting, num_returns=len(waiting), timeout=settle_s)
+            dead = sorted(dead + self._failed(refs, late), key=lambda d: d[0])
+        return dead
+
+    @staticmethod
+    def _failed(refs: list, answered: list) -> list[tuple[int, BaseException]]:
+        """(rank, why) for each of `answered` that raised: its actor is dead."""
         dead = []
         for r, ref in enumerate(refs):
-            if ref in ready:
+            if ref in answered:
                 try:
                     ray.get(ref)
                 except ray.exceptions.RayActorError as e:

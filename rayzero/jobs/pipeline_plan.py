@@ -21,6 +21,11 @@ def check_pipeline(cfg: RootConfig, spec, model: nn.Module) -> StagePlan | None:
     problem = schedules.check(p.pp_schedule, p.pp, cfg.grad_accum, p.pp_virtual_stages)
     if problem:
         raise ValueError(f"parallel.pp_schedule: {problem}")
+    if p.pp_schedule == "zero_bubble" and cfg.sharding.strategy == "optim_grads_params":
+        raise ValueError("parallel.pp_schedule: zero_bubble runs each micro-batch's weight gradients apart from its "
+                         "backward, after ZeRO-3 has released the units they need (sharding.strategy="
+                         "optim_grads_params); use 1f1b or interleaved_1f1b with ZeRO-3, or zero_bubble with "
+                         "optim_grads")
     if spec.aux_coef and spec.routers(model) is None:
         raise ValueError(f"parallel.pp: {spec.where}'s auxiliary loss is computed over the whole model, and rayzero "
                          "does not know how to gather its inputs across stages; set parallel.pp=1")

@@ -33,6 +33,9 @@ from rayzero.pipeline.schedules import Action
 from rayzero.pipeline.stages import StageRunner, Stages
 
 
+RECV_AHEAD = 2  # receives a rank keeps posted: the one its next compute waits for and the one after
+
+
 @dataclass
 class Link:
     """The pipeline group's point-to-point messages for this rank: peers by stage, tags by boundary."""
@@ -102,8 +105,8 @@ class PipelineRun:
                         torch.zeros((), dtype=torch.float64, device=self.device))
         self._inputs: dict = {}  # (micro, chunk) -> received activations (the leaf whose grad goes back)
         self._outputs: dict = {}  # (micro, chunk) -> output activations, or the scaled loss
-        self._grads: dict = {}  # (micro, chunk) -> received output gradient
         self._recvs: dict = {}  # (op, micro, chunk) -> pending receive
+        self._ahead = iter([a for a in self.actions if a.op in ("RECV_F", "RECV_B")])
         self._groups: dict = {}  # (micro, chunk) -> zero_bubble's weight-gradient groups
         self._saved: dict = {}  # (micro, chunk) -> bytes its forward left saved
         sends = []
@@ -111,12 +114,12 @@ class PipelineRun:
             self.progress()
             t0 = time.perf_counter()
             s = self.stages.chunks[a.chunk]
-            if a.op == "RECV_F":
-                bufs = self.boundary(s - 1)
-                self._recvs["F", a.micro, a.chunk] = (bufs, self.link.recv(bufs, s - 1, s - 1, a.micro, False))
-            elif a.op == "RECV_B":
-                bufs = self.boundary(s)
-                self._recvs["B", a.micro, a.chunk] = (bufs, self.link.recv(bufs, s + 1, s, a.micro, True))
+            if a.op in ("RECV_F", "RECV_B"):
+                # Posted ahead, in the schedule's order (as NCCL matches them): the message can land
+                # while this rank computes, and posting is off the path of the compute that waits.
+                while (a.op[-1], a.micro, a.chunk) not in self._recvs or len(self._recvs) < RECV_AHEAD:
+                    if not self._post(next(self._ahead, None)):
+                        break
             elif a.op == "SEND_F":
                 outs = [t.detach() for t in self._outputs[a.micro, a.chunk]]
                 sends.append((outs, self.link.send(outs, s + 1, s, a.micro, False)))
@@ -141,6 +144,19 @@ class PipelineRun:
                 work.wait()
         totals.times["wait"] += time.perf_counter() - t0
         return totals
+
+    def _post(self, a: Action | None) -> bool:
+        """Post the receive of RECV action `a` (None: there is none left)."""
+        if a is None:
+            return False
+        s = self.stages.chunks[a.chunk]
+        if a.op == "RECV_F":
+            bufs = self.boundary(s - 1)
+            self._recvs["F", a.micro, a.chunk] = (bufs, self.link.recv(bufs, s - 1, s - 1, a.micro, False))
+        else:
+            bufs = self.boundary(s)
+            self._recvs["B", a.micro, a.chunk] = (bufs, self.link.recv(bufs, s + 1, s, a.micro, True))
+        return True
 
     def boundary(self, b: int) -> list[torch.Tensor]:
         """Empty tensors for what crosses boundary `b` (after stage `b`): the activations, and

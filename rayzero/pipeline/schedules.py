@@ -283,8 +283,9 @@ class Timeline:
         return (self.makespan - self.busy[rank]) / self.busy[rank]
 
     def peak_in_flight(self, rank: int) -> int:
-        """The most (micro-batch, chunk) forwards done on `rank` whose backward (B or I) had not
-        yet run: the activations the schedule holds at its peak."""
+        """The most (micro-batch, chunk) forwards done on `rank` whose backward had not yet run
+        all of it (B; or I and then W, which still needs the activations): what the schedule
+        holds at its peak."""
         return self.peaks[rank]
 
     def draw(self, unit: float = 1.0) -> str:
@@ -335,7 +336,8 @@ def simulate(actions: list[list[Action]], cost: dict[str, float] | list[dict[str
         else:
             spans[r].append((clock[r], clock[r] + costs[r][a.op], a))
             clock[r] += costs[r][a.op]
-            live[r] += {"F": 1, "B": -1, "I": -1}.get(a.op, 0)
+            # a forward's activations are held until its last backward part: B, or W after I
+            live[r] += 1 if a.op == "F" else -1 if a.op == ("W" if backward[r] == "I" else "B") else 0
             peaks[r] = max(peaks[r], live[r])
         done[r].add((a.op, a.micro, a.chunk))
         return True

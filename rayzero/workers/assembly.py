@@ -29,7 +29,7 @@ from rayzero.sharding import Layout, Mesh, ShardingConfig, Strategy, build_strat
 from rayzero.sharding.comm import Axis
 from rayzero.sharding.strategies import Tied
 from rayzero.sharding.flat_buffer import ParamSource, PerName
-from rayzero.sharding.fsdp import find_units
+from rayzero.sharding.fsdp import class_names, find_units
 from rayzero.sharding.tensor_parallel import TPLayout, TPSlices
 from rayzero.sharding.precision import DTYPES, check_device_supports
 from rayzero.sharding.rng import RandomStreams
@@ -182,14 +182,17 @@ def assemble(cfg: RootConfig, spec: ModelSpec, mesh: Mesh, device: torch.device,
     # Where each parameter's values come from, matched on the whole model: pretrained weights
     # hold every stage's tensors, and a stage's model alone would leave the others' unclaimed.
     source = initial_values(spec, built)
+    check_buildable(cfg, device, spec, built.model)
+    sharding = resolved_sharding(cfg, spec, built.model)  # ZeRO-3's unit classes: the whole model's
     pipeline_stage(built, cfg, spec, mesh)
     model = built.model
+    if built.stages is not None and sharding.fsdp_units:  # a stage has only some of them
+        present = set().union(*(class_names(m) for m in model.modules()))
+        sharding = sharding.model_copy(update={"fsdp_units": tuple(c for c in sharding.fsdp_units if c in present)})
     for module in model.modules():  # buffers (RoPE frequencies, masks) are real: move them
         for name, b in module._buffers.items():
             if b is not None:
                 module._buffers[name] = b.to(device)
-    check_buildable(cfg, device, spec, model)
-    sharding = resolved_sharding(cfg, spec, model)
     tied = None
     if built.stages is not None:
         axis = tied_axis(mesh, built.stages)  # a collective: every rank makes every group

@@ -90,6 +90,12 @@ STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
     pytest.param([("pp2tp2", ["parallel.pp=2", "parallel.tp=2"]),
                   ("pp2tp2/sp", ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"])],
                  id="pp2xtp2", marks=pytest.mark.slow),
+    pytest.param([("pp2dp2/zb/optim_grads", ["parallel.pp=2", "parallel.pp_schedule=zero_bubble",
+                                              "sharding.strategy=optim_grads"])]
+                 + [(f"pp2dp2/interleaved/{s}", ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
+                                                 "parallel.pp_virtual_stages=2", f"sharding.strategy={s}"])
+                    for s in ("optim_grads", "optim_grads_params")],
+                 id="pp2xdp2-schedules", marks=pytest.mark.slow),
 ])
 def test_pipeline_composes_with_sharding_and_tensor_parallel(runs, small_dataset):
     world, accum = 4, 1

@@ -33,8 +33,8 @@ def llama_dirs(tmp_path_factory) -> dict[str, str]:
             "llama-untied": str(save_hf_model("llama-untied", root / "untied", seed=2, **LLAMA))}
 
 
-def check(name: str, runs, llama_dirs, data_path: str) -> dict:
-    world, accum = 2, 2  # 4 micro-batches per step through 2 stages
+def check(name: str, runs, llama_dirs, data_path: str, world: int = 2, accum: int = 2) -> dict:
+    """`runs` against single-process torch; by default 4 micro-batches per step through 2 stages."""
     keys = ["model.kind=hf", f"model.path={llama_dirs[name]}"]
     base = config(world, accum, keys)
     ref_state, ref_losses = train_reference(reference_model(name, base, llama_dirs), base, data_path, STEPS)
@@ -63,6 +63,14 @@ def test_tied_llama_sums_the_shared_weight_over_stages(llama_dirs, small_dataset
     assert set(stage0) & set(stage1) == {"model.embed_tokens.weight"}
     assert "lm_head.weight" not in stage1
     assert {"model.embed_tokens.weight", "lm_head.weight"} <= set(results[("1f1b", 0)]["state"])
+
+
+@pytest.mark.slow
+def test_tied_llama_in_stages_sharded_by_zero3(llama_dirs, small_dataset):
+    """pp 2 x dp 2, each stage's units ZeRO-3's (the decoder layers, the embedding, the head):
+    a stage has the classes its modules have, the tied embedding a unit on both end stages."""
+    check("llama", [(s, ["parallel.pp=2", f"sharding.strategy={s}"]) for s in ("optim_grads_params", "optim_grads")],
+          llama_dirs, small_dataset, world=4, accum=1)
 
 
 MOE = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
