@@ -42,7 +42,6 @@ class Link:
 
     stages: Stages
     rank_of_stage: list[int]  # global rank holding each stage, on this rank's (replicate, shard, tp)
-    micro_count: int
     tokens: int = 0  # a row's tokens (train.seq_len): the router logits' rows per micro-batch row
     sent_bytes: int = 0  # every tensor this rank has sent, since it was made
 

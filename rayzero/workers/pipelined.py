@@ -19,7 +19,7 @@ def start_pipeline(cfg, spec, model, strategy, stages: Stages, mesh, device, str
     actions = schedule(cfg.parallel.pp_schedule, p, m, v)[mesh.coord("pp")]
     coords = mesh.coords(mesh.rank)
     peers = [mesh.rank_at({**coords, "pp": place_of(s, p)[0]}) for s in range(stages.plan.num_stages)]
-    return PipelineRun(model, spec, strategy, stages, Link(stages, peers, m, cfg.train.seq_len), actions,
+    return PipelineRun(model, spec, strategy, stages, Link(stages, peers, cfg.train.seq_len), actions,
                        boundary_shape(cfg, stages), strategy.precision.param, device, streams, meter, vocab,
                        stages.routers)
 
