@@ -21,6 +21,7 @@ from rayzero.checkpoint.config import CheckpointConfig
 from rayzero.cluster.config import ClusterConfig, FailureConfig, TrackingConfig
 from rayzero.data.config import DataConfig
 from rayzero.models.config import ModelConfig
+from rayzero.objectives.config import DPOConfig
 from rayzero.sharding.config import OptimConfig, ParallelConfig, ShardingConfig
 from rayzero.sharding.mesh import Mesh, MeshError, fits
 
@@ -44,6 +45,12 @@ class RunConfig(Frozen):
         "accumulation.",
     )
     seq_len: int = Field(default=128, ge=1, description="Tokens per training sequence.")
+    objective: Literal["lm", "dpo"] = Field(
+        default="lm",
+        description="`lm` = next-token prediction on text or instruction data; `dpo` = preference tuning on pairs "
+        "(data prepared with `--preferences`; the loss in `dpo`). With `dpo`, batch sizes count sequences: a "
+        "pair is two, its chosen and rejected always in one micro-batch.",
+    )
     seed: int = Field(
         default=0, ge=0,
         description="Seed of the initial weights and of the data order; every world size and strategy "
@@ -123,6 +130,7 @@ class RootConfig(Frozen):
     tracking: TrackingConfig = TrackingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     failure: FailureConfig = FailureConfig()
+    dpo: DPOConfig = DPOConfig()
 
     @model_validator(mode="after")
     def _check(self):
@@ -175,6 +183,14 @@ class RootConfig(Frozen):
                              "(data.val_fraction or data.val_path)")
         if self.checkpoint.keep_best and not self.checkpoint.dir:
             raise ValueError("checkpoint.keep_best: needs checkpoints (checkpoint.dir is empty)")
+        if t.objective == "dpo" and t.micro_batch_size % 2:
+            raise ValueError(f"train.micro_batch_size: {t.micro_batch_size} would split a preference pair (chosen and "
+                             "rejected are two sequences of one micro-batch); make it even")
+        if t.objective == "dpo" and self.parallel.pp > 1:
+            raise ValueError("parallel.pp: preference tuning (train.objective=dpo) does not run in a pipeline yet; "
+                             "use parallel.tp or a sharding strategy to fit the model")
+        if self.dpo.precompute_ref and not self.dpo.uses_reference:
+            raise ValueError(f"dpo.precompute_ref: dpo.loss={self.dpo.loss} has no reference model to precompute")
         if self.optim.min_lr is not None and self.optim.min_lr > self.optim.lr:
             raise ValueError(f"optim.min_lr: {self.optim.min_lr} exceeds optim.lr ({self.optim.lr})")
         return self

@@ -8,6 +8,7 @@ import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 
+from rayzero.objectives.config import objective_record
 from rayzero.checkpoint.manifest import (
     FORMAT, VERSION, CheckpointError, Committed, best_commit, check_model, check_shards_present, committed,
     different_model, lineage, model_differences, open_checkpoint, prune, step_dir, write_manifest,
@@ -108,6 +109,8 @@ class Checkpoints:
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "model": cfg.model.model_dump(), "block_size": cfg.block_size,
             "model_source": self.model,
+            # the objective, and the reference model a preference loss measures against (rebuilt, not stored)
+            "objective": objective_record(cfg, self.model),
             "params": self.params,
             "frozen": self.frozen,
             "layout": self.layout,

@@ -215,11 +215,11 @@ class Controller:
         due = self.checkpoints is not None and self.checkpoints.plan(k) is not None
         return self.validates and evaluates(self.cfg, k, checkpoint_due=due)
 
-    def log_val(self, step: int, val: float, metrics: dict | None) -> None:
-        """A validation loss: into `metrics` (this step's row), or at `step` on its own (the
-        baseline before the first step)."""
+    def log_val(self, step: int, val: float, metrics: dict | None, prefs: dict | None = None) -> None:
+        """A validation loss (with preference tuning, `prefs`: its pairs' sums): into `metrics`
+        (this step's row), or at `step` on its own (the baseline before the first step)."""
         h = self.history
-        values = val_values(val)
+        values = val_values(val, prefs)
         h.val_steps.append(step)
         h.val_losses.append(val)
         if metrics is not None and step >= 0:

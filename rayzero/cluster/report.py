@@ -7,6 +7,7 @@ from statistics import mean
 
 from rayzero.cluster.history import PHASES
 from rayzero.cluster.throughput import throughput
+from rayzero.objectives.dpo import pair_metrics
 from rayzero.sharding.memory import bytes_per_param
 
 
@@ -33,6 +34,8 @@ def step_metrics(results: list[dict], phase: dict[str, float], dt: float, tokens
         metrics["mfu"] = rate["mfu"]
     if results[0]["loss_scale"] is not None:
         metrics["loss_scale"] = results[0]["loss_scale"]
+    if "prefs" in results[0]:  # preference tuning: the means over the step's pairs, by TRL's names
+        metrics.update(pair_metrics(results[0]["prefs"]))
     if results[0].get("aux_loss_sum") is not None:  # a mixture of experts: its router's loss, apart
         metrics["router_aux_loss"] = sum(r["aux_loss_sum"] for r in results) / micro
     return metrics

@@ -36,6 +36,7 @@ from rayzero.cluster.throughput import throughput
 from rayzero.cluster.worker_group import PlacementError
 from rayzero.config import RootConfig
 from rayzero.data.tokens import dataset_tokenizer_files
+from rayzero.objectives.dpo import pair_metrics
 from rayzero.storage import StorageError
 from rayzero.workers.assembly import make_spec
 from rayzero.workers.results import merge, per_rank_ledgers
@@ -327,11 +328,11 @@ class Training(State):
         stop = False
         if "val0_loss_sum" in results[0]:  # before the first step: the curve's baseline, at step -1
             base = val_loss(results, "val0_")
-            run.log_val(-1, base, None)
+            run.log_val(-1, base, None, results[0].get("val0_prefs"))
             early.observe(-1, base)
         if "val_loss_sum" in results[0]:
             val = val_loss(results, "val_")
-            run.log_val(step, val, metrics)
+            run.log_val(step, val, metrics, results[0].get("val_prefs"))
             stop = early.observe(step, val)
             if stop:
                 log.warning("stopping early after step %d: %s", step, early.stopped)
@@ -369,7 +370,11 @@ def val_loss(results: list[dict], prefix: str) -> float:
     return sum(r[f"{prefix}loss_sum"] for r in results) / max(sum(r[f"{prefix}tokens"] for r in results), 1)
 
 
-def val_values(val: float) -> dict[str, float]:
+def val_values(val: float, prefs: dict | None = None) -> dict[str, float]:
+    """A validation's metrics: its loss and perplexity; with preference tuning, its loss (a mean
+    over pairs, no perplexity) and the pairs' metrics by TRL's names, `val_` before each."""
+    if prefs is not None:
+        return {"val_loss": val, **pair_metrics(prefs, "val_")}
     return {"val_loss": val, "val_perplexity": math.exp(min(val, 700.0))}
 
 

@@ -8,6 +8,7 @@ import math
 import sys
 from pathlib import Path
 
+from rayzero.objectives.config import objective_line
 from rayzero.config import ConfigError, load_config
 from rayzero.data.errors import DataError
 from rayzero.jobs.commands import parse_args
@@ -112,6 +113,7 @@ def _print_plan(p: dict) -> None:
            f"formula, before padding and activations)\n" if p["num_params"] else
            f"  model state per rank {mem['bytes_per_param']:.2f} bytes/parameter (Megatron's formula)\n")
         + (f"  {_activations_line(mem)}\n" if mem.get("activations_bytes") is not None else "")
+        + (f"  {objective_line(p['objective'])}\n" if p.get("objective") else "")
         + (f"  {_buckets_line(p['buckets'])}\n" if p["buckets"]["numel"] else "")
         + f"  {p['global_batch_size']} sequences per step = {p['world_size'] // p['tp']} "
         + ("data-parallel ranks" if p["tp"] > 1 else "ranks") + f" x {p['grad_accum']} "

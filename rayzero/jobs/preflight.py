@@ -17,6 +17,7 @@ from rayzero.cluster.checkpoints import Checkpoints
 from rayzero.cluster.history import load_rows
 from rayzero.config import ConfigError, RootConfig
 from rayzero.models import ModelSpec
+from rayzero.objectives.config import objective_difference, objective_record
 from rayzero.workers.assembly import build_model, whole_shapes
 
 
@@ -89,6 +90,10 @@ def resume_preview(checkpoints: Checkpoints, spec: ModelSpec):
         found = checkpoints.resume_target(params, frozen, spec.record())
     except StorageError as e:
         raise ConfigError(f"checkpoint.dir: cannot read checkpoints there: {e}") from None
+    if found:
+        why = objective_difference(found[0].manifest.get("objective"), objective_record(checkpoints.cfg, spec.record()))
+        if why:
+            raise ConfigError(f"checkpoint.dir: cannot resume {found[0].uri}: {why}")
     return found[0] if found else None
 
 

@@ -328,6 +328,7 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
     then fit this machine (default: as `starts_local_ray` finds)."""
     from rayzero.cluster.checkpoints import checkpoint_root
     from rayzero.cluster.schedule import describe as describe_schedule
+    from rayzero.objectives.config import objective_plan
     from rayzero.sharding.memory import activation_bytes, formula_bytes_per_param
     from rayzero.sharding.precision import DTYPES
 
@@ -383,6 +384,7 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
         bytes_per_rank = max(r["bytes_per_rank"] for r in pipeline["ranks"])  # the fullest stage's
         num_params = max(r["params"] for r in pipeline["ranks"])
     return {
+        "objective": objective_plan(cfg, num_params, frozen_per_param, sh.param_dtype),
         "pipeline": pipeline,
         "world_size": c.num_workers,
         "tp": cfg.parallel.tp,

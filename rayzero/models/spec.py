@@ -278,9 +278,23 @@ class ModelSpec:
         scaled by `aux_coef`. `vocab`: this rank's `VocabShard` when the head is split over the
         vocabulary: the logits are its rows, and the loss is computed on the shards."""
         loss_of = vocab.token_loss if vocab is not None else token_loss
+        logits, out = self._forward(model, x, y, check, vocab)
+        return (*loss_of(logits, y), self.aux_loss(out))
+
+    def token_losses(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, check: bool = False, vocab=None):
+        """(each target's cross-entropy [B, T] in fp32, 0 where the target is IGNORE_INDEX; the
+        model's auxiliary loss or None): what a loss over whole sequences (preference tuning)
+        sums row by row. As `loss` otherwise."""
+        logits, out = self._forward(model, x, y, check, vocab)
+        per_token = vocab.token_losses(logits, y) if vocab is not None else F.cross_entropy(
+            logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE_INDEX, reduction="none").view(y.shape)
+        return per_token, self.aux_loss(out)
+
+    def _forward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, check: bool, vocab):
+        """(the logits, the forward's whole output), checked with `check`."""
         if not check:
             out = self.logits(model, x)
-            return (*loss_of(getattr(out, "logits", out), y), self.aux_loss(out))
+            return getattr(out, "logits", out), out
         try:
             out = self.logits(model, x)
         except IndexError as e:  # an embedding lookup past the table
@@ -291,7 +305,7 @@ class ModelSpec:
         if top >= vocab_size:
             raise ModelError(f"{self.where}: its vocabulary of {vocab_size} tokens is smaller than the data's: "
                              f"the batch holds token id {top}")
-        return (*loss_of(logits, y), self.aux_loss(out))
+        return logits, out
 
     aux_coef = 0.0  # the weight of `aux_loss` in the training loss; 0: the model has none
 

@@ -65,6 +65,11 @@ class VocabShard:
         per_token = _VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), self)
         return per_token.sum(), (targets != IGNORE_INDEX).sum()
 
+    def token_losses(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Each target's cross-entropy [batch, seq] in fp32 (0 where IGNORE_INDEX), from this
+        rank's logit shard: the whole logits' per-token cross-entropy."""
+        return _VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), self).view(targets.shape)
+
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod

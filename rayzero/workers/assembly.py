@@ -175,10 +175,14 @@ def initial_values(spec: ModelSpec, built: Built) -> ParamSource:
 
 
 def assemble(cfg: RootConfig, spec: ModelSpec, mesh: Mesh, device: torch.device,
-             streams: RandomStreams | None = None):
+             streams: RandomStreams | None = None, frozen: bool = False):
     """Every step, on this rank: (the model, its strategy, where its initial values came from,
-    its pipeline stages or None)."""
+    its pipeline stages or None). `frozen`: every parameter frozen (a preference loss's
+    reference model): the strategy holds them in the compute dtype, sharded as it shards
+    frozen parameters, with no gradient, main copy or optimizer state."""
     built = build_model(cfg, spec, mesh, streams)
+    if frozen:
+        built.model.requires_grad_(False)
     # Where each parameter's values come from, matched on the whole model: pretrained weights
     # hold every stage's tensors, and a stage's model alone would leave the others' unclaimed.
     source = initial_values(spec, built)

@@ -29,7 +29,7 @@ from rayzero.sharding.comm import wait
 from rayzero.sharding.rng import RandomStreams
 from rayzero.workers.activations import ActivationMeter
 from rayzero.workers.assembly import assemble, build_model, make_spec, whole_counts, whole_shapes
-from rayzero.workers import pipelined
+from rayzero.workers import pipelined, preference
 from rayzero.workers.disconnect import break_group, opened_while
 from rayzero.workers.rendezvous import rendezvous_port
 from rayzero.workers.phases import CALLS
@@ -225,6 +225,9 @@ class Rank:
         self._pipe = None if stages is None else pipelined.start_pipeline(
             cfg, self.spec, self.model, self.strategy, stages, self.mesh, self.device, self.streams, self.meter,
             self.vocab)
+        # Preference tuning: the loss over pairs, and its reference model (built here: sharded the same way).
+        self.prefs = None if cfg.train.objective != "dpo" else preference.start(
+            cfg, self.spec, self.model, self.strategy, self.mesh, self.device, self.streams, self.vocab)
         if self._pipe is not None:  # the watchdog's clock restarts at each of the schedule's actions
             self._pipe.progress = lambda: setattr(self, "_current", ("pipeline", time.monotonic()))
         self._in_flight_peak = 0
@@ -258,7 +261,8 @@ class Rank:
     def _memory(self) -> dict[str, int]:
         """The ledger, and the peak bytes a micro-batch's forward has left saved for backward."""
         pipe = {"activations_in_flight": self._in_flight_peak} if self._pipe is not None else {}
-        return {**self.strategy.memory(), "activations_peak": self._activations_peak, **pipe}
+        ref = self.prefs.reference.memory() if self.prefs is not None and self.prefs.reference is not None else {}
+        return {**self.strategy.memory(), "activations_peak": self._activations_peak, **pipe, **ref}
 
     # -- phases --------------------------------------------------------------------------
     @watched
@@ -282,7 +286,10 @@ class Rank:
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._aux_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._tokens = 0
-        self._count_valid()
+        if self.prefs is not None:
+            self.prefs.begin(self._micro)
+        else:
+            self._count_valid()
         # "data": the part of gather spent on this step's rows (read a step ahead, in a thread)
         self._times = {"gather": time.perf_counter() - t0, "data": t_data, "forward": 0.0, "backward": 0.0}
         return {}
@@ -305,9 +312,18 @@ class Rank:
         x, y = self._micro[self._next_micro]
         self.streams.begin(self.plan["step"], self._first_micro + self._next_micro)
         with self.meter:  # what this micro-batch's forward leaves saved for its backward
-            loss_sum, valid, aux = self.spec.loss(self.model, x, y, check=not self._checked, vocab=self.vocab)
+            if self.prefs is not None:  # its part of the step's mean loss over pairs
+                loss, aux = self.prefs.forward(x, y, check=not self._checked)
+            else:
+                loss_sum, valid, aux = self.spec.loss(self.model, x, y, check=not self._checked, vocab=self.vocab)
         self._activations_peak = max(self._activations_peak, self.meter.bytes)
         self._checked = True
+        if self.prefs is not None:
+            self._loss = loss if aux is None else loss + self.spec.aux_coef * aux / self._micro_per_step
+            if aux is not None:
+                self._aux_sum += aux.detach().double()
+            self._times["forward"] += time.perf_counter() - t0
+            return {}
         if self._valid_work is not None:
             wait(self._valid_work)
             self._valid_work = None
@@ -373,6 +389,9 @@ class Rank:
         t0 = time.perf_counter()
         grad_norm = self.strategy.step(self.plan["lr"])
         self._times["step"] = time.perf_counter() - t0
+        if self.prefs is not None:  # the loss summed per pair, over the pairs: the mean
+            self._loss_sum.fill_(self.prefs.sums.get("loss", 0.0))
+            self._tokens = int(self.prefs.sums.get("pairs", 0))
         self._times["checkpoint"] = self._checkpoint(self.plan.get("checkpoint"))
         return {
             "rank": self.mesh.rank,
@@ -389,6 +408,7 @@ class Rank:
             "phase_s": dict(self._times),
             "uploads": self.saver.reports() if self.saver is not None else [],
             "checkpointed": bool(self.plan.get("checkpoint")),
+            **({"prefs": dict(self.prefs.sums) if self._counts else {}} if self.prefs is not None else {}),
         }
 
     @watched
@@ -398,17 +418,19 @@ class Rank:
         of this rank's validation rows; the controller divides by their global count."""
         t0 = time.perf_counter()
         if self.plan.get("evaluate") and self.val is not None:
-            loss_sum, count = self._validation_loss()
-            result = {**result, "val_loss_sum": loss_sum, "val_tokens": count}
+            loss_sum, count, *prefs = self._validation_loss()
+            result = {**result, "val_loss_sum": loss_sum, "val_tokens": count, **{"val_prefs": p for p in prefs}}
         if self._baseline is not None:
-            result = {**result, "val0_loss_sum": self._baseline[0], "val0_tokens": self._baseline[1]}
+            result = {**result, "val0_loss_sum": self._baseline[0], "val0_tokens": self._baseline[1],
+                      **{"val0_prefs": p for p in self._baseline[2:]}}
         # done_at: when this rank finished the iteration, on its wall clock (the driver sleeps
         # until the next one should be done, counting from here)
         return {**result, "phase_s": {**result["phase_s"], "evaluate": time.perf_counter() - t0},
                 "done_at": time.time()}
 
-    def _validation_loss(self) -> tuple[float, int]:
-        """(summed loss, valid targets) over this rank's validation rows, forward only."""
+    def _validation_loss(self) -> tuple:
+        """(summed loss, valid targets) over this rank's validation rows, forward only; with
+        preference tuning (loss summed per pair, pairs, the metrics' sums)."""
         self.strategy.finish_param_sync()  # an all-gather started by the step may still be writing
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         count = 0
@@ -417,6 +439,13 @@ class Rank:
             with torch.no_grad():
                 if self._pipe is not None:
                     loss_sum, count = pipelined.validation_loss(self._pipe, self.val, self.device)
+                if self.prefs is not None:
+                    prefs = self.prefs.evaluate((x.to(self.device), y.to(self.device), None)
+                                                for batch in range(self.val.num_batches)
+                                                for x, y in self.val.microbatches(batch))
+                    if not self._counts:
+                        return 0.0, 0, {}
+                    return prefs.get("loss", 0.0), int(prefs.get("pairs", 0)), prefs
                 for batch in range(self.val.num_batches if self._pipe is None else 0):
                     for x, y in self.val.microbatches(batch):
                         part, valid, _ = self.spec.loss(self.model, x.to(self.device), y.to(self.device),

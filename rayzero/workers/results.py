@@ -12,6 +12,8 @@ from __future__ import annotations
 
 # Summed over ranks (None on every rank stays None: a model without a router's loss).
 SUMS = ("loss_sum", "tokens", "aux_loss_sum", "val_loss_sum", "val_tokens", "val0_loss_sum", "val0_tokens")
+# Dicts of sums, summed key by key (preference tuning's metrics: `objectives/dpo.py`).
+DICT_SUMS = ("prefs", "val_prefs", "val0_prefs")
 # The same on every rank, or rank 0's alone (the step's learning rate, its grad norm, whether it was skipped).
 FIRST = ("rank", "step", "lr", "grad_norm", "skipped", "loss_scale", "checkpointed")
 # Times a rank reports that are part of a phase (gather's), not after it: not added to its work.
@@ -51,6 +53,13 @@ def merge(results: list[dict], ledgers: bool = True) -> dict:
         values = [p[k] for p in parts if k in p]
         if values:
             out[k] = None if all(v is None for v in values) else sum(v for v in values if v is not None)
+    for k in DICT_SUMS:
+        dicts = [p[k] for p in parts if k in p]
+        if dicts:
+            out[k] = {}
+            for d in dicts:
+                for name, v in d.items():
+                    out[k][name] = out[k].get(name, 0.0) + v
     if all("phase_s" in p for p in parts):
         phase_s: dict[str, float] = {}
         for p in parts:

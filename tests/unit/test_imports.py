@@ -94,6 +94,7 @@ RULES = {
     "models": ["ray", "rayzero.checkpoint"],  # storage is rayzero.storage, below both
     "data": ["ray", "rayzero.checkpoint"],
     "checkpoint": ["ray", "rayzero.cluster", "rayzero.workers", "rayzero.jobs"],
+    "objectives": ["ray", "rayzero.cluster", "rayzero.workers", "rayzero.jobs", "rayzero.models", "rayzero.data"],
 }
 
 
@@ -221,7 +222,7 @@ LAYERS = [
     # URI -> filesystem (rayzero.storage): the data, the models and the checkpoints read through it,
     # and the checkpoint config makes its settings
     ["rayzero._frozen", "rayzero.version", "rayzero.storage", "rayzero.*.config"],
-    ["rayzero.sharding", "rayzero.pipeline"],
+    ["rayzero.sharding", "rayzero.pipeline", "rayzero.objectives"],
     ["rayzero.data"],
     ["rayzero.models"],
     ["rayzero.checkpoint"],

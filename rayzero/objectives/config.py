@@ -1,0 +1,104 @@
+from typing import Literal
+
+from pydantic import Field
+
+from rayzero._frozen import Frozen
+
+# The losses that compare the policy with a reference model; `orpo` needs none.
+REFERENCE_LOSSES = ("sigmoid", "ipo", "hinge", "robust")
+
+
+class DPOConfig(Frozen):
+    """Preference tuning (`train.objective=dpo`), in the terms of TRL's `DPOConfig`: the loss
+    over pairs of completions (chosen, rejected) to one prompt, and its reference model."""
+
+    beta: float = Field(
+        default=0.1, gt=0,
+        description="How far the policy may move from the reference: the rewards are beta x (log-prob of the "
+        "policy - log-prob of the reference); for `ipo`, the regularization tau; for `orpo`, the weight of the "
+        "odds-ratio term (TRL's ORPO beta, lambda in the paper).",
+    )
+    loss: Literal["sigmoid", "ipo", "hinge", "robust", "orpo"] = Field(
+        default="sigmoid",
+        description="`sigmoid` = DPO (-log sigmoid(beta x margin)); `ipo` = IPO's squared loss on the margin per "
+        "completion token; `hinge` = SLiC's relu(1 - beta x margin); `robust` = robust DPO under flipped labels "
+        "(`label_smoothing` the flip rate); `orpo` = ORPO, reference-free: the chosen completions' NLL plus beta x "
+        "the odds-ratio loss, with no reference model.",
+    )
+    label_smoothing: float = Field(
+        default=0.0, ge=0, lt=0.5,
+        description="The share of preference labels taken to be wrong: `sigmoid` becomes conservative DPO "
+        "(cDPO), `robust` divides by 1 - 2 x it; the other losses take none.",
+    )
+    precompute_ref: bool = Field(
+        default=False,
+        description="Compute the reference log-probabilities of every training and validation pair in one pass "
+        "before training, then drop the reference model (TRL's `precompute_ref_log_probs`); not with `orpo`, "
+        "which has no reference.",
+    )
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.loss in REFERENCE_LOSSES
+
+
+def objective_record(cfg, model: dict | None) -> dict:
+    """What a checkpoint notes of the objective it was trained for: its name and, for a loss
+    with a reference model, which reference (how it is made, and from what model, `model`:
+    `ModelSpec.record()`). The reference is rebuilt from `model.path` on a resume, never stored."""
+    if cfg.train.objective != "dpo":
+        return {"name": "lm"}
+    reference = None
+    if cfg.dpo.uses_reference:
+        reference = {"kind": "adapters_off" if cfg.model.lora is not None else "frozen_copy", "model": model}
+    return {"name": "dpo", "loss": cfg.dpo.loss, "reference": reference}
+
+
+def objective_difference(saved: dict | None, now: dict) -> str | None:
+    """Why a checkpoint (its `objective` record; None: from before objectives were recorded,
+    i.e. `lm`) cannot be resumed by a run of objective `now`, or None."""
+    saved = saved or {"name": "lm"}
+    if saved.get("name") != now["name"]:
+        return (f"it was trained with train.objective={saved.get('name')}, this run has train.objective={now['name']}"
+                + ("; to tune its result on preferences, export it (train.save_final) and start from it with "
+                   "model.path" if now["name"] == "dpo" else ""))
+    if saved.get("reference") != now.get("reference"):
+        def said(r):
+            return "none" if r is None else f"{r['kind']} of {(r.get('model') or {}).get('source') or 'its model'}"
+
+        return (f"its reference model ({said(saved.get('reference'))}) is not this run's ({said(now.get('reference'))}): "
+                "the rewards would be measured against another model")
+    return None
+
+
+def objective_plan(cfg, params_per_rank: int | None, frozen_bytes_per_param: float, param_dtype: str) -> dict | None:
+    """What `--dry-run` says of preference tuning (None: `lm`): the loss, and the reference
+    model's bytes per rank, in the compute dtype and sharded as frozen parameters are (a frozen
+    copy: its parameters x `frozen_bytes_per_param`; none for LoRA, whose reference is the base
+    with the adapters off, a reference-free loss, or a precomputed reference, which holds it only
+    for the pass before training)."""
+    if cfg.train.objective != "dpo":
+        return None
+    d = cfg.dpo
+    if not d.uses_reference:
+        how, held = "none (reference-free)", 0
+    elif cfg.model.lora is not None:
+        how, held = "the base model with the LoRA adapters off (no copy)", 0
+    else:
+        how = f"a frozen copy of the starting weights in {param_dtype}, sharded like the policy"
+        held = int(frozen_bytes_per_param * params_per_rank) if params_per_rank else None
+    before = held if d.precompute_ref else 0
+    return {"loss": d.loss, "beta": d.beta, "reference": how, "precompute_ref": d.precompute_ref,
+            "reference_bytes": 0 if d.precompute_ref else held, "reference_bytes_before_training": before}
+
+
+def objective_line(o: dict) -> str:
+    """The dry run's line for `objective_plan`."""
+    mib = (lambda b: f"{b / 2**20:,.1f} MiB per rank" if b is not None else "its size unknown here")
+    ref = o["reference"]
+    if o["precompute_ref"]:
+        ref += f"; its log-probabilities precomputed before training ({mib(o['reference_bytes_before_training'])} " \
+               "then), then dropped"
+    elif o["reference_bytes"]:
+        ref += f": {mib(o['reference_bytes'])} beside the model state (no gradient, main copy or optimizer state)"
+    return f"objective dpo, loss {o['loss']} (beta {o['beta']:g}); reference: {ref}"
