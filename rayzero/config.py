@@ -186,9 +186,6 @@ class RootConfig(Frozen):
         if t.objective == "dpo" and t.micro_batch_size % 2:
             raise ValueError(f"train.micro_batch_size: {t.micro_batch_size} would split a preference pair (chosen and "
                              "rejected are two sequences of one micro-batch); make it even")
-        if t.objective == "dpo" and self.parallel.pp > 1:
-            raise ValueError("parallel.pp: preference tuning (train.objective=dpo) does not run in a pipeline yet; "
-                             "use parallel.tp or a sharding strategy to fit the model")
         if self.dpo.precompute_ref and not self.dpo.uses_reference:
             raise ValueError(f"dpo.precompute_ref: dpo.loss={self.dpo.loss} has no reference model to precompute")
         if self.optim.min_lr is not None and self.optim.min_lr > self.optim.lr:

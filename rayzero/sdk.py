@@ -82,7 +82,9 @@ class Result:
     def history(self):
         """Per-step metrics as a pandas DataFrame indexed by step: loss, lr, grad_norm,
         tokens_per_s, step_ms, phase_<name>_ms, world_size, val_loss and val_perplexity (at the
-        steps that evaluated, NaN elsewhere), and what else was logged."""
+        steps that evaluated, NaN elsewhere), and what else was logged; with preference tuning,
+        `rewards/chosen`, `rewards/rejected`, `rewards/accuracies`, `rewards/margins`,
+        `logps/chosen`, `logps/rejected` (TRL's names) and their `val_` twins."""
         import pandas as pd
 
         frame = pd.DataFrame(self.rows)
@@ -156,8 +158,17 @@ class Result:
             from matplotlib.figure import Figure
 
             fig = Figure(**size)
-        axes = fig.subplots(1, 3)
-        loss, speed, phases = axes
+        prefs = not h.empty and "rewards/margins" in h  # preference tuning: its reward margin too
+        axes = fig.subplots(1, 4 if prefs else 3)
+        loss, speed, phases = axes[:3]
+        if prefs:
+            margin = axes[3]
+            margin.plot(h.index, h["rewards/margins"], label="train")
+            if "val_rewards/margins" in h:
+                val = h["val_rewards/margins"].dropna()
+                margin.plot(val.index, val, "o-", label="validation")
+                margin.legend(loc="upper left", fontsize="small")
+            margin.set(title="reward margin (chosen - rejected)", xlabel="step")
         if not h.empty:
             loss.plot(h.index, h["loss"], label="train")
             if "val_loss" in h:

@@ -7,7 +7,7 @@ from statistics import mean
 
 from rayzero.cluster.history import PHASES
 from rayzero.cluster.throughput import throughput
-from rayzero.objectives.dpo import pair_metrics
+from rayzero.objectives.dpo import PAIR_METRICS, pair_metrics
 from rayzero.sharding.memory import bytes_per_param
 
 
@@ -41,6 +41,12 @@ def step_metrics(results: list[dict], phase: dict[str, float], dt: float, tokens
     return metrics
 
 
+def last_of(rows: list[dict], keys) -> dict | None:
+    """`keys` of the last row that has them (None: none has)."""
+    row = next((r for r in reversed(rows) if keys[0] in r), None)
+    return {k: row[k] for k in keys if k in row} if row is not None else None
+
+
 def run_summary(cfg, rec, h, ckpt, early, tracker, run_dir: str) -> dict:
     """The run's summary (what `--summary-json` writes and `Result.summary` holds), from the
     run record `rec` and history `h` at the end of `fit`, the checkpoints `ckpt` (None: off),
@@ -61,6 +67,9 @@ def run_summary(cfg, rec, h, ckpt, early, tracker, run_dir: str) -> dict:
         # micro-batches), which joins the training loss weighted by router_aux_loss_coef
         "final_router_aux_loss": next((r["router_aux_loss"] for r in reversed(h.rows) if "router_aux_loss" in r),
                                       None),
+        # preference tuning: the last step's (and the last validation's) pair metrics, by TRL's names
+        **({"final_preferences": last_of(h.rows, PAIR_METRICS), "final_val_preferences":
+            last_of(h.rows, [f"val_{k}" for k in PAIR_METRICS])} if cfg.train.objective == "dpo" else {}),
         "val_losses": [[s, v] for s, v in zip(h.val_steps, h.val_losses)],
         "steps": len(h.losses),
         "start_step": first_start[0],

@@ -84,6 +84,10 @@ class PipelineRun:
         self.progress = lambda: None  # called at each action: a rank's watchdog sees a long schedule move
         self.streams, self.meter, self.vocab = streams, meter, vocab
         self.runner = StageRunner(model, stages)
+        # The last stage's loss in place of the model seam's: `objective(model, x, y, check, micro)`
+        # gives (this micro-batch's part of the step's loss, 0, the auxiliary loss or None), the
+        # loss divided already (preference tuning: `workers/preference.py`). None: `spec.loss`.
+        self.objective = None
         self.checked = False
         # Off (None) unless a caller sets a list: then each F, B, I and W appends (str(action),
         # start, end) in time.perf_counter() seconds, a receive's wait left out of its start.
@@ -194,7 +198,9 @@ class PipelineRun:
         if self.routers is not None:
             self.routers.recording = []
         with self.meter:
-            if last:
+            if last and self.objective is not None:
+                out = self.runner.run(a.chunk, hidden, lambda m: self.objective(m, x, y, not self.checked, a.micro))
+            elif last:
                 out = self.runner.run(a.chunk, hidden, lambda m: self.spec.loss(
                     m, x, y, check=not self.checked, vocab=self.vocab))
             else:

@@ -36,31 +36,38 @@ def boundary_shape(cfg, stages: Stages) -> tuple[int, int, int]:
 
 def validation_loss(pipe: PipelineRun, val, device) -> tuple[torch.Tensor, int]:
     """(summed loss, valid targets) over this rank's validation rows, forward only through the
-    stages: each micro-batch goes through this rank's chunks in stage order, receiving from the
-    stage before and sending to the one after; the last stage sums the loss."""
-    stages, link = pipe.stages, pipe.link
+    stages; the last stage sums the loss."""
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     count = 0
-    index = 0
-    for batch in range(val.num_batches):
-        for x, y in val.microbatches(batch):
-            x, y = x.to(device), y.to(device)
-            for c, s in enumerate(stages.chunks):
-                received = None
-                if not stages.is_first(c):
-                    received = torch.empty(pipe.shape, dtype=pipe.dtype, device=device)
-                    for work in link.recv([received], s - 1, s - 1, index, False):
-                        work.wait()
-                if stages.is_last(c):
-                    part, valid, _ = pipe.runner.run(c, received, lambda m: pipe.spec.loss(m, x, y, vocab=pipe.vocab))
-                    loss_sum += part.double()
-                    count += int(valid)
-                else:
-                    out = pipe.runner.run(c, received, lambda m: pipe.spec.logits(m, x))
-                    for work in link.send([out], s + 1, s, index, False):
-                        work.wait()
-            index += 1
+    micro = [(x.to(device), y.to(device)) for batch in range(val.num_batches) for x, y in val.microbatches(batch)]
+    for part, valid, _ in forward_only(pipe, pipe.runner, micro, lambda m, x, y: pipe.spec.loss(m, x, y,
+                                                                                                vocab=pipe.vocab)):
+        loss_sum += part.double()
+        count += int(valid)
     return loss_sum, count
+
+
+def forward_only(pipe: PipelineRun, runner, micro, last) -> list:
+    """Each micro-batch of `micro` ((x, y) pairs) forward only through this rank's chunks of
+    `runner`'s model (the pipeline's own, or a reference model split the same way), in stage
+    order, receiving from the stage before and sending to the one after: what `last(model, x,
+    y)` gives for each micro-batch on the last stage, in order (nothing elsewhere)."""
+    stages, link = pipe.stages, pipe.link
+    out = []
+    for index, (x, y) in enumerate(micro):
+        for c, s in enumerate(stages.chunks):
+            received = None
+            if not stages.is_first(c):
+                received = torch.empty(pipe.shape, dtype=pipe.dtype, device=pipe.device)
+                for work in link.recv([received], s - 1, s - 1, index, False):
+                    work.wait()
+            if stages.is_last(c):
+                out.append(runner.run(c, received, lambda m: last(m, x, y)))
+            else:
+                hidden = runner.run(c, received, lambda m: pipe.spec.logits(m, x))
+                for work in link.send([hidden], s + 1, s, index, False):
+                    work.wait()
+    return out
 
 
 def whole_state_dict(state: dict | None, mesh) -> dict | None:

@@ -15,6 +15,7 @@ The reference runs forward only, in eval mode (no dropout: TRL's default), under
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import torch
 import torch.nn as nn
@@ -34,18 +35,38 @@ def evaluating(model: nn.Module):
         model.train(was)
 
 
-class FrozenCopy:
-    """The starting weights, frozen, sharded like the policy (built by `assemble(frozen=True)`)."""
+def _logps(spec, vocab):
+    """The model seam's sequence log-probabilities of a micro-batch: `last` of a forward-only pass."""
+    return lambda m, x, y: sequence_logps(spec.token_losses(m, x, y, vocab=vocab)[0])
 
-    def __init__(self, spec, model: nn.Module, strategy, vocab):
+
+class FrozenCopy:
+    """The starting weights, frozen, sharded like the policy (built by `assemble(frozen=True)`),
+    split into the same pipeline stages (`stages`) when the policy is."""
+
+    def __init__(self, spec, model: nn.Module, strategy, vocab, stages=None):
         self.spec, self.model, self.strategy, self.vocab = spec, model, strategy, vocab
         self.model.eval()
+        self.runner = None
+        if stages is not None:
+            from rayzero.pipeline.stages import StageRunner
+
+            self.runner = StageRunner(model, stages)
 
     def logps(self, x: torch.Tensor, y: torch.Tensor, pair_ids=None) -> torch.Tensor:
         with evaluating(self.model):
             per_token, _ = self.spec.token_losses(self.model, x, y, vocab=self.vocab)
         self.strategy.after_forward_only()  # ZeRO-3: nothing left gathered
         return sequence_logps(per_token)
+
+    def stage_logps(self, pipe, micro, ids=None) -> list[torch.Tensor]:
+        """Through the pipeline, forward only: each micro-batch's on the last stage."""
+        from rayzero.workers.pipelined import forward_only
+
+        with evaluating(self.model):
+            out = forward_only(pipe, self.runner, micro, _logps(self.spec, self.vocab))
+        self.strategy.after_forward_only()
+        return out
 
     def memory(self) -> dict[str, int]:
         return {"reference_params": self.strategy.memory()["frozen_params"]}
@@ -79,6 +100,14 @@ class AdaptersOff:
         self.strategy.after_forward_only()
         return sequence_logps(per_token)
 
+    def stage_logps(self, pipe, micro, ids=None) -> list[torch.Tensor]:
+        from rayzero.workers.pipelined import forward_only
+
+        with self._off(), evaluating(self.model):
+            out = forward_only(pipe, pipe.runner, micro, _logps(self.spec, self.vocab))
+        self.strategy.after_forward_only()
+        return out
+
     def memory(self) -> dict[str, int]:
         return {"reference_params": 0}
 
@@ -86,26 +115,104 @@ class AdaptersOff:
         return {"kind": "adapters_off", "model": self.spec.record()}
 
 
+class Precomputed:
+    """Every pair's reference log-probabilities, computed once before training by a reference
+    that is then dropped (`dpo.precompute_ref`): a table per split ("train", "val") of
+    [pairs, (chosen, rejected)], looked up by pair id (EMPTY: a filler pair, 0)."""
+
+    def __init__(self, tables: dict[str, torch.Tensor], identity: dict):
+        self.tables, self._identity = tables, identity
+
+    def logps(self, x: torch.Tensor, y: torch.Tensor, ids) -> torch.Tensor:
+        split, pair_ids = ids
+        table = self.tables[split]
+        index = torch.as_tensor(pair_ids, dtype=torch.long, device=table.device)
+        rows = table[index.clamp(min=0)].masked_fill((index < 0).unsqueeze(-1), 0.0)
+        return rows.flatten().to(torch.float32)  # chosen, rejected, chosen, ...: the rows' order
+
+    def stage_logps(self, pipe, micro, ids) -> list[torch.Tensor]:
+        if not pipe.stages.last:
+            return []
+        return [self.logps(x, y, i) for (x, y), i in zip(micro, ids)]
+
+    def memory(self) -> dict[str, int]:
+        return {"reference_params": 0}
+
+    def identity(self) -> dict:
+        return self._identity
+
+
+CHUNK = 64  # micro-batches a precomputing pass holds at once
+
+
+def precompute(reference, pipe, mesh, device, splits: dict, micro_rows: int) -> Precomputed:
+    """`dpo.precompute_ref`: each split's pairs (`splits`: name -> (its `Pairs`, how many)) in
+    micro-batches of `micro_rows` rows, the data-parallel ranks taking turns, through
+    `reference` (in a pipeline, through the stages); the tables summed over the data-parallel
+    ranks, so each holds every pair's (the last stage's, in a pipeline)."""
+    from rayzero.data.preferences import EMPTY
+
+    per = micro_rows // 2
+    dp, me = mesh.size("dp"), mesh.coord("dp")
+    tables = {}
+    for name, (pairs, count) in splits.items():
+        table = torch.zeros(count, 2, dtype=torch.float64, device=device)
+        mine = [list(range(i, min(i + per, count))) for i in range(0, count, per)][me::dp]
+        for at in range(0, len(mine), CHUNK):
+            ids = mine[at: at + CHUNK]
+            micro = []
+            for chunk in ids:
+                tokens, labels = pairs.rows(chunk + [EMPTY] * (per - len(chunk)))
+                micro.append((torch.from_numpy(tokens[:, :-1]).to(device), torch.from_numpy(labels[:, 1:]).to(device)))
+            got = (reference.stage_logps(pipe, micro) if pipe is not None
+                   else [reference.logps(x, y) for x, y in micro])
+            for chunk, lp in zip(ids, got):
+                index = torch.as_tensor(chunk, dtype=torch.long, device=device)
+                table[index] = lp.double().view(-1, 2)[: len(chunk)]
+        from rayzero.sharding.comm import wait
+
+        wait(mesh.axis("dp").start_all_reduce(table))
+        tables[name] = table
+    return Precomputed(tables, reference.identity())
+
+
 class PreferenceStep:
     """Each micro-batch's preference loss on this rank: the step's divisors (its pairs and
     chosen completion tokens over every rank, all-reduced once at the start of the step), the
-    reference's log-probabilities, and the metrics' sums."""
+    reference's log-probabilities, and the metrics' sums. In a pipeline (`pipe`), the last
+    stage computes the loss (`pipe.objective`), and the reference's log-probabilities come from
+    a forward-only pass through the stages before the step's schedule."""
 
-    def __init__(self, cfg, spec, model, reference, mesh, device, vocab):
+    def __init__(self, cfg, spec, model, reference, mesh, device, vocab, pipe=None):
         self.cfg, self.spec, self.model, self.reference = cfg, spec, model, reference
-        self.mesh, self.device, self.vocab = mesh, device, vocab
+        self.mesh, self.device, self.vocab, self.pipe = mesh, device, vocab, pipe
         self.loss = PreferenceLoss(cfg.dpo)
         self._divisors: tuple[float, float] | torch.Tensor = (1.0, 1.0)
         self._work = None
+        self._refs: list | None = None  # in a pipeline: the step's reference log-probabilities, per micro-batch
         self.sums: dict[str, float] = {}
+        if pipe is not None:
+            pipe.objective = lambda m, x, y, check, micro: self._loss_of(m, x, y, check, self._refs[micro])
 
-    def begin(self, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def begin(self, micro: list[tuple[torch.Tensor, torch.Tensor]], ids=None) -> None:
         """A step starts: count its pairs (summed over the data-parallel ranks, waited for at the
-        first forward) and clear the sums."""
+        first forward) and clear the sums; in a pipeline, the reference's pass through the stages.
+        `ids`: each micro-batch's pair ids (for a precomputed reference)."""
         local = sum((counts(y) for _, y in micro), torch.zeros(2, dtype=torch.float64))
         self._divisors = local.to(self.device)
         self._work = self.mesh.axis("dp").start_all_reduce(self._divisors)
         self.sums = {}
+        self._ids = ids
+        if self.pipe is not None:
+            self._refs = self.references(micro, ids)
+
+    def references(self, micro, ids) -> list:
+        """The reference's log-probabilities of each micro-batch through the pipeline (on the
+        last stage; None for each elsewhere, and without a reference)."""
+        if self.reference is None:
+            return [None] * len(micro)
+        got = self.reference.stage_logps(self.pipe, micro, ids)
+        return got if got else [None] * len(micro)
 
     def divisors(self) -> tuple[float, float]:
         if self._work is not None:
@@ -117,30 +224,50 @@ class PreferenceStep:
             self._divisors = tuple(float(v) for v in self._divisors.cpu())
         return self._divisors
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor, check: bool, pair_ids=None):
-        """(this micro-batch's part of the step's loss, the model's auxiliary loss or None)."""
-        ref = self.reference.logps(x, y, pair_ids) if self.reference is not None else None
-        per_token, aux = self.spec.token_losses(self.model, x, y, check=check, vocab=self.vocab)
+    def _loss_of(self, model, x, y, check: bool, ref):
+        """(this micro-batch's part of the step's loss, 0, the auxiliary loss or None)."""
+        per_token, aux = self.spec.token_losses(model, x, y, check=check, vocab=self.vocab)
         loss, sums = self.loss(per_token, y, ref, self.divisors())
         add_sums(self.sums, sums)
+        return loss, 0, aux
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, check: bool, index: int):
+        """(micro-batch `index`'s part of the step's loss, the model's auxiliary loss or None)."""
+        ids = self._ids[index] if self._ids is not None else None
+        ref = self.reference.logps(x, y, ids) if self.reference is not None else None
+        loss, _, aux = self._loss_of(self.model, x, y, check, ref)
         return loss, aux
 
-    def evaluate(self, batches) -> dict[str, float]:
-        """The metrics' sums over validation micro-batches (`batches`: (x, y, pair ids)),
+    def evaluate(self, micro, ids=None) -> dict[str, float]:
+        """The metrics' sums over validation micro-batches ((x, y) each; `ids`: their pair ids),
         forward only; the loss summed per pair (the controller divides by the pairs)."""
         total: dict[str, float] = {}
+
+        def last(m, x, y, ref):
+            n = counts(y)
+            per_token, _ = self.spec.token_losses(m, x, y, vocab=self.vocab)
+            return self.loss(per_token, y, ref, (max(float(n[0]), 1.0), max(float(n[1]), 1.0)))[1]
+
+        ids = ids if ids is not None else [None] * len(micro)
+        if self.pipe is not None:
+            from rayzero.workers.pipelined import forward_only
+
+            refs = self.references(micro, ids)
+            queue = iter(refs)
+            with evaluating(self.model):
+                for sums in forward_only(self.pipe, self.pipe.runner, micro, lambda m, x, y: last(m, x, y, next(queue))):
+                    add_sums(total, sums)
+            return total
         with evaluating(self.model):
-            for x, y, ids in batches:
-                ref = self.reference.logps(x, y, ids) if self.reference is not None else None
-                per_token, _ = self.spec.token_losses(self.model, x, y, vocab=self.vocab)
-                n = counts(y)
-                loss, sums = self.loss(per_token, y, ref, (max(float(n[0]), 1.0), max(float(n[1]), 1.0)))
-                add_sums(total, sums)
+            for (x, y), i in zip(micro, ids):
+                ref = self.reference.logps(x, y, i) if self.reference is not None else None
+                add_sums(total, last(self.model, x, y, ref))
         return total
 
 
-def start(cfg, spec, model, strategy, mesh, device, streams, vocab) -> PreferenceStep:
-    """This rank's preference tuning: its reference (none for a reference-free loss) and loss."""
+def start(cfg, spec, model, strategy, mesh, device, streams, vocab, pipe=None, splits=None) -> PreferenceStep:
+    """This rank's preference tuning: its reference (none for a reference-free loss) and loss.
+    `splits`: the pairs a precomputed reference covers (see `precompute`)."""
     reference = None
     if cfg.dpo.uses_reference:
         if cfg.model.lora is not None:
@@ -148,7 +275,40 @@ def start(cfg, spec, model, strategy, mesh, device, streams, vocab) -> Preferenc
         else:
             from rayzero.workers.assembly import assemble
 
-            ref_model, ref_strategy, _, _ = assemble(cfg, spec, mesh, device, streams, frozen=True)
+            ref_model, ref_strategy, _, ref_stages = assemble(cfg, spec, mesh, device, streams, frozen=True)
             ref_vocab = ref_strategy.tp.vocab if ref_strategy.tp is not None else None
-            reference = FrozenCopy(spec, ref_model, ref_strategy, ref_vocab)
-    return PreferenceStep(cfg, spec, model, reference, mesh, device, vocab)
+            reference = FrozenCopy(spec, ref_model, ref_strategy, ref_vocab, ref_stages)
+        if cfg.dpo.precompute_ref:  # every pair's once, now; the reference model is dropped after
+            reference = precompute(reference, pipe, mesh, device, splits, cfg.train.micro_batch_size)
+            gc.collect()
+    return PreferenceStep(cfg, spec, model, reference, mesh, device, vocab, pipe)
+
+
+def splits_of(data, val) -> dict:
+    """What a precomputed reference covers: the training pairs, and the validation pairs
+    evaluation reads (`Pairs` and how many of each)."""
+    out = {"train": (data.index, data.epochs.num_pairs)}
+    if val is not None:
+        out["val"] = (val.index, val.num_rows)
+    return out
+
+
+def step_ids(data, step: int) -> list[tuple[str, list[int]]]:
+    """The pair ids of this rank's micro-batches at `step`, in order (as `PreferenceBatches` reads them)."""
+    per_rank, per = data.rows_per_rank // 2, data.micro_batch // 2
+    mine = data.epochs.step_pairs(step)[data.dp_rank * per_rank: (data.dp_rank + 1) * per_rank].tolist()
+    return [("train", mine[i: i + per]) for i in range(0, per_rank, per)]
+
+
+def val_ids(val) -> list[tuple[str, list[int]]]:
+    """The pair ids of this rank's validation micro-batches, every batch in order (as
+    `ValidationRows` reads them)."""
+    from rayzero.data.preferences import EMPTY
+
+    per_rank, per = val.rows_per_rank // 2, val.micro_batch // 2
+    out = []
+    for batch in range(val.num_batches):
+        first = batch * (val.global_batch // 2) + val.dp_rank * per_rank
+        ids = [i if i < val.num_rows else EMPTY for i in range(first, first + per_rank)]
+        out += [("val", ids[i: i + per]) for i in range(0, per_rank, per)]
+    return out

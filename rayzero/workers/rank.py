@@ -225,11 +225,12 @@ class Rank:
         self._pipe = None if stages is None else pipelined.start_pipeline(
             cfg, self.spec, self.model, self.strategy, stages, self.mesh, self.device, self.streams, self.meter,
             self.vocab)
-        # Preference tuning: the loss over pairs, and its reference model (built here: sharded the same way).
-        self.prefs = None if cfg.train.objective != "dpo" else preference.start(
-            cfg, self.spec, self.model, self.strategy, self.mesh, self.device, self.streams, self.vocab)
         if self._pipe is not None:  # the watchdog's clock restarts at each of the schedule's actions
             self._pipe.progress = lambda: setattr(self, "_current", ("pipeline", time.monotonic()))
+        # Preference tuning: the loss over pairs, and its reference model (built here: sharded the same way).
+        self.prefs = None if cfg.train.objective != "dpo" else preference.start(
+            cfg, self.spec, self.model, self.strategy, self.mesh, self.device, self.streams, self.vocab, self._pipe,
+            preference.splits_of(self.data, self.val) if cfg.dpo.precompute_ref else None)
         self._in_flight_peak = 0
         num_params, trainable = self.spec.num_params(self.model)  # this rank's: its TP share
         whole = tp.split_numel() if tp is not None else 0  # what the other TP ranks add
@@ -286,8 +287,10 @@ class Rank:
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._aux_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._tokens = 0
-        if self.prefs is not None:
-            self.prefs.begin(self._micro)
+        if self.prefs is not None:  # the loss divides itself: by the step's pairs
+            self._valid, self._valid_work = 1.0, None
+            self.prefs.begin(self._micro, preference.step_ids(self.data, plan["step"]) if self.cfg.dpo.precompute_ref
+                             else None)
         else:
             self._count_valid()
         # "data": the part of gather spent on this step's rows (read a step ahead, in a thread)
@@ -313,7 +316,7 @@ class Rank:
         self.streams.begin(self.plan["step"], self._first_micro + self._next_micro)
         with self.meter:  # what this micro-batch's forward leaves saved for its backward
             if self.prefs is not None:  # its part of the step's mean loss over pairs
-                loss, aux = self.prefs.forward(x, y, check=not self._checked)
+                loss, aux = self.prefs.forward(x, y, not self._checked, self._next_micro)
             else:
                 loss_sum, valid, aux = self.spec.loss(self.model, x, y, check=not self._checked, vocab=self.vocab)
         self._activations_peak = max(self._activations_peak, self.meter.bytes)
@@ -437,12 +440,13 @@ class Rank:
         self.model.eval()
         try:
             with torch.no_grad():
-                if self._pipe is not None:
+                if self._pipe is not None and self.prefs is None:
                     loss_sum, count = pipelined.validation_loss(self._pipe, self.val, self.device)
                 if self.prefs is not None:
-                    prefs = self.prefs.evaluate((x.to(self.device), y.to(self.device), None)
-                                                for batch in range(self.val.num_batches)
-                                                for x, y in self.val.microbatches(batch))
+                    prefs = self.prefs.evaluate([(x.to(self.device), y.to(self.device))
+                                                 for batch in range(self.val.num_batches)
+                                                 for x, y in self.val.microbatches(batch)],
+                                                preference.val_ids(self.val) if self.cfg.dpo.precompute_ref else None)
                     if not self._counts:
                         return 0.0, 0, {}
                     return prefs.get("loss", 0.0), int(prefs.get("pairs", 0)), prefs
