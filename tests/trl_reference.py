@@ -1,0 +1,148 @@
+"""The reference for `train.objective=dpo`: TRL's own `DPOTrainer` (trl 1.16), run on CPU in fp32
+on a model directory and a list of preference records, with everything that could differ from
+a plain DPO step pinned down. `trl_dpo` returns what TRL logged at every step and the weights
+it ended with, for a test to set beside a rayzero run of the same settings.
+
+What is pinned, and why (each is a TRL or `transformers.Trainer` default that differs from a
+plain DPO step, or from rayzero's defaults):
+
+- fp32 throughout: `bf16=False` (TRL's `DPOConfig` defaults it to True), `fp16=False`,
+  `use_cpu=True`; the model loaded in float32 (`model_init_kwargs={"dtype": "float32"}`).
+- `gradient_checkpointing=False` (TRL defaults it to True); dropout off (`disable_dropout=True`,
+  TRL's default, sets every `nn.Dropout`'s p to 0: the model's and LoRA's own).
+- The optimizer is `torch.optim.AdamW` (`optim="adamw_torch"`, or `"adamw_torch_fused"`, the
+  Trainer's default on torch >= 2.8, which is the same update by the fused kernel rayzero
+  runs), betas `adam_betas`, eps `adam_eps`, weight decay on every parameter but biases and
+  norm gains (the Trainer's rule by name: for Llama exactly the 1-D parameters, rayzero's
+  `dim() >= 2` rule). `lr_scheduler_type="constant"`, no warmup. The gradient is clipped
+  to `max_grad_norm` by `torch.nn.utils.clip_grad_norm_` (0 = no clipping).
+- One optimizer step per batch of `pairs_per_step` pairs: `per_device_train_batch_size =
+  pairs_per_step`, no gradient accumulation, `max_steps = steps`, and the batches taken in
+  order (`train_sampling_strategy="sequential"`): step k trains on records [k P, (k+1) P)
+  modulo len(records). `len(records) == pairs_per_step` trains every step on the same pairs.
+- `max_length` is TRL's: prompt + completion, each of chosen and rejected cut to it keeping
+  the start (rayzero's `train.seq_len + 1`).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+# TRL's metrics that `trl_dpo` returns for every step (besides the Trainer's own `loss`,
+# `grad_norm` and `learning_rate`)
+DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+               "logps/chosen", "logps/rejected")
+LOSSES = ("sigmoid", "ipo", "hinge", "robust")
+
+
+def lora_config(lora: Any):
+    """A `peft.LoraConfig` from one, or from rayzero's `model.lora` keys as a dict
+    (`r`, `alpha`, `dropout`, `target_modules`, `modules_to_save`)."""
+    from peft import LoraConfig
+
+    if isinstance(lora, LoraConfig):
+        return lora
+    lora = dict(lora)
+    targets = lora.pop("target_modules", None) or None
+    saved = lora.pop("modules_to_save", None) or None
+    return LoraConfig(r=lora.pop("r", 8), lora_alpha=lora.pop("alpha", 16.0), lora_dropout=lora.pop("dropout", 0.0),
+                      target_modules=list(targets) if targets else None,
+                      modules_to_save=list(saved) if saved else None, task_type="CAUSAL_LM", **lora)
+
+
+def trl_dpo(model_dir, tokenizer_dir, records: list[dict], *, steps: int, pairs_per_step: int, lr: float,
+            beta: float = 0.1, loss: str = "sigmoid", label_smoothing: float = 0.0, max_length: int | None,
+            lora: Any = None, precompute: bool = False, weight_decay: float = 0.0, max_grad_norm: float = 1.0,
+            adam_betas: tuple[float, float] = (0.9, 0.999), adam_eps: float = 1e-8, optim: str = "adamw_torch",
+            seed: int = 0, lora_init_dir: str | None = None) -> dict:
+    """Train with TRL's `DPOTrainer` for `steps` steps of `pairs_per_step` pairs from `records`
+    (dicts of `prompt`, `chosen`, `rejected`: strings, or conversations as TRL takes them).
+
+    `lora`: a `peft.LoraConfig` or a dict of rayzero's `model.lora` keys; TRL's reference is
+    then the base with the adapters off. `lora_init_dir`: where to save the adapters as PEFT
+    initialized them (TRL seeds PEFT with `seed`), for the other side to start from.
+
+    Returns a dict:
+      `metrics`: one dict per step of `loss`, `grad_norm` (before clipping), `learning_rate`
+        and `DPO_METRICS`, as TRL logged them;
+      `state_dict`: the final weights by the model's `state_dict()` names (with LoRA: the
+        adapters merged into the base);
+      `tokenized`: the records as TRL tokenized them (`prompt_ids`, `chosen_ids`,
+        `rejected_ids`, before `max_length` cuts them);
+      `sequences`: what TRL's collator trains on per record: `chosen` and `rejected`, the token
+        ids of prompt + completion cut to `max_length`, and `prompt_len` (the completion's
+        tokens are those from it on; padding and the model's shift are TRL's own);
+      with LoRA also `adapter` (the final adapters by the names PEFT saves,
+      `base_model.model.<module>.lora_A.weight`), `adapter_init` (the initial ones),
+      `peft_state_dict` (the PEFT model's own names, `…lora_A.default.weight`).
+    """
+    import datasets
+    import transformers
+    from transformers import AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    if loss not in LOSSES:
+        raise ValueError(f"loss: TRL's DPOTrainer has no {loss!r} here; one of {LOSSES} (ORPO is trl.experimental)")
+    if len(records) % pairs_per_step:
+        raise ValueError(f"{len(records)} records are not whole batches of {pairs_per_step} pairs")
+    datasets.disable_progress_bars()
+    transformers.logging.set_verbosity_error()
+
+    with tempfile.TemporaryDirectory() as out:
+        args = DPOConfig(
+            output_dir=out, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+            model_init_kwargs={"dtype": "float32"},
+            learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0,
+            optim=optim, adam_beta1=adam_betas[0], adam_beta2=adam_betas[1], adam_epsilon=adam_eps,
+            weight_decay=weight_decay, max_grad_norm=max_grad_norm,
+            per_device_train_batch_size=pairs_per_step, gradient_accumulation_steps=1, max_steps=steps,
+            train_sampling_strategy="sequential", dataloader_drop_last=False, dataloader_num_workers=0,
+            seed=seed, data_seed=seed,
+            beta=beta, loss_type=[loss], label_smoothing=label_smoothing, max_length=max_length,
+            truncation_mode="keep_start", precompute_ref_log_probs=precompute, disable_dropout=True,
+            logging_steps=1, save_strategy="no", eval_strategy="no", report_to=[], disable_tqdm=True,
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        trainer = DPOTrainer(model=str(model_dir), args=args, train_dataset=datasets.Dataset.from_list(records),
+                             processing_class=tokenizer,
+                             peft_config=lora_config(lora) if lora is not None else None)
+        if len(trainer.train_dataset) != len(records):
+            # TRL drops a pair whose prompt alone fills max_length: the batches would shift
+            raise ValueError(f"TRL kept {len(trainer.train_dataset)} of {len(records)} records "
+                             f"(a prompt of max_length={max_length} tokens or more is dropped)")
+        tokenized = [{k: list(r[k]) for k in ("prompt_ids", "chosen_ids", "rejected_ids")}
+                     for r in trainer.train_dataset]
+        cut = slice(None, max_length)
+        sequences = [{"chosen": (t["prompt_ids"] + t["chosen_ids"])[cut],
+                      "rejected": (t["prompt_ids"] + t["rejected_ids"])[cut], "prompt_len": len(t["prompt_ids"])}
+                     for t in tokenized]
+        result: dict[str, Any] = {"tokenized": tokenized, "sequences": sequences}
+        peft = lora is not None
+        if peft:
+            from peft import get_peft_model_state_dict
+
+            result["adapter_init"] = {k: v.detach().clone() for k, v in get_peft_model_state_dict(trainer.model).items()}
+            if lora_init_dir:
+                trainer.model.save_pretrained(lora_init_dir)
+        trainer.train()
+
+    logged = [e for e in trainer.state.log_history if "loss" in e and "step" in e]
+    if [e["step"] for e in logged] != list(range(1, steps + 1)):
+        raise AssertionError(f"TRL logged steps {[e['step'] for e in logged]}, not 1..{steps}")
+    result["metrics"] = [{k: e[k] for k in ("loss", "grad_norm", "learning_rate", *DPO_METRICS)} for e in logged]
+    model = trainer.model
+    if peft:
+        from peft import get_peft_model_state_dict
+
+        result["adapter"] = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+        result["peft_state_dict"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        model = copy.deepcopy(model).merge_and_unload()
+    result["state_dict"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return result
