@@ -32,6 +32,15 @@ rank from the ledger against the formula (18/d bytes per trained parameter, 2/d 
 and the step time. Targets: LoRA's model state <= 0.30x full fine-tuning's; its step time below.
 
     python benchmarks/memory.py --lora [--rounds 2] [--steps 4] [--json PATH]
+
+With `--dpo`: preference tuning (`train.objective=dpo`, sigmoid loss) on an HF Llama of about
+12M parameters, full fine-tuning and LoRA, against the SFT step on the same rows (the language-
+model loss on the same completion tokens), bf16 parameters, 2 ranks ZeRO-3, in alternating
+rounds: the model state per rank from the ledger, the reference's included, against the formula
+(full DPO: 18/d per parameter + 2/d for the frozen reference; LoRA-DPO: LoRA's, the reference
+being the base with its adapters off), and the step time over its SFT step.
+
+    python benchmarks/memory.py --dpo [--rounds 2] [--steps 4] [--json PATH]
 """
 
 from __future__ import annotations
@@ -243,15 +252,136 @@ def lora(rounds: int, steps: int, data_path: str) -> dict:
     return {"benchmark": "memory-lora", "num_params": n, "trainable": trainable, "rounds": results, "ratios": ratio}
 
 
+def _dpo_rank(rank: int, model_dir: str, overrides: list[str], steps: int, data_path: str, port: int, sft: bool,
+              out) -> None:
+    """One of 2 ZeRO-3 ranks: `train.objective=dpo` on the pairs at `data_path`, or (`sft`) the
+    same rows with the language-model loss on their completion tokens (the preference step
+    switched off after setup: the same tokens, the same model, no reference, no pair loss)."""
+    import time
+
+    torch.set_num_threads(1)
+    cfg = load_config(None, [
+        "cluster.num_workers=2", "model.kind=hf", f"model.path={model_dir}", "train.objective=dpo",
+        "train.seq_len=256", "train.global_batch_size=8", "train.micro_batch_size=2",
+        "sharding.strategy=optim_grads_params", "sharding.param_dtype=bf16", f"data.path={data_path}",
+        "optim.warmup_steps=0", *overrides])
+    r = Rank(cfg, rank, 2, data_path)
+    r.setup("127.0.0.1", port)
+    if sft:
+        r.prefs = None
+    times = []
+    for k in range(steps):
+        t0 = time.perf_counter()
+        res = r.iteration({"step": k, "lr": lr_at(k, steps, cfg.optim)})
+        times.append(time.perf_counter() - t0)
+    out[rank] = {"step_s": sorted(times[1:])[len(times[1:]) // 2], "memory": res["memory"],
+                 "loss": res["loss_sum"] / max(res["tokens"], 1)}
+    r.close()
+
+
+def preference_data(root: str) -> tuple[str, str]:
+    """An HF Llama of about 12M parameters, a BPE tokenizer trained on the stdlib's source and
+    512 preference pairs cut from it, prepared with `--preferences`: (model dir, data path)."""
+    import random
+    import sys
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+    from rayzero.data.tokens import prepare
+
+    text = Path(sys.modules["json"].__file__).parent.parent.joinpath("argparse.py").read_text()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=4096, special_tokens=["<s>", "</s>"]))
+    config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512,
+                         bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(root + "/model")
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(root + "/model")
+    words, rng = text.split(), random.Random(0)
+    with open(root + "/pairs.jsonl", "w") as f:
+        for _ in range(512):
+            a = rng.randrange(len(words) - 400)
+            f.write(json.dumps({"prompt": " ".join(words[a: a + 40]), "chosen": " " + " ".join(words[a + 40: a + 120]),
+                                "rejected": " " + " ".join(words[a + 200: a + 280])}) + "\n")
+    prepare(root + "/pairs.jsonl", root + "/data", tokenizer=root + "/model", preferences=True)
+    return root + "/model", root + "/data"
+
+
+def dpo(rounds: int, steps: int) -> dict:
+    """DPO against the same rows' SFT step, full fine-tuning and LoRA, bf16, 2 ranks ZeRO-3, in
+    alternating rounds: the model state per rank (the reference's included) against the formula,
+    and the step time."""
+    import statistics
+    import tempfile
+
+    from rayzero.workers.assembly import build_model, make_spec
+
+    runs = {"sft": ([], True), "dpo": ([], False), "lora-sft": (LORA, True), "lora-dpo": (LORA, False)}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir, data = preference_data(tmp)
+        cfg = load_config(None, ["model.kind=hf", f"model.path={model_dir}", *LORA])
+        spec = make_spec(cfg)
+        total, trainable = spec.num_params(build_model(cfg, spec).model)
+        n = total - trainable
+        # ZeRO-3, bf16 parameters, d = 2: 18/d bytes per trained parameter, 2/d per frozen one;
+        # DPO's reference is a frozen copy (2/d per parameter), LoRA's the base with adapters off (none)
+        formula = {"sft": 18 / 2 * n, "dpo": 18 / 2 * n + 2 / 2 * n,
+                   "lora-sft": 18 / 2 * trainable + 2 / 2 * n, "lora-dpo": 18 / 2 * trainable + 2 / 2 * n}
+        print(f"HF Llama, {n / 1e6:.1f}M parameters (LoRA r=16 on every linear layer of the blocks: {trainable:,} "
+              f"trained); 4 pairs (8 sequences) of seq 256 a step, micro-batch 2, 2 ranks ZeRO-3, bf16; {rounds} "
+              f"round(s) of {steps} steps\n")
+        results: list[dict] = []
+        for k in range(rounds):
+            row = {}
+            for name in (list(runs) if k % 2 == 0 else list(runs)[::-1]):
+                extra, sft = runs[name]
+                with mp.Manager() as manager:
+                    out = manager.dict()
+                    mp.spawn(_dpo_rank, args=(model_dir, extra, steps, data, free_port(), sft, out), nprocs=2)
+                    ranks = [out[r] for r in range(2)]
+                state = max(sum(x["memory"].get(key, 0) for key in (*STATE, "reference_params")) for x in ranks)
+                row[name] = {"step_s": max(x["step_s"] for x in ranks), "state_mib": state / 2**20,
+                             "formula_mib": formula[name] / 2**20, "loss": ranks[0]["loss"],
+                             "reference_mib": max(x["memory"].get("reference_params", 0) for x in ranks) / 2**20}
+                m = row[name]
+                print(f"round {k + 1}  {name:<8}  step {m['step_s']:6.2f} s  model state per rank {m['state_mib']:7.2f} "
+                      f"MiB (formula {m['formula_mib']:7.2f}; reference {m['reference_mib']:6.2f})  loss {m['loss']:.4f}")
+            results.append(row)
+    ratio = {name: {"state_over_formula": statistics.median(r[name]["state_mib"] / r[name]["formula_mib"]
+                                                            for r in results)} for name in runs}
+    for full, base in (("dpo", "sft"), ("lora-dpo", "lora-sft")):
+        ratio[full]["step_over_sft"] = statistics.median(r[full]["step_s"] / r[base]["step_s"] for r in results)
+    print()
+    for name in runs:
+        print(f"{name:<8} model state / formula {ratio[name]['state_over_formula']:.3f}x"
+              + (f"; step time / its SFT step {ratio[name]['step_over_sft']:.3f}x" if "step_over_sft" in ratio[name]
+                 else ""))
+    print("expected: model state = formula (padding aside); a DPO step about 4/3 of its SFT step (the reference's "
+          "forward beside the policy's forward and backward)")
+    return {"benchmark": "memory-dpo", "num_params": n, "trainable_lora": trainable, "rounds": results,
+            "ratios": ratio}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", metavar="PATH", help="also write the table here as JSON")
     ap.add_argument("--preset", default="small", help="model.preset to measure (default small, 10.8M)")
     ap.add_argument("--activations", action="store_true", help="activation checkpointing none / selective / full")
     ap.add_argument("--lora", action="store_true", help="LoRA against full fine-tuning, bf16, ZeRO-3")
+    ap.add_argument("--dpo", action="store_true", help="DPO (full and LoRA) against the SFT step, bf16, ZeRO-3")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
     args = ap.parse_args()
+    if args.dpo:
+        result = dpo(args.rounds, args.steps)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+        return
     if args.activations or args.lora:
         data_path = ensure_default_corpus("~/.cache/rayzero/datasets")
         result = (activations if args.activations else lora)(args.rounds, args.steps, data_path)

@@ -186,6 +186,9 @@ class RootConfig(Frozen):
         if t.objective == "dpo" and t.micro_batch_size % 2:
             raise ValueError(f"train.micro_batch_size: {t.micro_batch_size} would split a preference pair (chosen and "
                              "rejected are two sequences of one micro-batch); make it even")
+        if self.dpo.label_smoothing and self.dpo.loss != "robust":
+            raise ValueError(f"dpo.label_smoothing: {self.dpo.label_smoothing:g} would do nothing to dpo.loss="
+                             f"{self.dpo.loss} (as in TRL, only robust DPO takes it); use dpo.loss=robust, or leave it 0")
         if self.dpo.precompute_ref and not self.dpo.uses_reference:
             raise ValueError(f"dpo.precompute_ref: dpo.loss={self.dpo.loss} has no reference model to precompute")
         if self.optim.min_lr is not None and self.optim.min_lr > self.optim.lr:

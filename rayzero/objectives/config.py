@@ -27,8 +27,8 @@ class DPOConfig(Frozen):
     )
     label_smoothing: float = Field(
         default=0.0, ge=0, lt=0.5,
-        description="The share of preference labels taken to be wrong: `sigmoid` becomes conservative DPO "
-        "(cDPO), `robust` divides by 1 - 2 x it; the other losses take none.",
+        description="The share of preference labels taken to be wrong, for `robust` (as TRL: the other losses "
+        "take none, and a value for them is refused rather than ignored).",
     )
     precompute_ref: bool = Field(
         default=False,

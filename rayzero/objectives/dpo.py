@@ -7,11 +7,12 @@ per-token cross-entropy of the policy (and the reference's sequence log-probabil
 
     logp(seq)  = sum over the completion's tokens of log p(token | before)   (TRL: summed)
     margin     = (logp_c - ref_c) - (logp_r - ref_r)
-    sigmoid    = -(1 - ε) log σ(β margin) - ε log σ(-β margin)     (ε = label_smoothing: cDPO)
-    robust     = (-(1 - ε) log σ(β margin) + ε log σ(-β margin)) / (1 - 2ε)
+    sigmoid    = -log σ(β margin)
+    robust     = (-(1 - ε) log σ(β margin) + ε log σ(-β margin)) / (1 - 2ε)   (ε = label_smoothing)
     hinge      = relu(1 - β margin)
     ipo        = ((logp_c - ref_c)/n_c - (logp_r - ref_r)/n_r - 1/(2β))²    (per completion token)
-    orpo       = NLL of the chosen tokens (their mean over the batch) - β log σ(log odds),
+    orpo       = NLL of the chosen completions' tokens (their mean over the batch; ORPO's L_SFT,
+                 where TRL's ORPOTrainer takes the prompt's tokens too) - β log σ(log odds),
                  log odds = (a_c - a_r) - (log(1 - e^a_c) - log(1 - e^a_r)), a = logp / n
 
 The loss of a step is the mean over its pairs (ORPO's NLL: over its chosen tokens): each rank
@@ -113,7 +114,7 @@ class PreferenceLoss:
             margin = lr_c - lr_r
             eps = cfg.label_smoothing
             if cfg.loss == "sigmoid":
-                per_pair = -(1 - eps) * F.logsigmoid(beta * margin) - eps * F.logsigmoid(-beta * margin)
+                per_pair = -F.logsigmoid(beta * margin)
             elif cfg.loss == "robust":
                 per_pair = (-(1 - eps) * F.logsigmoid(beta * margin) + eps * F.logsigmoid(-beta * margin)) / (1 - 2 * eps)
             elif cfg.loss == "hinge":
