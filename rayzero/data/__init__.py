@@ -1,6 +1,6 @@
 """Token datasets: preparing them (tokens.py, from sources.py through tokenizer.py), and what
-each rank reads of them (batches.py, instruct.py, validation.py). Names are imported on first
-use, so that preparing data (in Ray Data's workers too) does not import torch."""
+each rank reads of them (batches.py, instruct.py, preferences.py, validation.py). Names are
+imported on first use, so that preparing data (in Ray Data's workers too) does not import torch."""
 
 _NAMES = {
     "RankBatches": "rayzero.data.batches", "global_batch_offsets": "rayzero.data.batches",

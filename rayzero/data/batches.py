@@ -25,6 +25,7 @@ class RankBatches:
     """One data-parallel rank's slice of every step's global batch, split into micro-batches."""
 
     masks_labels = False  # plain text: every target counts (no IGNORE_INDEX labels)
+    pairs = False  # preference data: rows 2i and 2i + 1 are one pair's chosen and rejected
 
     def __init__(
         self,

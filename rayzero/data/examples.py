@@ -74,4 +74,7 @@ def example_of(tok: Tokenizer, rec, where: str) -> tuple[np.ndarray, np.ndarray]
             raise DataError(f"{where}: `prompt` and `response` must be strings")
         return prompt_response(tok, p, r)
     have = ", ".join(sorted(rec)[:8]) if isinstance(rec, dict) else type(rec).__name__
-    raise DataError(f"{where}: an instruction record has `prompt` and `response`, or `messages` (it has: {have})")
+    hint = ("; preference pairs? prepare them with --preferences"
+            if isinstance(rec, dict) and {"chosen", "rejected"} & set(rec) else "")
+    raise DataError(f"{where}: an instruction record has `prompt` and `response`, or `messages` (it has: {have})"
+                    f"{hint}")

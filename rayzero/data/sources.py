@@ -158,13 +158,22 @@ def field_of(rec, name: str, where: str, kind: str = "field") -> str:
         raise DataError(f"{where}: a JSON object was expected, found {type(rec).__name__}")
     if name not in rec:
         have = ", ".join(sorted(rec)[:8]) or "none"
-        hint = ("; instruction records? prepare them with --instructions" if {"prompt", "messages"} & set(rec)
-                else "; name the text with --text-field")
+        hint = _record_hint(set(rec)) or "; name the text with --text-field"
         raise DataError(f"{where}: no {kind} {name!r} (it has: {have}){hint}")
     value = rec[name]
     if not isinstance(value, str):
         raise DataError(f"{where}: {kind} {name!r} is {type(value).__name__}, not a string")
     return value
+
+
+def _record_hint(keys: set[str]) -> str:
+    """How to prepare records that hold other things than documents: preference pairs or
+    instruction examples ("" when they look like neither)."""
+    if {"chosen", "rejected"} & keys:
+        return "; preference pairs? prepare them with --preferences"
+    if {"prompt", "response", "messages"} & keys:
+        return "; instruction records? prepare them with --instructions"
+    return ""
 
 
 def _parquet_texts(f: SourceFile, column: str, skipped: list[str] | None) -> Iterator[tuple[str, str]]:
@@ -175,7 +184,8 @@ def _parquet_texts(f: SourceFile, column: str, skipped: list[str] | None) -> Ite
             raise DataError(f"{f.uri}: not a Parquet file ({str(e).splitlines()[0]})") from None
         names = pf.schema_arrow.names
         if column not in names:
-            raise DataError(f"{f.uri}: no column {column!r} (it has: {', '.join(names)}); name it with --text-column")
+            hint = _record_hint(set(names)) or "; name it with --text-column"
+            raise DataError(f"{f.uri}: no column {column!r} (it has: {', '.join(names)}){hint}")
         row = 0
         for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[column]):
             for value in batch.column(0).to_pylist():
@@ -194,6 +204,27 @@ def _parquet_texts(f: SourceFile, column: str, skipped: list[str] | None) -> Ite
                 if not isinstance(value, str):
                     raise DataError(f"{f.uri}: column {column!r} holds {type(value).__name__}, not text")
                 yield f"{f.uri}#{row}", value
+
+
+def parquet_records(f: SourceFile, columns: tuple[str, ...], required: tuple[str, ...] = ()
+                    ) -> Iterator[tuple[str, dict]]:
+    """(where, record) of each row: `file#row`, a dict of those of `columns` the file has
+    (a null value is left out, as a missing field); a file without one of `required` is refused."""
+    with f.fs.open_input_file(f.path) as handle:
+        try:
+            pf = pq.ParquetFile(handle)
+        except Exception as e:
+            raise DataError(f"{f.uri}: not a Parquet file ({str(e).splitlines()[0]})") from None
+        names = pf.schema_arrow.names
+        missing = [c for c in required if c not in names]
+        if missing:
+            raise DataError(f"{f.uri}: no column {missing[0]!r} (it has: {', '.join(names)})")
+        present = [c for c in columns if c in names]
+        row = 0
+        for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=present):
+            for values in zip(*(batch.column(c).to_pylist() for c in present)):
+                row += 1
+                yield f"{f.uri}#{row}", {c: v for c, v in zip(present, values) if v is not None}
 
 
 def documents(f: SourceFile, fields: Fields = Fields(), skipped: list[str] | None = None) -> Iterator[str]:

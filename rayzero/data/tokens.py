@@ -7,6 +7,9 @@ is not a dataset (an interrupted prepare). Each document is followed by the toke
 end-of-sequence id (and starts with its BOS where it adds one): see tokenizer.py; the default
 tokenizer is bytes, end-of-text 256. meta.json records the tokenizer (its hash, vocabulary
 size and special tokens) so that training can check the dataset against the model.
+
+Instruction examples (`instructions`) and preference pairs (`preferences`, two examples each) add
+a `mask` column: 1 on the tokens the model learns to produce.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ FORMAT_VERSION = 2  # 1: bytes only, uint16, no tokenizer record (still read)
 DOCUMENTS = "documents.parquet"  # each document's (example's) length in tokens, in order
 TOKENIZER_DIR = "tokenizer"  # the tokenizer the dataset was made with, as save_pretrained writes it
 ENCODE_BATCH = 256  # documents per call into the tokenizer
+MASKED_KINDS = ("instructions", "preferences")  # kinds of dataset with a `mask` column
 
 
 def encode(text: str) -> np.ndarray:
@@ -73,6 +77,7 @@ class ShardWriter:
         self.pending: list[np.ndarray] = []
         self.masks: list[np.ndarray] | None = [] if with_mask else None
         self.lengths: list[int] = []
+        self.prompts: list[int] = []  # with a mask: each example's tokens before its first masked-in one
         self.target_tokens = 0
         self.pending_len = 0
         self.digest = hashlib.sha256()
@@ -88,6 +93,7 @@ class ShardWriter:
             self.digest.update(mask.tobytes())
             self.masks.append(mask)
             self.target_tokens += int(mask.sum())
+            self.prompts.append(int(np.argmax(mask)) if mask.any() else int(mask.size))
         self.pending_len += doc.size
         self.documents += 1
         if self.pending_len >= self.shard_tokens:
@@ -115,7 +121,10 @@ class ShardWriter:
             with self.fs.open_output_stream(posixpath.join(self.root, name)) as f:
                 f.write(data)
         with self.fs.open_output_stream(posixpath.join(self.root, DOCUMENTS)) as f:  # where each one ends
-            pq.write_table(pa.table({"length": pa.array(self.lengths, type=pa.int64())}), f, compression="zstd")
+            columns = {"length": pa.array(self.lengths, type=pa.int64())}
+            if self.masks is not None:
+                columns["prompt"] = pa.array(self.prompts, type=pa.int64())
+            pq.write_table(pa.table(columns), f, compression="zstd")
         meta = {"format": FORMAT, "version": FORMAT_VERSION, **meta, "dtype": self.dtype.name,
                 "num_tokens": sum(s["num_tokens"] for s in self.shards), "num_documents": self.documents,
                 "shards": self.shards, "fingerprint": self.digest.hexdigest()[:16]}
@@ -138,43 +147,53 @@ def prepare(
     progress: bool = False,
     storage_cfg=None,
     instructions: bool = False,
+    preferences: bool = False,
     tokenize_with: Callable | None = None,
 ) -> dict:
     """Tokenize the documents under `src` (see sources.py) into shards at `out`; with
-    `instructions`, JSON records of prompt/response or messages (see instruct.py).
+    `instructions`, JSON records of prompt/response or messages (see examples.py); with
+    `preferences`, records of prompt/chosen/rejected, two examples each (see pairs.py).
     `tokenize_with(src, writer, tok, ...)`: fills the writer in place of this process, in the
     same order, and returns what it skipped (Ray Data: `rayzero.jobs.ray_prepare`).
 
     What is not UTF-8 is skipped and named (refused with `strict_utf8`), and so are files below a
     directory named in `exclude`. Returns the written metadata.
     """
+    if instructions and preferences:
+        raise DataError("instructions or preferences: a dataset holds one kind of record")
+    kind = "instructions" if instructions else "preferences" if preferences else "text"
     tok = load_tokenizer(tokenizer)
     files = list_sources(str(src), pattern, exclude, storage_cfg)
     writer = ShardWriter(out, token_dtype(tok.vocab_size), shard_tokens, row_group_tokens, storage_cfg,
-                         with_mask=instructions)
+                         with_mask=kind in MASKED_KINDS)
     skipped: list[str] | None = None if strict_utf8 else []
     bar = _progress(files, progress)
     if tokenize_with is not None:
         skipped = tokenize_with(str(src), writer, tok, pattern=pattern, exclude=exclude, fields=fields,
-                                strict_utf8=strict_utf8, instructions=instructions, storage_cfg=storage_cfg,
+                                strict_utf8=strict_utf8, instructions=instructions, preferences=preferences,
+                                storage_cfg=storage_cfg,
                                 bar=bar, batch_docs=ENCODE_BATCH)
         for where in skipped:
             log.warning("skipped %s: not UTF-8", where)
     elif instructions:
         _add_instructions(files, tok, writer, skipped, bar)
+    elif preferences:
+        _add_preferences(files, tok, writer, skipped, bar)
     else:
         _add_documents(files, tok, writer, fields, skipped, bar)
     bar.close()
     if not writer.documents:
-        what = "instruction records" if instructions else "UTF-8 documents"
+        what = {"instructions": "instruction records", "preferences": "preference records"}.get(kind, "UTF-8 documents")
         raise DataError(f"no {what} in {src}" + (f" (matching {pattern!r})" if pattern != "*" else ""))
     # The tokenizer itself beside the tokens: generate and exports find it without the model directory.
     saved = {f"{TOKENIZER_DIR}/{name}": data for name, data in tok.saved_files().items()}
     record = {**tok.record(), **({"dir": TOKENIZER_DIR} if saved else {})}
-    meta = {"kind": "instructions" if instructions else "text", "vocab_size": tok.vocab_size, "eot": tok.eos_id,
+    meta = {"kind": kind, "vocab_size": tok.vocab_size, "eot": tok.eos_id,
             "tokenizer": record, "source": str(src), "skipped": (skipped or [])[:100],
             "num_skipped": len(skipped or [])}
-    if instructions:
+    if preferences:
+        meta["num_pairs"] = writer.documents // 2
+    if kind in MASKED_KINDS:
         meta["num_target_tokens"] = writer.target_tokens
     return writer.commit(meta, saved)
 
@@ -204,6 +223,19 @@ def _add_instructions(files, tok, writer: ShardWriter, skipped, bar) -> None:
         for where, rec in json_records(f, skipped):
             ids, mask = example_of(tok, rec, where)
             writer.add(ids, mask)
+        bar.update(f.size)
+
+
+def _add_preferences(files, tok, writer: ShardWriter, skipped, bar) -> None:
+    from rayzero.data.pairs import OneFormat, pair_of, pair_records
+
+    one = OneFormat()
+    for f in files:
+        for where, rec in pair_records(f, skipped):
+            pair = pair_of(tok, rec, where)
+            one.check(pair.form, where)
+            for ids, mask in pair.examples():
+                writer.add(ids, mask)
         bar.update(f.size)
 
 
@@ -296,8 +328,28 @@ class TokenDataset:
 
     @property
     def kind(self) -> str:
-        """`text` (documents) or `instructions` (examples with a loss mask)."""
+        """`text` (documents), `instructions` (examples with a loss mask) or `preferences` (pairs
+        of examples with a loss mask: prompt + chosen, prompt + rejected)."""
         return self.meta.get("kind", "text")
+
+    @property
+    def masked(self) -> bool:
+        """Whether the tokens have a loss mask beside them (instruction examples, preference pairs)."""
+        return self.kind in MASKED_KINDS
+
+    @cached_property
+    def prompt_lengths(self) -> np.ndarray:
+        """Each example's tokens before its first masked-in one, in order (a preference pair's
+        prompt), from documents.parquet."""
+        path = posixpath.join(self._root, DOCUMENTS)
+        table = None
+        if self.masked and self._fs.get_file_info(path).type == pafs.FileType.File:
+            with self._fs.open_input_file(path) as f:
+                table = pq.read_table(f)
+        if table is None or "prompt" not in table.column_names:
+            raise DataError(f"{self.uri}: {DOCUMENTS} records no prompt lengths (a {self.kind} dataset prepared by an "
+                            "older rayzero); prepare it again")
+        return table.column("prompt").to_numpy().astype(np.int64)
 
     @cached_property
     def document_lengths(self) -> np.ndarray:
@@ -321,7 +373,7 @@ class TokenDataset:
 
     def _read_group_uncached(self, i: int) -> np.ndarray:
         g = self._groups[i]
-        columns = ["tokens", "mask"] if self.kind == "instructions" else ["tokens"]
+        columns = ["tokens", "mask"] if self.masked else ["tokens"]
         with self._lock:  # a ParquetFile is not safe to read from two threads at once
             table = self._files[g.shard].read_row_group(g.index, columns=columns)
         if len(columns) == 1:
@@ -345,13 +397,13 @@ class TokenDataset:
 
     def window(self, start: int, length: int) -> np.ndarray:
         """Tokens ``[start, start + length)`` of the concatenated corpus."""
-        if self.kind == "instructions":
+        if self.masked:
             return self._gather(start, length, 2)[0]
         return self._gather(start, length, 1)[0]
 
     def window_with_mask(self, start: int, length: int) -> tuple[np.ndarray, np.ndarray]:
         """Tokens ``[start, start + length)`` and their loss mask (all ones for text)."""
-        if self.kind != "instructions":
+        if not self.masked:
             return self.window(start, length), np.ones(length, np.int64)
         both = self._gather(start, length, 2)
         return both[0], both[1]

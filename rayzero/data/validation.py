@@ -1,15 +1,16 @@
 """Validation data: documents held out of the training set, and the rows evaluation reads.
 
-`data.val_fraction` holds out whole documents (whole instruction examples): a fixed share of
-them, drawn by a generator of its own, so runs with different training seeds validate on the
+`data.val_fraction` holds out whole documents (whole instruction examples, whole preference
+pairs: both sequences of a pair or neither): a fixed share of them, drawn by a generator of its own, so runs with different training seeds validate on the
 same documents, and the training set is the rest, concatenated in order (`Subset`).
 `data.val_path` names a dataset of its own instead.
 
 Evaluation reads the same rows every time, a function of the data alone: for text, consecutive
 windows of `seq_len + 1` tokens from the start of the validation documents; for instruction
-examples, the examples in order, packed as in training. Evaluation batch e holds rows
-[e·B, (e+1)·B), rank r of d its share of them, as in training; rows past the end are padding
-(no valid target), so the validation loss (summed over valid targets, divided by their count)
+examples, the examples in order, packed as in training; for preference pairs, the pairs in order
+(those training keeps), two rows each as in training. Evaluation batch e holds rows
+[e·B, (e+1)·B) (pairs [e·B/2, (e+1)·B/2)), rank r of d its share of them, as in training;
+rows (pairs) past the end are padding (no valid target), so the validation loss (summed over valid targets, divided by their count)
 is the same at any world size.
 """
 
@@ -20,18 +21,19 @@ import torch
 
 from rayzero.data.errors import DataError
 from rayzero.data.instruct import IGNORE_INDEX, pack, window_rows
+from rayzero.data.preferences import EMPTY, Pairs, no_pairs_left
 
 VAL_SEED = 0x5A11D
 
 
-def held_out(num_docs: int, fraction: float, where: str) -> np.ndarray:
-    """Which documents `fraction` holds out: a boolean mask, at least one and not all."""
+def held_out(num_docs: int, fraction: float, where: str, what: str = "documents") -> np.ndarray:
+    """Which documents (or pairs: `what`) `fraction` holds out: a boolean mask, at least one and not all."""
     k = int(fraction * num_docs + 0.5)
     if k < 1:
-        raise DataError(f"data.val_fraction={fraction:g} of the {num_docs} documents in {where} holds out none; "
+        raise DataError(f"data.val_fraction={fraction:g} of the {num_docs} {what} in {where} holds out none; "
                         "raise it, or give data.val_path")
     if k >= num_docs:
-        raise DataError(f"data.val_fraction={fraction:g} of the {num_docs} documents in {where} leaves none to "
+        raise DataError(f"data.val_fraction={fraction:g} of the {num_docs} {what} in {where} leaves none to "
                         "train on")
     mask = np.zeros(num_docs, bool)
     mask[np.random.default_rng(VAL_SEED).permutation(num_docs)[:k]] = True
@@ -45,6 +47,7 @@ class Subset:
         self.dataset, self.uri, self.meta, self.kind = dataset, dataset.uri, dataset.meta, dataset.kind
         lengths = dataset.document_lengths
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        self._keep = keep
         self.document_lengths = lengths[keep]
         self.num_tokens = int(self.document_lengths.sum())
         self.fingerprint = f"{dataset.fingerprint}-{tag}"
@@ -60,6 +63,14 @@ class Subset:
         self._src = np.array([s for s, _ in segs], np.int64)
         self._len = np.array([n for _, n in segs], np.int64)
         self._at = np.concatenate([[0], np.cumsum(self._len)])  # where each run starts here
+
+    @property
+    def masked(self) -> bool:
+        return self.dataset.masked
+
+    @property
+    def prompt_lengths(self) -> np.ndarray:
+        return self.dataset.prompt_lengths[self._keep]
 
     def _pieces(self, start: int, length: int):
         if start < 0 or length < 0 or start + length > self.num_tokens:
@@ -84,13 +95,17 @@ class Subset:
 
 
 def split(dataset, fraction: float) -> tuple[Subset, Subset]:
-    """(training documents, held-out documents) of `dataset`."""
-    held = held_out(dataset.document_lengths.size, fraction, dataset.uri)
+    """(training documents, held-out documents) of `dataset`; of preference data, whole pairs."""
+    if dataset.kind == "preferences":  # a pair is two consecutive documents
+        held = np.repeat(held_out(dataset.document_lengths.size // 2, fraction, dataset.uri, "pairs"), 2)
+    else:
+        held = held_out(dataset.document_lengths.size, fraction, dataset.uri)
     return Subset(dataset, ~held, f"train{fraction:g}"), Subset(dataset, held, f"val{fraction:g}")
 
 
 class ValidationRows:
-    """One rank's share of the fixed validation rows, evaluation batch by batch."""
+    """One rank's share of the fixed validation rows, evaluation batch by batch; of preference
+    data (`pairs`), pair i of a micro-batch in rows 2i (chosen) and 2i + 1 (rejected)."""
 
     def __init__(self, dataset, *, seq_len: int, global_batch: int, micro_batch: int, dp_rank: int,
                  dp_size: int, max_batches: int):
@@ -99,7 +114,17 @@ class ValidationRows:
         self.rows_per_rank = global_batch // dp_size
         n = seq_len + 1
         self.pad = int(dataset.meta["eot"])
-        if dataset.kind == "instructions":
+        self.pairs = dataset.kind == "preferences"
+        per_batch = global_batch // 2 if self.pairs else global_batch  # pairs, else rows
+        if self.pairs:
+            if self.rows_per_rank % 2 or micro_batch % 2:
+                raise ValueError(f"micro batch {micro_batch} and global batch {global_batch} / data-parallel size "
+                                 f"{dp_size} count sequences, two a pair: both must be even")
+            self.index = Pairs(dataset, seq_len)
+            available = int(self.index.kept.size)
+            if not available:
+                raise no_pairs_left(self.index.counts, seq_len, f"the validation data ({dataset.uri})")
+        elif dataset.kind == "instructions":
             lengths = dataset.document_lengths
             self.offsets = np.concatenate([[0], np.cumsum(lengths)])
             self.windows = pack(lengths, np.arange(lengths.size), n)
@@ -109,8 +134,8 @@ class ValidationRows:
         if available == 0:
             raise DataError(f"the validation data ({dataset.uri}) holds {dataset.num_tokens} tokens, fewer than one "
                             f"row of train.seq_len + 1 = {n}")
-        self.num_rows = min(available, max_batches * global_batch)
-        self.num_batches = -(-self.num_rows // global_batch)
+        self.num_rows = min(available, max_batches * per_batch)  # pairs, for preference data
+        self.num_batches = -(-self.num_rows // per_batch)
 
     def _rows(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
         n = self.seq_len + 1
@@ -127,9 +152,17 @@ class ValidationRows:
             labels = np.concatenate([labels, np.full((missing, n), IGNORE_INDEX, np.int64)])
         return tokens, labels
 
+    def _pair_rows(self, batch: int) -> tuple[np.ndarray, np.ndarray]:
+        per_rank = self.rows_per_rank // 2
+        first = batch * (self.global_batch // 2) + self.dp_rank * per_rank
+        return self.index.rows([i if i < self.num_rows else EMPTY for i in range(first, first + per_rank)])
+
     def microbatches(self, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        first = batch * self.global_batch + self.dp_rank * self.rows_per_rank
-        tokens, labels = self._rows(list(range(first, first + self.rows_per_rank)))
+        if self.pairs:
+            tokens, labels = self._pair_rows(batch)
+        else:
+            first = batch * self.global_batch + self.dp_rank * self.rows_per_rank
+            tokens, labels = self._rows(list(range(first, first + self.rows_per_rank)))
         tokens, labels = torch.from_numpy(tokens), torch.from_numpy(labels)
         return [(t[:, :-1], lab[:, 1:]) for t, lab in zip(tokens.split(self.micro_batch), labels.split(self.micro_batch))]
 

@@ -279,10 +279,13 @@ def _prepare(args) -> int:
         how = partial(prepare_on_ray, workers=args.workers)
     meta = how(args.src, args.out, pattern=args.glob, shard_tokens=args.shard_tokens, tokenizer=tokenizer,
                fields=Fields(args.text_field, args.text_column), strict_utf8=args.strict_utf8,
-               progress=not args.no_progress, instructions=args.instructions, storage_cfg=storage)
+               progress=not args.no_progress, instructions=args.instructions, preferences=args.preferences,
+               storage_cfg=storage)
     tok = meta["tokenizer"]
     what = "examples" if args.instructions else "documents"
-    print(f"wrote {meta['num_tokens']:,} tokens ({meta['dtype']}) from {meta['num_documents']:,} {what} "
+    made = (f"{meta['num_pairs']:,} pairs ({meta['num_documents']:,} sequences)" if args.preferences
+            else f"{meta['num_documents']:,} {what}")
+    print(f"wrote {meta['num_tokens']:,} tokens ({meta['dtype']}) from {made} "
           f"in {len(meta['shards'])} shard(s) to {args.out}; tokenizer {tok.get('name', tok['kind'])} "
           f"({tok['vocab_size']:,} ids, {tok['sha256']})"
           + (f"; skipped {meta['num_skipped']} not UTF-8" if meta["num_skipped"] else ""))

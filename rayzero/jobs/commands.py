@@ -39,9 +39,15 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--glob", default="*", help="which files under a SRC folder, by name (default: all)")
     prep.add_argument("--text-field", default="text", help="JSON lines: the field holding the text (default: text)")
     prep.add_argument("--text-column", default="text", help="Parquet: the column holding the text (default: text)")
-    prep.add_argument("--instructions", action="store_true",
-                      help="JSON lines of instruction examples: {prompt, response} or {messages} (rendered with the "
-                      "tokenizer's chat template); the loss is on the responses only")
+    records = prep.add_mutually_exclusive_group()
+    records.add_argument("--instructions", action="store_true",
+                         help="JSON lines of instruction examples: {prompt, response} or {messages} (rendered with the "
+                         "tokenizer's chat template); the loss is on the responses only")
+    records.add_argument("--preferences", action="store_true",
+                         help="JSON lines or Parquet of preference pairs for train.objective=dpo, in TRL's formats: "
+                         "{prompt, chosen, rejected} as strings or as lists of messages (rendered with the chat "
+                         "template), or {chosen, rejected} with the prompt implicit in both; tokenized as TRL's "
+                         "DPOTrainer does")
     prep.add_argument("--strict-utf8", action="store_true",
                       help="refuse input that is not UTF-8 (default: skip it, naming each file or line)")
     prep.add_argument("--shard-tokens", type=int, default=1 << 24, help="tokens per shard file")

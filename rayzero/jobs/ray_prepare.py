@@ -1,6 +1,6 @@
 """`rayzero data prepare … --ray`: the same dataset, tokenized with Ray Data across a cluster.
 
-    files ──from_items──▶ read (flat_map: a file's documents, or instruction records)
+    files ──from_items──▶ read (flat_map: a file's documents, or instruction or preference records)
           ──map_batches──▶ tokenize (a pool of actors, each loading the tokenizer once)
           ──in order──▶ the driver writes the shards and meta.json, as `prepare` does
 
@@ -23,11 +23,17 @@ from rayzero.data.sources import Fields, documents, json_records, list_sources
 from rayzero.data.tokenizer import Tokenizer
 
 
-def _read(row: dict, fields: Fields, strict_utf8: bool, instructions: bool, storage_cfg) -> Iterator[dict]:
-    """One file's documents (instruction records as JSON text), and what was skipped in it."""
+def _read(row: dict, fields: Fields, strict_utf8: bool, kind: str, storage_cfg) -> Iterator[dict]:
+    """One file's documents (instruction or preference records as JSON text), and what was
+    skipped in it."""
     f = list_sources(row["uri"], storage_cfg=storage_cfg)[0]
     skipped: list[str] | None = None if strict_utf8 else []
-    if instructions:
+    if kind == "preferences":
+        from rayzero.data.pairs import pair_records
+
+        for where, rec in pair_records(f, skipped):
+            yield {"kind": "doc", "doc": json.dumps(rec), "where": where, "read": 0}
+    elif kind == "instructions":
         if f.format != "json":
             raise DataError(f"{f.uri}: instruction data is JSON lines (.jsonl) of prompt/response or messages records")
         for where, rec in json_records(f, skipped):
@@ -41,17 +47,28 @@ def _read(row: dict, fields: Fields, strict_utf8: bool, instructions: bool, stor
 
 
 class _Tokenize:
-    """A Ray Data actor: token ids (and, for instructions, loss masks) of a batch of documents."""
+    """A Ray Data actor: token ids (and, for instructions and pairs, loss masks) of a batch of
+    documents. A pair's two sequences are one row: `cut` ids of the first, then the second."""
 
-    def __init__(self, tok: Tokenizer, instructions: bool, dtype: str):
-        self.tok, self.instructions, self.dtype = tok, instructions, np.dtype(dtype)
+    def __init__(self, tok: Tokenizer, kind: str, dtype: str):
+        self.tok, self.kind, self.dtype = tok, kind, np.dtype(dtype)
 
     def __call__(self, batch: dict) -> dict:
         kinds, docs, wheres = list(batch["kind"]), list(batch["doc"]), list(batch["where"])
         keep = [i for i, k in enumerate(kinds) if k == "doc"]
         ids = [b""] * len(docs)
         masks = [b""] * len(docs)
-        if self.instructions:
+        cuts, forms = [0] * len(docs), [""] * len(docs)
+        if self.kind == "preferences":
+            from rayzero.data.pairs import pair_of
+
+            for i in keep:
+                pair = pair_of(self.tok, json.loads(docs[i]), wheres[i])
+                (c, cm), (r, rm) = pair.examples()
+                ids[i] = np.concatenate([c, r]).astype(self.dtype).tobytes()
+                masks[i] = np.concatenate([cm, rm]).tobytes()
+                cuts[i], forms[i] = int(c.size), pair.form
+        elif self.kind == "instructions":
             from rayzero.data.examples import example_of
 
             for i in keep:
@@ -60,7 +77,8 @@ class _Tokenize:
         else:
             for i, doc in zip(keep, self.tok.documents([docs[i] for i in keep], self.dtype)):
                 ids[i] = doc.tobytes()
-        return {"kind": kinds, "ids": ids, "mask": masks, "where": wheres, "read": list(batch["read"])}
+        return {"kind": kinds, "ids": ids, "mask": masks, "cut": cuts, "form": forms, "where": wheres,
+                "read": list(batch["read"])}
 
 
 def prepare_on_ray(src, out: str, workers: int | None = None, **kwargs) -> dict:
@@ -74,11 +92,16 @@ def prepare_on_ray(src, out: str, workers: int | None = None, **kwargs) -> dict:
 
 
 def _fill(files_src: str, writer, tok: Tokenizer, *, pattern: str, exclude: tuple[str, ...], fields: Fields,
-          strict_utf8: bool, instructions: bool, storage_cfg, bar, batch_docs: int, workers: int | None) -> list[str]:
+          strict_utf8: bool, instructions: bool, preferences: bool, storage_cfg, bar, batch_docs: int,
+          workers: int | None) -> list[str]:
     """Fill `writer` with the documents under `files_src`, tokenized by Ray Data; the skipped
     inputs (not UTF-8)."""
     import ray
     import ray.data
+
+    from rayzero.data.pairs import OneFormat
+
+    kind = "preferences" if preferences else "instructions" if instructions else "text"
 
     files = list_sources(files_src, pattern, exclude, storage_cfg)
     ctx = ray.data.DataContext.get_current()
@@ -89,23 +112,29 @@ def _fill(files_src: str, writer, tok: Tokenizer, *, pattern: str, exclude: tupl
     # A few blocks of files per worker: a task per file would cost more than reading most files.
     blocks = min(len(files), 4 * workers)
     ds = ray.data.from_items([{"uri": f.uri, "size": f.size} for f in files], override_num_blocks=blocks)
-    ds = ds.flat_map(_read, num_cpus=0.25, fn_kwargs={"fields": fields, "strict_utf8": strict_utf8, "instructions": instructions,
-                                       "storage_cfg": storage_cfg})
+    ds = ds.flat_map(_read, num_cpus=0.25, fn_kwargs={"fields": fields, "strict_utf8": strict_utf8, "kind": kind,
+                                                      "storage_cfg": storage_cfg})
     # Reading is mostly waiting on storage: a quarter of a CPU, so that the tokenizers, three
     # quarters each, leave room for it on a machine with as many CPUs as workers.
     # Documents need only the Rust tokenizer (quick to ship and load); chat templates need transformers'.
-    sent = tok if instructions else tok.for_documents()
-    ds = ds.map_batches(_Tokenize, fn_constructor_args=(sent, instructions, writer.dtype.name), batch_size=batch_docs,
+    sent = tok if kind != "text" else tok.for_documents()
+    ds = ds.map_batches(_Tokenize, fn_constructor_args=(sent, kind, writer.dtype.name), batch_size=batch_docs,
                         batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=workers), num_cpus=0.75)
     skipped: list[str] = []
+    one = OneFormat()  # in the records' order, as `prepare` checks it
     try:
         for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
-            for kind, ids, mask, where, read in zip(batch["kind"], batch["ids"], batch["mask"], batch["where"],
-                                                    batch["read"]):
-                if kind == "done":
+            for row, ids, mask, cut, form, where, read in zip(batch["kind"], batch["ids"], batch["mask"], batch["cut"],
+                                                              batch["form"], batch["where"], batch["read"]):
+                if row == "done":
                     bar.update(int(read))
-                elif kind == "skipped":
+                elif row == "skipped":
                     skipped.append(str(where))
+                elif kind == "preferences":
+                    one.check(str(form), str(where))
+                    ids, mask = np.frombuffer(ids, dtype=writer.dtype), np.frombuffer(mask, dtype=np.uint8)
+                    writer.add(ids[:cut], mask[:cut])
+                    writer.add(ids[cut:], mask[cut:])
                 else:
                     writer.add(np.frombuffer(ids, dtype=writer.dtype),
                                np.frombuffer(mask, dtype=np.uint8) if instructions else None)

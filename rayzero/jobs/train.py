@@ -21,7 +21,7 @@ from rayzero.cluster.tracking import NullTracker, Tracker
 from rayzero.checkpoint.export import check_destination, check_final, export_identity
 from rayzero.config import ConfigError, RootConfig
 from rayzero.data.corpus import ensure_default_corpus
-from rayzero.data.tokens import DataError, read_meta
+from rayzero.data.tokens import MASKED_KINDS, DataError, read_meta
 from rayzero.models import ModelError, ModelSpec, ModelUnavailable, spec_class
 from rayzero.jobs.preflight import (
     check_local_capacity, nothing_to_train, quiet_logs, resume_preview, resumed_run_dir, say_resume,
@@ -46,7 +46,7 @@ def resolve_data(cfg: RootConfig) -> str:
     path = cfg.data.path or ensure_default_corpus(cfg.data.cache_dir)
     meta = read_meta(path, cfg.checkpoint, tokenizer=model_tokenizer_dir(cfg))
     need = cfg.train.global_batch_size * (cfg.train.seq_len + 1)
-    if meta.get("kind") != "instructions" and meta["num_tokens"] < need:  # examples are padded out
+    if meta.get("kind") not in MASKED_KINDS and meta["num_tokens"] < need:  # examples and pairs are padded out
         raise DataError(
             f"data.path: {path} holds {meta['num_tokens']} tokens, fewer than one global batch "
             f"needs (train.global_batch_size {cfg.train.global_batch_size} x "
@@ -71,10 +71,12 @@ def steps_in_epochs(cfg: RootConfig, data_path) -> int:
 
     t = cfg.train
     ds, _ = validation_split(cfg, open_dataset(cfg, data_path))
-    if ds.kind == "instructions":
+    if ds.kind in MASKED_KINDS:
         from rayzero.data.instruct import Epochs
+        from rayzero.data.preferences import pair_epochs
 
-        epochs = Epochs(ds.document_lengths, t.seed, t.global_batch_size, t.seq_len + 1)
+        epochs = pair_epochs(ds, t.seed, t.global_batch_size, t.seq_len) if ds.kind == "preferences" else \
+            Epochs(ds.document_lengths, t.seed, t.global_batch_size, t.seq_len + 1)
         whole = int(cfg.data.epochs)
         steps = epochs.steps(whole)
         if cfg.data.epochs > whole:
@@ -84,7 +86,10 @@ def steps_in_epochs(cfg: RootConfig, data_path) -> int:
 
 
 def note_cut_examples(cfg: RootConfig, meta: dict, data_path) -> None:
-    """Instruction examples longer than a window are cut to it: say how many."""
+    """Instruction examples longer than a window are cut to it, preference pairs are cut or
+    dropped: say how many."""
+    if meta.get("kind") == "preferences":
+        return note_pairs(cfg, data_path)
     if meta.get("kind") != "instructions":
         return
     lengths = open_dataset(cfg, data_path).document_lengths
@@ -92,6 +97,38 @@ def note_cut_examples(cfg: RootConfig, meta: dict, data_path) -> None:
     if cut:
         print(f"rayzero: note: {cut} of {lengths.size} instruction examples are longer than train.seq_len + 1 = "
               f"{cfg.train.seq_len + 1} tokens and are cut to it (the longest: {int(lengths.max())})", file=sys.stderr)
+
+
+def note_pairs(cfg: RootConfig, data_path) -> None:
+    """Preference pairs training leaves out (the prompt fills train.seq_len + 1 tokens) or cuts:
+    say how many; refuse data that keeps none."""
+    from rayzero.data.preferences import no_pairs_left, pair_counts
+    from rayzero.data.validation import validation_split
+
+    n = cfg.train.seq_len + 1
+    ds, _ = validation_split(cfg, open_dataset(cfg, data_path))
+    counts = pair_counts(ds, cfg.train.seq_len)
+    if not counts.kept:
+        raise no_pairs_left(counts, cfg.train.seq_len, f"data.path: {ds.uri}")
+    if counts.dropped:
+        print(f"rayzero: note: {counts.dropped} of {counts.pairs} preference pairs are left out: the prompt alone fills "
+              f"train.seq_len + 1 = {n} tokens (as TRL's DPOTrainer drops them at max_length = {n})", file=sys.stderr)
+    if counts.truncated:
+        print(f"rayzero: note: {counts.truncated} of {counts.pairs} preference pairs have a sequence longer than "
+              f"train.seq_len + 1 = {n} tokens, cut to its first {n} (TRL's keep_start)", file=sys.stderr)
+
+
+def check_objective(objective: str, key: str, path, meta: dict) -> None:
+    """Preference pairs for train.objective=dpo and for it alone: `key` (data.path,
+    data.val_path) names the dataset at `path`, `meta` its meta.json."""
+    kind, path = meta.get("kind", "text"), getattr(path, "uri", path)
+    if objective == "dpo" and kind != "preferences":
+        raise DataError(f"train.objective=dpo learns from preference pairs, but {key}: {path} holds {kind} (prepared "
+                        "without --preferences); prepare pairs with `rayzero data prepare SRC OUT --tokenizer ... "
+                        "--preferences`, or set train.objective=lm")
+    if objective != "dpo" and kind == "preferences":
+        raise DataError(f"{key}: {path} holds preference pairs (prepared with --preferences), which "
+                        f"train.objective={objective} does not learn from; set train.objective=dpo")
 
 
 def limit_to_epochs(cfg: RootConfig, data_path) -> RootConfig:
@@ -456,8 +493,12 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None,
     factory = resolve_factory(cfg, factory)
     meta = read_meta(data_path, cfg.checkpoint)
     check_data_tokenizer(cfg, meta, data_path)
+    objective = getattr(cfg.train, "objective", "lm")
+    check_objective(objective, "data.path", data_path, meta)
+    if cfg.data.val_path:
+        check_objective(objective, "data.val_path", cfg.data.val_path, read_meta(cfg.data.val_path, cfg.checkpoint))
     dataset = open_dataset(cfg, data_path) if (cfg.data.epochs or cfg.data.val_path or cfg.data.val_fraction
-                                                or meta.get("kind") == "instructions") else None
+                                                or meta.get("kind") in MASKED_KINDS) else None
     check_validation(cfg, meta, dataset)
     note_cut_examples(cfg, meta, dataset)
     cfg = limit_to_epochs(cfg, dataset)

@@ -36,7 +36,12 @@ from rayzero.workers.phases import CALLS
 
 
 def batches_for(dataset: TokenDataset) -> type:
-    """Text: windows at seeded offsets; instruction examples: packed windows with masked labels."""
+    """Text: windows at seeded offsets; instruction examples: packed windows with masked labels;
+    preference pairs: a pair's chosen and rejected in two rows, masked labels."""
+    if dataset.kind == "preferences":
+        from rayzero.data.preferences import PreferenceBatches
+
+        return PreferenceBatches
     if dataset.kind == "instructions":
         from rayzero.data.instruct import InstructionBatches
 

@@ -108,6 +108,11 @@ def test_storage_is_below_every_layer():
     assert sorted(n for n in imports_of(ROOT / "storage.py") if hits(n, "rayzero") or hits(n, "ray")) == []
 
 
+def test_trl_is_only_the_tests_reference():
+    """trl is a dev dependency, what the preference-data tests compare with: rayzero never imports it."""
+    assert sorted(module_name(f) for f in ROOT.rglob("*.py") if any(hits(n, "trl") for n in imports_of(f))) == []
+
+
 # The pure layers must stay free of ray even through another rayzero module they import.
 
 def source_of(module: str) -> Path | None:
