@@ -157,7 +157,11 @@ def precompute(reference, pipe, mesh, device, splits: dict, micro_rows: int) -> 
     tables = {}
     for name, (pairs, count) in splits.items():
         table = torch.zeros(count, 2, dtype=torch.float64, device=device)
-        mine = [list(range(i, min(i + per, count))) for i in range(0, count, per)][me::dp]
+        chunks = [list(range(i, min(i + per, count))) for i in range(0, count, per)]
+        # the same number of micro-batches on every rank (the collectives of ZeRO-3 and TP run
+        # in step): the last turn's missing ones are all filler
+        chunks += [[] for _ in range(-len(chunks) % dp)]
+        mine = chunks[me::dp]
         for at in range(0, len(mine), CHUNK):
             ids = mine[at: at + CHUNK]
             micro = []
@@ -167,8 +171,9 @@ def precompute(reference, pipe, mesh, device, splits: dict, micro_rows: int) -> 
             got = (reference.stage_logps(pipe, micro) if pipe is not None
                    else [reference.logps(x, y) for x, y in micro])
             for chunk, lp in zip(ids, got):
-                index = torch.as_tensor(chunk, dtype=torch.long, device=device)
-                table[index] = lp.double().view(-1, 2)[: len(chunk)]
+                if chunk:
+                    index = torch.as_tensor(chunk, dtype=torch.long, device=device)
+                    table[index] = lp.double().view(-1, 2)[: len(chunk)]
         from rayzero.sharding.comm import wait
 
         wait(mesh.axis("dp").start_all_reduce(table))

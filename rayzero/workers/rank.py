@@ -7,7 +7,6 @@ the controller can chain them into one compiled graph per iteration.
 
 from __future__ import annotations
 
-import functools
 import gc
 import os
 import time
@@ -21,7 +20,7 @@ import torch.distributed as dist
 from rayzero.checkpoint.shards import ShardSaver, apply_shard, layout_record, read_shard
 from rayzero.storage import Storage
 from rayzero.config import RootConfig
-from rayzero.data.batches import RankBatches
+from rayzero.data.batches import batches_for
 from rayzero.data.tokens import TokenDataset
 from rayzero.data.validation import ValidationRows, validation_split
 from rayzero.models.spec import IGNORE_INDEX
@@ -32,38 +31,7 @@ from rayzero.workers.assembly import assemble, build_model, make_spec, whole_cou
 from rayzero.workers import pipelined, preference
 from rayzero.workers.disconnect import break_group, opened_while
 from rayzero.workers.rendezvous import rendezvous_port
-from rayzero.workers.phases import CALLS
-
-
-def batches_for(dataset: TokenDataset) -> type:
-    """Text: windows at seeded offsets; instruction examples: packed windows with masked labels;
-    preference pairs: a pair's chosen and rejected in two rows, masked labels."""
-    if dataset.kind == "preferences":
-        from rayzero.data.preferences import PreferenceBatches
-
-        return PreferenceBatches
-    if dataset.kind == "instructions":
-        from rayzero.data.instruct import InstructionBatches
-
-        return InstructionBatches
-    return RankBatches
-
-
-def watched(fn):
-    """Mark a method as the call of its name, one of `phases.CALLS`, for `Rank.progress` (what
-    the controller's watchdog reads)."""
-    name = fn.__name__
-    assert name in CALLS, f"{name} is not in phases.CALLS"
-
-    @functools.wraps(fn)
-    def inner(self, *args, **kwargs):
-        self._current = (name, time.monotonic())
-        try:
-            return fn(self, *args, **kwargs)
-        finally:
-            self._current = None
-
-    return inner
+from rayzero.workers.phases import watched
 
 
 class Rank:
