@@ -34,11 +34,12 @@ and the step time. Targets: LoRA's model state <= 0.30x full fine-tuning's; its 
     python benchmarks/memory.py --lora [--rounds 2] [--steps 4] [--json PATH]
 
 With `--dpo`: preference tuning (`train.objective=dpo`, sigmoid loss) on an HF Llama of about
-12M parameters, full fine-tuning and LoRA, against the SFT step on the same rows (the language-
-model loss on the same completion tokens), bf16 parameters, 2 ranks ZeRO-3, in alternating
-rounds: the model state per rank from the ledger, the reference's included, against the formula
-(full DPO: 18/d per parameter + 2/d for the frozen reference; LoRA-DPO: LoRA's, the reference
-being the base with its adapters off), and the step time over its SFT step.
+15M parameters, full fine-tuning and LoRA, against the SFT step on the same rows (the language-
+model loss on the same completion tokens), fp32 (CPU's bf16 matmuls are ten times slower), 2
+ranks ZeRO-3, in alternating rounds: the model state per rank from the ledger, the reference's
+included, against the formula (full DPO: 16/d per parameter + 4/d for the frozen reference;
+LoRA-DPO: LoRA's, the reference being the base with its adapters off), and the step time over
+its SFT step.
 
     python benchmarks/memory.py --dpo [--rounds 2] [--steps 4] [--json PATH]
 """
@@ -263,8 +264,7 @@ def _dpo_rank(rank: int, model_dir: str, overrides: list[str], steps: int, data_
     cfg = load_config(None, [
         "cluster.num_workers=2", "model.kind=hf", f"model.path={model_dir}", "train.objective=dpo",
         "train.seq_len=256", "train.global_batch_size=8", "train.micro_batch_size=2",
-        "sharding.strategy=optim_grads_params", "sharding.param_dtype=bf16", f"data.path={data_path}",
-        "optim.warmup_steps=0", *overrides])
+        "sharding.strategy=optim_grads_params", f"data.path={data_path}", "optim.warmup_steps=0", *overrides])
     r = Rank(cfg, rank, 2, data_path)
     r.setup("127.0.0.1", port)
     if sft:
@@ -280,7 +280,7 @@ def _dpo_rank(rank: int, model_dir: str, overrides: list[str], steps: int, data_
 
 
 def preference_data(root: str) -> tuple[str, str]:
-    """An HF Llama of about 12M parameters, a BPE tokenizer trained on the stdlib's source and
+    """An HF Llama of about 15M parameters, a BPE tokenizer trained on the stdlib's source and
     512 preference pairs cut from it, prepared with `--preferences`: (model dir, data path)."""
     import random
     import sys
@@ -312,7 +312,7 @@ def preference_data(root: str) -> tuple[str, str]:
 
 
 def dpo(rounds: int, steps: int) -> dict:
-    """DPO against the same rows' SFT step, full fine-tuning and LoRA, bf16, 2 ranks ZeRO-3, in
+    """DPO against the same rows' SFT step, full fine-tuning and LoRA, fp32, 2 ranks ZeRO-3, in
     alternating rounds: the model state per rank (the reference's included) against the formula,
     and the step time."""
     import statistics
@@ -327,12 +327,12 @@ def dpo(rounds: int, steps: int) -> dict:
         spec = make_spec(cfg)
         total, trainable = spec.num_params(build_model(cfg, spec).model)
         n = total - trainable
-        # ZeRO-3, bf16 parameters, d = 2: 18/d bytes per trained parameter, 2/d per frozen one;
-        # DPO's reference is a frozen copy (2/d per parameter), LoRA's the base with adapters off (none)
-        formula = {"sft": 18 / 2 * n, "dpo": 18 / 2 * n + 2 / 2 * n,
-                   "lora-sft": 18 / 2 * trainable + 2 / 2 * n, "lora-dpo": 18 / 2 * trainable + 2 / 2 * n}
+        # ZeRO-3, fp32 parameters, d = 2: 16/d bytes per trained parameter, 4/d per frozen one;
+        # DPO's reference is a frozen copy (4/d per parameter), LoRA's the base with adapters off (none)
+        formula = {"sft": 16 / 2 * n, "dpo": 16 / 2 * n + 4 / 2 * n,
+                   "lora-sft": 16 / 2 * trainable + 4 / 2 * n, "lora-dpo": 16 / 2 * trainable + 4 / 2 * n}
         print(f"HF Llama, {n / 1e6:.1f}M parameters (LoRA r=16 on every linear layer of the blocks: {trainable:,} "
-              f"trained); 4 pairs (8 sequences) of seq 256 a step, micro-batch 2, 2 ranks ZeRO-3, bf16; {rounds} "
+              f"trained); 4 pairs (8 sequences) of seq 256 a step, micro-batch 2, 2 ranks ZeRO-3, fp32; {rounds} "
               f"round(s) of {steps} steps\n")
         results: list[dict] = []
         for k in range(rounds):
@@ -372,7 +372,7 @@ def main() -> None:
     ap.add_argument("--preset", default="small", help="model.preset to measure (default small, 10.8M)")
     ap.add_argument("--activations", action="store_true", help="activation checkpointing none / selective / full")
     ap.add_argument("--lora", action="store_true", help="LoRA against full fine-tuning, bf16, ZeRO-3")
-    ap.add_argument("--dpo", action="store_true", help="DPO (full and LoRA) against the SFT step, bf16, ZeRO-3")
+    ap.add_argument("--dpo", action="store_true", help="DPO (full and LoRA) against the SFT step, ZeRO-3")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
     args = ap.parse_args()

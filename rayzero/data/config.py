@@ -23,12 +23,13 @@ class DataConfig(Frozen):
     )
     val_fraction: float = Field(
         default=0.0, ge=0, lt=1,
-        description="Hold out this share of the training data's documents (instruction examples), whole, "
-        "for validation: the same ones for every seed and world size; 0 = none.",
+        description="Hold out this share of the training data's documents (instruction examples; preference "
+        "pairs, both sequences), whole, for validation: the same ones for every seed and world size; 0 = none.",
     )
     epochs: float = Field(
         default=0, ge=0,
         description="Passes over the data before training stops, if that comes before `train.steps` (which the "
         "learning-rate schedule then follows); 0 = `train.steps` alone. Instruction data: every example once "
-        "per epoch, packed in an order drawn from the seed; text: as many tokens as the dataset holds.",
+        per epoch, packed in an order drawn from the seed; preference pairs: every pair once per epoch; text: as many "
+        "tokens as the dataset holds.",
     )

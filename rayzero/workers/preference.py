@@ -71,9 +71,6 @@ class FrozenCopy:
     def memory(self) -> dict[str, int]:
         return {"reference_params": self.strategy.memory()["frozen_params"]}
 
-    def identity(self) -> dict:
-        return {"kind": "frozen_copy", "model": self.spec.record()}
-
 
 class AdaptersOff:
     """The policy with its LoRA adapters switched off: the base model, which LoRA never trains."""
@@ -111,17 +108,14 @@ class AdaptersOff:
     def memory(self) -> dict[str, int]:
         return {"reference_params": 0}
 
-    def identity(self) -> dict:
-        return {"kind": "adapters_off", "model": self.spec.record()}
-
 
 class Precomputed:
     """Every pair's reference log-probabilities, computed once before training by a reference
     that is then dropped (`dpo.precompute_ref`): a table per split ("train", "val") of
     [pairs, (chosen, rejected)], looked up by pair id (EMPTY: a filler pair, 0)."""
 
-    def __init__(self, tables: dict[str, torch.Tensor], identity: dict):
-        self.tables, self._identity = tables, identity
+    def __init__(self, tables: dict[str, torch.Tensor]):
+        self.tables = tables
 
     def logps(self, x: torch.Tensor, y: torch.Tensor, ids) -> torch.Tensor:
         split, pair_ids = ids
@@ -137,9 +131,6 @@ class Precomputed:
 
     def memory(self) -> dict[str, int]:
         return {"reference_params": 0}
-
-    def identity(self) -> dict:
-        return self._identity
 
 
 CHUNK = 64  # micro-batches a precomputing pass holds at once
@@ -178,7 +169,7 @@ def precompute(reference, pipe, mesh, device, splits: dict, micro_rows: int) -> 
 
         wait(mesh.axis("dp").start_all_reduce(table))
         tables[name] = table
-    return Precomputed(tables, reference.identity())
+    return Precomputed(tables)
 
 
 class PreferenceStep:

@@ -48,6 +48,14 @@ from tests.models import save_hf_model
     (["model.activation_checkpointing=every:two"], "model.activation_checkpointing: expected none, full, every:N"),
     (["data.path=DATA", "model.activation_checkpointing=full", "model.checkpoint_blocks=Blok"],
      "model.checkpoint_blocks: no module of GPT has class Blok; its module classes are Block, CausalSelfAttention"),
+    # preference tuning: a pair split across micro-batches, settings that would do nothing, the wrong data
+    (["train.objective=dpo", "train.micro_batch_size=3", "train.global_batch_size=12"],
+     "train.micro_batch_size: 3 would split a preference pair"),
+    (["train.objective=dpo", "dpo.loss=orpo", "dpo.precompute_ref=true"],
+     "dpo.precompute_ref: dpo.loss=orpo has no reference model to precompute"),
+    (["train.objective=dpo", "dpo.label_smoothing=0.1"],
+     "dpo.label_smoothing: 0.1 would do nothing to dpo.loss=sigmoid (as in TRL, only robust DPO takes it)"),
+    (["data.path=DATA", "train.objective=dpo"], "train.objective=dpo learns from preference pairs, but data.path: "),
     # a local Ray this machine cannot hold: refused at once, not after the placement wait
     (["data.path=DATA", "cluster.num_workers=4", "cluster.cpus_per_worker=64"],
      "cluster.num_workers: cluster.num_workers=4 x 64 CPU (cluster.cpus_per_worker) = 256 CPUs, but this machine's "
