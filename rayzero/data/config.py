@@ -30,6 +30,6 @@ class DataConfig(Frozen):
         default=0, ge=0,
         description="Passes over the data before training stops, if that comes before `train.steps` (which the "
         "learning-rate schedule then follows); 0 = `train.steps` alone. Instruction data: every example once "
-        per epoch, packed in an order drawn from the seed; preference pairs: every pair once per epoch; text: as many "
-        "tokens as the dataset holds.",
+        "per epoch, packed in an order drawn from the seed; preference pairs: every pair once per epoch; text: as "
+        "many tokens as the dataset holds.",
     )
