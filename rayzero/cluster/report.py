@@ -120,6 +120,8 @@ def run_summary(cfg, rec, h, ckpt, early, tracker, run_dir: str) -> dict:
             "transient_bytes": max(r["transient_peak"] for r in memory),
             # what a micro-batch's forward leaves saved for its backward, at its peak (the most on any rank)
             "activations_peak_bytes": max(r.get("activations_peak", 0) for r in memory),
+            # preference tuning: the frozen reference model beside the model state (0: none held)
+            "reference_bytes": max(r.get("reference_params", 0) for r in memory),
             "per_rank": memory,
             "param_dtype": cfg.sharding.param_dtype,
             "grad_dtype": cfg.sharding.grad_dtype,

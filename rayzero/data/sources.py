@@ -176,12 +176,16 @@ def _record_hint(keys: set[str]) -> str:
     return ""
 
 
+def _parquet_file(f: SourceFile, handle) -> pq.ParquetFile:
+    try:
+        return pq.ParquetFile(handle)
+    except Exception as e:
+        raise DataError(f"{f.uri}: not a Parquet file ({str(e).splitlines()[0]})") from None
+
+
 def _parquet_texts(f: SourceFile, column: str, skipped: list[str] | None) -> Iterator[tuple[str, str]]:
     with f.fs.open_input_file(f.path) as handle:
-        try:
-            pf = pq.ParquetFile(handle)
-        except Exception as e:
-            raise DataError(f"{f.uri}: not a Parquet file ({str(e).splitlines()[0]})") from None
+        pf = _parquet_file(f, handle)
         names = pf.schema_arrow.names
         if column not in names:
             hint = _record_hint(set(names)) or "; name it with --text-column"
@@ -211,10 +215,7 @@ def parquet_records(f: SourceFile, columns: tuple[str, ...], required: tuple[str
     """(where, record) of each row: `file#row`, a dict of those of `columns` the file has
     (a null value is left out, as a missing field); a file without one of `required` is refused."""
     with f.fs.open_input_file(f.path) as handle:
-        try:
-            pf = pq.ParquetFile(handle)
-        except Exception as e:
-            raise DataError(f"{f.uri}: not a Parquet file ({str(e).splitlines()[0]})") from None
+        pf = _parquet_file(f, handle)
         names = pf.schema_arrow.names
         missing = [c for c in required if c not in names]
         if missing:

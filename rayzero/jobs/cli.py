@@ -130,6 +130,17 @@ def _print_plan(p: dict) -> None:
     )
 
 
+def _rewards_line(s: dict) -> str:
+    """Preference tuning's last rewards, train and validation (nothing for other runs)."""
+    out = ""
+    for key, prefix, what in (("final_preferences", "", "rewards"), ("final_val_preferences", "val_", "validation")):
+        r = s.get(key)
+        if r:
+            out += (f"; {what}: margin {r[prefix + 'rewards/margins']:.4f}, accuracy "
+                    f"{r[prefix + 'rewards/accuracies']:.2f}")
+    return out
+
+
 def _activations_line(mem: dict) -> str:
     act = mem["activations_bytes"]
     total = (f"; model state + activations {(mem['bytes_per_rank'] + act) / 2**20:,.1f} MiB per rank"
@@ -185,8 +196,10 @@ def _print_summary(s: dict) -> None:
     ranks = f"{s['world_size']} ranks" + ("" if s["world_size"] == s["num_workers"] else f" (of {s['num_workers']})")
     print(
         f"\ntrained {s['steps']} steps{resumed}: loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}"
-        + (f", validation loss {s['final_val_loss']:.4f} (perplexity {math.exp(min(s['final_val_loss'], 700)):.2f})"
-           if s.get("final_val_loss") is not None else "")
+        + (f", validation loss {s['final_val_loss']:.4f}" if s.get("final_val_loss") is not None else "")
+        + (f" (perplexity {math.exp(min(s['final_val_loss'], 700)):.2f})"
+           if s.get("final_val_loss") is not None and "final_preferences" not in s else "")
+        + _rewards_line(s)
         + (f"; router load-balancing loss {s['final_router_aux_loss']:.4f}"
            if s.get("final_router_aux_loss") is not None else "") + "\n"
         f"  {ranks}, strategy {s['strategy']}" + (f", tensor parallel {s['tp']}" if s.get("tp", 1) > 1 else "")
@@ -197,7 +210,8 @@ def _print_summary(s: dict) -> None:
         + f"), {s['step_ms']:.1f} ms/step ({phases} ms)\n"
         f"  memory per rank, bytes/parameter: {per_param}; transient peak "
         f"{mem['transient_bytes'] / 2**20:.1f} MiB; activations {mem['activations_peak_bytes'] / 2**20:.1f} MiB "
-        f"a micro-batch at their peak\n"
+        f"a micro-batch at their peak"
+        + (f"; reference model {mem['reference_bytes'] / 2**20:.1f} MiB" if mem.get("reference_bytes") else "") + "\n"
         + (f"  {s['skipped_steps']} steps skipped by loss scaling\n" if s["skipped_steps"] else "")
         + "".join(f"  {'replacement' if f['decision'] == 'replace' else 'restart'} {i}: {f['message']}; "
                   f"{f['decision']} at {f['world_size']} ranks, "
