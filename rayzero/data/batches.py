@@ -103,17 +103,3 @@ class RankBatches:
             if state[key] != mine[key]:
                 raise ValueError(f"data state was saved with {key}={state[key]!r}, this job has {mine[key]!r}")
         self.next_step = int(state["next_step"])
-
-
-def batches_for(dataset) -> type:
-    """Text: windows at seeded offsets; instruction examples: packed windows with masked labels;
-    preference pairs: a pair's chosen and rejected in two rows, masked labels."""
-    if dataset.kind == "preferences":
-        from rayzero.data.preferences import PreferenceBatches
-
-        return PreferenceBatches
-    if dataset.kind == "instructions":
-        from rayzero.data.instruct import InstructionBatches
-
-        return InstructionBatches
-    return RankBatches

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from rayzero.checkpoint.shards import ShardSaver, apply_shard, layout_record, read_shard
 from rayzero.storage import Storage
 from rayzero.config import RootConfig
-from rayzero.data.batches import batches_for
+from rayzero.data.kinds import batches_for
 from rayzero.data.tokens import TokenDataset
 from rayzero.data.validation import ValidationRows, validation_split
 from rayzero.models.spec import IGNORE_INDEX
