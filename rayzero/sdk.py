@@ -92,12 +92,14 @@ class Result:
 
     @property
     def metrics(self) -> dict[str, Any]:
-        """The final figures: losses, throughput, steps, restarts."""
+        """The final figures: losses, throughput, steps, restarts; with preference tuning, the
+        last step's and the last validation's rewards and log-probabilities (TRL's names)."""
         s = self.summary
         keys = ("final_loss", "first_loss", "final_val_loss", "best_val_loss", "steps", "start_step", "total_steps",
                 "tokens_per_s", "tokens_per_s_per_rank", "mfu", "step_ms", "world_size", "restarts", "skipped_steps",
                 "stopped_early")
-        return {k: s.get(k) for k in keys}
+        prefs = {**(s.get("final_preferences") or {}), **(s.get("final_val_preferences") or {})}
+        return {**{k: s.get(k) for k in keys}, **prefs}
 
     @property
     def memory(self) -> dict[str, Any]:

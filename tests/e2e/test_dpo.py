@@ -54,6 +54,17 @@ def test_a_dpo_run_reports_trl_metrics_resumes_bitwise_and_generates(train_here,
     assert sorted(m.step for m in val) == [-1, 1, 3]
     assert [m.value for m in sorted(val, key=lambda m: m.step)][0] == 0.0, "before training: policy = reference"
 
+    # the SDK's Result: the history holds the pair metrics, the plot the reward margin, train and validation
+    from rayzero.cluster.history import load_rows
+    from rayzero.sdk import Result
+
+    result = Result(straight, load_rows(Path(straight["run_dir"]) / "history.jsonl"))
+    history = result.history
+    assert history["rewards/margins"].notna().sum() == 4 and history["val_rewards/margins"].notna().sum() == 3
+    assert result.metrics["rewards/margins"] == straight["final_preferences"]["rewards/margins"]
+    margin = next(ax for ax in result.plot(tmp_path / "plot.png").axes if ax.get_title().startswith("reward margin"))
+    assert [line.get_label() for line in margin.get_lines()] == ["train", "validation"]
+
     resumed = [*keys, f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.every_steps=2",
                f"train.save_final={tmp_path / 'resumed'}", "train.save_format=hf"]
     code, _, err, _ = train_here(*resumed, "train.steps=2", summary="first.json")
