@@ -33,8 +33,6 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch
-
 # TRL's metrics that `trl_dpo` returns for every step (besides the Trainer's own `loss`,
 # `grad_norm` and `learning_rate`)
 DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",

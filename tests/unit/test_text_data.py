@@ -361,7 +361,7 @@ def test_chat_messages_learn_the_assistant_turns_only(tmp_path, bpe_dir):
 # --------------------------------------------------------------------------- validation
 
 from rayzero.data.batches import RankBatches  # noqa: E402
-from rayzero.data.validation import Subset, ValidationRows, held_out, split  # noqa: E402
+from rayzero.data.validation import ValidationRows, held_out, split  # noqa: E402
 
 
 def numbered_docs(tmp_path, n: int, length: int) -> str:
