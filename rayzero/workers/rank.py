@@ -51,7 +51,7 @@ class Rank:
         self.device = torch.device("cpu")
         self._times: dict[str, float] = {}
         self.saver: ShardSaver | None = None
-        self.model = self.strategy = self.data = self.val = None  # built by `setup`
+        self.model = self.strategy = self.data = self.val = self.prefs = None  # built by `setup`
         self.plan: dict = {}
         self._current: tuple[str, float] | None = None  # (phase, monotonic start) while in one
 
@@ -130,6 +130,7 @@ class Rank:
                 uploads = []
         self.saver = None
         self._pipe = None  # this rank's pipeline stages and schedule, with parallel.pp > 1
+        self.prefs = None  # preference tuning's reference model (or table) goes with the model
         self._in_flight_peak = 0
         if self.data is not None:
             self.data.close()

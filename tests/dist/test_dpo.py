@@ -1,7 +1,7 @@
 """Preference tuning sharded equals its single-process run: an HF Llama, a BPE tokenizer trained
 here and preference pairs cut from the stdlib's source, `train.objective=dpo` for a few steps at
-world 2 and 4 under every strategy, at tp 2, at pp 2, with LoRA and with the reference's
-log-probabilities precomputed: the weights within 1e-5 of world 1,
+world 2 and 4 under every strategy, with activation checkpointing, at tp 2, at pp 2, with LoRA
+and with the reference's log-probabilities precomputed: the weights within 1e-5 of world 1,
 the loss and every reward metric equal. (World 1 equals TRL's DPOTrainer: `tests/e2e/test_dpo.py`.)"""
 
 import json
@@ -140,6 +140,8 @@ def test_every_strategy_equals_the_single_process_run(world, setup, single):
     if world == 2:
         runs += [("tp2", config(2, model, ["parallel.tp=2"])),
                  ("lora-zero3", config(2, model, ["model.lora.r=4", "sharding.strategy=optim_grads_params"])),
+                 ("recompute", config(2, model, ["model.activation_checkpointing=full",
+                                                 "sharding.strategy=optim_grads_params"])),
                  ("pp2", config(2, model, ["parallel.pp=2", "parallel.pp_schedule=1f1b"])),
                  ("precomputed", config(2, model, ["dpo.precompute_ref=true", "sharding.strategy=optim_grads_params"])),
                  ("precomputed-pp2", config(2, model, ["dpo.precompute_ref=true", "parallel.pp=2"])),
