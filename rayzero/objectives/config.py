@@ -30,6 +30,11 @@ class DPOConfig(Frozen):
         description="The share of preference labels taken to be wrong, for `robust` (as TRL: the other losses "
         "take none, and a value for them is refused rather than ignored).",
     )
+    disable_dropout: bool = Field(
+        default=True,
+        description="No dropout in the policy: its dropout modules set to p=0, as TRL's `disable_dropout` (its "
+        "default) does, and its attention's dropout rate too; the reference always runs in eval mode.",
+    )
     precompute_ref: bool = Field(
         default=False,
         description="Compute the reference log-probabilities of every training and validation pair in one pass "

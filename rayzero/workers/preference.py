@@ -261,9 +261,22 @@ class PreferenceStep:
         return total
 
 
+def disable_dropout(model: nn.Module) -> None:
+    """No dropout anywhere in `model`: its dropout modules at p=0 (TRL's `disable_dropout_in_model`),
+    and the rates attention modules keep as floats for their kernel (`attention_dropout`, `dropout`)."""
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+        for name in ("attention_dropout", "dropout"):
+            if isinstance(getattr(m, name, None), float):
+                setattr(m, name, 0.0)
+
+
 def start(cfg, spec, model, strategy, mesh, device, streams, vocab, pipe=None, splits=None) -> PreferenceStep:
     """This rank's preference tuning: its reference (none for a reference-free loss) and loss.
     `splits`: the pairs a precomputed reference covers (see `precompute`)."""
+    if cfg.dpo.disable_dropout:  # TRL's default: the policy's log-probabilities without dropout's noise
+        disable_dropout(model)
     reference = None
     if cfg.dpo.uses_reference:
         if cfg.model.lora is not None:

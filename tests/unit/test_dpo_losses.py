@@ -111,3 +111,38 @@ def test_a_reference_loss_without_a_reference_is_refused():
     losses, targets, _ = batch()
     with pytest.raises(ValueError, match="reference"):
         PreferenceLoss(DPOConfig())(losses, targets, None, (4.0, 0.0))
+
+
+@pytest.mark.parametrize("kind", ["gpt", "gpt2"])
+def test_dropout_is_disabled_as_trl_disables_it(kind, tmp_path):
+    """`dpo.disable_dropout` (on by default): the policy's forward in training mode is the same
+    every time, as in eval mode: no dropout module and no attention dropout rate is left."""
+    import transformers as tf
+
+    from rayzero.workers.preference import disable_dropout
+
+    torch.manual_seed(0)
+    if kind == "gpt":
+        from rayzero.models.config import ModelConfig
+        from rayzero.models.gpt import build_model
+
+        model = build_model(ModelConfig(dropout=0.2, n_layer=2, n_embd=32, n_head=4, vocab_size=64), 16, seed=0)
+    else:
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32,
+                                                 attn_pdrop=0.2, resid_pdrop=0.2, embd_pdrop=0.2))
+    model.train()
+    x = torch.randint(0, 64, (2, 16))
+
+    def out():
+        y = model(x)
+        return getattr(y, "logits", y)
+
+    assert not torch.equal(out(), out()), "dropout is on before"
+    disable_dropout(model)
+    assert torch.equal(out(), out())
+    model.eval()
+    with torch.no_grad():
+        want = out()
+    model.train()
+    with torch.no_grad():
+        assert torch.equal(out(), want)
