@@ -2,10 +2,12 @@
 cluster): an HF Llama tuned with `train.objective=dpo` on pairs prepared with `--preferences`,
 with validation on held-out pairs, checkpoints, MLflow and an HF export that `rayzero generate`
 reads. The same command stopped after 2 steps and run again to 4 ends bitwise on the unbroken
-run; resuming it with another reference is refused. The sharded runs against the single-process
+run; its checkpoints go on at world 1 as at world 2 (resharded); resuming them with another
+reference is refused. The sharded runs against the single-process
 one: tests/dist/test_dpo.py; against TRL's DPOTrainer: tests/e2e/test_dpo_trl.py."""
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -89,6 +91,18 @@ def test_a_dpo_run_reports_trl_metrics_resumes_bitwise_and_generates(train_here,
                                     "Q: import os\nA:", "--max-new-tokens", "6", "--raw")
     assert code == 0 and out.startswith("Q: import os"), err
 
+    # resharded: the same checkpoints go on to step 6 at world 1 as at world 2, within 1e-5
+    shutil.copytree(tmp_path / "ck", tmp_path / "ck1")
+    ends = {}
+    for world, ck in ((2, "ck"), (1, "ck1")):
+        code, _, err, _ = train_here(*keys, f"cluster.num_workers={world}", f"checkpoint.dir={tmp_path / ck}",
+                                     "train.steps=6", f"train.save_final={tmp_path / f'six-{world}'}",
+                                     summary=f"six{world}.json")
+        assert code == 0 and "at step 4 of 6" in err, err[-3000:]
+        ends[world] = load_file(tmp_path / f"six-{world}")
+    for k, v in ends[2].items():
+        assert torch.allclose(ends[1][k], v, rtol=1e-5, atol=1e-6), k
+
     # another reference (ORPO has none) cannot resume these checkpoints: the rewards would mean another thing
-    code, _, err, _ = train_here(*resumed, "train.steps=6", "dpo.loss=orpo", summary="orpo.json")
+    code, _, err, _ = train_here(*resumed, "train.steps=8", "dpo.loss=orpo", summary="orpo.json")
     assert code != 0 and "reference model (frozen_copy" in err and "is not this run's (none)" in err, err[-2000:]
