@@ -59,10 +59,6 @@ class Pairs:
         chosen, rejected = counts[0::2], counts[1::2]
         return cls(chosen, rejected, (chosen > 0) & (rejected > 0))
 
-    @property
-    def count(self) -> int:
-        return int(self.valid.sum())
-
 
 def sequence_logps(token_losses: torch.Tensor) -> torch.Tensor:
     """Each row's log-probability of its completion: minus its per-token cross-entropy summed
@@ -71,10 +67,10 @@ def sequence_logps(token_losses: torch.Tensor) -> torch.Tensor:
 
 
 def counts(targets: torch.Tensor) -> torch.Tensor:
-    """[pairs, chosen completion tokens] of a micro-batch's real pairs, float64: what a step
-    divides its loss by, summed over micro-batches and ranks."""
+    """[pairs, chosen completion tokens] of a micro-batch's real pairs, float64 on the targets'
+    device: what a step divides its loss by, summed over micro-batches and ranks."""
     pairs = Pairs.of(targets)
-    return torch.tensor([pairs.count, float(pairs.chosen_tokens[pairs.valid].sum())], dtype=torch.float64)
+    return torch.stack([pairs.valid.sum(), (pairs.chosen_tokens * pairs.valid).sum()]).double()
 
 
 class PreferenceLoss:
@@ -88,7 +84,8 @@ class PreferenceLoss:
                  divisors: tuple[float, float]) -> tuple[torch.Tensor, dict[str, float]]:
         """`token_losses`: the policy's per-token cross-entropy [rows, T] (fp32); `ref`: the
         reference's sequence log-probabilities [rows] (None for a reference-free loss);
-        `divisors`: the step's (pairs, chosen completion tokens) over every rank."""
+        `divisors`: the step's (pairs, chosen completion tokens) over every rank. The sums are
+        0-d float64 tensors on the loss's device (`as_floats` reads them)."""
         cfg, beta = self.cfg, self.cfg.beta
         pairs = Pairs.of(targets)
         logps = sequence_logps(token_losses)
@@ -133,17 +130,26 @@ class PreferenceLoss:
             "rewards/accuracies": (r_chosen > r_rejected).float(), "rewards/margins": r_chosen - r_rejected,
             "logps/chosen": shown_c.detach(), "logps/rejected": shown_r.detach(), **extra,
         }
-        sums = {k: float((v.double() * valid).sum()) for k, v in values.items()}
+        sums = {k: (v.double() * valid).sum() for k, v in values.items()}
         # the step's loss, as summed over ranks: this micro-batch's part of it, times the pair count
-        sums["loss"] = float(loss.detach().double()) * divisors[0]
-        sums["pairs"] = float(pairs.count)
+        sums["loss"] = loss.detach().double() * divisors[0]
+        sums["pairs"] = valid.sum().double()
         return loss, sums
 
 
-def add_sums(total: dict[str, float], part: dict[str, float]) -> dict[str, float]:
+def add_sums(total: dict, part: dict) -> dict:
+    """`part`'s sums added into `total`'s, key by key (tensors stay on their device)."""
     for k, v in part.items():
-        total[k] = total.get(k, 0.0) + v
+        total[k] = total[k] + v if k in total else v
     return total
+
+
+def as_floats(sums: dict) -> dict[str, float]:
+    """The sums as numbers, read from the device in one go (once a step, not per micro-batch)."""
+    if not sums:
+        return {}
+    keys = list(sums)
+    return dict(zip(keys, torch.stack([sums[k] for k in keys]).tolist()))
 
 
 def pair_metrics(sums: dict[str, float], prefix: str = "") -> dict[str, float]:

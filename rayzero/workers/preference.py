@@ -20,7 +20,8 @@ import gc
 import torch
 import torch.nn as nn
 
-from rayzero.objectives.dpo import PreferenceLoss, add_sums, counts, sequence_logps
+from rayzero.objectives.dpo import PreferenceLoss, add_sums, as_floats, counts, sequence_logps
+from rayzero.sharding.comm import wait
 
 
 @contextlib.contextmanager
@@ -165,8 +166,6 @@ def precompute(reference, pipe, mesh, device, splits: dict, micro_rows: int) -> 
                 if chunk:
                     index = torch.as_tensor(chunk, dtype=torch.long, device=device)
                     table[index] = lp.double().view(-1, 2)[: len(chunk)]
-        from rayzero.sharding.comm import wait
-
         wait(mesh.axis("dp").start_all_reduce(table))
         tables[name] = table
     return Precomputed(tables)
@@ -179,28 +178,37 @@ class PreferenceStep:
     stage computes the loss (`pipe.objective`), and the reference's log-probabilities come from
     a forward-only pass through the stages before the step's schedule."""
 
-    def __init__(self, cfg, spec, model, reference, mesh, device, vocab, pipe=None):
+    def __init__(self, cfg, spec, model, reference, mesh, device, vocab, pipe=None, data=None, val=None):
         self.cfg, self.spec, self.model, self.reference = cfg, spec, model, reference
         self.mesh, self.device, self.vocab, self.pipe = mesh, device, vocab, pipe
+        self.data, self.val = data, val  # the rank's training batches and validation rows
         self.loss = PreferenceLoss(cfg.dpo)
         self._divisors: tuple[float, float] | torch.Tensor = (1.0, 1.0)
         self._work = None
         self._refs: list | None = None  # in a pipeline: the step's reference log-probabilities, per micro-batch
-        self.sums: dict[str, float] = {}
+        self.sums: dict[str, torch.Tensor] = {}  # this step's, on the device until `totals`
         if pipe is not None:
             pipe.objective = lambda m, x, y, check, micro: self._loss_of(m, x, y, check, self._refs[micro])
 
-    def begin(self, micro: list[tuple[torch.Tensor, torch.Tensor]], ids=None) -> None:
-        """A step starts: count its pairs (summed over the data-parallel ranks, waited for at the
-        first forward) and clear the sums; in a pipeline, the reference's pass through the stages.
-        `ids`: each micro-batch's pair ids (for a precomputed reference)."""
-        local = sum((counts(y) for _, y in micro), torch.zeros(2, dtype=torch.float64))
-        self._divisors = local.to(self.device)
+    @property
+    def _precomputed(self) -> bool:
+        return isinstance(self.reference, Precomputed)
+
+    def begin(self, micro: list[tuple[torch.Tensor, torch.Tensor]], step: int) -> None:
+        """Step `step` starts on `micro`: count its pairs (summed over the data-parallel ranks,
+        waited for at the first forward) and clear the sums; in a pipeline, the reference's
+        pass through the stages."""
+        self._divisors = torch.stack([counts(y) for _, y in micro]).sum(0)
         self._work = self.mesh.axis("dp").start_all_reduce(self._divisors)
         self.sums = {}
-        self._ids = ids
+        self._ids = step_ids(self.data, step) if self._precomputed else None
+        ids = self._ids
         if self.pipe is not None:
             self._refs = self.references(micro, ids)
+
+    def totals(self) -> dict[str, float]:
+        """The step's sums as numbers: the loss summed per pair, the pairs, each metric's sum."""
+        return as_floats(self.sums)
 
     def references(self, micro, ids) -> list:
         """The reference's log-probabilities of each micro-batch through the pipeline (on the
@@ -212,8 +220,6 @@ class PreferenceStep:
 
     def divisors(self) -> tuple[float, float]:
         if self._work is not None:
-            from rayzero.sharding.comm import wait
-
             wait(self._work)
             self._work = None
         if isinstance(self._divisors, torch.Tensor):
@@ -234,17 +240,19 @@ class PreferenceStep:
         loss, _, aux = self._loss_of(self.model, x, y, check, ref)
         return loss, aux
 
-    def evaluate(self, micro, ids=None) -> dict[str, float]:
-        """The metrics' sums over validation micro-batches ((x, y) each; `ids`: their pair ids),
-        forward only; the loss summed per pair (the controller divides by the pairs)."""
-        total: dict[str, float] = {}
+    def evaluate(self) -> dict[str, float]:
+        """The metrics' sums over this rank's validation rows, forward only; the loss summed per
+        pair (the controller divides by the pairs)."""
+        val = self.val
+        micro = [(x.to(self.device), y.to(self.device)) for b in range(val.num_batches) for x, y in val.microbatches(b)]
+        ids = val_ids(val) if self._precomputed else [None] * len(micro)
+        total: dict[str, torch.Tensor] = {}
 
         def last(m, x, y, ref):
-            n = counts(y)
+            n = counts(y).clamp(min=1.0).tolist()
             per_token, _ = self.spec.token_losses(m, x, y, vocab=self.vocab)
-            return self.loss(per_token, y, ref, (max(float(n[0]), 1.0), max(float(n[1]), 1.0)))[1]
+            return self.loss(per_token, y, ref, (n[0], n[1]))[1]
 
-        ids = ids if ids is not None else [None] * len(micro)
         if self.pipe is not None:
             from rayzero.workers.pipelined import forward_only
 
@@ -253,12 +261,12 @@ class PreferenceStep:
             with evaluating(self.model):
                 for sums in forward_only(self.pipe, self.pipe.runner, micro, lambda m, x, y: last(m, x, y, next(queue))):
                     add_sums(total, sums)
-            return total
+            return as_floats(total)
         with evaluating(self.model):
             for (x, y), i in zip(micro, ids):
                 ref = self.reference.logps(x, y, i) if self.reference is not None else None
                 add_sums(total, last(self.model, x, y, ref))
-        return total
+        return as_floats(total)
 
 
 def disable_dropout(model: nn.Module) -> None:
@@ -272,9 +280,9 @@ def disable_dropout(model: nn.Module) -> None:
                 setattr(m, name, 0.0)
 
 
-def start(cfg, spec, model, strategy, mesh, device, streams, vocab, pipe=None, splits=None) -> PreferenceStep:
-    """This rank's preference tuning: its reference (none for a reference-free loss) and loss.
-    `splits`: the pairs a precomputed reference covers (see `precompute`)."""
+def start(cfg, spec, model, strategy, mesh, device, streams, vocab, pipe=None, data=None, val=None) -> PreferenceStep:
+    """This rank's preference tuning: its reference (none for a reference-free loss) and loss;
+    `data`, `val`: the rank's training batches and validation rows (or None)."""
     if cfg.dpo.disable_dropout:  # TRL's default: the policy's log-probabilities without dropout's noise
         disable_dropout(model)
     reference = None
@@ -288,9 +296,9 @@ def start(cfg, spec, model, strategy, mesh, device, streams, vocab, pipe=None, s
             ref_vocab = ref_strategy.tp.vocab if ref_strategy.tp is not None else None
             reference = FrozenCopy(spec, ref_model, ref_strategy, ref_vocab, ref_stages)
         if cfg.dpo.precompute_ref:  # every pair's once, now; the reference model is dropped after
-            reference = precompute(reference, pipe, mesh, device, splits, cfg.train.micro_batch_size)
+            reference = precompute(reference, pipe, mesh, device, splits_of(data, val), cfg.train.micro_batch_size)
             gc.collect()
-    return PreferenceStep(cfg, spec, model, reference, mesh, device, vocab, pipe)
+    return PreferenceStep(cfg, spec, model, reference, mesh, device, vocab, pipe, data, val)
 
 
 def splits_of(data, val) -> dict:

@@ -204,7 +204,7 @@ class Rank:
         # Preference tuning: the loss over pairs, and its reference model (built here: sharded the same way).
         self.prefs = None if cfg.train.objective != "dpo" else preference.start(
             cfg, self.spec, self.model, self.strategy, self.mesh, self.device, self.streams, self.vocab, self._pipe,
-            preference.splits_of(self.data, self.val) if cfg.dpo.precompute_ref else None)
+            self.data, self.val)
         self._in_flight_peak = 0
         num_params, trainable = self.spec.num_params(self.model)  # this rank's: its TP share
         whole = tp.split_numel() if tp is not None else 0  # what the other TP ranks add
@@ -263,8 +263,7 @@ class Rank:
         self._tokens = 0
         if self.prefs is not None:  # the loss divides itself: by the step's pairs
             self._valid, self._valid_work = 1.0, None
-            self.prefs.begin(self._micro, preference.step_ids(self.data, plan["step"]) if self.cfg.dpo.precompute_ref
-                             else None)
+            self.prefs.begin(self._micro, plan["step"])
         else:
             self._count_valid()
         # "data": the part of gather spent on this step's rows (read a step ahead, in a thread)
@@ -295,28 +294,24 @@ class Rank:
                 loss_sum, valid, aux = self.spec.loss(self.model, x, y, check=not self._checked, vocab=self.vocab)
         self._activations_peak = max(self._activations_peak, self.meter.bytes)
         self._checked = True
-        if self.prefs is not None:
-            self._loss = loss if aux is None else loss + self.spec.aux_coef * aux / self._micro_per_step
-            if aux is not None:
-                self._aux_sum += aux.detach().double()
-            self._times["forward"] += time.perf_counter() - t0
-            return {}
-        if self._valid_work is not None:
-            wait(self._valid_work)
-            self._valid_work = None
-        if isinstance(self._valid, torch.Tensor):
-            self._valid = max(float(self._valid.item()), 1.0)
-        # Sum over this rank's valid targets / valid targets in the global batch: summed over
-        # micro-batches and ranks, the gradient is that of the mean loss over the whole
-        # global batch, whatever the world size and however the masked targets fall.
-        self._loss = loss_sum / self._valid
+        if self.prefs is None:
+            if self._valid_work is not None:
+                wait(self._valid_work)
+                self._valid_work = None
+            if isinstance(self._valid, torch.Tensor):
+                self._valid = max(float(self._valid.item()), 1.0)
+            # Sum over this rank's valid targets / valid targets in the global batch: summed over
+            # micro-batches and ranks, the gradient is that of the mean loss over the whole
+            # global batch, whatever the world size and however the masked targets fall.
+            loss = loss_sum / self._valid
+            self._loss_sum += loss_sum.detach()
+            self._tokens += int(valid)
+        self._loss = loss
         if aux is not None:
             # The router's loss is one per micro-batch: its mean over the step's micro-batches
             # (the same micro-batches at any world size) joins the loss, weighted by its coefficient.
             self._loss = self._loss + self.spec.aux_coef * aux / self._micro_per_step
             self._aux_sum += aux.detach().double()
-        self._loss_sum += loss_sum.detach()
-        self._tokens += int(valid)
         self._times["forward"] += time.perf_counter() - t0
         return {}
 
@@ -366,9 +361,10 @@ class Rank:
         t0 = time.perf_counter()
         grad_norm = self.strategy.step(self.plan["lr"])
         self._times["step"] = time.perf_counter() - t0
-        if self.prefs is not None:  # the loss summed per pair, over the pairs: the mean
-            self._loss_sum.fill_(self.prefs.sums.get("loss", 0.0))
-            self._tokens = int(self.prefs.sums.get("pairs", 0))
+        prefs = self.prefs.totals() if self.prefs is not None else None
+        if prefs is not None:  # the loss summed per pair, over the pairs: the mean
+            self._loss_sum.fill_(prefs.get("loss", 0.0))
+            self._tokens = int(prefs.get("pairs", 0))
         self._times["checkpoint"] = self._checkpoint(self.plan.get("checkpoint"))
         return {
             "rank": self.mesh.rank,
@@ -385,7 +381,7 @@ class Rank:
             "phase_s": dict(self._times),
             "uploads": self.saver.reports() if self.saver is not None else [],
             "checkpointed": bool(self.plan.get("checkpoint")),
-            **({"prefs": dict(self.prefs.sums) if self._counts else {}} if self.prefs is not None else {}),
+            **({"prefs": prefs if self._counts else {}} if prefs is not None else {}),
         }
 
     @watched
@@ -410,32 +406,29 @@ class Rank:
         preference tuning (loss summed per pair, pairs, the metrics' sums)."""
         self.strategy.finish_param_sync()  # an all-gather started by the step may still be writing
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        count = 0
+        count, prefs = 0, None
         self.model.eval()
         try:
             with torch.no_grad():
-                if self._pipe is not None and self.prefs is None:
-                    loss_sum, count = pipelined.validation_loss(self._pipe, self.val, self.device)
                 if self.prefs is not None:
-                    prefs = self.prefs.evaluate([(x.to(self.device), y.to(self.device))
-                                                 for batch in range(self.val.num_batches)
-                                                 for x, y in self.val.microbatches(batch)],
-                                                preference.val_ids(self.val) if self.cfg.dpo.precompute_ref else None)
-                    if not self._counts:
-                        return 0.0, 0, {}
-                    return prefs.get("loss", 0.0), int(prefs.get("pairs", 0)), prefs
-                for batch in range(self.val.num_batches if self._pipe is None else 0):
-                    for x, y in self.val.microbatches(batch):
-                        part, valid, _ = self.spec.loss(self.model, x.to(self.device), y.to(self.device),
-                                                        vocab=self.vocab)
-                        loss_sum += part.double()
-                        count += int(valid)
+                    prefs = self.prefs.evaluate()
+                    loss_sum, count = prefs.get("loss", 0.0), int(prefs.get("pairs", 0))
+                elif self._pipe is not None:
+                    loss_sum, count = pipelined.validation_loss(self._pipe, self.val, self.device)
+                else:
+                    for batch in range(self.val.num_batches):
+                        for x, y in self.val.microbatches(batch):
+                            part, valid, _ = self.spec.loss(self.model, x.to(self.device), y.to(self.device),
+                                                            vocab=self.vocab)
+                            loss_sum += part.double()
+                            count += int(valid)
         finally:
             self.model.train()
             self.strategy.after_forward_only()
+        extra = () if prefs is None else (prefs if self._counts else {},)
         if not self._counts:  # counted once per tensor-parallel group
-            return 0.0, 0
-        return float(loss_sum), count
+            return 0.0, 0, *extra
+        return float(loss_sum), count, *extra
 
     @property
     def _counts(self) -> bool:

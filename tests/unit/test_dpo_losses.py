@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from rayzero.objectives.config import DPOConfig
-from rayzero.objectives.dpo import PreferenceLoss, counts, pair_metrics
+from rayzero.objectives.dpo import PreferenceLoss, as_floats, counts, pair_metrics
 from rayzero.sharding.vocab_parallel import IGNORE_INDEX
 
 T = 6
@@ -58,10 +58,10 @@ def test_each_loss_is_its_formula_and_adds_up_over_micro_batches(loss, eps):
     assert float(whole) == pytest.approx(float(want), rel=1e-6)
     parts = [PreferenceLoss(cfg)(losses[i:i + 2], targets[i:i + 2], ref[i:i + 2], (4.0, 0.0)) for i in (0, 2, 4, 6)]
     assert float(sum(p[0] for p in parts)) == pytest.approx(float(want), rel=1e-6)
-    assert sum(p[1]["loss"] for p in parts) / 4 == pytest.approx(float(want), rel=1e-6)
+    assert sum(as_floats(p[1])["loss"] for p in parts) / 4 == pytest.approx(float(want), rel=1e-6)
     logp = -losses.sum(-1)
     rewards = cfg.beta * (logp - ref)
-    metrics = pair_metrics(sums)
+    metrics = pair_metrics(as_floats(sums))
     assert metrics["rewards/chosen"] == pytest.approx(float(rewards[0::2].mean()), rel=1e-6)
     assert metrics["rewards/margins"] == pytest.approx(float((rewards[0::2] - rewards[1::2]).mean()), rel=1e-6)
     assert metrics["rewards/accuracies"] == float((rewards[0::2] > rewards[1::2]).float().mean())
@@ -73,7 +73,7 @@ def test_policy_equal_to_reference_gives_ln2_and_zero_rewards():
     ref = -losses.sum(-1)
     loss, sums = PreferenceLoss(DPOConfig())(losses, targets, ref, (3.0, 0.0))
     assert float(loss) == pytest.approx(math.log(2), rel=1e-7)
-    assert pair_metrics(sums)["rewards/margins"] == 0.0
+    assert pair_metrics(as_floats(sums))["rewards/margins"] == 0.0
 
 
 def test_filler_pairs_take_no_part():
@@ -82,7 +82,7 @@ def test_filler_pairs_take_no_part():
     assert counts(targets)[0] == 2
     got, sums = PreferenceLoss(cfg)(losses, targets, ref, (2.0, 0.0))
     want = hand(cfg, losses[:4], targets[:4], ref[:4]).mean()
-    assert float(got) == pytest.approx(float(want), rel=1e-6) and sums["pairs"] == 2
+    assert float(got) == pytest.approx(float(want), rel=1e-6) and as_floats(sums)["pairs"] == 2
 
 
 def test_orpo_equals_trl_odds_ratio_and_nll():
@@ -101,7 +101,7 @@ def test_orpo_equals_trl_odds_ratio_and_nll():
     want = nll - ratio_losses.mean()
     got, sums = PreferenceLoss(cfg)(losses, targets, None, (4.0, float(chosen_tokens)))
     assert float(got) == pytest.approx(float(want), rel=1e-6)
-    metrics = pair_metrics(sums)
+    metrics = pair_metrics(as_floats(sums))
     assert metrics["rewards/chosen"] == pytest.approx(float(chosen_r.mean()), rel=1e-6)
     assert metrics["rewards/rejected"] == pytest.approx(float(rejected_r.mean()), rel=1e-6)
     assert metrics["nll_loss"] == pytest.approx(float(nll), rel=1e-6)
