@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from rayzero.pipeline.schedules import Action
 from rayzero.pipeline.stages import StageRunner, Stages
@@ -236,6 +235,8 @@ class PipelineRun:
         if a.op == "W":
             if self._full_at_i:
                 return
+            from torch.distributed.pipelining._backward import stage_backward_weight
+
             params, groups = self._groups.pop(key)
             self._saved.pop(key, None)  # what the weight gradients needed is freed now
             self.strategy.backward_weights(lambda: stage_backward_weight(iter(params), groups), params, last)
@@ -247,6 +248,10 @@ class PipelineRun:
             self.strategy.backward(out, last, grad=grad)
             self._saved.pop(key, None)
         else:  # "I": the input gradient now, the weights' in this chunk's W (its activations held until then)
+            # imported here, not with this module: torch.distributed.pipelining (and torch._dynamo,
+            # DTensor's ops with it) costs every rank process ~3 s of CPU at start
+            from torch.distributed.pipelining._backward import stage_backward_input
+
             params = [p for p in self.model.parameters() if p.requires_grad]
             outs, grads = self.strategy.scaled(out, grad)
             _, groups = self.strategy.backward_inputs(

@@ -32,14 +32,14 @@ def is_package(path: Path) -> bool:
     return path.name == "__init__.py"
 
 
-def imports_of(path: Path) -> set[str]:
+def imports_of(path: Path, tree: ast.Module | None = None) -> set[str]:
     """Every module a file imports, anywhere in it (function bodies included), as absolute names.
 
     ``from a.b import c`` counts as importing both ``a.b`` and ``a.b.c`` (c may be a submodule).
     What is imported only for annotations (under ``if TYPE_CHECKING:``) never runs, and is not
     counted: a policy may name the `Strategy` it serves.
     """
-    tree = ast.parse(path.read_text(), filename=str(path))
+    tree = tree or ast.parse(path.read_text(), filename=str(path))
     this = module_name(path)
     package = this if is_package(path) else this.rpartition(".")[0]
     found: set[str] = set()
@@ -111,6 +111,48 @@ def test_storage_is_below_every_layer():
 def test_trl_is_only_the_tests_reference():
     """trl is a dev dependency, what the preference-data tests compare with: rayzero never imports it."""
     assert sorted(module_name(f) for f in ROOT.rglob("*.py") if any(hits(n, "trl") for n in imports_of(f))) == []
+
+
+# What a rank process imports as it starts (Ray starts one per rank, at every placement and
+# restart): what only some runs use is imported where it is used. torch.distributed.pipelining
+# alone (it brings torch._dynamo and DTensor's ops) cost each rank ~3 s of CPU at start.
+
+RANK_START_FORBIDDEN = ["torch.distributed.pipelining", "torch._dynamo", "transformers", "peft", "trl", "mlflow",
+                        "matplotlib", "pandas"]
+
+
+def module_level_imports_of(path: Path) -> set[str]:
+    """The imports a module runs when it is imported: `imports_of` without those in function bodies."""
+    class WithoutBodies(ast.NodeTransformer):
+        def visit_FunctionDef(self, node):
+            return None
+
+        visit_AsyncFunctionDef = visit_FunctionDef
+
+    tree = WithoutBodies().visit(ast.parse(path.read_text(), filename=str(path)))
+    return imports_of(path, tree)
+
+
+def imported_at_start(start: str) -> set[str]:
+    """Every module importing `start` runs, following rayzero's own modules' module-level imports."""
+    seen, todo = set(), [start]
+    while todo:
+        m = todo.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        path = source_of(m)
+        if hits(m, "rayzero") and path is not None:
+            parts = m.split(".")
+            todo.extend(".".join(parts[:i]) for i in range(1, len(parts)))
+            todo.extend(module_level_imports_of(path))
+    return seen
+
+
+def test_a_rank_process_starts_without_what_only_some_runs_use():
+    started = imported_at_start("rayzero.workers.actor")
+    assert "rayzero.workers.rank" in started and "torch" in started  # the walk follows real imports
+    assert sorted(n for n in started if any(hits(n, bad) for bad in RANK_START_FORBIDDEN)) == []
 
 
 # The pure layers must stay free of ray even through another rayzero module they import.
