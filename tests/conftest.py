@@ -43,6 +43,26 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(line)
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """What the session started in this process ends before the interpreter does: the kept rank
+    processes, the Ray driver (its head may be gone already) and any gloo group a test left, whose
+    threads would otherwise still run while Python finalizes. Past pytest's own fault handler, a
+    crash in the interpreter's exit still prints every thread's stack."""
+    pool = sys.modules.get("tests.dist.pool")
+    if pool is not None:
+        pool.close()
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    import faulthandler
+
+    faulthandler.enable(file=sys.__stderr__, all_threads=True)
+
+
 def free_port() -> int:
     """A port to rendezvous on, free now and below the ephemeral range (as rank 0 picks
     its own, `rendezvous_port`); never the same port twice in one session."""

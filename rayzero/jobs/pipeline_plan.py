@@ -26,6 +26,11 @@ def check_pipeline(cfg: RootConfig, spec, model: nn.Module) -> StagePlan | None:
                          "backward, after ZeRO-3 has released the units they need (sharding.strategy="
                          "optim_grads_params); use 1f1b or interleaved_1f1b with ZeRO-3, or zero_bubble with "
                          "optim_grads")
+    if p.pp_schedule == "zero_bubble" and cfg.model.activation_checkpointing == "selective":
+        # torch's selective checkpoint frees what it saved at the first backward through a block
+        raise ValueError("parallel.pp_schedule: zero_bubble runs each block's backward twice (its input gradients, "
+                         "then its weight gradients), and selective activation checkpointing allows one; use "
+                         "model.activation_checkpointing=full or every:N with zero_bubble, or 1f1b")
     if spec.aux_coef and spec.routers(model) is None:
         raise ValueError(f"parallel.pp: {spec.where}'s auxiliary loss is computed over the whole model, and rayzero "
                          "does not know how to gather its inputs across stages; set parallel.pp=1")

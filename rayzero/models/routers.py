@@ -31,6 +31,13 @@ class RouterLogits:
         for m in model.modules():
             if isinstance(m, self.cls):
                 m.register_forward_hook(self._record)
+        # transformers records router logits (for the loss the last stage's forward computes, then
+        # replaced by `loss`) through hooks it installs on the modules of the model's first forward;
+        # installed now, while every block of this rank's stages is in place: a stage's forward
+        # swaps the rank's other stages out, and the last stage's blocks would go unhooked
+        from transformers.utils import output_capturing
+
+        output_capturing.maybe_install_capturing_hooks(model)
 
     @staticmethod
     def of(model: nn.Module) -> "RouterLogits | None":

@@ -16,6 +16,8 @@ shard and the strategy all-gathers the rest).
 
 from __future__ import annotations
 
+import weakref
+
 from dataclasses import dataclass
 from typing import Callable
 
@@ -216,7 +218,17 @@ class FlatBuffer:
         return self._pending[bucket.index] if self._on_grad is not None else 0
 
     def _make_hook(self, i: int):
-        return lambda param: self.landed(i, param)
+        # A weak reference: the hook is kept by the parameter in autograd's C++ state, where the
+        # garbage collector cannot see it, and a strong one would keep the buffer (every bucket,
+        # the model, the strategy and its process groups) alive after the rank drops them.
+        buffer = weakref.ref(self)
+
+        def hook(param: nn.Parameter) -> None:
+            me = buffer()
+            if me is not None:
+                me.landed(i, param)
+
+        return hook
 
     def landed(self, i: int, param: nn.Parameter) -> None:
         """Parameter `i`'s gradient is final for this backward (autograd's accumulation hook, or

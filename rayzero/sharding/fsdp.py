@@ -19,6 +19,8 @@ at most two units' full gradients (the one filling and the one being reduced).
 
 from __future__ import annotations
 
+import weakref
+
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -236,22 +238,32 @@ class ShardedUnits:
         return hook
 
     def _make_pre_backward(self, name: str):
+        # A weak reference: the hook lives on an activation in autograd's C++ state (which a
+        # recompute's cache may keep past the step), where the garbage collector cannot see it;
+        # a strong one would keep the units, the strategy and its buffers alive after the rank drops them.
+        units = weakref.ref(self)
+
         def hook(_grad):
-            if name in self._bwd_seen:
-                return
-            self._bwd_seen.add(name)
-            needs = self.units.users[name]
-            ahead = self._neighbour(name, -1) if self.s.cfg.overlap_param_gather else frozenset()
-            self._recomputed -= needs
-            # Units gathered for modules whose backward has run are done with (not those a
-            # recompute gathered for a backward still to come).
-            self._release(self._units_of_resident() - needs - ahead - self._recomputed)
-            self._finish_gather(needs)
-            self._start_gather(ahead)
-            if name in self._unit_index:
-                self._grads_in_place(self._unit_index[name])
+            me = units()
+            if me is not None:
+                me._pre_backward(name)
 
         return hook
+
+    def _pre_backward(self, name: str) -> None:
+        if name in self._bwd_seen:
+            return
+        self._bwd_seen.add(name)
+        needs = self.units.users[name]
+        ahead = self._neighbour(name, -1) if self.s.cfg.overlap_param_gather else frozenset()
+        self._recomputed -= needs
+        # Units gathered for modules whose backward has run are done with (not those a
+        # recompute gathered for a backward still to come).
+        self._release(self._units_of_resident() - needs - ahead - self._recomputed)
+        self._finish_gather(needs)
+        self._start_gather(ahead)
+        if name in self._unit_index:
+            self._grads_in_place(self._unit_index[name])
 
     def _grads_in_place(self, unit: int) -> None:
         """Before a unit's backward: its gradient landing buffer, with each of its parameters'

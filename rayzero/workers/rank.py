@@ -110,8 +110,11 @@ class Rank:
         uploads = self._drop(upload_wait_s)
         if dist.is_initialized():
             # No barrier and nothing sent: with a SIGKILLed peer this takes ~0.2 s on gloo
-            # (benchmarks/recovery.py: the "leave" part), most of it the collection above.
+            # (benchmarks/recovery.py: the "leave" part), most of it the collection below.
             dist.destroy_process_group()
+        # The buffers go now, before the next setup allocates its own: once the group is gone,
+        # as its pending work may still refer to them until then.
+        gc.collect()
         if self.mesh is not None:
             self.mesh = self.cfg.mesh(self.mesh.world_size, self.mesh.rank)  # its groups are gone
         return {"rank": rank, "uploads": uploads, "leave_s": time.perf_counter() - t0}
@@ -128,7 +131,7 @@ class Rank:
                 uploads = saver.reports()
             except RuntimeError:  # a failed upload never commits; nothing to pass on
                 uploads = []
-        self.saver = None
+        self.saver = saver = None  # this frame's reference too: it reaches the strategy's buffers
         self._pipe = None  # this rank's pipeline stages and schedule, with parallel.pp > 1
         self.prefs = None  # preference tuning's reference model (or table) goes with the model
         self._in_flight_peak = 0
@@ -138,7 +141,6 @@ class Rank:
         self.streams = self.vocab = self.meter = None
         self._micro = self._loss = self._staged = self._valid_work = None
         self.plan, self._current = {}, None
-        gc.collect()  # the buffers go now, before the next setup allocates its own
         return uploads
 
     @watched
@@ -505,4 +507,5 @@ class Rank:
             dist.barrier()
             self.model = self.strategy = None  # drop buffers before the group goes away
             dist.destroy_process_group()
+            gc.collect()  # and the group's subgroups (and their threads) that the strategy held, with it
 

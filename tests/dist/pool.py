@@ -1,15 +1,17 @@
 """Rank processes kept for the whole pytest session: `spawn(fn, args, nprocs)` runs
 `fn(rank, *args)` in `nprocs` of them, as `torch.multiprocessing.spawn` does in new ones.
 
-A new process spends about 4.5 s of CPU importing torch, transformers and rayzero before it
+A new process spends about 4 s of CPU importing torch, transformers and rayzero before it
 runs a line of a test; the gloo tier starts ranks some 150 times. Here each of up to
 `MAX_WORLD` processes is started once, on first use, and runs one job after another. Between
 jobs a process is brought back to what a new one would be for a test: no process group, torch's
 default seed. A job that fails on any rank (the others may be stuck in a collective waiting for
 it) ends every process; the next job starts new ones.
 
-gloo leaves threads behind when a process group is destroyed (its TCP loops, which keep waking):
-a process that has gathered `MAX_THREADS` of them is replaced after its job, and the pool is
+A group's gloo threads (its TCP loops, which keep waking) go with it once nothing holds it
+(`Rank.close` and `Rank.leave` collect what the strategy held); a job that leaves groups alive
+without them still leaves their threads, and a process that has gathered `MAX_THREADS` of them
+is replaced after its job. The pool is
 closed once the tests leave the gloo tier (`tests/conftest.py`), so that idle rank processes
 take no CPU from the tests after them.
 

@@ -1,31 +1,30 @@
-"""Activation checkpointing on real gloo groups: `full`, `every:2` and `selective`, under every
-strategy at world 2, give weights bitwise equal to the same run without it (fp32, with
+"""Activation checkpointing on real gloo groups: `full`, `every:2` and `selective`, without
+sharding and under ZeRO-3 (whose units it recomputes) at world 2, give weights bitwise equal to the same run without it (fp32, with
 dropout), for the GPT, an HF Llama and a user's module (the GPT and the Llama under ZeRO-3
 through `rayzero train` too, tests/e2e/test_random_streams.py); ZeRO-3 with units inside the
-recomputed blocks keeps its schedule; a resume is bitwise; and the saved activations a rank
-measures fall as the estimate says and match it. The ranks run as the actors run them: setup, then iterations, nothing
+recomputed blocks keeps its schedule; and the saved activations a rank
+measures fall as the estimate says and match it. (Every mode against plain torch under every
+strategy, with tensor and pipeline parallelism and resumed: tests/dist/test_combinations.py.) The ranks run as the actors run them: setup, then iterations, nothing
 reseeded in between (dropout's streams are the rank's own, `sharding/rng.py`)."""
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from rayzero.checkpoint.manifest import open_checkpoint
 from rayzero.cluster.schedule import lr_at
 from rayzero.config import load_config
 from rayzero.sharding.memory import activation_bytes
 from rayzero.workers.assembly import build_model, make_spec
 from rayzero.workers.rank import Rank
 from tests.conftest import free_port
-from tests.dist import ckpt_helpers
 from tests.dist.pool import spawn
 from tests.models import save_hf_model
 
 pytestmark = pytest.mark.slow
 
-WORLD, STEPS = 2, 4
+WORLD, STEPS = 2, 3
 MODES = ["none", "full", "every:2", "selective"]
-STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+STRATEGIES = ["no_shard", "optim_grads_params"]
 
 
 @pytest.fixture(scope="module")
@@ -125,17 +124,6 @@ def test_zero3_units_inside_a_recomputed_block_keep_their_schedule(small_dataset
         assert full["order"] == plain["order"] and len(plain["order"]) > 10
     plain, full = results[("none", 0)], results[("full", 0)]
     assert all(torch.equal(full["state"][k], v) for k, v in plain["state"].items())
-
-
-def test_a_resume_with_activation_checkpointing_is_bitwise(tmp_path, small_dataset):
-    cfg = ckpt_helpers.config(2, "optim_grads_params", str(tmp_path / "ckpt"),
-                              extra=["model.activation_checkpointing=selective"])
-    straight = ckpt_helpers.run(cfg, small_dataset, 0, 8)
-    first = ckpt_helpers.run(cfg, small_dataset, 0, 4, save_at=4)
-    c = open_checkpoint(first["committed"])
-    resumed = ckpt_helpers.run(cfg, small_dataset, 4, 8, resume=(c.uri, c.manifest))
-    assert resumed["losses"] == straight["losses"][4:]
-    assert all(torch.equal(resumed["state"][k], v) for k, v in straight["state"].items())
 
 
 def _measure(rank: int, runs, ports, data_path: str, out: dict):

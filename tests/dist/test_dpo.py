@@ -131,21 +131,3 @@ def test_the_first_step_is_ln2_and_the_margin_moves(single):
     assert step_metrics(single, "lora", 1)[0]["loss"] == pytest.approx(math.log(2), rel=1e-6)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_every_strategy_equals_the_single_process_run(world, setup, single):
-    model, data = setup
-    strategies = STRATEGIES if world == 2 else ["optim", "optim_grads_params"]
-    extra = ["cluster.cpus_per_worker=0.5"] if world > 2 else []
-    runs = [(s, config(world, model, [f"sharding.strategy={s}", *extra])) for s in strategies]
-    if world == 2:
-        runs += [("tp2", config(2, model, ["parallel.tp=2"])),
-                 ("lora-zero3", config(2, model, ["model.lora.r=4", "sharding.strategy=optim_grads_params"])),
-                 ("recompute", config(2, model, ["model.activation_checkpointing=full",
-                                                 "sharding.strategy=optim_grads_params"])),
-                 ("pp2", config(2, model, ["parallel.pp=2", "parallel.pp_schedule=1f1b"])),
-                 ("precomputed", config(2, model, ["dpo.precompute_ref=true", "sharding.strategy=optim_grads_params"])),
-                 ("precomputed-pp2", config(2, model, ["dpo.precompute_ref=true", "parallel.pp=2"])),
-                 ("lora-pp2", config(2, model, ["model.lora.r=4", "parallel.pp=2", "parallel.pp_schedule=zero_bubble"]))]
-    results = run_ranks(world, runs, data)
-    for label, _ in runs:
-        assert_equal(results, label, world, single, "lora" if label.startswith("lora") else "full")

@@ -70,7 +70,7 @@ def global_batch(cfg, data: str):
     return batch
 
 
-@pytest.mark.parametrize("world,accum", [(1, 2), (2, 2), (4, 1)])
+@pytest.mark.parametrize("world,accum", [(1, 2), (2, 2)])
 def test_instruction_data_equals_plain_torch_with_ignore_index(world, accum, setup):
     import transformers as tf
 
@@ -135,7 +135,7 @@ def _eval_worker(rank: int, world: int, cfg, port: int, data: str, out: dict):
 
 @pytest.mark.parametrize("world,strategy", [(2, "optim"), (4, "optim_grads_params")])
 def test_the_validation_loss_equals_a_single_process_computation(world, strategy, setup):
-    """Held-out examples, evaluated every 4 steps and after the last, forward only: the loss the
+    """Held-out examples, evaluated every 2 steps and after the last, forward only: the loss the
     controller computes from the ranks' sums equals the reference model's on the same rows."""
     import torch.multiprocessing as mp
     import transformers as tf
@@ -145,7 +145,7 @@ def test_the_validation_loss_equals_a_single_process_computation(world, strategy
     from tests.conftest import free_port
 
     model, data, meta = setup
-    cfg = config(world, 1, model, [f"sharding.strategy={strategy}", "data.val_fraction=0.25", "train.eval_every=4",
+    cfg = config(world, 1, model, [f"sharding.strategy={strategy}", "data.val_fraction=0.25", "train.eval_every=2",
                                    "train.eval_batches=3"])
     train, val = validation_split(cfg, TokenDataset(data))
     b = InstructionBatches(train, seed=cfg.train.seed, global_batch=4, micro_batch=4, seq_len=SEQ, dp_rank=0,
@@ -166,7 +166,7 @@ def test_the_validation_loss_equals_a_single_process_computation(world, strategy
         out = manager.dict()
         spawn(_eval_worker, args=(world, cfg, free_port(), data, out), nprocs=world)
         out = dict(out)
-    assert sorted(out[0]) == [3, 7, STEPS - 1]
+    assert sorted(out[0]) == [1, STEPS - 1]
     got = sum(out[r][STEPS - 1][0] for r in range(world)) / sum(out[r][STEPS - 1][1] for r in range(world))
     assert sum(out[r][STEPS - 1][1] for r in range(world)) == count
     assert got == pytest.approx(total / count, rel=1e-5)

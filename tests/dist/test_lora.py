@@ -98,55 +98,6 @@ CASES = {1: [("zero3", "optim_grads_params", ())],
          4: [("zero3", "optim_grads_params", ("cluster.cpus_per_worker=0.5",))]}
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-def test_lora_trains_the_adapters_a_single_process_peft_run_trains(world, llama, small_dataset):
-    runs = [(label, config(llama, world, strategy, extra)) for label, strategy, extra in CASES[world]]
-    out = run(runs, world, small_dataset)
-    first = out[(runs[0][0], 0)]
-    ref_state, ref_losses = peft_reference(llama, runs[0][1], first["initial"], small_dataset)
-    adapters = [n for n in first["state"] if ".lora_" in n]
-    assert len(adapters) == 2 * 3 * 2  # A and B, three targets, two layers
-    assert all(torch.count_nonzero(first["initial"][n]) == 0 for n in adapters if ".lora_B." in n)
-    for label, cfg in runs:
-        if label.endswith("bf16"):
-            continue
-        state = out[(label, 0)]["state"]
-        for n in adapters:
-            assert rel_error(state[n], ref_state[n]) <= 1e-5, (label, n)
-        for n, v in first["initial"].items():  # the base does not move
-            if n not in adapters:
-                assert torch.equal(state[n], v), (label, n)
-        assert global_losses(out, label, world) == pytest.approx(ref_losses, rel=1e-5), label
-    # Adapters start from the seed and their names alone: what one process computes for them
-    # without any group, whatever the world size
-    expected = initial_adapters(runs[0][1])
-    assert all(torch.equal(first["initial"][n], expected[n]) for n in adapters)
-    for label, cfg in runs:
-        info, mem = out[(label, 0)]["info"], out[(label, 0)]["memory"]
-        trainable, frozen = info["trainable_params"], info["num_params"] - info["trainable_params"]
-        assert trainable == sum(first["state"][n].numel() for n in adapters)
-        assert set(info["frozen"]) == {n for n in first["state"] if n not in adapters}
-        d = world if cfg.sharding.strategy != "no_shard" else 1
-        shards = world if cfg.sharding.strategy == "optim_grads_params" else 1
-        base_bytes = 2 if label.endswith("bf16") else 4
-        assert mem["optimizer"] == pytest.approx(8 * trainable / d, rel=0.05), label
-        assert mem["frozen_params"] == pytest.approx(base_bytes * frozen / shards, rel=0.05), label
-        assert mem["grads"] <= 4 * trainable * 1.05, label  # gradients for the adapters only
-        assert out[(label, 0)]["grads"] <= set(adapters), label
-
-
-def initial_adapters(cfg) -> dict[str, torch.Tensor]:
-    from rayzero.workers.assembly import build_model, initial_values, make_spec
-
-    spec = make_spec(cfg)
-    built = build_model(cfg, spec)
-    source, out = initial_values(spec, built), {}
-    for n in built.added:
-        out[n] = torch.empty(built.model.get_parameter(n).shape)
-        source.fill(n, out[n])
-    return out
-
-
 def test_a_lora_resume_is_bitwise_and_reshards(llama, small_dataset, tmp_path):
     """8 steps straight against 4, a checkpoint holding the adapters (no base weight), and 4
     more after a resume at the same layout (bitwise) and at another world size and strategy;

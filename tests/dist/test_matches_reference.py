@@ -1,9 +1,9 @@
-"""Sharded training on real gloo groups equals a plain single-process torch reference.
-
-World sizes 1 to 4 (3 pads unevenly), gradient accumulation 1 and 3, several buckets,
-clipping that engages, weight decay on matrices only: after 10 steps every parameter of every
-strategy (and, at world 4, HSDP and Hybrid-FSDP as 2 x 2) matches `torch.optim.AdamW` on the
-whole global batch within 1e-5 relative, and so matches `no_shard` within 2e-5.
+"""Sharded training on real gloo groups equals a plain single-process torch reference, where
+the configurations (tests/dist/test_combinations.py, worlds 2 and 4) do not reach: world 3,
+whose shards pad unevenly, with 3 micro-batches of accumulation, several buckets, clipping that
+engages and weight decay on matrices only. After 3 steps every parameter of every strategy
+(overlapped, and ZeRO-1 and ZeRO-3 without overlap) matches `torch.optim.AdamW` on the whole
+global batch within 1e-5 relative.
 """
 
 import pytest
@@ -18,7 +18,7 @@ from tests.conftest import free_port
 from tests.dist.pool import spawn
 from tests.dist.reference import rel_error, train_reference
 
-STEPS = 10
+STEPS = 3  # what 10 steps show of an optimizer and a reduction, 3 show
 MICRO = 2
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 # (label, overrides): every strategy overlapped, ZeRO-1 and ZeRO-3 without overlap, and at
@@ -30,11 +30,6 @@ RUNS = [(s, [f"sharding.strategy={s}"]) for s in STRATEGIES] + [
                                        "sharding.overlap_grad_reduce=false",
                                        "sharding.overlap_param_gather=false"]),
 ]
-HYBRID = [
-    ("hsdp", ["sharding.strategy=optim_grads_params", "sharding.dp_outer=2"]),
-    ("hfsdp", ["sharding.strategy=optim_grads_params", "sharding.dp_outer=2", "sharding.outer_strategy=optim"]),
-    ("hsdp/optim", ["sharding.strategy=optim", "sharding.dp_outer=2", "sharding.outer_strategy=optim"]),
-]
 
 
 def config(world: int, accum: int, extra: list[str] = ()):
@@ -44,7 +39,7 @@ def config(world: int, accum: int, extra: list[str] = ()):
         "train.seq_len=32", f"train.global_batch_size={world * MICRO * accum}",
         f"train.micro_batch_size={MICRO}", f"train.steps={STEPS}", "train.seed=7",
         "sharding.bucket_numel=20000", "sharding.shard_align=1",  # several buckets, odd cuts
-        "optim.lr=1e-3", "optim.min_lr=1e-4", "optim.warmup_steps=3",
+        "optim.lr=1e-3", "optim.min_lr=1e-4", "optim.warmup_steps=1",
         "optim.weight_decay=0.1", "optim.grad_clip=0.5", *extra,
     ])
 
@@ -97,61 +92,17 @@ def assert_matches(results, label, world, ref_state, ref_losses):
     assert global_losses(results, label, world) == pytest.approx(ref_losses, rel=1e-5)
 
 
-# The fast tier keeps world 2 with accumulation (every strategy) and world 4 (every strategy,
-# HSDP and Hybrid-FSDP); the odd worlds and the rest are in the full suite.
-SLOW = pytest.mark.slow
-
-
-@pytest.mark.parametrize("world,accum", [
-    pytest.param(1, 3, marks=SLOW), pytest.param(2, 1, marks=SLOW), (2, 3), pytest.param(3, 1, marks=SLOW),
-    pytest.param(3, 3, marks=SLOW), (4, 1), pytest.param(4, 3, marks=SLOW)])
-def test_every_strategy_equals_the_reference(world, accum, small_dataset):
+def test_every_strategy_equals_the_reference_at_an_uneven_world(small_dataset):
+    world, accum = 3, 3
     ref_state, ref_losses = reference(config(world, accum), small_dataset)
-    runs = RUNS + (HYBRID if world == 4 else [])
-    results = run_ranks(world, accum, runs, small_dataset)
-    for label, _ in runs:
+    results = run_ranks(world, accum, RUNS, small_dataset)
+    for label, _ in RUNS:
         info = results[(label, 0)]["info"]
-        if world == 3:
-            assert info["buffer_numel"] > info["num_params"], "world 3 pads"
+        assert info["buffer_numel"] > info["num_params"], "world 3 pads"
         if label == "optim":
             assert results[(label, 0)]["buckets"] >= 3, "the test should span several buckets"
             assert info["shard_numel"] == info["buffer_numel"] // world
         assert_matches(results, label, world, ref_state, ref_losses)
-    if world == 4:
-        hfsdp = results[("hfsdp", 0)]["info"]
-        assert hfsdp["shard_numel"] == hfsdp["buffer_numel"] // 4, "Hybrid-FSDP shards the optimizer over all 4"
-        hsdp = results[("hsdp", 0)]["info"]
-        assert hsdp["shard_numel"] == hsdp["buffer_numel"] // 2, "HSDP shards within a replica of 2"
-
-
-BF16_TOL = 0.01  # see test_bf16_loss_curves_follow_fp32
-
-
-@pytest.mark.slow
-def test_bf16_loss_curves_follow_fp32(small_dataset):
-    """bf16 compute parameters (fp32 main parameters and gradients) against the fp32 curve.
-
-    bf16 keeps 8 significant bits, so each weight is rounded by up to 2^-9 relative and each
-    logit carries a relative error of about 2^-9 * sqrt(fan-in) ~ 1.5% of its spread; the
-    cross-entropy over 320 classes averages most of that out. We measure 0.05% here over 10
-    steps (every strategy, also with bf16 communication) and allow 1%: a bug (a lost gradient shard, a missing write-back from the
-    main parameters) moves the curve by far more, while training still lowers the loss.
-    """
-    world, accum = 2, 3
-    _, ref_losses = reference(config(world, accum), small_dataset)
-    runs = [(f"{s}/bf16", [f"sharding.strategy={s}", "sharding.param_dtype=bf16"]) for s in STRATEGIES]
-    runs.append(("optim_grads_params/bf16-comm", ["sharding.strategy=optim_grads_params",
-                                                  "sharding.param_dtype=bf16", "sharding.comm_dtype=bf16"]))
-    results = run_ranks(world, accum, runs, small_dataset)
-    curves = {label: global_losses(results, label, world) for label, _ in runs}
-    for label, curve in curves.items():
-        assert curve == pytest.approx(ref_losses, rel=BF16_TOL), label
-        assert curve[-1] < curve[0] - 0.3, f"{label} does not train"
-        assert curve != pytest.approx(ref_losses, rel=1e-6), f"{label}: not computing in bf16"
-    # The strategies differ only in summation order: their bf16 curves nearly coincide.
-    base = curves["no_shard/bf16"]
-    for label, curve in curves.items():
-        assert curve == pytest.approx(base, rel=5e-3), label
 
 
 def test_weights_do_not_depend_on_world_size(small_dataset):
@@ -161,17 +112,3 @@ def test_weights_do_not_depend_on_world_size(small_dataset):
     c = build_model(config(4, 1).model, 32, seed=8).state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["wte.weight"], c["wte.weight"])
-
-
-@pytest.mark.slow
-def test_bf16_hybrid_curves_follow_fp32(small_dataset):
-    """HSDP and Hybrid-FSDP (2 x 2) with bf16 compute parameters: the rounding write-back from
-    the fp32 main shard and the outer all-gather keep the curve on fp32's (same tolerance)."""
-    world, accum = 4, 1
-    _, ref_losses = reference(config(world, accum), small_dataset)
-    runs = [(f"{label}/bf16", [*extra, "sharding.param_dtype=bf16"]) for label, extra in HYBRID]
-    results = run_ranks(world, accum, runs, small_dataset)
-    for label, _ in runs:
-        curve = global_losses(results, label, world)
-        assert curve == pytest.approx(ref_losses, rel=BF16_TOL), label
-        assert curve[-1] < curve[0] - 0.3, f"{label} does not train"

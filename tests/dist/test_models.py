@@ -1,13 +1,10 @@
-"""Users' own models train sharded exactly as a plain single-process torch run trains them.
+"""Users' models against a plain single-process torch run, and what the other equality tests
+share: the models' saved directories, their plain torch builds, the ranks' loop and the
+comparison (the key bias held apart).
 
-For a Hugging Face Llama with a tied and with an untied head (GQA, RoPE), GPT-2 (`Conv1D`
-weights, learned positions, tied head), Qwen2 (biases on q/k/v) and a user's `nn.Module`
-(torch layers, `nn.MultiheadAttention`, a tied head, a non-persistent buffer): every strategy
-at world 2 (with gradient accumulation) and 4, and HSDP and Hybrid-FSDP as 2 x 2, end 10
-steps within 1e-5 of `torch.optim.AdamW` on the same model and batches. The HF models start
-from their `save_pretrained` weights, read shard by shard; the reference loads them with
-`from_pretrained`. With masked targets (labels -100) the loss is normalized by the step's
-global count of valid targets, so world 1, 2 and 4 all equal the reference.
+Every model family under every strategy is in tests/dist/test_combinations.py (pairwise with
+the other axes); here: with masked targets (labels -100) the loss is normalized by the step's
+global count of valid targets, so world 2 (whose ranks count differently) equals the reference.
 """
 
 import pytest
@@ -25,7 +22,7 @@ from tests.models import TinyLM, save_hf_model
 
 pytestmark = pytest.mark.slow
 
-STEPS = 10
+STEPS = 3  # what 10 steps show of an optimizer and a reduction, 3 show
 MICRO = 2
 ARCHS = ["llama", "llama-untied", "gpt2", "qwen2"]
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
@@ -51,7 +48,7 @@ def config(world: int, accum: int, model: list[str], extra=()):
         "train.seq_len=32", f"train.global_batch_size={world * MICRO * accum}",
         f"train.micro_batch_size={MICRO}", f"train.steps={STEPS}", "train.seed=7",
         "sharding.bucket_numel=3000", "sharding.shard_align=1",  # several buckets, odd cuts
-        "optim.lr=1e-3", "optim.min_lr=1e-4", "optim.warmup_steps=3",
+        "optim.lr=1e-3", "optim.min_lr=1e-4", "optim.warmup_steps=1",
         "optim.weight_decay=0.1", "optim.grad_clip=0.5", *extra,
     ])
 
@@ -125,29 +122,7 @@ def assert_matches(results, label, world, ref_state, ref_losses):
     assert losses == pytest.approx(ref_losses, rel=1e-5), label
 
 
-@pytest.mark.parametrize("name", ARCHS + ["module"])
-@pytest.mark.parametrize("world,accum", [(2, 2), (4, 1)])
-def test_every_strategy_equals_plain_torch(name, world, accum, hf_dirs, small_dataset):
-    keys = model_keys(name, hf_dirs)
-    base = config(world, accum, keys)
-    ref_state, ref_losses = train_reference(reference_model(name, base, hf_dirs), base, small_dataset, STEPS)
-    runs = [(s, config(world, accum, keys, [f"sharding.strategy={s}"])) for s in STRATEGIES]
-    if world == 4:
-        runs += [(label, config(world, accum, keys, extra)) for label, extra in HYBRID]
-    results = run_ranks(world, runs, small_dataset)
-    for label, _ in runs:
-        assert_matches(results, label, world, ref_state, ref_losses)
-    info = results[("optim_grads_params", 0)]["info"]
-    assert info["trainable_params"] == info["num_params"] == sum(p.numel() for p in
-                                                                reference_model(name, base, hf_dirs).parameters())
-    if name != "module":  # each rank read about its shard of the weights, not the whole model
-        full = sum(v.numel() for v in ref_state.values()) * 4
-        for r in range(world):
-            read = results[("optim_grads_params", r)]["info"]["source_bytes_read"]
-            assert read < 1.6 * full / world, f"rank {r} read {read} of {full} bytes"
-
-
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [2])
 def test_masked_targets_normalize_by_the_global_valid_count(world, hf_dirs, small_dataset):
     """Labels of -100 take no part, and every world size gives the reference's result: each
     rank divides by the valid targets of the whole step, not of its own rows."""

@@ -1,8 +1,11 @@
 """A rank leaves a broken group and a warm spare takes the lost rank's place, on real gloo
 groups: both set up again at a new rendezvous, resume from the commit, and end bitwise equal to
-the unbroken run, with no reader or upload thread left over from the first group."""
+the unbroken run, with no reader, upload or gloo thread, and none of the first group's model or
+buffers, left over from the first group."""
 
+import gc
 import threading
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -30,10 +33,25 @@ def _ours() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith(("rayzero-data", "ckpt-upload"))]
 
 
+def _gloo_threads() -> int:
+    """This process's gloo threads (a process group's workers and its connections' loop)."""
+    import os
+
+    names = []
+    for t in os.listdir("/proc/self/task"):
+        try:
+            names.append(open(f"/proc/self/task/{t}/comm").read().strip())
+        except OSError:
+            pass
+    return sum(n.startswith(("pt_gloo", "gloo_")) for n in names)
+
+
 def _rank(rank, world, cfg, data_path, ports, out):
     from rayzero.workers.rank import Rank
 
     torch.set_num_threads(1)
+    gc.collect()  # what jobs before this one in the kept process left for the collector goes first
+    gloo_before = _gloo_threads()
     r = Rank(cfg, rank, world, data_path)
     info = r.setup("127.0.0.1", ports[0])
     ckpt = Checkpoints(cfg)
@@ -56,9 +74,12 @@ def _rank(rank, world, cfg, data_path, ports, out):
     dist.broadcast_object_list(where)
 
     # The failure: rank 0 survives and leaves its group; rank 1 is replaced by a warm spare.
+    first_group = weakref.ref(r.strategy)
     left = r.leave(upload_wait_s=5.0)
     assert left["rank"] == rank and left["uploads"] == []
     assert not dist.is_initialized() and r.model is None and r.saver is None
+    # what the first group built is freed with it: its buffers, and its process groups' threads
+    assert first_group() is None and _gloo_threads() == gloo_before, (first_group(), _gloo_threads(), gloo_before)
     if rank == 1:
         r = Rank(cfg, None, world, data_path)
         assert r.progress()["rank"] is None

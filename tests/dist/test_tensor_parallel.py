@@ -20,9 +20,6 @@ import pytest
 import torch
 
 from rayzero.config import load_config
-from rayzero.models.gpt import build_model
-from tests.dist.reference import train_reference
-from tests.dist.test_models import assert_matches, reference_model, run_ranks
 from tests.models import save_hf_model
 
 pytestmark = pytest.mark.slow
@@ -64,46 +61,6 @@ def config(model: list[str], extra=()):
         "optim.lr=1e-3", "optim.min_lr=1e-4", "optim.warmup_steps=3", "optim.weight_decay=0.1",
         "optim.grad_clip=0.5", *extra,
     ])
-
-
-@pytest.mark.parametrize("name", ["gpt", "llama", "llama-untied", "llama-kv1", "qwen2"])
-def test_tensor_parallel_strategies_equal_plain_torch(name, tp_dirs, small_dataset):
-    keys = GPT if name == "gpt" else ["model.kind=hf", f"model.path={tp_dirs[name]}"]
-    base = config(keys)
-    ref = (build_model(base.model, base.block_size, base.train.seed) if name == "gpt"
-           else reference_model(name, base, tp_dirs))
-    ref_state, ref_losses = train_reference(ref, base, small_dataset, STEPS)
-    runs = [(label, config(keys, extra)) for label, extra in RUNS]
-    # The GPT and the Llama (grouped-query attention, RoPE, its config's plan) run every layout;
-    # the single key/value head and Qwen2's biases touch only the layers' split, which ZeRO-3,
-    # tp 4 and sequence parallelism show; an untied head split over the vocabulary, every strategy.
-    if name in ("llama-kv1", "qwen2"):
-        runs = [r for r in runs if r[0] in ("tp2/optim_grads_params", "tp4/optim", "tp2+sp/zero3+ac")]
-    if name == "llama-untied":
-        runs = [r for r in runs if r[0] in ("tp2/no_shard", "tp2/optim", "tp2/optim_grads", "tp2/optim_grads_params")]
-    results = run_ranks(WORLD, runs, small_dataset)
-    for label, _ in runs:
-        assert_matches(results, label, WORLD, ref_state, ref_losses)
-
-    # Each rank holds its share of a split matrix and the whole of a replicated one; the
-    # parameters it reports are the whole model's, with their whole shapes.
-    info = results[(runs[0][0], 1)]["info"]
-    tp = int(runs[0][1].parallel.tp)
-    held = {n: end - start for n, (start, end) in zip(info["layout"]["param_order"], info["layout"]["param_world"])}
-    up = "blocks.0.mlp.fc.weight" if name == "gpt" else "model.layers.0.mlp.up_proj.weight"
-    down = "blocks.0.mlp.proj.weight" if name == "gpt" else "model.layers.0.mlp.down_proj.weight"
-    norm = "blocks.0.ln_1.weight" if name == "gpt" else "model.layers.0.input_layernorm.weight"
-    assert held[up] == ref_state[up].numel() // tp and held[down] == ref_state[down].numel() // tp
-    assert held[norm] == ref_state[norm].numel()
-    assert info["params"][up] == list(ref_state[up].shape)
-    whole = sum(v.numel() for k, v in ref_state.items() if k != "lm_head.weight" or name in ("qwen2", "llama-untied"))
-    assert info["num_params"] == whole > info["params_per_rank"]
-    # the vocabulary's rows: ceil(V / tp) on each rank, the head's too (one tensor when tied)
-    emb = "wte.weight" if name == "gpt" else "model.embed_tokens.weight"
-    vocab = ref_state[emb].shape[0]
-    assert held[emb] == -(-vocab // tp) * ref_state[emb].shape[1] and info["tp"]["vocab_parallel"]
-    if "lm_head.weight" in held:
-        assert held["lm_head.weight"] == held[emb] and info["tp"]["split"]["lm_head.weight"]["padded"]
 
 
 def test_a_tensor_parallel_checkpoint_resumes_bitwise_and_reshards_across_tp(small_dataset, tmp_path):
@@ -155,43 +112,6 @@ def test_a_tensor_parallel_checkpoint_resumes_bitwise_and_reshards_across_tp(sma
     grown = ckpt_helpers.run(tp2, small_dataset, 4, 8, resume=(c1.uri, c1.manifest))
     for k, v in straight["state"].items():
         assert rel_error(grown["state"][k], v) <= 1e-5, k
-
-
-def test_lora_under_tp2_x_dp2_trains_what_a_single_process_peft_run_trains(small_dataset, tmp_path):
-    """Adapters on column-parallel (q_proj, v_proj: B split) and row-parallel (down_proj: A
-    split) linears, ZeRO-3 and DDP over the data-parallel ranks: within 1e-5 of PEFT in one
-    process, from the same initial adapters as a run without TP; the base does not move.
-    At lr 1e-3: at test_lora's 1e-2, Adam turns the rounding of the row-parallel partial sums
-    into 2e-5 on the last layer's down_proj lora_A (7.5e-8 at 1e-3, a drop no systematic
-    error in the gradient would show; without TP, 3e-7 and 1e-8)."""
-    from tests.dist.test_lora import config as lora_config
-    from tests.dist.test_lora import global_losses, initial_adapters, peft_reference, run
-    from tests.dist.reference import rel_error
-
-    llama = save_hf_model("llama-untied", tmp_path / "llama")
-    runs = [(label, lora_config(llama, WORLD, strategy, ["parallel.tp=2", "optim.lr=1e-3", *extra]))
-            for label, strategy, extra in (("tp2/zero3", "optim_grads_params", ()), ("tp2/ddp", "no_shard", ()),
-                                           ("tp2+sp/zero3", "optim_grads_params", (SP,)))]
-    out = run(runs, WORLD, small_dataset)
-    first = out[(runs[0][0], 0)]
-    adapters = [n for n in first["state"] if ".lora_" in n]
-    assert len(adapters) == 12
-    expected = initial_adapters(lora_config(llama, 1, "optim"))  # without TP: the same values
-    assert all(torch.equal(first["initial"][n], expected[n]) for n in adapters)
-    ref_state, ref_losses = peft_reference(llama, runs[0][1], first["initial"], small_dataset)
-    for label, _ in runs:
-        state = out[(label, 0)]["state"]
-        for n in adapters:
-            assert rel_error(state[n], ref_state[n]) <= 1e-5, (label, n)
-        assert all(torch.equal(state[n], v) for n, v in first["initial"].items() if n not in adapters), label
-        assert global_losses(out, label, WORLD) == pytest.approx(ref_losses, rel=1e-5), label
-    held = dict(zip(first["info"]["layout"]["param_order"], first["info"]["layout"]["param_world"]))
-    numel = {n: end - start for n, (start, end) in held.items()}
-    b = "model.layers.0.self_attn.q_proj.lora_B.default.weight"
-    a = "model.layers.0.mlp.down_proj.lora_A.default.weight"
-    assert numel[b] == first["state"][b].numel() // 2 and numel[a] == first["state"][a].numel() // 2
-    assert numel["model.layers.0.self_attn.q_proj.lora_A.default.weight"] == first["state"][
-        "model.layers.0.self_attn.q_proj.lora_A.default.weight"].numel()
 
 
 def test_pretrained_weights_load_at_tp2_by_range_bit_for_bit_and_export_back(tp_dirs, small_dataset, tmp_path):

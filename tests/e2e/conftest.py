@@ -77,6 +77,10 @@ def ray_head(tmp_path_factory):
     try:
         yield head
     finally:
+        import ray
+
+        if ray.is_initialized():  # a driver left connected would outlive its head
+            ray.shutdown()
         subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
 
 

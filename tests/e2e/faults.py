@@ -17,8 +17,10 @@ from rayzero.cluster.controller import Controller
 from rayzero.config import load_config
 from rayzero.workers.actor import RankShim, rank_actor
 
-# 2 ranks on the 2-CPU test cluster, 2 micro-batches each per step; a commit every 20 steps.
-STEPS, EVERY = 120, 20
+# 2 ranks on the 2-CPU test cluster, 2 micro-batches each per step; a commit every 8 steps: each
+# fault strikes between two commits, and the run has commits left after it to resume from.
+STEPS, EVERY = 40, 8
+STRIKE = EVERY + 4  # a step between the first commit and the second
 RUN = ["model.n_layer=2", "model.n_embd=64", "model.n_head=4", "train.seq_len=64",
        "train.global_batch_size=8", "train.micro_batch_size=2", "optim.warmup_steps=2",
        "cluster.num_workers=2", f"train.steps={STEPS}", f"checkpoint.every_steps={EVERY}", "failure.backoff_s=0.2"]

@@ -26,10 +26,11 @@ from rayzero.cluster.failure import TrainingFailed
 from rayzero.config import load_config
 from rayzero.workers.actor import RankShim, rank_actor
 from tests.e2e.conftest import BIN, leftovers, run_cli
-from tests.e2e.faults import (EVERY, RUN, STEPS, NoFault, NullTracker, OnceMarker, committed, controller_run,
+from tests.e2e.faults import (EVERY, RUN, STEPS, STRIKE, NoFault, NullTracker, OnceMarker, committed, controller_run,
                               rank_pids, wait_for, weights_equal)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+HANG = 2 * EVERY + 3  # after the second commit, made by the group that came back
 
 def cli_args(tmp: Path, data: str, *extra: str) -> list[str]:
     return ["train", "--no-progress", "--summary-json", str(tmp / "s.json"), f"data.path={data}", *RUN,
@@ -45,7 +46,7 @@ def run_and_kill(tmp: Path, data: str, address: str, seed: int):
     root = tmp / "runs" / "checkpoints"
     wait_for(lambda: committed(root), 120, "the first commit")
     rng = random.Random(seed)
-    time.sleep(rng.uniform(0.0, 0.5))  # well within the ~100 steps to go
+    time.sleep(rng.uniform(0.0, 0.3))  # well within the steps to go
     first = rank_pids()
     os.kill(rng.choice(first), signal.SIGKILL)
     commits = committed(root)
@@ -83,8 +84,8 @@ def test_killed_ranks_are_replaced_and_the_result_is_bitwise_the_same(tmp_path, 
 
 
 class DiesDuringSecondUploadThenHangs(OnceMarker):
-    """Rank 1 dies as its second commit's shard upload starts (step 40); in the group that
-    comes back, it hangs inside backward at step 55."""
+    """Rank 1 dies as its second commit's shard upload starts (step 2 x EVERY); in the group that
+    comes back, it hangs inside backward between that commit and the next."""
 
     def step(self, prev):
         out = super().step(prev)
@@ -94,14 +95,14 @@ class DiesDuringSecondUploadThenHangs(OnceMarker):
         return out
 
     def backward(self, prev):
-        if self.rank.plan["step"] == 55 and self.rank.mesh.rank == 1 and self._first_time("hang"):
+        if self.rank.plan["step"] == HANG and self.rank.mesh.rank == 1 and self._first_time("hang"):
             self.rank.strategy.backward = lambda *args, **kwargs: time.sleep(3600)  # stuck inside the phase
         return super().backward(prev)
 
 
-class AlwaysDiesAtStep30(RankShim):
+class AlwaysDiesBetweenCommits(RankShim):
     def step(self, prev):
-        if self.rank.plan["step"] == 30 and self.rank.mesh.rank == 1:
+        if self.rank.plan["step"] == STRIKE and self.rank.mesh.rank == 1:
             os._exit(1)
         return super().step(prev)
 
@@ -113,32 +114,32 @@ def test_a_rank_killed_during_an_upload_then_a_hung_rank_both_resume(tmp_path, r
     assert error is None, error
     died, hung = controller.failures
     assert died.kind == "rank_died" and died.rank == 1
-    assert died.step in (39, 40), "found at the checkpoint step or the one queued after it"
+    assert died.step in (2 * EVERY - 1, 2 * EVERY), "found at the checkpoint step or the one queued after it"
     # The watchdog: the rank stuck inside backward, named with its phase and step.
-    assert (hung.kind, hung.rank, hung.phase, hung.step) == ("hang", 1, "backward", 55), hung
+    assert (hung.kind, hung.rank, hung.phase, hung.step) == ("hang", 1, "backward", HANG), hung
     assert "failure.phase_timeout_s=4" in hung.message
     assert controller.summary_["restarts"] == 2 and [f["kind"] for f in controller.summary_["failures"]] == [
         "rank_died", "hang"]
-    # Step 40's upload never finished: the group came back from step 20's commit; after the
-    # hang, from step 40's, which the second group made.
+    # The second commit's upload never finished: the group came back from the first commit; after
+    # the hang, from the second, which the second group made.
     resumed = [t["resumed_from"] for t in controller.tracker.tag_updates if "resumed_from" in t]
-    assert [r.rpartition("/")[2] for r in resumed] == ["step-000020", "step-000040"]
-    assert controller.tracker.rewinds == [20, 40], "the steps trained again supersede their first points"
+    assert [r.rpartition("/")[2] for r in resumed] == [f"step-{EVERY:06d}", f"step-{2 * EVERY:06d}"]
+    assert controller.tracker.rewinds == [EVERY, 2 * EVERY], "the steps trained again supersede their first points"
     assert weights_equal(tmp_path / "final.safetensors", reference.weights)
     assert leftovers(ray_cluster) == ([], [])
 
 
 def test_giving_up_after_max_restarts_names_the_cause_and_leaves_nothing(tmp_path, ray_cluster, small_dataset):
-    controller, error = controller_run(tmp_path, ray_cluster, small_dataset, AlwaysDiesAtStep30,
+    controller, error = controller_run(tmp_path, ray_cluster, small_dataset, AlwaysDiesBetweenCommits,
                                        "failure.max_restarts=1")
     assert isinstance(error, TrainingFailed), error
     text = str(error)
     assert "training stopped after 1 restart (failure.max_restarts=1 reached)" in text
-    assert "rank 1 died at step 30" in text
-    assert "step-000020" in text and "run the same command again" in text.lower()
+    assert f"rank 1 died at step {STRIKE}" in text
+    assert f"step-{EVERY:06d}" in text and "run the same command again" in text.lower()
     assert len(controller.failures) == 2 and controller.tracker.status == "FAILED"
     assert [f.decision for f in controller.failures] == ["restart", "give_up"]
-    assert controller.tracker.metrics[30]["restarts"] == 1
+    assert controller.tracker.metrics[STRIKE]["restarts"] == 1
     assert leftovers(ray_cluster) == ([], [])
 
 
@@ -211,12 +212,12 @@ ELASTIC = ["cluster.min_workers=1", "cluster.placement_timeout_s=3"]
 
 
 class WaitsAtOneRankForTheNode(OnceMarker):
-    """Alone (the group shrunk to 1 rank), the rank holds its step 30 until the test says the
+    """Alone (the group shrunk to 1 rank), the rank holds a step between two commits until the test says the
     lost node is back (`marker`-node-back): a node takes seconds to start on 2 busy cores, and
     the 1-rank run would otherwise finish its remaining checkpoints, where it may grow, first."""
 
     def step(self, prev):
-        if self.rank.mesh.world_size == 1 and self.rank.plan["step"] == 30:
+        if self.rank.mesh.world_size == 1 and self.rank.plan["step"] % EVERY == 4 and self._first_time("hold"):
             wait_for(lambda: os.path.exists(f"{self.marker}-node-back"), 40, "the node to come back")
         return super().step(prev)
 
@@ -238,7 +239,7 @@ def test_elastic_shrinks_when_a_node_is_lost_and_grows_back_when_it_returns(tmp_
             cluster.remove_node(spare, allow_graceful=False)
             events.append(("removed", time.time()))
             wait_for(lambda: controller.world == 1 and controller.history.steps
-                     and controller.history.steps[-1] > EVERY + 5, 120, "training at 1 rank")
+                     and controller.history.steps[-1] > EVERY + 2, 120, "training at 1 rank")
             cluster.add_node(num_cpus=1)
             # Free in the driver's view of the cluster, where the controller looks at a checkpoint.
             wait_for(lambda: ray.available_resources().get("CPU", 0) >= 1, 30, "the node's CPU")

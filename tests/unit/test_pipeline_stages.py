@@ -123,6 +123,8 @@ def dry_run(tmp_path, capsys, *overrides):
      "interleaved_1f1b needs parallel.pp_virtual_stages of at least 2"),
     (["cluster.num_workers=2", "parallel.pp=2", "parallel.pp_schedule=zero_bubble",
       "sharding.strategy=optim_grads_params"], "zero_bubble runs each micro-batch's weight gradients apart"),
+    (["cluster.num_workers=2", "parallel.pp=2", "parallel.pp_schedule=zero_bubble",
+      "model.activation_checkpointing=selective"], "zero_bubble runs each block's backward twice"),
 ])
 def test_each_bad_pipeline_input_is_one_message_before_anything_starts(tmp_path, capsys, overrides, message):
     code, out, _ = dry_run(tmp_path, capsys, *overrides)

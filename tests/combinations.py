@@ -1,0 +1,203 @@
+"""The configurations the sharded-training equality tests run, generated so that every pair of
+values of any two axes meets in at least one of them (`tests/allpairs.py`), plus the named
+triples where an interaction is known. A new option or axis joins `AXES` (and `RULES`, where
+the product refuses some of its pairs): the generator finds the configurations that cover its
+pairs, instead of a new product of tests.
+
+Each configuration trains `STEPS` steps of a global batch of `GLOBAL_BATCH` rows on
+`world = dp x tp x pp` ranks (at most 4) and is held to its oracle (tests/dist/test_combinations.py):
+plain single-process torch for the language-model loss (PEFT for LoRA), the same run at world 1
+for the preference losses; bf16 follows the fp32 oracle's curve.
+"""
+
+from __future__ import annotations
+
+from tests.allpairs import Rules, all_pairs, infeasible_pairs
+
+STEPS = 3  # 3 steps show what 10 do for an optimizer, a reduction or a resume
+GLOBAL_BATCH = 8  # rows per step, at every world size: micro-batches per rank = 8 / (dp x micro)
+SAVE_AT = 2  # a resumed configuration is saved after step 2 and resumed for its last step
+
+# The models, 4 blocks each (interleaved at pp 2 x 2 chunks: one per stage), vocabularies of 259
+# tokens where tensor parallelism pads them (neither 2 nor 4 divides 259) and 320 elsewhere.
+# `lora`: target modules where PEFT has no default for the model; `freeze`: what `trainable=frozen`
+# freezes (the first block, and the embedding the head is tied to where there is one).
+MODELS = {
+    "gpt": dict(kind="gpt", tied=True, tp=True, lora="qkv,fc", freeze="wte.*,blocks.0.*"),
+    "llama": dict(kind="hf", arch="llama", tied=True, tp=True, vocab=259, num_key_value_heads=1,  # kv replicated at tp 2
+                  freeze="model.embed_tokens.*,model.layers.0.self_attn.*"),
+    "llama-untied": dict(kind="hf", arch="llama-untied", tp=True, vocab=259, freeze="model.layers.0.*"),
+    "qwen2": dict(kind="hf", arch="qwen2", tp=True, freeze="model.layers.0.mlp.*"),  # biases on q/k/v
+    "gpt2": dict(kind="hf", arch="gpt2", tied=True, freeze="transformer.h.0.*"),  # Conv1D, learned positions
+    "module": dict(kind="module", tied=True, lora="fc,proj", freeze="layers.0.*"),  # a user's nn.Module
+    "mixtral": dict(kind="hf", arch="mixtral", moe=True, freeze="model.layers.0.*"),
+    "qwen2_moe": dict(kind="hf", arch="qwen2_moe", moe=True, lora="q_proj,v_proj", freeze="model.layers.0.*"),
+}
+HYBRID = {"hsdp": "no_shard", "hfsdp": "optim"}  # ZeRO-3 in each replica; the optimizer state across replicas too
+SCHEDULE = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved_1f1b", "zb": "zero_bubble"}
+
+AXES = {
+    "model": list(MODELS),
+    "strategy": ["no_shard", "optim", "optim_grads", "optim_grads_params", "hsdp", "hfsdp"],
+    "dp": [2, 1],
+    "tp": ["1", "2", "2sp", "4"],
+    "pp": ["1", "gpipe", "1f1b", "interleaved", "zb"],
+    "recompute": ["none", "full", "selective", "every:2"],
+    "trainable": ["all", "lora", "frozen"],
+    "objective": ["lm", "dpo", "dpo-precomputed"],
+    "precision": ["fp32", "bf16", "bf16-comm"],  # bf16 compute; also bf16 gradients on the wire
+    "overlap": [True, False],  # gradient reduction and parameter gathering overlapped with compute
+    "micro": [2, 4],  # rows per micro-batch
+    "resume": [False, True],  # saved after step SAVE_AT and resumed: bitwise the straight run
+}
+
+
+def tp_size(tp: str) -> int:
+    return int(tp.rstrip("sp"))
+
+
+def pp_size(pp: str) -> int:
+    return 1 if pp == "1" else 2
+
+
+def micro_batches(c: dict) -> int:
+    """Micro-batches per data-parallel rank per step."""
+    return GLOBAL_BATCH // (c["dp"] * c["micro"])
+
+
+def _schedule_ok(pp: str, dp: int, micro: int) -> bool:
+    from rayzero.pipeline.schedules import check
+
+    if pp == "1":
+        return True
+    m = GLOBAL_BATCH // (dp * micro)
+    return check(SCHEDULE[pp], 2, m, 2 if pp == "interleaved" else 1) is None
+
+
+RULES = Rules()
+RULES.rule("at most 4 ranks, at least 2", ["dp", "tp", "pp"], lambda dp, tp, pp: 2 <= dp * tp_size(tp) * pp_size(pp) <= 4)
+RULES.rule("a strategy shards over data-parallel ranks", ["strategy", "dp"], lambda strategy, dp: dp > 1 or strategy == "no_shard")
+RULES.rule("whole micro-batches", ["dp", "micro"], lambda dp, micro: GLOBAL_BATCH % (dp * micro) == 0)
+RULES.rule("tensor parallelism needs a plan", ["model", "tp"], lambda model, tp: tp == "1" or MODELS[model].get("tp", False))
+RULES.rule("sequence parallelism needs a final norm", ["model", "tp"],
+           lambda model, tp: not tp.endswith("sp") or MODELS[model].get("sp", True))
+RULES.rule("a pipeline needs blocks to cut", ["model", "pp"], lambda model, pp: pp == "1" or MODELS[model]["kind"] != "module")
+RULES.rule("the schedule's micro-batch count", ["pp", "dp", "micro"], _schedule_ok)
+RULES.rule("zero-bubble's weight gradients need the units ZeRO-3 released", ["pp", "strategy"],
+           lambda pp, strategy: pp != "zb" or strategy in ("no_shard", "optim", "optim_grads"))
+RULES.rule("zero-bubble's second backward through a block", ["pp", "recompute"],
+           lambda pp, recompute: pp != "zb" or recompute != "selective")
+RULES.rule("a preference pair in one micro-batch", ["objective", "micro"], lambda objective, micro: objective == "lm" or micro % 2 == 0)
+
+# Where an interaction is known, the configuration is named rather than left to chance.
+NAMED = [
+    dict(strategy="optim_grads_params", pp="interleaved"),  # ZeRO-3's units gathered per chunk
+    dict(strategy="optim_grads", pp="zb"),  # ZB-H1's weight gradients into ZeRO-2's buckets
+    dict(tp="2sp", pp="1f1b"),  # sequence shards across stage boundaries
+    dict(trainable="lora", objective="dpo"),  # the reference is the base with the adapters off
+    dict(trainable="lora", objective="dpo", pp="zb"),  # ... through the stages, the split backward
+    dict(strategy="optim_grads_params", recompute="full", tp="2sp"),  # units inside recomputed TP blocks
+    dict(objective="dpo-precomputed", pp="1f1b"),  # the reference's table from the stages
+    dict(model="gpt", tp="4", strategy="no_shard"),  # tp 4: kv heads and the vocabulary's padding
+    dict(model="mixtral", pp="zb", strategy="optim_grads"),  # the router loss through W-split stages
+    dict(trainable="frozen", pp="1f1b", model="llama"),  # a frozen tied embedding on both end stages
+]
+
+def world(c: dict) -> int:
+    return c["dp"] * tp_size(c["tp"]) * pp_size(c["pp"])
+
+
+def cost(c: dict) -> float:
+    """What a (partial) configuration costs to run, roughly: its ranks, half again when resumed."""
+    return c.get("dp", 1) * tp_size(c.get("tp", "1")) * pp_size(c.get("pp", "1")) * (1.5 if c.get("resume") else 1)
+
+
+CONFIGS = all_pairs(AXES, RULES, NAMED, cost=cost)
+
+
+def label(c: dict) -> str:
+    """What a configuration is, as its test id: the model, its strategy and data-parallel size,
+    then each axis not at its plainest (e.g. `llama.optim_grads_params.dp2.tp2+sp.full.lora.bf16.micro2`)."""
+    parts = [c["model"], c["strategy"], f"dp{c['dp']}"]
+    parts += [f"tp{c['tp'].replace('sp', '+sp')}"] if c["tp"] != "1" else []
+    parts += [f"pp2-{c['pp']}"] if c["pp"] != "1" else []
+    parts += [c["recompute"].replace(":", "")] if c["recompute"] != "none" else []
+    parts += [c["trainable"]] if c["trainable"] != "all" else []
+    parts += [c["objective"]] if c["objective"] != "lm" else []
+    parts += [c["precision"]] if c["precision"] != "fp32" else []
+    parts += ["no-overlap"] if not c["overlap"] else []
+    parts.append(f"micro{c['micro']}")
+    parts += ["resume"] if c["resume"] else []
+    return ".".join(parts)
+
+
+def overrides(c: dict, model_keys: list[str], data_kind: str = "text") -> list[str]:
+    """The config's keys for configuration `c`, the model given by `model_keys`."""
+    m = MODELS[c["model"]]
+    keys = [f"cluster.num_workers={world(c)}", *model_keys, "train.seq_len=32",
+            f"train.global_batch_size={GLOBAL_BATCH}", f"train.micro_batch_size={c['micro']}", f"train.steps={STEPS}",
+            "train.seed=7", "sharding.bucket_numel=3000", "sharding.shard_align=1",  # several buckets, odd cuts
+            "optim.lr=1e-3", "optim.min_lr=1e-4", "optim.warmup_steps=1", "optim.weight_decay=0.1",
+            "optim.grad_clip=0.01"]  # engaged at every step, by LoRA's adapters too
+    if c["strategy"] in HYBRID:
+        keys += ["sharding.strategy=optim_grads_params", "sharding.dp_outer=2",
+                 f"sharding.outer_strategy={HYBRID[c['strategy']]}"]
+    else:
+        keys.append(f"sharding.strategy={c['strategy']}")
+    if c["tp"] != "1":
+        keys.append(f"parallel.tp={tp_size(c['tp'])}")
+        keys += ["parallel.sequence_parallel=true"] if c["tp"].endswith("sp") else []
+    if c["pp"] != "1":
+        keys += ["parallel.pp=2", f"parallel.pp_schedule={SCHEDULE[c['pp']]}"]
+        keys += ["parallel.pp_virtual_stages=2"] if c["pp"] == "interleaved" else []
+    keys.append(f"model.activation_checkpointing={c['recompute']}")
+    if c["trainable"] == "lora":
+        keys += ["model.lora.r=4", "model.lora.alpha=8"]
+        keys += [f"model.lora.target_modules={m['lora']}"] if "lora" in m else []
+    elif c["trainable"] == "frozen":
+        keys.append(f"model.freeze={m['freeze']}")
+    if c["objective"] != "lm":
+        keys.append("train.objective=dpo")
+        keys += ["dpo.precompute_ref=true"] if c["objective"] == "dpo-precomputed" else []
+    if c["precision"] != "fp32":
+        keys.append("sharding.param_dtype=bf16")
+        keys += ["sharding.comm_dtype=bf16"] if c["precision"] == "bf16-comm" else []
+    if not c["overlap"]:
+        keys += ["sharding.overlap_grad_reduce=false", "sharding.overlap_param_gather=false"]
+    if world(c) > 2:
+        keys.append("cluster.cpus_per_worker=0.5")
+    return keys
+
+
+def covered_pairs() -> int:
+    from tests.allpairs import pairs_of
+
+    return len(set().union(*(pairs_of(c, list(AXES)) for c in CONFIGS)))
+
+
+def excluded_pairs() -> list:
+    return infeasible_pairs(AXES, RULES)
+
+
+def readme_block() -> str:
+    """What the README's Tests section says of the configurations (kept equal to this by
+    tests/unit/test_allpairs.py; `python -m tests.combinations` prints it)."""
+    from itertools import combinations
+
+    names = list(AXES)
+    total = sum(len(AXES[a]) * len(AXES[b]) for a, b in combinations(names, 2))
+    excluded = excluded_pairs()
+    product = 1
+    for values in AXES.values():
+        product *= len(values)
+    lines = [f"{len(CONFIGS)} configurations ({sum(world(c) == 4 for c in CONFIGS)} at 4 ranks, the rest at 2) "
+             f"of a product of {product:,} cover all {covered_pairs()} pairs of values the product allows "
+             f"(of {total}; the {len(excluded)} left out break a rule, each a refusal of the product's own):", ""]
+    lines += [f"- `{axis}`: {', '.join(f'`{v}`' for v in values)}" for axis, values in AXES.items()]
+    lines += ["", "and these named interactions, each in at least one configuration:", ""]
+    lines += ["- " + " × ".join(f"`{k}={v}`" for k, v in named.items()) for named in NAMED]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(readme_block())
