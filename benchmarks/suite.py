@@ -95,6 +95,8 @@ def table(title: str, now: dict[str, float], before: dict[str, float] | None, ro
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for row in rows:
         s = now.get(row, 0.0)
+        if s < 0.5 and (before or {}).get(row, 0.0) < 0.5:
+            continue  # nothing ran (a tier skipped here, say)
         line = f"| {row}{extra.get(row, '') if extra else ''} | {s:.0f} | {100 * s / total:.0f} % |"
         if before is not None:
             b = before.get(row, 0.0)

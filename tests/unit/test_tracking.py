@@ -3,6 +3,7 @@ nothing listens."""
 
 import json
 
+import pytest
 from mlflow.tracking import MlflowClient
 
 from rayzero.cluster.tracking import Tracker
@@ -83,6 +84,7 @@ def test_a_rewind_leaves_one_point_per_step_and_the_latest_values_right(tmp_path
     assert client.get_run(t.run_id).data.metrics == {"loss": 20.0, "restarts": 1.0}
 
 
+@pytest.mark.slow  # ~10 s: in the full suite, not the fast tier
 def test_calls_made_while_the_thread_imports_mlflow_all_arrive(tmp_path):
     """In a fresh interpreter (MLflow not yet imported), metrics and tags logged at once, while
     the thread is importing MLflow: the caller's thread never imports it (two threads importing
@@ -104,6 +106,7 @@ def test_calls_made_while_the_thread_imports_mlflow_all_arrive(tmp_path):
     assert client.get_run(run_id).data.tags["at"] == "199"
 
 
+@pytest.mark.slow  # ~10 s: in the full suite, not the fast tier
 def test_a_new_sqlite_store_starts_as_mlflow_would_make_it(tmp_path, monkeypatch):
     """A new store is a copy of an empty one made once with MLflow's own migrations: the same
     schema and version as a store MLflow makes itself, the Default experiment added by MLflow as

@@ -269,6 +269,7 @@ def test_lora(model_dir, tmp_path, precompute):
     assert_weights(weights[-1]["merged"], theirs["state_dict"], initial_weights(model_dir))
 
 
+@pytest.mark.slow  # ~10 s: in the full suite, not the fast tier
 def test_hf_trainer_decays_what_rayzero_decays_on_llama(model_dir):
     """The Trainer's weight decay skips biases and norms by name; on Llama that is exactly the
     1-D parameters, rayzero's `dim() >= 2` rule."""
