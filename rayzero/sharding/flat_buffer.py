@@ -17,7 +17,6 @@ shard and the strategy all-gathers the rest).
 from __future__ import annotations
 
 import weakref
-
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,6 +26,20 @@ import torch.nn as nn
 from rayzero.sharding.layout import Bucket, Layout, Range
 
 Fill = Callable[[str, torch.Tensor], None]  # fill(name, fp32 out) writes a parameter's values
+
+
+def weak_hook(owner, method: str, *first) -> Callable:
+    """A hook for autograd that calls `owner.method(*first, *args)` while `owner` lives, holding
+    it weakly. Autograd keeps a hook in its C++ state, where the garbage collector cannot see it:
+    a hook holding its owner strongly keeps the owner (the buffers, the model, the strategy and
+    its process groups) alive after the rank drops them."""
+    ref = weakref.ref(owner)
+
+    def hook(*args):
+        me = ref()
+        return getattr(me, method)(*first, *args) if me is not None else None
+
+    return hook
 
 
 @dataclass(frozen=True)
@@ -218,17 +231,7 @@ class FlatBuffer:
         return self._pending[bucket.index] if self._on_grad is not None else 0
 
     def _make_hook(self, i: int):
-        # A weak reference: the hook is kept by the parameter in autograd's C++ state, where the
-        # garbage collector cannot see it, and a strong one would keep the buffer (every bucket,
-        # the model, the strategy and its process groups) alive after the rank drops them.
-        buffer = weakref.ref(self)
-
-        def hook(param: nn.Parameter) -> None:
-            me = buffer()
-            if me is not None:
-                me.landed(i, param)
-
-        return hook
+        return weak_hook(self, "landed", i)  # kept by the parameter, in autograd's C++ state
 
     def landed(self, i: int, param: nn.Parameter) -> None:
         """Parameter `i`'s gradient is final for this backward (autograd's accumulation hook, or

@@ -19,8 +19,6 @@ at most two units' full gradients (the one filling and the one being reduced).
 
 from __future__ import annotations
 
-import weakref
-
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,6 +27,7 @@ import torch.nn as nn
 
 from rayzero.sharding.comm import wait
 from rayzero.sharding.config import ShardingConfig
+from rayzero.sharding.flat_buffer import weak_hook
 from rayzero.sharding.layout import Bucket, Layout, Range, build_layout
 from rayzero.sharding.memory import nbytes
 
@@ -238,19 +237,10 @@ class ShardedUnits:
         return hook
 
     def _make_pre_backward(self, name: str):
-        # A weak reference: the hook lives on an activation in autograd's C++ state (which a
-        # recompute's cache may keep past the step), where the garbage collector cannot see it;
-        # a strong one would keep the units, the strategy and its buffers alive after the rank drops them.
-        units = weakref.ref(self)
+        # on an activation, in autograd's C++ state (which a recompute's cache may keep past the step)
+        return weak_hook(self, "_pre_backward", name)
 
-        def hook(_grad):
-            me = units()
-            if me is not None:
-                me._pre_backward(name)
-
-        return hook
-
-    def _pre_backward(self, name: str) -> None:
+    def _pre_backward(self, name: str, _grad=None) -> None:
         if name in self._bwd_seen:
             return
         self._bwd_seen.add(name)

@@ -112,9 +112,7 @@ class Rank:
             # No barrier and nothing sent: with a SIGKILLed peer this takes ~0.2 s on gloo
             # (benchmarks/recovery.py: the "leave" part), most of it the collection below.
             dist.destroy_process_group()
-        # The buffers go now, before the next setup allocates its own: once the group is gone,
-        # as its pending work may still refer to them until then.
-        gc.collect()
+        gc.collect()  # the buffers go now, before the next setup's: after the group, whose work may hold them
         if self.mesh is not None:
             self.mesh = self.cfg.mesh(self.mesh.world_size, self.mesh.rank)  # its groups are gone
         return {"rank": rank, "uploads": uploads, "leave_s": time.perf_counter() - t0}
@@ -131,7 +129,7 @@ class Rank:
                 uploads = saver.reports()
             except RuntimeError:  # a failed upload never commits; nothing to pass on
                 uploads = []
-        self.saver = saver = None  # this frame's reference too: it reaches the strategy's buffers
+        self.saver = None
         self._pipe = None  # this rank's pipeline stages and schedule, with parallel.pp > 1
         self.prefs = None  # preference tuning's reference model (or table) goes with the model
         self._in_flight_peak = 0

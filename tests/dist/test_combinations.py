@@ -28,7 +28,6 @@ from __future__ import annotations
 import fnmatch
 import json
 import math
-import random
 import sys
 from pathlib import Path
 
@@ -45,6 +44,8 @@ from tests import combinations as combos
 from tests.conftest import free_port
 from tests.dist.pool import spawn
 from tests.dist.reference import rel_error, train_reference
+from tests.dist.test_dpo import pairs
+from tests.dist.test_models import key_bias
 from tests.models import TinyLM, save_hf_model, save_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -83,24 +84,11 @@ def combo_setup(tmp_path_factory, small_dataset) -> dict:
         dirs[name] = str(save_hf_model(m["arch"], root / name, seed=i, **shape, **extra))
     tok = save_hf_model("llama", root / "tokenizer")
     save_tokenizer(tok, [Path(sys.modules["json"].__file__).read_text()], vocab=250)
-    (root / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in preference_pairs(40)))
+    (root / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs(40)))
     from rayzero.data.tokens import prepare
 
     prepare(root / "pairs.jsonl", str(root / "pairs"), tokenizer=str(tok), preferences=True)
     return {"dirs": dirs, "text": small_dataset, "pairs": str(root / "pairs"), "root": root}
-
-
-def preference_pairs(n: int, seed: int = 0) -> list[dict]:
-    """Prompts and two completions of different lengths, cut from the stdlib's source."""
-    words = Path(sys.modules["json"].__file__).read_text().split()
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        a = rng.randrange(len(words) - 60)
-        out.append({"prompt": "Q: " + " ".join(words[a: a + rng.choice([2, 5, 9])]) + "\nA:",
-                    "chosen": " " + " ".join(words[a + 10: a + 10 + rng.choice([3, 8, 30])]),
-                    "rejected": " " + " ".join(words[a + 40: a + 40 + rng.choice([1, 6, 25])])})
-    return out
 
 
 def model_keys(name: str, setup: dict) -> list[str]:
@@ -286,19 +274,6 @@ def step_prefs(ranks: dict) -> list[dict] | None:
                 sums[name] = sums.get(name, 0.0) + v
         out.append(pair_metrics(sums))
     return out
-
-
-def key_bias(name: str, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(the part held to 1e-5, the attention key bias in it or None). A bias added to every key
-    shifts all of a query's scores alike, so softmax cancels it: its gradient is zero up to
-    rounding, and Adam turns that rounding (which depends on the summation order) into full
-    +-lr steps either way; it is held only to staying near its start."""
-    if name.endswith("k_proj.bias"):
-        return t[:0], t
-    if name.endswith(("attn.c_attn.bias", "in_proj_bias", "attn.qkv.bias")):  # GPT-2, torch, rayzero GPT: q|k|v
-        q, k, v = t.chunk(3)
-        return torch.cat([q, v]), k
-    return t, None
 
 
 # -- the test -------------------------------------------------------------------------------------------------
