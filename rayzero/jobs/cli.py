@@ -255,24 +255,35 @@ def _deploy(args) -> int:
 
 
 def _prepare(args) -> int:
+    """`data prepare`; with `--ray`, on a Ray it joins (or starts), and leaves as it found it: a
+    Ray this call started is shut down when it ends, as `train` does."""
+    storage = load_config(None, args.overrides).checkpoint.storage  # before Ray: a typo fails at once
+    logging.basicConfig(format="rayzero: warning: %(message)s", level=logging.WARNING)
+    if not args.ray:
+        return _tokenize(args, storage)
+    import ray
+
+    from rayzero.jobs.preflight import quiet_logs
+    from rayzero.jobs.train import _check_reachable, shutdown_ray
+
+    quiet_logs()
+    if ray.is_initialized():
+        return _tokenize(args, storage)
+    try:
+        _check_reachable(args.address)
+        ray.init(address=args.address or None, logging_level="WARNING", log_to_driver=False)
+    except ConnectionError as e:
+        raise _UserError(f"--address: cannot connect to a Ray cluster at {args.address!r}: {e}") from None
+    try:
+        return _tokenize(args, storage)
+    finally:
+        shutdown_ray()
+
+
+def _tokenize(args, storage) -> int:
     from rayzero.data.sources import Fields
     from rayzero.data.tokens import prepare
 
-    storage = load_config(None, args.overrides).checkpoint.storage  # before Ray: a typo fails at once
-    logging.basicConfig(format="rayzero: warning: %(message)s", level=logging.WARNING)
-    if args.ray:
-        import ray
-
-        from rayzero.jobs.preflight import quiet_logs
-        from rayzero.jobs.train import _check_reachable
-
-        quiet_logs()
-        if not ray.is_initialized():
-            try:
-                _check_reachable(args.address)
-                ray.init(address=args.address or None, logging_level="WARNING", log_to_driver=False)
-            except ConnectionError as e:
-                raise _UserError(f"--address: cannot connect to a Ray cluster at {args.address!r}: {e}") from None
     tokenizer = args.tokenizer
     if "://" in tokenizer and not tokenizer.startswith("file://"):  # a model directory in storage
         from rayzero.models.hf import model_tokenizer

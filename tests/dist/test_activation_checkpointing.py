@@ -1,7 +1,7 @@
 """Activation checkpointing on real gloo groups: `full`, `every:2` and `selective`, without
 sharding and under ZeRO-3 (whose units it recomputes) at world 2, give weights bitwise equal to the same run without it (fp32, with
-dropout), for the GPT, an HF Llama and a user's module (the GPT and the Llama under ZeRO-3
-through `rayzero train` too, tests/e2e/test_random_streams.py); ZeRO-3 with units inside the
+dropout), for the GPT, an HF Llama and a user's module (the GPT under ZeRO-3 with tp 2 and
+sequence parallelism through `rayzero train` too, tests/e2e/test_failures.py); ZeRO-3 with units inside the
 recomputed blocks keeps its schedule; and the saved activations a rank
 measures fall as the estimate says and match it. (Every mode against plain torch under every
 strategy, with tensor and pipeline parallelism and resumed: tests/dist/test_combinations.py.) The ranks run as the actors run them: setup, then iterations, nothing
@@ -29,13 +29,15 @@ STRATEGIES = ["no_shard", "optim_grads_params"]
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, list[str]]:
-    llama = save_hf_model("llama", tmp_path_factory.mktemp("hf") / "llama", num_hidden_layers=3,
-                          attention_dropout=0.1)
+    root = tmp_path_factory.mktemp("hf")
+    llama = save_hf_model("llama", root / "llama", num_hidden_layers=3, attention_dropout=0.1)
+    still = save_hf_model("llama", root / "still", num_hidden_layers=3, attention_dropout=0.0)  # the same weights
     return {
         "gpt": ["model.n_layer=3", "model.n_embd=64", "model.n_head=4", "model.dropout=0.1"],
         "llama": ["model.kind=hf", f"model.path={llama}"],
         "module": ["model.kind=module", "model.factory=tests.models:TinyLM", "model.kwargs.n_layer=3",
                    "model.kwargs.dropout=0.1"],
+        "llama without dropout": ["model.kind=hf", f"model.path={still}"],
     }
 
 
@@ -67,11 +69,10 @@ def run_all(runs, data_path: str) -> dict:
 @pytest.mark.parametrize("name", ["gpt", "llama", "module"])
 def test_recomputed_activations_give_bitwise_the_same_weights(name, models, small_dataset):
     runs = [(f"{mode}/{s}", config(models[name], mode, s)) for s in STRATEGIES for mode in MODES]
-    # dropout at work: the same run without dropout ends elsewhere (the Llama's attention dropout
-    # is shown so through `rayzero train`, tests/e2e/test_random_streams.py)
-    off = {"gpt": "model.dropout=0.0", "module": "model.kwargs.dropout=0.0"}.get(name)
-    if off:
-        runs.append(("none/no_shard/no-dropout", config(models[name], "none", "no_shard", [off])))
+    # dropout at work: the same run without dropout ends elsewhere
+    off = {"gpt": "model.dropout=0.0", "module": "model.kwargs.dropout=0.0",
+           "llama": models["llama without dropout"][1]}[name]
+    runs.append(("none/no_shard/no-dropout", config(models[name], "none", "no_shard", [off])))
     results = run_all(runs, small_dataset)
     for s in STRATEGIES:
         plain = results[(f"none/{s}", 0)]
@@ -81,8 +82,8 @@ def test_recomputed_activations_give_bitwise_the_same_weights(name, models, smal
             for k, v in plain["state"].items():
                 assert torch.equal(got["state"][k], v), (name, mode, s, k)
             assert got["activations"] < plain["activations"], (name, mode, s)
-    if off:  # so the equality above held with dropout at work, the recompute drawing what the first forward drew
-        assert results[("none/no_shard/no-dropout", 0)]["loss"] != results[("none/no_shard", 0)]["loss"]
+    # so the equality above held with dropout at work, the recompute drawing what the first forward drew
+    assert results[("none/no_shard/no-dropout", 0)]["loss"] != results[("none/no_shard", 0)]["loss"]
 
 
 def _schedule(rank: int, runs, ports, data_path: str, out: dict):

@@ -184,11 +184,14 @@ def test_a_tensor_parallel_run_restarts_after_a_lost_rank_and_resumes_from_its_c
     (its whole tensors against the ranks' whole shapes); and through `rayzero train` on a
     checkpoint directory holding that step-4 commit alone (as a run stopped there leaves it),
     the same command run again to 8. The dropout masks of steps 4 to 8 are drawn again alike,
-    whatever came before them."""
+    whatever came before them. The three runs recompute their activations three ways (none,
+    `selective`, `full`): a recompute draws the masks its first forward drew, so that the
+    weights are bitwise the same however much a run recomputes."""
     runs = {}
-    for name, actor in (("straight", NoFault), ("struck", DiesOnceAtStep6)):
+    for name, actor, recompute in (("straight", NoFault, "none"), ("struck", DiesOnceAtStep6, "selective")):
         (tmp_path / name).mkdir()
-        runs[name], error = controller_run(tmp_path / name, ray_cluster, small_dataset, actor, *TP, "train.steps=8")
+        runs[name], error = controller_run(tmp_path / name, ray_cluster, small_dataset, actor, *TP, "train.steps=8",
+                                           f"model.activation_checkpointing={recompute}")
         assert error is None, error
     (failure,) = runs["struck"].failures
     assert (failure.kind, failure.rank, failure.decision) == ("rank_died", 1, "restart")
@@ -198,7 +201,8 @@ def test_a_tensor_parallel_run_restarts_after_a_lost_rank_and_resumes_from_its_c
 
     stopped = tmp_path / "ck"
     shutil.copytree(tmp_path / "straight" / "runs" / "checkpoints" / "step-000004", stopped / "step-000004")
-    code, _, err, again = train_here(f"data.path={small_dataset}", *RUN, *TP, "train.steps=8", f"checkpoint.dir={stopped}",
+    code, _, err, again = train_here(f"data.path={small_dataset}", *RUN, *TP, "train.steps=8",
+                                     f"checkpoint.dir={stopped}", "model.activation_checkpointing=full",
                                      "tracking.enabled=false", f"train.save_final={tmp_path / 'rerun.safetensors'}")
     assert code == 0, err[-3000:]
     assert f"rayzero: resuming from {stopped / 'step-000004'} at step 4 of 8" in err

@@ -2,8 +2,8 @@
 session's cluster, each iteration one compiled graph whose pipeline phase runs the schedule):
 the built-in GPT, its head tied to its embedding, at pp 2 with validation, checkpoints and an
 export. The same command stopped after 2 steps and run again to 4 ends bitwise on the unbroken
-run's weights; the run equals a pp 1 x dp 2 run of the same config within 1e-5. A rank of the
-last stage lost: a warm spare takes its place, and the run ends bitwise on the unbroken one.
+run's weights, and so does the run whose last stage's rank is lost (a warm spare takes its
+place); the run equals a pp 1 x dp 2 run of the same config within 1e-5.
 
 The schedules, strategies, TP and the checkpoints across pipeline sizes against a single-process
 reference: tests/dist/test_pipeline.py and tests/dist/test_pipeline_checkpoints.py."""
@@ -14,12 +14,26 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.e2e.faults import NoFault, OnceMarker, controller_run, weights_equal
+from tests.e2e.faults import OnceMarker, controller_run, weights_equal
 
 pytestmark = pytest.mark.slow
 
 
-def test_a_pipelined_run_trains_resumes_bitwise_and_equals_data_parallel(train_here, small_dataset, tmp_path):
+class LastStageDiesOnce(OnceMarker):
+    """The rank holding the last stage dies once, at step 3 (after the step-2 commit)."""
+
+    def step(self, prev):
+        if self.rank.plan["step"] == 3 and self.rank.mesh.coord("pp") == 1 and self._first_time("die"):
+            os._exit(1)
+        return super().step(prev)
+
+
+def test_a_pipelined_run_trains_resumes_bitwise_takes_a_spare_and_equals_data_parallel(
+        train_here, ray_cluster, small_dataset, tmp_path):
+    """One unbroken pp 2 run of 4 steps, and three runs that must end on its weights: the same
+    command stopped after 2 steps and run again to 4 (bitwise); the run with the rank of its last
+    stage lost at step 3, a warm spare taking its coordinates (stage and all) and the group
+    resuming from the step-2 commit (bitwise); a pp 1 x dp 2 run (within 1e-5)."""
     keys = [f"data.path={small_dataset}", "model.n_layer=4", "model.n_embd=64", "model.n_head=4", "train.seq_len=32",
             "train.global_batch_size=8", "train.micro_batch_size=2", "data.val_fraction=0.05", "train.eval_every=2",
             "train.eval_batches=1", "tracking.enabled=false", "cluster.num_workers=2", "optim.warmup_steps=1",
@@ -43,6 +57,16 @@ def test_a_pipelined_run_trains_resumes_bitwise_and_equals_data_parallel(train_h
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "2 + 2 steps differ from 4"
     assert again["final_loss"] == straight["final_loss"] and again["final_val_loss"] == straight["final_val_loss"]
 
+    # The last stage's rank lost: a spare (its own half CPU) takes its place, and the run goes on from the commit.
+    (tmp_path / "struck").mkdir()
+    controller, error = controller_run(tmp_path / "struck", ray_cluster, small_dataset, LastStageDiesOnce, *pp,
+                                       "train.steps=4", "checkpoint.every_steps=2", "failure.spares=1",
+                                       "cluster.cpus_per_worker=0.5")
+    assert error is None, error
+    (f,) = controller.failures
+    assert (f.rank, f.decision) == (1, "replace")
+    assert weights_equal(tmp_path / "struck" / "final.safetensors", tmp_path / "straight")
+
     code, _, err, dp = train_here(*keys, "train.steps=4", f"train.save_final={tmp_path / 'dp'}", "checkpoint.dir=",
                                   summary="dp.json")
     assert code == 0, err[-3000:]
@@ -54,28 +78,3 @@ def test_a_pipelined_run_trains_resumes_bitwise_and_equals_data_parallel(train_h
         assert straight[key] == pytest.approx(dp[key], rel=1e-5), key
     assert straight["num_params"] == dp["num_params"], "the tied weight counted once"
     assert straight["model_flops_per_token"] == pytest.approx(dp["model_flops_per_token"], rel=1e-9)
-
-
-class LastStageDiesOnce(OnceMarker):
-    """The rank holding the last stage dies once, at step 15 (after the step-10 commit)."""
-
-    def step(self, prev):
-        if self.rank.plan["step"] == 15 and self.rank.mesh.coord("pp") == 1 and self._first_time("die"):
-            os._exit(1)
-        return super().step(prev)
-
-
-def test_a_lost_stage_takes_a_spare_and_ends_on_the_unbroken_runs_weights(tmp_path, ray_cluster, small_dataset):
-    """A pipelined run (pp 2) that loses the rank of its last stage: a warm spare takes its
-    coordinates (stage and all), the group resumes from the last commit, and the run ends bit
-    for bit where the uninterrupted one does."""
-    run = ["parallel.pp=2", "model.n_layer=4", "train.steps=20", "checkpoint.every_steps=10",
-           "failure.spares=1", "cluster.cpus_per_worker=0.5"]
-    (tmp_path / "ref").mkdir()
-    ref, error = controller_run(tmp_path / "ref", ray_cluster, small_dataset, NoFault, *run)
-    assert error is None and not ref.failures, error
-    controller, error = controller_run(tmp_path, ray_cluster, small_dataset, LastStageDiesOnce, *run)
-    assert error is None, error
-    (f,) = controller.failures
-    assert (f.rank, f.decision) == (1, "replace")
-    assert weights_equal(tmp_path / "final.safetensors", tmp_path / "ref" / "final.safetensors")
