@@ -25,7 +25,8 @@ from rayzero.cluster.controller import Controller
 from rayzero.cluster.failure import TrainingFailed
 from rayzero.config import load_config
 from rayzero.workers.actor import RankShim, rank_actor
-from tests.e2e.conftest import BIN, leftovers, run_cli
+from tests.conftest import cli_in_process
+from tests.e2e.conftest import BIN, leftovers
 from tests.e2e.faults import (EVERY, RUN, STEPS, STRIKE, NoFault, NullTracker, OnceMarker, committed, controller_run,
                               rank_pids, wait_for, weights_equal)
 
@@ -143,7 +144,11 @@ def test_giving_up_after_max_restarts_names_the_cause_and_leaves_nothing(tmp_pat
     assert leftovers(ray_cluster) == ([], [])
 
 
-def test_the_controller_killed_and_the_command_rerun_resumes(tmp_path, ray_cluster, small_dataset, reference):
+def test_the_controller_killed_and_the_command_rerun_resumes(tmp_path, ray_cluster, small_dataset, reference, capsys,
+                                                             monkeypatch):
+    """The controller's process SIGKILLed after the first commit; the same command run again (by
+    the CLI's `main` here: the process that is killed is the one whose death is tested) resumes
+    from the commit and ends on the unbroken run's weights."""
     args = cli_args(tmp_path, small_dataset, f"cluster.address={ray_cluster}", "tracking.enabled=false")
     env = {**os.environ, "RAY_AUTH_MODE": "token"}
     proc = subprocess.Popen([str(BIN / "rayzero"), *args], cwd=tmp_path, env=env,
@@ -154,8 +159,8 @@ def test_the_controller_killed_and_the_command_rerun_resumes(tmp_path, ray_clust
     # Ray ends a dead driver's actors and placement groups by itself.
     wait_for(lambda: not rank_pids(), 60, "the killed job's ranks to go")
     wait_for(lambda: leftovers(ray_cluster) == ([], []), 60, "the killed job's placement group to go")
-    r = run_cli(*args, cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
+    code, _, err = cli_in_process(capsys, monkeypatch, tmp_path, *args)
+    assert code == 0, err[-3000:]
     s = json.loads((tmp_path / "s.json").read_text())
     assert s["start_step"] >= EVERY and s["resumed_from"].endswith(f"step-{s['start_step']:06d}")
     assert weights_equal(tmp_path / "final.safetensors", reference.weights)
@@ -184,14 +189,15 @@ def test_a_tensor_parallel_run_restarts_after_a_lost_rank_and_resumes_from_its_c
     (its whole tensors against the ranks' whole shapes); and through `rayzero train` on a
     checkpoint directory holding that step-4 commit alone (as a run stopped there leaves it),
     the same command run again to 8. The dropout masks of steps 4 to 8 are drawn again alike,
-    whatever came before them. The three runs recompute their activations three ways (none,
-    `selective`, `full`): a recompute draws the masks its first forward drew, so that the
-    weights are bitwise the same however much a run recomputes."""
+    whatever came before them. The command run again recomputes its activations (`full`, its
+    ZeRO-3 units gathered again inside the recompute): a recompute draws the masks its first
+    forward drew, so the weights are bitwise those of the runs that recompute nothing. (Every
+    mode, `selective` too, bitwise for three models: tests/dist/test_activation_checkpointing.py;
+    a recompute here costs 1-3 s a step, 4 ranks sharing 2 cores, so one run of 4 steps shows it.)"""
     runs = {}
-    for name, actor, recompute in (("straight", NoFault, "none"), ("struck", DiesOnceAtStep6, "selective")):
+    for name, actor in (("straight", NoFault), ("struck", DiesOnceAtStep6)):
         (tmp_path / name).mkdir()
-        runs[name], error = controller_run(tmp_path / name, ray_cluster, small_dataset, actor, *TP, "train.steps=8",
-                                           f"model.activation_checkpointing={recompute}")
+        runs[name], error = controller_run(tmp_path / name, ray_cluster, small_dataset, actor, *TP, "train.steps=8")
         assert error is None, error
     (failure,) = runs["struck"].failures
     assert (failure.kind, failure.rank, failure.decision) == ("rank_died", 1, "restart")

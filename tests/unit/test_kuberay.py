@@ -1,8 +1,6 @@
 """deploy/kuberay/: the manifests pass `rayzero deploy check`, strictly against KubeRay's CRDs,
 and the check names what to fix in a broken one."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import jsonschema
@@ -16,7 +14,6 @@ from tests.conftest import cli_in_process
 ROOT = Path(__file__).resolve().parents[2]
 CRDS = ROOT.parent / "shared/kuberay/crds"
 MANIFESTS = sorted((ROOT / "deploy/kuberay").glob("*.yaml"))
-RAYZERO = Path(sys.executable).parent / "rayzero"
 
 needs_crds = pytest.mark.skipif(
     not CRDS.is_dir(), reason=f"{CRDS} is absent: the KubeRay CRDs sit beside the project, at ../shared/kuberay/crds")
@@ -229,15 +226,15 @@ def test_the_cli_checks_the_project_manifests(capsys, monkeypatch):
 
 
 @needs_crds
-def test_the_cli_reports_each_problem_and_exits_2(tmp_path):
-    """Through the real entry point, a process of its own: the exit code and stderr a shell sees."""
+def test_the_cli_reports_each_problem_and_exits_2(tmp_path, capsys, monkeypatch):
+    """The exit code and stderr a shell sees (the entry point's own exit code and stderr:
+    tests/e2e/test_bad_input.py::test_the_entry_point_exits_2_with_the_message_on_stderr)."""
     job = load("rayjob.yaml")
     head_container(job)["imagee"] = head_container(job).pop("image")
     path = write(tmp_path, job)
-    out = subprocess.run([str(RAYZERO), "deploy", "check", str(path), "--crds", str(CRDS)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 2 and out.stdout == ""
-    lines = out.stderr.splitlines()
+    code, out, err = rayzero(capsys, monkeypatch, "deploy", "check", str(path), "--crds", str(CRDS))
+    assert code == 2 and out == ""
+    lines = err.splitlines()
     assert len(lines) == 2 and all(line.startswith(f"rayzero: error: {path}: spec.rayClusterSpec.") for line in lines)
     assert "containers[0].imagee: unknown field" in lines[0] and "has no image" in lines[1]
 

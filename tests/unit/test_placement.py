@@ -23,8 +23,9 @@ def placed(monkeypatch):
         pg = Placed(nodes)
         monkeypatch.setattr(worker_group, "placement_group", lambda bundles, strategy: pg)
         monkeypatch.setattr(worker_group.ray, "get", lambda ref, timeout=None: None)
-        monkeypatch.setattr(worker_group, "placement_group_table",
-                            lambda g: {"bundles_to_node_id": dict(enumerate(g.nodes))})
+        monkeypatch.setattr(worker_group, "placement_group_table",  # as Ray's table shows a group, removed or not
+                            lambda g: {"bundles_to_node_id": dict(enumerate(g.nodes)),
+                                       "state": "REMOVED" if g in removed else "CREATED"})
         monkeypatch.setattr(worker_group, "remove_placement_group", removed.append)
         return pg
 
