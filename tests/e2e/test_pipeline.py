@@ -33,7 +33,7 @@ def test_a_pipelined_run_trains_resumes_bitwise_takes_a_spare_and_equals_data_pa
     """One unbroken pp 2 run of 4 steps, and three runs that must end on its weights: the same
     command stopped after 2 steps and run again to 4 (bitwise); the run with the rank of its last
     stage lost at step 3, a warm spare taking its coordinates (stage and all) and the group
-    resuming from the step-2 commit (bitwise); a pp 1 x dp 2 run (within 1e-5)."""
+    resuming from its last commit (bitwise); a pp 1 x dp 2 run (within 1e-5)."""
     keys = [f"data.path={small_dataset}", "model.n_layer=4", "model.n_embd=64", "model.n_head=4", "train.seq_len=32",
             "train.global_batch_size=8", "train.micro_batch_size=2", "data.val_fraction=0.05", "train.eval_every=2",
             "train.eval_batches=1", "tracking.enabled=false", "cluster.num_workers=2", "optim.warmup_steps=1",
