@@ -1,11 +1,13 @@
 """Activation checkpointing on real gloo groups: `full`, `every:2` and `selective`, without
-sharding and under ZeRO-3 (whose units it recomputes) at world 2, give weights bitwise equal to the same run without it (fp32, with
-dropout), for the GPT, an HF Llama and a user's module (the GPT under ZeRO-3 with tp 2 and
-sequence parallelism through `rayzero train` too, tests/e2e/test_failures.py); ZeRO-3 with units inside the
-recomputed blocks keeps its schedule; and the saved activations a rank
-measures fall as the estimate says and match it. (Every mode against plain torch under every
-strategy, with tensor and pipeline parallelism and resumed: tests/dist/test_combinations.py.) The ranks run as the actors run them: setup, then iterations, nothing
-reseeded in between (dropout's streams are the rank's own, `sharding/rng.py`)."""
+sharding and under ZeRO-3 (whose units it recomputes) at world 2, give weights bitwise equal to
+the same run without it (fp32, with dropout, which a run without it must not match), for the
+GPT, an HF Llama and a user's module (the GPT under ZeRO-3 with tp 2 and sequence parallelism
+through `rayzero train` too, tests/e2e/test_failures.py); ZeRO-3 with units inside the
+recomputed blocks keeps its schedule; and the saved activations a rank measures fall as the
+estimate says and match it. (Every mode against plain torch under every strategy, with tensor
+and pipeline parallelism and resumed: tests/dist/test_combinations.py.) The ranks run as the
+actors run them: setup, then iterations, nothing reseeded in between (dropout's streams are the
+rank's own, `sharding/rng.py`)."""
 
 import pytest
 import torch
@@ -70,9 +72,9 @@ def run_all(runs, data_path: str) -> dict:
 def test_recomputed_activations_give_bitwise_the_same_weights(name, models, small_dataset):
     runs = [(f"{mode}/{s}", config(models[name], mode, s)) for s in STRATEGIES for mode in MODES]
     # dropout at work: the same run without dropout ends elsewhere
-    off = {"gpt": "model.dropout=0.0", "module": "model.kwargs.dropout=0.0",
-           "llama": models["llama without dropout"][1]}[name]
-    runs.append(("none/no_shard/no-dropout", config(models[name], "none", "no_shard", [off])))
+    still = {"gpt": [*models["gpt"], "model.dropout=0.0"], "module": [*models["module"], "model.kwargs.dropout=0.0"],
+             "llama": models["llama without dropout"]}[name]
+    runs.append(("none/no_shard/no-dropout", config(still, "none", "no_shard")))
     results = run_all(runs, small_dataset)
     for s in STRATEGIES:
         plain = results[(f"none/{s}", 0)]

@@ -1,8 +1,9 @@
 """The memory ledger equals Megatron's bytes-per-parameter table, and is what the process holds.
 
 For every strategy at d = 2 with fp32 and with bf16 compute parameters (fp32 gradients), and
-at d = 4 with fp32 (the division by d; bf16 changes the parameter bytes alone): each rank's reported model state equals the formula times the padded buffer
-size exactly, and the formula times the parameter count up to padding. Independently, every
+at d = 4 with fp32 (the division by d; bf16 changes the parameter bytes alone): each rank's
+reported model state equals the formula times the padded buffer size exactly, and the formula
+times the parameter count up to padding. Independently, every
 tensor storage alive in the rank process is summed (gc), and that matches the ledger. ZeRO-3's
 peak transient never exceeds two units' full parameters and gradients.
 """

@@ -119,12 +119,13 @@ def test_ray_data_preparation_gives_the_same_shards(tmp_path, ray_cluster, capsy
                                       "--no-progress")
         assert code == 0, err
         on_ray = tmp_path / f"{name}-ray"
-        argv = [*[str(on_ray) if a == "OUT" else a for a in argv], "--ray", "--address", ray_cluster, "--workers", "2"]
+        with_ray = [*[str(on_ray) if a == "OUT" else a for a in argv],
+                    "--ray", "--address", ray_cluster, "--workers", "2"]
         if name == "text":
-            r = run_cli(*argv, cwd=tmp_path)
+            r = run_cli(*with_ray, cwd=tmp_path)
             assert r.returncode == 0, r.stderr[-3000:]
         else:
-            code, _, err = cli_in_process(capsys, monkeypatch, tmp_path, *argv, "--no-progress")
+            code, _, err = cli_in_process(capsys, monkeypatch, tmp_path, *with_ray, "--no-progress")
             assert code == 0, err
         outs = [one, on_ray]
         one, ray_ = (json.loads((o / "meta.json").read_text()) for o in outs)
