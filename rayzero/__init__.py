@@ -6,13 +6,13 @@
 
 from rayzero.version import __version__
 
-__all__ = ["Trainer", "TrainConfig", "Result", "__version__"]
+__all__ = ["Trainer", "TrainConfig", "Result", "release_ranks", "__version__"]
 
 
 def __getattr__(name: str):
     # The SDK (and with it Ray) is imported on first use only: `import rayzero.sharding` and
     # the other pure layers must not pull Ray in through their parent package.
-    if name in ("Trainer", "TrainConfig", "Result"):
+    if name in ("Trainer", "TrainConfig", "Result", "release_ranks"):
         import importlib
 
         return getattr(importlib.import_module("rayzero.sdk"), name)

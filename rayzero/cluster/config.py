@@ -46,6 +46,14 @@ class ClusterConfig(Frozen):
         description="Seconds to wait for Ray to place the ranks; then the run shrinks (see `min_workers`) "
         "or fails: it never hangs on resources.",
     )
+    keep_ranks: bool = Field(
+        default=False,
+        description="Keep the rank processes (and their placement group) when a run ends well, for the next "
+        "run in the same Python process with the same placement (a notebook's next `fit()`, a sweep): it starts "
+        "without starting processes or importing torch and the model's code again, its ranks made anew. The kept "
+        "ranks hold their resources while idle; `rayzero.release_ranks()`, a run with another placement, or the "
+        "process's end frees them.",
+    )
     pg_timeout_s: float = Field(
         default=300.0, gt=0,
         description="Timeout of each torch.distributed collective, in seconds.",

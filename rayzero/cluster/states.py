@@ -118,8 +118,14 @@ class Placing(State):
 
     def next(self, run) -> State:
         run.record.world = self.world
-        run.startup.stage("placement", f"placing {self.world} ranks ({bundle_words(run.bundle)} each) "
-                                       "and starting their processes")
+        c = run.cfg.cluster
+        if c.keep_ranks and run.cluster.kept(run.actor_cls, self.world, run.bundle, c.placement_strategy,
+                                             run.cfg.parallel.tp):
+            run.startup.stage("placement", f"taking the {self.world} ranks the last run kept "
+                                           f"({bundle_words(run.bundle)} each)")
+        else:
+            run.startup.stage("placement", f"placing {self.world} ranks ({bundle_words(run.bundle)} each) "
+                                           "and starting their processes")
         group, world = self.place(run)
         run.record.world = world
         run.start_spares(world)
@@ -139,7 +145,7 @@ class Placing(State):
                     strategy=c.placement_strategy,
                     # The first try waits for resources to appear; smaller ones only take what is free.
                     placement_timeout_s=c.placement_timeout_s if first_error is None else min(c.placement_timeout_s, 2.0),
-                    same_node=cfg.parallel.tp,
+                    same_node=cfg.parallel.tp, keep=c.keep_ranks,
                 )
             except PlacementError as e:
                 first_error = first_error or e

@@ -28,6 +28,7 @@ class WorkerGroup:
         self.homes: dict[int, tuple[Any, int]] = {r: (pg, r) for r in range(len(actors))}
         self.spare_pgs: list = []  # placement groups of spares that became ranks: removed with `pg`
         self.vacant: list[int] = []  # bundles of `pg` whose rank was replaced: free for a new spare
+        self.keep_as = None  # with `cluster.keep_ranks`: its placement's key, under which `shutdown` keeps it
 
     @classmethod
     def create(
@@ -40,10 +41,19 @@ class WorkerGroup:
         strategy: str = "PACK",
         placement_timeout_s: float = 60.0,
         same_node: int = 1,
+        keep: bool = False,
     ) -> "WorkerGroup":
         """Reserve one `bundle` per rank, then start `actor_cls(*actor_args(rank))` in each.
         `same_node`: each run of that many consecutive ranks (a tensor-parallel group) must
-        have landed on one node; PlacementError naming the groups that did not."""
+        have landed on one node; PlacementError naming the groups that did not. `keep`
+        (`cluster.keep_ranks`): take the ranks an earlier run of this process kept, if they
+        were placed alike, and keep these at `shutdown` (see `Kept`)."""
+        key = placement_key(actor_cls, num_workers, bundle, strategy, same_node)
+        if keep:
+            group = KEPT.take(key, actor_args)
+            if group is not None:
+                return group
+        KEPT.discard()  # placed otherwise: the kept ranks' room is this run's
         bundles = [dict(bundle) for _ in range(num_workers)]
         pg = placement_group(bundles, strategy=strategy)
         try:
@@ -83,7 +93,9 @@ class WorkerGroup:
         except BaseException:
             cls(actors, pg).shutdown()
             raise
-        return cls(actors, pg)
+        group = cls(actors, pg)
+        group.keep_as = key if keep else None
+        return group
 
     def replace(self, rank: int, actor, pg, bundle_index: int = 0) -> None:
         """Put `actor` (a warm spare, `Spares.take`) at `rank`, in bundle `bundle_index` of `pg`
@@ -170,12 +182,20 @@ class WorkerGroup:
         return dead
 
     def shutdown(self, graceful_timeout_s: float = 10.0) -> None:
-        """Close the process groups if possible, then kill every actor and free the bundles."""
+        """Close the process groups if possible, then kill every actor and free the bundles; a
+        group to keep (`cluster.keep_ranks`) whose ranks all closed, placed as it was (no spare
+        took a rank's place), is kept instead for the next run of this process."""
+        closed = False
         if self.actors:
             try:
                 ray.get([a.close.remote() for a in self.actors], timeout=graceful_timeout_s)
+                closed = True
             except Exception as e:  # a dead or hung rank: kill regardless
                 log.debug("graceful close failed: %s", e)
+        if closed and self.keep_as is not None and not self.spare_pgs and not self.vacant:
+            KEPT.keep(self)
+            self.actors, self.pg = [], None
+            return
         self.kill()
 
     def kill(self) -> None:
@@ -190,6 +210,92 @@ class WorkerGroup:
         groups = [*self.spare_pgs, *([self.pg] if self.pg is not None else [])]
         self.pg, self.spare_pgs, self.vacant = None, [], []
         _remove(groups)
+
+
+def placement_key(actor_cls, num_workers: int, bundle: dict[str, float], strategy: str = "PACK",
+                  same_node: int = 1) -> tuple:
+    """What a kept group must have been placed with to serve a run (`Kept.take`)."""
+    return actor_cls, num_workers, tuple(sorted(bundle.items())), strategy, same_node
+
+
+class Kept:
+    """The rank processes a run with `cluster.keep_ranks` left for the next run of this Python
+    process: at most one group, closed (no process group, no model), in its placement group.
+    A run placed alike takes them and makes each a new `Rank` (`RankShim.renew`): no process
+    start, no imports. They are killed, their bundles freed, when a run is placed otherwise or
+    runs without `keep_ranks`, by `rayzero.release_ranks()` (which also closes the Ray
+    connection a run left open for them), and at the process's end (Ray ends a driver's
+    actors with it)."""
+
+    def __init__(self):
+        self.key = self.group = self.cluster = None
+        # The address of a Ray connection a run made and left open for the kept ranks (they end
+        # with it); `release` shuts it down. None: the connection, if any, is not the kept ranks'.
+        self.connection: str | None = None
+
+    @staticmethod
+    def _cluster() -> str | None:
+        """This process's Ray connection (its GCS and job), or None without one."""
+        if not ray.is_initialized():
+            return None
+        context = ray.get_runtime_context()
+        return f"{context.gcs_address}/{context.get_job_id()}"
+
+    def keep(self, group: "WorkerGroup") -> None:
+        self.discard()
+        kept = WorkerGroup(group.actors, group.pg)
+        self.key, self.group, self.cluster = group.keep_as, kept, self._cluster()
+
+    def ready(self, key, timeout_s: float = 2.0) -> bool:
+        """Whether a group placed as `key` asks is kept and each of its ranks answers; a kept
+        group with a rank that does not (it died while idle) is discarded."""
+        if self.group is None or key != self.key or self._cluster() != self.cluster:
+            return False
+        try:
+            ray.get([a.progress.remote() for a in self.group.actors], timeout=timeout_s)
+            return True
+        except Exception as e:
+            log.info("a kept rank is lost (%s); new ones are started", e)
+            self.discard()
+            return False
+
+    def take(self, key, actor_args: Callable[[int], tuple[Any, ...]], timeout_s: float = 30.0) -> "WorkerGroup | None":
+        """The kept group if it was placed as `key` asks, on this process's present Ray, each rank
+        renewed with `actor_args(rank)`; None otherwise (a group that cannot be renewed is
+        released)."""
+        if self.group is None or key != self.key or self._cluster() != self.cluster:
+            return None
+        group, self.group, self.key = self.group, None, None
+        try:
+            ray.get([a.renew.remote(*actor_args(r)) for r, a in enumerate(group.actors)], timeout=timeout_s)
+        except Exception as e:  # a kept rank died while idle, or hangs: start afresh
+            log.info("the kept ranks could not be renewed (%s); starting new ones", e)
+            group.kill()
+            return None
+        group.keep_as = key
+        return group
+
+    def release(self) -> None:
+        """Kill the kept ranks and free their bundles, if Ray is still the one they live in; then
+        close the Ray connection left open for them."""
+        self.discard()
+        if self.connection is not None:
+            self.connection = None
+            ray.shutdown()
+
+    def discard(self) -> None:
+        """Kill the kept ranks and free their bundles (the Ray connection stays)."""
+        group, self.group, self.key = self.group, None, None
+        if group is not None and self._cluster() == self.cluster:
+            group.kill()
+
+
+KEPT = Kept()
+
+
+def release_ranks() -> None:
+    """Release the rank processes kept by a run with `cluster.keep_ranks` (none: nothing to do)."""
+    KEPT.release()
 
 
 def _remove(groups: list) -> None:
@@ -332,6 +438,12 @@ class RayCluster:
     @staticmethod
     def place(actor_cls, world: int, bundle: dict[str, float], actor_args, **options) -> WorkerGroup:
         return WorkerGroup.create(actor_cls, world, bundle, actor_args, **options)
+
+    @staticmethod
+    def kept(actor_cls, world: int, bundle: dict[str, float], strategy: str = "PACK", same_node: int = 1) -> bool:
+        """Whether ranks kept by an earlier run (`cluster.keep_ranks`), placed as these are asked,
+        are there and answer (see `Kept.ready`)."""
+        return KEPT.ready(placement_key(actor_cls, world, bundle, strategy, same_node))
 
     @staticmethod
     def free(bundle: dict[str, float], settle_s: float = 2.0) -> int:

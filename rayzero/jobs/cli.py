@@ -256,17 +256,20 @@ def _deploy(args) -> int:
 
 def _prepare(args) -> int:
     """`data prepare`; with `--ray`, on a Ray it joins (or starts), and leaves as it found it: a
-    Ray this call started is shut down when it ends, as `train` does."""
+    Ray this call started is shut down when it ends, as `train` does. Ranks kept by an earlier
+    run of this process (`cluster.keep_ranks`) are released first."""
     storage = load_config(None, args.overrides).checkpoint.storage  # before Ray: a typo fails at once
     logging.basicConfig(format="rayzero: warning: %(message)s", level=logging.WARNING)
     if not args.ray:
         return _tokenize(args, storage)
     import ray
 
+    from rayzero.cluster.worker_group import release_ranks
     from rayzero.jobs.preflight import quiet_logs
     from rayzero.jobs.train import _check_reachable, shutdown_ray
 
     quiet_logs()
+    release_ranks()  # ranks an earlier `train` of this process kept would hold the CPUs its tasks need
     if ray.is_initialized():
         return _tokenize(args, storage)
     try:

@@ -18,6 +18,7 @@ from rayzero.cluster.checkpoints import Checkpoints
 from rayzero.cluster.controller import Controller
 from rayzero.cluster.startup import CHECKS, Startup
 from rayzero.cluster.tracking import NullTracker, Tracker
+from rayzero.cluster.worker_group import KEPT
 from rayzero.checkpoint.export import check_destination, check_final, export_identity
 from rayzero.config import ConfigError, RootConfig
 from rayzero.data.tokens import MASKED_KINDS, DataError, read_meta
@@ -349,6 +350,9 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None,
     if startup is None:
         startup = Startup()
         startup.stage("checks", CHECKS)
+    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS", "")
+    if KEPT.connection is not None and (not cfg.cluster.keep_ranks or KEPT.connection != address):
+        KEPT.release()  # ranks kept by an earlier run, and its Ray connection, are not this run's
     if starts_local_ray(cfg):  # before anything is written: not after the placement wait
         check_local_capacity(cfg)
     cfg = adapter_start(cfg)
@@ -428,7 +432,10 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None,
                                 factory=factory, spec=spec, startup=startup)
         return controller.fit(), controller.history.rows
     finally:
-        if started_ray:
+        if KEPT.group is not None:  # kept ranks live as long as this process's connection
+            KEPT.connection = KEPT.connection or (address if started_ray else None)
+        elif started_ray or KEPT.connection is not None:  # nothing kept: a connection made for them goes
+            KEPT.connection = None
             shutdown_ray()
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import os
+
 import ray
 
 from rayzero.config import RootConfig
@@ -27,6 +30,13 @@ class RankShim:
 
     def close(self) -> None:
         self.rank.close()
+
+    def renew(self, cfg: RootConfig, rank: int | None, world_size: int, data_path: str, factory=None) -> dict:
+        """A kept process (`cluster.keep_ranks`) becomes a new run's rank: its closed `Rank` goes,
+        a new one is made as `__init__` makes it; torch and the model's code stay imported."""
+        self.rank = Rank(cfg, rank, world_size, data_path, factory)
+        gc.collect()
+        return {"pid": os.getpid()}
 
     # A spare's and a survivor's calls, outside `phases.CALLS`: none of them is a step of the
     # run that the watchdog times or the history records. A spare has no watchdog (it is in no

@@ -112,6 +112,9 @@ def controller_run(tmp: Path, address: str, data: str, actor: type, *extra: str)
     (or after fit raised: the exception is returned too)."""
     for module in {__name__, actor.__module__}:  # workers cannot import tests/
         cloudpickle.register_pickle_by_value(sys.modules[module])
+    from rayzero import release_ranks
+
+    release_ranks()  # ranks an earlier `train_here` kept: their CPUs, and this process's Ray connection
     actor.marker = str(tmp / "fault-happened")
     cfg = load_config(None, [*RUN, f"data.path={data}", f"train.output_dir={tmp / 'runs'}",
                              f"train.save_final={tmp / 'final.safetensors'}", *extra])

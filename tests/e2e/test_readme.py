@@ -19,7 +19,9 @@ Where the test differs from a user's terminal, and why:
   commands, not the entry point (test_cli.py runs that), and a process costs ~5 s of imports.
 - Runs are shortened: `train.steps=4` on every `rayzero train` and `"steps": 4` in the Python
   blocks; MLflow off after the first command (which shows it); a 4-rank run at half a CPU a
-  rank, as the head has 2.
+  rank, as the head has 2. Every `rayzero train` keeps its rank processes for the next one
+  placed alike (`cluster.keep_ranks=true`, as `train_here` runs do); they are released before
+  a command of another process (`ray job submit`) needs the head's CPUs.
 - The S3 block runs against the session's SeaweedFS (`s3_server`): its endpoint for
   http://127.0.0.1:8333, a bucket of the test's own, its keys as the AWS_* variables and, for
   the ranks (processes the head started, without those variables), as `checkpoint.s3_*`
@@ -45,7 +47,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import cli_in_process
-from tests.e2e.conftest import BIN, leftovers
+from rayzero import release_ranks
+from tests.e2e.conftest import BIN, KEEP, leftovers
 from tests.e2e.test_job_submit import job_id
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -209,7 +212,7 @@ class Walk:
     def rayzero(self, argv: list[str], cmd: Command) -> str:
         training = argv[0] == "train" and "--dry-run" not in argv
         if training:
-            argv.append(f"train.steps={STEPS}")
+            argv += [f"train.steps={STEPS}", KEEP]
             if self.trained:
                 argv.append("tracking.enabled=false")
             if "cluster.num_workers=4" in argv:
@@ -272,6 +275,7 @@ class Walk:
     def shell(self, text: str, cmd: Command) -> str:
         """A command that is not rayzero's or Python's (`ray job ...`), in a shell, for real."""
         submit = cmd.starts_with("ray job submit")
+        release_ranks()  # the head's CPUs are the job's
         if submit:  # the entry point after `--` is rayzero train: shortened as the others
             text += f" train.steps={STEPS} tracking.enabled=false --no-progress"
         r = subprocess.run(["bash", "-c", text], capture_output=True, text=True, timeout=600)

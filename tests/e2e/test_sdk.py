@@ -31,11 +31,18 @@ def test_fit_returns_a_result_and_runs_twice_in_one_process(tmp_path, ray_cluste
     """Train 12 steps, then resume to 20 from Python: one run, one history. The second call
     says where it resumes, keeps the learning-rate schedule the run started with (12 steps,
     then min_lr) and warns about it, continues the same MLflow run, and its history holds every
-    step from 0."""
+    step from 0. With `cluster.keep_ranks` it runs in the first call's rank processes, which
+    `release_ranks()` then ends, leaving nothing on the cluster."""
     from mlflow.tracking import MlflowClient
 
+    from rayzero import release_ranks
+    from tests.e2e.faults import rank_pids, wait_for
+
     cfg = config(tmp_path, small_dataset, ray_cluster, train={"steps": 12}, checkpoint={"every_steps": 5})
+    cfg = cfg.override("cluster.keep_ranks=true")
     first = Trainer(cfg, progress=False).fit()
+    kept = rank_pids()
+    assert len(kept) == 2, "the first run's ranks are kept"
     assert isinstance(first, Result) and first.metrics["steps"] == 12
     h = first.history
     assert list(h.index) == list(range(12))
@@ -53,6 +60,7 @@ def test_fit_returns_a_result_and_runs_twice_in_one_process(tmp_path, ray_cluste
     assert f"rayzero: resuming from {first.checkpoint} at step 12 of 20" in err
     assert f"] resuming from checkpoint {first.checkpoint} (step 12)" in err  # a start-up line, from Python too
     assert "] training 8 steps from step 12" in err and second.summary["startup"]["total_s"] > 0
+    assert "] taking the 2 ranks the last run kept (1 CPU each)" in err and rank_pids() == kept
     assert "runs past the learning-rate schedule this run started with (12 steps)" in err
     assert second.metrics["start_step"] == 12 and second.metrics["steps"] == 8
     assert list(second.history.index) == list(range(20))
@@ -66,7 +74,16 @@ def test_fit_returns_a_result_and_runs_twice_in_one_process(tmp_path, ray_cluste
     assert run.info.status == "FINISHED" and run.data.params["train.steps"] == "12"
     assert run.data.tags["resumed_at_step_12"] == "train.steps: 12 -> 20"
     assert second.summary["run_dir"] == first.summary["run_dir"]
-    assert leftovers(ray_cluster) == ([], [])
+    assert leftovers(ray_cluster)[0] == ["RankShim"] * 2  # kept for a third run
+    # A kept rank that died while idle: the third run starts new ones, and keeps those.
+    os.kill(kept[0], signal.SIGKILL)
+    capfd.readouterr()
+    third = Trainer(cfg, ["train.steps=22"], progress=False).fit()
+    assert third.metrics["steps"] == 2 and "] placing 2 ranks (1 CPU each) and starting their processes" in \
+        capfd.readouterr().err
+    assert len(rank_pids()) == 2 and set(rank_pids()).isdisjoint(kept)
+    release_ranks()
+    wait_for(lambda: leftovers(ray_cluster) == ([], []) and not rank_pids(), 10, "the kept ranks to end")
 
 
 def test_an_interrupt_stops_cleanly_and_keeps_the_last_commit(tmp_path, ray_cluster, small_dataset):

@@ -1,0 +1,86 @@
+"""A run's time in a process that ran one before: new rank processes against kept ones.
+
+`cluster.keep_ranks=true` keeps a finished run's rank processes for the next run of the same
+Python process placed alike (a notebook's next `fit()`, a sweep, the end-to-end tests). This
+runs `rayzero train` by the CLI's `main` in this process, joining a Ray head it starts (2 CPUs,
+as the tests' head), in rounds; each round, per model (the built-in GPT and a tiny Llama saved
+by `examples/tiny_llama.py`): one run without keeping (new processes: Ray's worker start, torch
+and the model's code imported), then two with keeping, of which the second is timed (it takes
+the first's ranks). Each run trains 4 steps on 2 ranks, MLflow and checkpoints off. Reported:
+the median seconds of each, and kept / new.
+
+    python benchmarks/kept_ranks.py [--rounds 3] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+BIN = Path(sys.executable).parent
+RUN = ["train", "--no-progress", "train.steps=4", "tracking.enabled=false", "checkpoint.dir=", "cluster.num_workers=2"]
+
+
+def timed(main, argv: list[str]) -> float:
+    started = time.perf_counter()
+    code = main(argv)
+    if code != 0:
+        raise SystemExit(f"rayzero {' '.join(argv)} exited {code}")
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="kept-ranks-"))
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    os.environ["RAY_AUTH_MODE"] = "token"
+    subprocess.run([str(BIN / "python"), str(HERE.parent / "examples/tiny_llama.py"), str(work / "llama")],
+                   check=True, capture_output=True)
+    subprocess.run([str(BIN / "ray"), "get-auth-token", "--generate"], env=env, capture_output=True, check=True)
+    port = 6391
+    subprocess.run([str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
+                    "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={work / 'ray'}"],
+                   env=env, check=True, capture_output=True)
+    from rayzero import release_ranks
+    from rayzero.jobs.cli import main as rayzero
+
+    models = {"gpt": [], "llama": ["model.kind=hf", f"model.path={work / 'llama'}"]}
+    times: dict[str, dict[str, list[float]]] = {m: {"new": [], "kept": []} for m in models}
+    try:
+        base = [*RUN, f"cluster.address=127.0.0.1:{port}", f"train.output_dir={work / 'runs'}"]
+        for m, keys in models.items():  # untimed: the page cache, this process's own imports
+            timed(rayzero, [*base, *keys])
+        for r in range(args.rounds):
+            for m, keys in models.items():
+                times[m]["new"].append(timed(rayzero, [*base, *keys]))
+                timed(rayzero, [*base, *keys, "cluster.keep_ranks=true"])
+                times[m]["kept"].append(timed(rayzero, [*base, *keys, "cluster.keep_ranks=true"]))
+                release_ranks()
+                print(f"round {r + 1}: {m} new {times[m]['new'][-1]:.2f} s, kept {times[m]['kept'][-1]:.2f} s",
+                      file=sys.stderr)
+    finally:
+        release_ranks()
+        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True)
+    result = {}
+    print("| model, 4 steps on 2 ranks | new ranks (s) | kept ranks (s) | kept / new |\n|---|---|---|---|")
+    for m, t in times.items():
+        new, kept = statistics.median(t["new"]), statistics.median(t["kept"])
+        result[m] = {"new_s": new, "kept_s": kept, "ratio": kept / new, "rounds": t}
+        print(f"| {m} | {new:.2f} | {kept:.2f} | {kept / new:.2f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
