@@ -48,9 +48,9 @@ class WorkerGroup:
         have landed on one node; PlacementError naming the groups that did not. `keep`
         (`cluster.keep_ranks`): take the ranks an earlier run of this process kept, if they
         were placed alike, and keep these at `shutdown` (see `Kept`)."""
-        key = placement_key(actor_cls, num_workers, bundle, strategy, same_node)
+        key = placement_key(actor_cls, num_workers, bundle, strategy)
         if keep:
-            group = KEPT.take(key, actor_args)
+            group = KEPT.take(key, actor_args, same_node)
             if group is not None:
                 return group
         KEPT.discard()  # placed otherwise: the kept ranks' room is this run's
@@ -68,9 +68,7 @@ class WorkerGroup:
                 f"cluster.cpus_per_worker, or a bigger cluster."
             ) from None
         if same_node > 1:
-            nodes = placement_group_table(pg)["bundles_to_node_id"]
-            split = [list(range(g, g + same_node)) for g in range(0, num_workers, same_node)
-                     if len({nodes[i] for i in range(g, g + same_node)}) > 1]
+            split = split_groups(pg, num_workers, same_node)
             if split:
                 remove_placement_group(pg)
                 raise PlacementError(
@@ -212,10 +210,20 @@ class WorkerGroup:
         _remove(groups)
 
 
-def placement_key(actor_cls, num_workers: int, bundle: dict[str, float], strategy: str = "PACK",
-                  same_node: int = 1) -> tuple:
-    """What a kept group must have been placed with to serve a run (`Kept.take`)."""
-    return actor_cls, num_workers, tuple(sorted(bundle.items())), strategy, same_node
+def split_groups(pg, num_workers: int, same_node: int) -> list[list[int]]:
+    """The runs of `same_node` consecutive bundles of `pg` (tensor-parallel groups) that Ray
+    placed on more than one node."""
+    if same_node <= 1:
+        return []
+    nodes = placement_group_table(pg)["bundles_to_node_id"]
+    return [list(range(g, g + same_node)) for g in range(0, num_workers, same_node)
+            if len({nodes[i] for i in range(g, g + same_node)}) > 1]
+
+
+def placement_key(actor_cls, num_workers: int, bundle: dict[str, float], strategy: str = "PACK") -> tuple:
+    """What a kept group must have been placed with to serve a run (`Kept.take`); a run's
+    tensor-parallel groups must also each lie on one node (`split_groups`)."""
+    return actor_cls, num_workers, tuple(sorted(bundle.items())), strategy
 
 
 class Kept:
@@ -246,10 +254,16 @@ class Kept:
         kept = WorkerGroup(group.actors, group.pg)
         self.key, self.group, self.cluster = group.keep_as, kept, self._cluster()
 
-    def ready(self, key, timeout_s: float = 2.0) -> bool:
-        """Whether a group placed as `key` asks is kept and each of its ranks answers; a kept
-        group with a rank that does not (it died while idle) is discarded."""
-        if self.group is None or key != self.key or self._cluster() != self.cluster:
+    def _serves(self, key, same_node: int) -> bool:
+        """Whether the kept group was placed as `key` asks, on this process's present Ray, with
+        each run of `same_node` ranks on one node."""
+        return (self.group is not None and key == self.key and self._cluster() == self.cluster
+                and not split_groups(self.group.pg, len(self.group.actors), same_node))
+
+    def ready(self, key, same_node: int = 1, timeout_s: float = 2.0) -> bool:
+        """Whether a group placed as `key` asks is kept (`_serves`) and each of its ranks answers;
+        a kept group with a rank that does not (it died while idle) is discarded."""
+        if not self._serves(key, same_node):
             return False
         try:
             ray.get([a.progress.remote() for a in self.group.actors], timeout=timeout_s)
@@ -259,11 +273,11 @@ class Kept:
             self.discard()
             return False
 
-    def take(self, key, actor_args: Callable[[int], tuple[Any, ...]], timeout_s: float = 30.0) -> "WorkerGroup | None":
-        """The kept group if it was placed as `key` asks, on this process's present Ray, each rank
-        renewed with `actor_args(rank)`; None otherwise (a group that cannot be renewed is
-        released)."""
-        if self.group is None or key != self.key or self._cluster() != self.cluster:
+    def take(self, key, actor_args: Callable[[int], tuple[Any, ...]], same_node: int = 1,
+             timeout_s: float = 30.0) -> "WorkerGroup | None":
+        """The kept group if it serves (`_serves`), each rank renewed with `actor_args(rank)`;
+        None otherwise (a group that cannot be renewed is killed)."""
+        if not self._serves(key, same_node):
             return None
         group, self.group, self.key = self.group, None, None
         try:
@@ -443,7 +457,7 @@ class RayCluster:
     def kept(actor_cls, world: int, bundle: dict[str, float], strategy: str = "PACK", same_node: int = 1) -> bool:
         """Whether ranks kept by an earlier run (`cluster.keep_ranks`), placed as these are asked,
         are there and answer (see `Kept.ready`)."""
-        return KEPT.ready(placement_key(actor_cls, world, bundle, strategy, same_node))
+        return KEPT.ready(placement_key(actor_cls, world, bundle, strategy), same_node)
 
     @staticmethod
     def free(bundle: dict[str, float], settle_s: float = 2.0) -> int:

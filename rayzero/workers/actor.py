@@ -6,6 +6,7 @@ import gc
 import os
 
 import ray
+import torch
 
 from rayzero.config import RootConfig
 from rayzero.workers.phases import CALLS
@@ -33,9 +34,12 @@ class RankShim:
 
     def renew(self, cfg: RootConfig, rank: int | None, world_size: int, data_path: str, factory=None) -> dict:
         """A kept process (`cluster.keep_ranks`) becomes a new run's rank: its closed `Rank` goes,
-        a new one is made as `__init__` makes it; torch and the model's code stay imported."""
+        a new one is made as `__init__` makes it, and torch's global generator is seeded from the
+        system's entropy as a new process's is (nothing of the run before decides a draw); torch
+        and the model's code stay imported."""
         self.rank = Rank(cfg, rank, world_size, data_path, factory)
         gc.collect()
+        torch.seed()
         return {"pid": os.getpid()}
 
     # A spare's and a survivor's calls, outside `phases.CALLS`: none of them is a step of the

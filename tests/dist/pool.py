@@ -4,9 +4,10 @@
 A new process spends about 4 s of CPU importing torch, transformers and rayzero before it
 runs a line of a test; the gloo tier starts ranks some 150 times. Here each of up to
 `MAX_WORLD` processes is started once, on first use, and runs one job after another. Between
-jobs a process is brought back to what a new one would be for a test: no process group, torch's
-default seed. A job that fails on any rank (the others may be stuck in a collective waiting for
-it) ends every process; the next job starts new ones.
+jobs a process is brought back to what a new one would be for a test: no process group, and
+torch's global generator seeded (with one fixed seed, where a new process draws its own). A
+job that fails on any rank (the others may be stuck in a collective waiting for it) ends every
+process; the next job starts new ones.
 
 A group's gloo threads (its TCP loops, which keep waking) go with it once nothing holds it
 (`Rank.close` and `Rank.leave` collect what the strategy held); a job that leaves groups alive
@@ -33,7 +34,7 @@ import torch.multiprocessing as mp
 MAX_WORLD = 4
 MAX_THREADS = 100  # gloo's leftover threads in a rank process before it is replaced
 TIMEOUT_S = 600.0  # one job, on every rank; pytest's own timeout is the same
-_DEFAULT_SEED = 67280421310721  # what torch seeds a new process with
+_DEFAULT_SEED = 67280421310721  # every job's torch seed (a new process's own is drawn from entropy)
 
 
 def _threads() -> int:
