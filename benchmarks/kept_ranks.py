@@ -2,8 +2,8 @@
 
 `cluster.keep_ranks=true` keeps a finished run's rank processes for the next run of the same
 Python process placed alike (a notebook's next `fit()`, a sweep, the end-to-end tests). This
-runs `rayzero train` by the CLI's `main` in this process, joining a Ray head it starts (2 CPUs,
-as the tests' head), in rounds; each round, per model (the built-in GPT and a tiny Llama saved
+runs `rayzero train` by the CLI's `main` in this process, joining a Ray head it starts
+(`startup.start_head`: this machine's CPUs, token auth), in rounds; each round, per model (the built-in GPT and a tiny Llama saved
 by `examples/tiny_llama.py`): one run without keeping (new processes: Ray's worker start, torch
 and the model's code imported), then two with keeping, of which the second is timed (it takes
 the first's ranks). Each run trains 4 steps on 2 ranks, MLflow and checkpoints off. Reported:
@@ -23,6 +23,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from startup import start_head  # benchmarks/startup.py: a head as a running cluster has one
 
 HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
@@ -47,18 +49,14 @@ def main() -> None:
     os.environ["RAY_AUTH_MODE"] = "token"
     subprocess.run([str(BIN / "python"), str(HERE.parent / "examples/tiny_llama.py"), str(work / "llama")],
                    check=True, capture_output=True)
-    subprocess.run([str(BIN / "ray"), "get-auth-token", "--generate"], env=env, capture_output=True, check=True)
-    port = 6391
-    subprocess.run([str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
-                    "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={work / 'ray'}"],
-                   env=env, check=True, capture_output=True)
+    address, _ = start_head(env)
     from rayzero import release_ranks
     from rayzero.jobs.cli import main as rayzero
 
     models = {"gpt": [], "llama": ["model.kind=hf", f"model.path={work / 'llama'}"]}
     times: dict[str, dict[str, list[float]]] = {m: {"new": [], "kept": []} for m in models}
     try:
-        base = [*RUN, f"cluster.address=127.0.0.1:{port}", f"train.output_dir={work / 'runs'}"]
+        base = [*RUN, f"cluster.address={address}", f"train.output_dir={work / 'runs'}"]
         for m, keys in models.items():  # untimed: the page cache, this process's own imports
             timed(rayzero, [*base, *keys])
         for r in range(args.rounds):

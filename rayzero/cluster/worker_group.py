@@ -236,7 +236,8 @@ class Kept:
     actors with it)."""
 
     def __init__(self):
-        self.key = self.group = self.cluster = None
+        self.group: WorkerGroup | None = None  # its `keep_as`: the placement it serves
+        self.cluster: str | None = None  # the Ray connection it was kept on (`_cluster`)
         # The address of a Ray connection a run made and left open for the kept ranks (they end
         # with it); `release` shuts it down. None: the connection, if any, is not the kept ranks'.
         self.connection: str | None = None
@@ -251,13 +252,13 @@ class Kept:
 
     def keep(self, group: "WorkerGroup") -> None:
         self.discard()
-        kept = WorkerGroup(group.actors, group.pg)
-        self.key, self.group, self.cluster = group.keep_as, kept, self._cluster()
+        self.group, self.cluster = WorkerGroup(group.actors, group.pg), self._cluster()
+        self.group.keep_as = group.keep_as
 
     def _serves(self, key, same_node: int) -> bool:
         """Whether the kept group was placed as `key` asks, on this process's present Ray, with
         each run of `same_node` ranks on one node."""
-        return (self.group is not None and key == self.key and self._cluster() == self.cluster
+        return (self.group is not None and key == self.group.keep_as and self._cluster() == self.cluster
                 and not split_groups(self.group.pg, len(self.group.actors), same_node))
 
     def ready(self, key, same_node: int = 1, timeout_s: float = 2.0) -> bool:
@@ -279,14 +280,13 @@ class Kept:
         None otherwise (a group that cannot be renewed is killed)."""
         if not self._serves(key, same_node):
             return None
-        group, self.group, self.key = self.group, None, None
+        group, self.group = self.group, None
         try:
             ray.get([a.renew.remote(*actor_args(r)) for r, a in enumerate(group.actors)], timeout=timeout_s)
         except Exception as e:  # a kept rank died while idle, or hangs: start afresh
             log.info("the kept ranks could not be renewed (%s); starting new ones", e)
             group.kill()
             return None
-        group.keep_as = key
         return group
 
     def release(self) -> None:
@@ -299,7 +299,7 @@ class Kept:
 
     def discard(self) -> None:
         """Kill the kept ranks and free their bundles (the Ray connection stays)."""
-        group, self.group, self.key = self.group, None, None
+        group, self.group = self.group, None
         if group is not None and self._cluster() == self.cluster:
             group.kill()
 
