@@ -137,6 +137,7 @@ class FlatBuffer:
         self.dtype = dtype
         self.device = device
         self.data: list[torch.Tensor | None] = [None] * len(layout.buckets)
+        self._ptrs: frozenset[int] | None = None  # storage_ptrs(), until a bucket's storage changes
         self._nbytes = [b.world.size * dtype.itemsize for b in layout.buckets]
         self._on_grad: Callable[[int, nn.Parameter], None] | None = None
         self._pending: list[int] = []
@@ -190,6 +191,7 @@ class FlatBuffer:
         parameters views of it; returns `full32`."""
         data = full32 if self.dtype == torch.float32 else full32.to(self.dtype)
         self.data[bucket.index] = data
+        self._ptrs = None
         fresh = {}
         for i in bucket.params:
             span = self.layout.params[i].world.shift(-bucket.world.start)
@@ -207,12 +209,22 @@ class FlatBuffer:
     def release(self, bucket: Bucket) -> None:
         """Free the bucket's storage; its parameters stay as views of zero-size storage."""
         self.data[bucket.index].untyped_storage().resize_(0)
+        self._ptrs = None
 
     def restore(self, bucket: Bucket) -> None:
         """Give the bucket its storage back (contents undefined until written)."""
         storage = self.data[bucket.index].untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(self._nbytes[bucket.index])
+            self._ptrs = None
+
+    def storage_ptrs(self) -> frozenset[int]:
+        """The data pointers of the buckets' storages: what the activation meter leaves out (a
+        forward saves parameters for its backward). Asked for every saved tensor, so it is kept
+        until a bucket is installed, released or restored."""
+        if self._ptrs is None:
+            self._ptrs = frozenset(d.untyped_storage().data_ptr() for d in self.data if d is not None)
+        return self._ptrs
 
     def is_resident(self, bucket: Bucket) -> bool:
         return self.data[bucket.index].untyped_storage().nbytes() > 0

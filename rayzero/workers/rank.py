@@ -192,8 +192,7 @@ class Rank:
         )
         self._checked = False
         self._baseline = None
-        buffer = self.strategy.buffer
-        self.meter = ActivationMeter(lambda: {d.untyped_storage().data_ptr() for d in buffer.data if d is not None})
+        self.meter = ActivationMeter(self.strategy.buffer.storage_ptrs)
         self._activations_peak = 0
         self._micro_per_step = cfg.train.global_batch_size // cfg.train.micro_batch_size
         self._pipe = None if stages is None else pipelined.start_pipeline(
@@ -497,13 +496,17 @@ class Rank:
         return state if self.mesh.rank == 0 else None
 
     def close(self) -> None:
+        """End the run on this rank: its upload finished, everything `setup` built released (a
+        kept process's next run, and a GPU's allocator, get the memory back at once, not at the
+        next garbage collection), then the process group."""
         if self.saver is not None:
             self.saver.wait()
-        if self.data is not None:
-            self.data.close()
-        if dist.is_initialized():
+        grouped = dist.is_initialized()
+        if grouped:
             dist.barrier()
-            self.model = self.strategy = None  # drop buffers before the group goes away
+        self._drop(upload_wait_s=0.0)  # the buffers go before the group does
+        gc.collect()  # the model's hook cycles, and the group's subgroups (and their threads) with them
+        if grouped:
             dist.destroy_process_group()
-            gc.collect()  # and the group's subgroups (and their threads) that the strategy held, with it
+            gc.collect()
 

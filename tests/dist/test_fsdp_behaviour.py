@@ -5,9 +5,12 @@
 - at rest every unit is released: a rank holds only its shards;
 - never more than two units are whole at once, in forward or backward;
 - the next unit's all-gather starts before the current unit computes (prefetch);
+- `close()` releases the shards and main parameters while the `Rank` is still referenced;
 - fp16 with a loss scale that overflows: those steps are skipped (parameters untouched, the
   scale halves, the step says so), then training proceeds and the loss falls.
 """
+
+import weakref
 
 import pytest
 import torch
@@ -53,14 +56,20 @@ def _zero3(rank: int, port: int, data_path: str, out: dict):
     losses = []
     for k in range(3):
         losses.append(r.iteration({"step": k, "lr": 3e-3})["loss_sum"])
-    out[rank] = {
+    got = {
         "events": events, "max_resident": max(resident_counts),
         "resident_at_rest": [buf.is_resident(b) for b in buf.buckets],
         "param_storage_at_rest": [p.untyped_storage().nbytes() for p in buf.params],
         "units": list(s.units.modules), "losses": losses, "unit_of_bucket": unit_of_bucket,
         "initial": initial,
     }
+    # close() releases the model's state while the Rank itself is still referenced (a kept
+    # process's next run, a GPU's allocator): the shards and the main parameters are gone.
+    held = [weakref.ref(t) for t in (*buf.data, *r.strategy.main_params) if t is not None]
+    s = buf = modules = start = restore = None  # the Rank alone holds its state now
     r.close()
+    got["alive_after_close"] = sum(ref() is not None for ref in held)
+    out[rank] = got
 
 
 def test_zero3_gathers_ahead_releases_after_and_keeps_at_most_two_units(small_dataset):
@@ -75,6 +84,7 @@ def test_zero3_gathers_ahead_releases_after_and_keeps_at_most_two_units(small_da
     assert all(torch.equal(initial[k], v) for k, v in plain.items()), "same init as the unsharded model"
     for rank, got in results.items():
         assert not any(got["resident_at_rest"]) and not any(got["param_storage_at_rest"])
+        assert got["alive_after_close"] == 0, "close() releases the shards and main parameters"
         assert got["max_resident"] == 2, "prefetch keeps two units whole, never more"
         ev = got["events"]
         blocks = [u for u in got["units"] if u.startswith("blocks.")]

@@ -127,6 +127,22 @@ def test_release_frees_storage_and_restore_brings_back_what_autograd_saved():
         torch.testing.assert_close(buf.params[i].grad, expected[name], msg=name)
 
 
+def test_the_storages_the_activation_meter_leaves_out_follow_release_and_restore():
+    """`storage_ptrs()` (asked for every saved tensor) is kept between calls, yet always names
+    the buckets' storages as they are now: a ZeRO-3 unit gathered mid-forward gets a new one."""
+    model, buf = flat_gpt()
+
+    def now():
+        return {d.untyped_storage().data_ptr() for d in buf.data}
+
+    assert buf.storage_ptrs() == now() and buf.storage_ptrs() is buf.storage_ptrs()
+    first = buf.buckets[0]
+    buf.release(first)
+    assert buf.storage_ptrs() == now() and 0 in now()
+    buf.restore(first)
+    assert buf.storage_ptrs() == now() and 0 not in now()
+
+
 def test_a_layout_that_does_not_fit_is_refused():
     model = tiny_gpt("meta")
     named = list(model.named_parameters())
