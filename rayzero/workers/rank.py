@@ -505,8 +505,7 @@ class Rank:
         if grouped:
             dist.barrier()
         self._drop(upload_wait_s=0.0)  # the buffers go before the group does
-        gc.collect()  # the model's hook cycles, and the group's subgroups (and their threads) with them
         if grouped:
             dist.destroy_process_group()
-            gc.collect()
+        gc.collect()  # the model's hook cycles, and the group's subgroups (and their threads) with them
 
