@@ -496,16 +496,11 @@ class Rank:
         return state if self.mesh.rank == 0 else None
 
     def close(self) -> None:
-        """End the run on this rank: its upload finished, everything `setup` built released (a
-        kept process's next run, and a GPU's allocator, get the memory back at once, not at the
-        next garbage collection), then the process group."""
+        """End the run on this rank: its upload finished, then, with every rank at the barrier,
+        `leave`'s release (everything `setup` built, then the group), so that a kept process's
+        next run and a GPU's allocator get the memory back at once."""
         if self.saver is not None:
             self.saver.wait()
-        grouped = dist.is_initialized()
-        if grouped:
+        if dist.is_initialized():
             dist.barrier()
-        self._drop(upload_wait_s=0.0)  # the buffers go before the group does
-        if grouped:
-            dist.destroy_process_group()
-        gc.collect()  # the model's hook cycles, and the group's subgroups (and their threads) with them
-
+        self.leave(upload_wait_s=0.0)  # the upload is done: nothing to wait for
