@@ -19,9 +19,9 @@ Where the test differs from a user's terminal, and why:
   commands, not the entry point (test_cli.py runs that), and a process costs ~5 s of imports.
 - Runs are shortened: `train.steps=4` on every `rayzero train` and `"steps": 4` in the Python
   blocks; MLflow off after the first command (which shows it); a 4-rank run at half a CPU a
-  rank, as the head has 2. Every `rayzero train` keeps its rank processes for the next one
-  placed alike (`cluster.keep_ranks=true`, as `train_here` runs do); they are released before
-  a command of another process (`ray job submit`) needs the head's CPUs.
+  rank, as the head has 2. Every `rayzero train` and every `fit()` keeps its rank processes for
+  the next one placed alike (`cluster.keep_ranks=true`, as `train_here` runs do); they are
+  released before a command of another process (`ray job submit`) needs the head's CPUs.
 - The S3 block runs against the session's SeaweedFS (`s3_server`): its endpoint for
   http://127.0.0.1:8333, a bucket of the test's own, its keys as the AWS_* variables and, for
   the ranks (processes the head started, without those variables), as `checkpoint.s3_*`
@@ -246,7 +246,7 @@ class Walk:
         """A Python block as a notebook or script runs it, in this process, its runs shortened."""
         import matplotlib
 
-        from rayzero import Result
+        from rayzero import Result, Trainer
 
         matplotlib.use("Agg")  # result.plot() headless
         code, n = re.subn(r'("steps": |train\.steps=)\d+', rf"\g<1>{STEPS}", text)
@@ -254,6 +254,13 @@ class Walk:
         self.transcript.append(f"README.md:{line}: >>> {text}")
         self.capsys.readouterr()
         started = time.monotonic()
+        fit = Trainer.fit
+
+        def fit_keeping(trainer):  # as KEEP on the command line (see the module's docstring)
+            trainer.config = trainer.config.override(KEEP)
+            return fit(trainer)
+
+        self.monkeypatch.setattr(Trainer, "fit", fit_keeping)
         scope = {"__name__": "__main__"}
         exec(compile(code, f"README.md, the block at line {line}", "exec"), scope)
         results = [v for v in scope.values() if isinstance(v, Result)]
@@ -270,6 +277,7 @@ class Walk:
         import matplotlib.pyplot as plt
 
         plt.close("all")
+        self.monkeypatch.setattr(Trainer, "fit", fit)
         self.seconds.append((time.monotonic() - started, f"README.md:{line}: the Python block"))
 
     def shell(self, text: str, cmd: Command) -> str:
