@@ -94,25 +94,25 @@ def pytest_runtest_logstart(nodeid, location):
         f.write(f"{time.time()} {nodeid.split('::')[0].removeprefix('tests/').removesuffix('.py')}\n")
 
 
-def file_spans(starts: Path) -> list[tuple[float, str]]:
-    """(when, file) of every test's start, in order."""
+def file_spans(starts: Path) -> tuple[list[float], list[str]]:
+    """When every test started, in order, and its file."""
     rows = [line.split(" ", 1) for line in starts.read_text().splitlines()] if starts.exists() else []
-    return [(float(t), f) for t, f in rows]
+    return [float(t) for t, _ in rows], [f for _, f in rows]
 
 
-def file_at(spans: list, when: float) -> str:
+def file_at(spans: tuple[list[float], list[str]], when: float) -> str:
     """The file of the last test that began before `when`."""
-    i = bisect.bisect_right([t for t, _ in spans], when)
-    return spans[i - 1][1] if i else "before the first test"
+    i = bisect.bisect_right(spans[0], when)
+    return spans[1][i - 1] if i else "before the first test"
 
 
-def report(procs: dict[int, Process], wall: float, spans: list, top: int = 15) -> dict:
+def report(procs: dict[int, Process], wall: float, spans: tuple[list[float], list[str]], top: int = 15) -> dict:
     cores = os.cpu_count() or 1
     total = sum(p.used for p in procs.values())
+    kinds = {pid: kind(p) for pid, p in procs.items() if p.used > 0}
     by_kind: dict[str, list[float]] = defaultdict(list)
-    for p in procs.values():
-        if p.used > 0:
-            by_kind[kind(p)].append(p.used)
+    for pid, k in kinds.items():
+        by_kind[k].append(procs[pid].used)
     print(f"wall {wall:.0f} s; CPU {total:.0f} s over every process: {100 * total / (wall * cores):.0f} % of "
           f"{cores} cores\n")
     print("| process | CPU s | share | processes | least one | median one |\n|---|---|---|---|---|---|")
@@ -121,22 +121,21 @@ def report(procs: dict[int, Process], wall: float, spans: list, top: int = 15) -
         print(f"| {k} | {sum(xs):.0f} | {100 * sum(xs) / total:.1f} % | {len(xs)} | {xs[0]:.1f} | "
               f"{xs[len(xs) // 2]:.1f} |")
     by_file: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    if spans:
-        for p in procs.values():
-            k = kind(p)
-            if p.used > 0 and k != "pytest":
-                by_file[file_at(spans, p.first_seen)][k].append(p.used)
+    if spans[0]:
+        for pid, k in kinds.items():
+            if k != "pytest":
+                by_file[file_at(spans, procs[pid].first_seen)][k].append(procs[pid].used)
         print("\nThe processes each file started, by when they appeared (long-lived ones, such as the session's "
               "Ray head or the gloo tier's kept ranks, fall on the first file that needed them):\n")
         print("| file | CPU s | processes (CPU s / count) |\n|---|---|---|")
-        for f, kinds in sorted(by_file.items(), key=lambda kv: -sum(map(sum, kv[1].values())))[:top]:
-            parts = sorted(kinds.items(), key=lambda kv: -sum(kv[1]))[:5]
-            print(f"| {f} | {sum(map(sum, kinds.values())):.0f} | "
+        for f, started in sorted(by_file.items(), key=lambda kv: -sum(map(sum, kv[1].values())))[:top]:
+            parts = sorted(started.items(), key=lambda kv: -sum(kv[1]))[:5]
+            print(f"| {f} | {sum(map(sum, started.values())):.0f} | "
                   + ", ".join(f"{k} {sum(xs):.0f}/{len(xs)}" for k, xs in parts) + " |")
     return {"wall_s": wall, "cpu_s": total, "cores": cores,
             "by_kind": {k: {"cpu_s": sum(xs), "processes": len(xs)} for k, xs in by_kind.items()},
-            "by_file": {f: {k: {"cpu_s": sum(xs), "processes": len(xs)} for k, xs in kinds.items()}
-                        for f, kinds in by_file.items()}}
+            "by_file": {f: {k: {"cpu_s": sum(xs), "processes": len(xs)} for k, xs in started.items()}
+                        for f, started in by_file.items()}}
 
 
 def main() -> None:

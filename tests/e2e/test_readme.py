@@ -47,7 +47,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import cli_in_process
-from rayzero import release_ranks
+from rayzero import Trainer, release_ranks
 from tests.e2e.conftest import BIN, KEEP, leftovers
 from tests.e2e.test_job_submit import job_id
 
@@ -166,6 +166,13 @@ class Walk:
                            "RAY_AUTH_MODE": "token", "AWS_ACCESS_KEY_ID": s3_server.KEY,
                            "AWS_SECRET_ACCESS_KEY": s3_server.SECRET, "AWS_DEFAULT_REGION": s3_server.REGION}.items():
             monkeypatch.setenv(key, value)
+        fit = Trainer.fit
+
+        def fit_keeping(trainer):  # a Python block's fit() keeps its ranks, as KEEP on the command line
+            trainer.config = trainer.config.override(KEEP)
+            return fit(trainer)
+
+        monkeypatch.setattr(Trainer, "fit", fit_keeping)
 
     def said(self, text: str) -> str:
         """The transcript's end, for a failure's message."""
@@ -246,7 +253,7 @@ class Walk:
         """A Python block as a notebook or script runs it, in this process, its runs shortened."""
         import matplotlib
 
-        from rayzero import Result, Trainer
+        from rayzero import Result
 
         matplotlib.use("Agg")  # result.plot() headless
         code, n = re.subn(r'("steps": |train\.steps=)\d+', rf"\g<1>{STEPS}", text)
@@ -254,13 +261,6 @@ class Walk:
         self.transcript.append(f"README.md:{line}: >>> {text}")
         self.capsys.readouterr()
         started = time.monotonic()
-        fit = Trainer.fit
-
-        def fit_keeping(trainer):  # as KEEP on the command line (see the module's docstring)
-            trainer.config = trainer.config.override(KEEP)
-            return fit(trainer)
-
-        self.monkeypatch.setattr(Trainer, "fit", fit_keeping)
         scope = {"__name__": "__main__"}
         exec(compile(code, f"README.md, the block at line {line}", "exec"), scope)
         results = [v for v in scope.values() if isinstance(v, Result)]
@@ -277,7 +277,6 @@ class Walk:
         import matplotlib.pyplot as plt
 
         plt.close("all")
-        self.monkeypatch.setattr(Trainer, "fit", fit)
         self.seconds.append((time.monotonic() - started, f"README.md:{line}: the Python block"))
 
     def shell(self, text: str, cmd: Command) -> str:
