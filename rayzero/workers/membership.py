@@ -1,0 +1,62 @@
+"""A rank's place in its group, apart from training: a warm spare loading the model's code and
+given a lost rank's coordinates, a survivor cutting its broken group's connections and leaving it
+while its process stays. Mixed into `Rank` (rank.py), which owns what these release (`_drop`)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+
+import torch.distributed as dist
+
+from rayzero.workers.assembly import build_model, make_spec
+from rayzero.workers.disconnect import break_group
+
+
+class Membership:
+    """`Rank`'s spare and survivor calls (see `Rank`'s doc): they use its `cfg`, `factory`,
+    `mesh`, `_group_sockets` and `_drop`."""
+
+    def warm(self) -> dict:
+        """On a spare, before it has a rank: load the model's code by building the model once
+        on the meta device (no memory, no process group), so that `setup` after `assign` pays
+        for none of it. The built model is dropped: the rank builds its own, for its mesh."""
+        t0 = time.perf_counter()
+        build_model(self.cfg, make_spec(self.cfg, self.factory))
+        return {"pid": os.getpid(), "warm_s": time.perf_counter() - t0}
+
+    def assign(self, rank: int, world_size: int) -> dict:
+        """Give this spare (or a rank that has left its group) the mesh coordinates of `rank`
+        of `world_size`; `setup` joins the group there."""
+        if dist.is_initialized():
+            raise RuntimeError(f"assign({rank}, {world_size}) on a rank still in a process group: leave first")
+        self.mesh = self.cfg.mesh(world_size, rank)
+        return {"rank": rank, "pid": os.getpid()}
+
+    def disconnect(self) -> dict:
+        """A peer is lost: make every collective of this rank's process groups in flight, here
+        or at a peer waiting on this rank, fail now rather than at the collective timeout
+        (`workers/disconnect.py`). Safe from another thread while a phase is stuck in one;
+        `leave` then destroys the groups."""
+        return {"rank": self.mesh.rank if self.mesh is not None else None,
+                "cut": break_group(getattr(self, "_group_sockets", set()))}
+
+    def leave(self, upload_wait_s: float = 10.0) -> dict:
+        """Leave a process group that lost a member, keeping the process (torch imported, the
+        model's code loaded) for a `setup` at a new rendezvous. No barrier: a peer is dead.
+        Drops the model, strategy, data readers and saver. A checkpoint upload in flight gets
+        `upload_wait_s` to finish (a later step may write the same file); past that this
+        raises, and the process must go (the upload thread cannot be stopped from outside).
+        Returns the uploads finished and not yet reported, which may still complete a commit."""
+        t0 = time.perf_counter()
+        rank = self.mesh.rank if self.mesh is not None else None
+        uploads = self._drop(upload_wait_s)
+        if dist.is_initialized():
+            # No barrier and nothing sent: with a SIGKILLed peer this takes ~0.2 s on gloo
+            # (benchmarks/recovery.py: the "leave" part), most of it the collection below.
+            dist.destroy_process_group()
+        gc.collect()  # the buffers go now, before the next setup's: after the group, whose work may hold them
+        if self.mesh is not None:
+            self.mesh = self.cfg.mesh(self.mesh.world_size, self.mesh.rank)  # its groups are gone
+        return {"rank": rank, "uploads": uploads, "leave_s": time.perf_counter() - t0}
