@@ -191,11 +191,12 @@ def _s3(settings: StorageSettings) -> pafs.S3FileSystem:
 
 
 def _permanent(e: BaseException) -> bool:
-    """Errors no retry can fix: wrong credentials, no permission, no such bucket."""
+    """Errors no retry can fix: wrong credentials, no permission, no such bucket, a malformed request."""
     text = str(e)
     return any(code in text for code in ("SIGNATURE_DOES_NOT_MATCH", "ACCESS_DENIED", "INVALID_ACCESS_KEY",
                                          "NO_SUCH_BUCKET", "Permission denied", "Read-only file system",
-                                         "Not a directory", "File exists"))
+                                         "Not a directory", "File exists",
+                                         "AWS Error VALIDATION"))  # a malformed endpoint or bucket name
 
 
 def _clean(e: BaseException) -> str:

@@ -169,6 +169,76 @@ def overrides(c: dict, model_keys: list[str], data_kind: str = "text") -> list[s
     return keys
 
 
+def save_models(root) -> dict[str, str]:
+    """The HF models' directories (`save_pretrained`, 4 decoder layers each), by name."""
+    from tests.models import save_hf_model
+
+    dirs = {}
+    for i, (name, m) in enumerate(MODELS.items()):
+        if m["kind"] != "hf":
+            continue
+        shape = dict(n_layer=4) if m["arch"] == "gpt2" else dict(num_hidden_layers=4)
+        extra = {k: m[k] for k in ("num_key_value_heads",) if k in m}
+        if "vocab" in m:
+            extra["vocab_size"] = m["vocab"]
+        dirs[name] = str(save_hf_model(m["arch"], root / name, seed=i, **shape, **extra))
+    return dirs
+
+
+def model_keys(name: str, dirs: dict[str, str]) -> list[str]:
+    """The config's keys for model `name` (`dirs`: the HF models' directories, `save_models`)."""
+    m = MODELS[name]
+    if m["kind"] == "gpt":
+        return ["model.n_layer=4", "model.n_embd=32", "model.n_head=4", "model.bias=true", "model.vocab_size=259"]
+    if m["kind"] == "module":
+        return ["model.kind=module", "model.factory=tests.models:TinyLM", "model.kwargs.n_layer=4"]
+    return ["model.kind=hf", f"model.path={dirs[name]}"]
+
+
+def rank_identity(cfg, rank: int) -> dict:
+    """What rank `rank` of a run of `cfg` reports of its model (`assembly.identity`: whole
+    shapes, frozen names, the model's record), assembled on the meta device as the rank
+    assembles it without a group: the steps before sharding, then its pipeline stage."""
+    from rayzero.workers.assembly import build_model, identity, make_spec, pipeline_stage
+
+    spec = make_spec(cfg)
+    mesh = cfg.mesh(rank=rank)
+    built = build_model(cfg, spec, mesh)
+    pipeline_stage(built, cfg, spec, mesh)
+    return {**identity(built.model, built.tp, spec), "pp_rank": mesh.coord("pp"), "pp": mesh.size("pp")}
+
+
+def stage_ranks(cfg) -> list[int]:
+    """One rank of each pipeline stage, the lowest: the ranks whose reports a checkpoint keeps
+    (`stages.whole_build`; the ranks of one stage report the same whole shapes at any dp and tp)."""
+    firsts: dict[int, int] = {}
+    for r in range(cfg.cluster.num_workers):
+        firsts.setdefault(cfg.mesh(rank=r).coord("pp"), r)
+    return sorted(firsts.values())
+
+
+def commit_on_meta(cfg, infos: list[dict], step: int = SAVE_AT) -> str:
+    """The step-`step` checkpoint of ranks that reported `infos` (`rank_identity`), committed by
+    `Checkpoints` as the controller commits one; its shards are empty files (no tensor is read
+    by what is tested with it: where a run resumes, and what it refuses)."""
+    from rayzero.cluster.checkpoints import Checkpoints
+
+    ckpt = Checkpoints(cfg)
+    ckpt.configure([{**i, "rank": r, "saves_shard": True, "layout": {}, "num_params": 0, "trainable_params": 0,
+                     "flops_per_token": 0.0, "params_per_rank": 0} for r, i in enumerate(infos)], mlflow_run_id=None)
+    step_dir = ckpt.root.child(f"step-{step:06d}")
+    uploads = []
+    for r, i in enumerate(infos):
+        name = f"shard-{r:05d}.safetensors"
+        step_dir.write_bytes(name, b"")
+        uploads.append({"step": step, "rank": r, "tp_rank": 0, "file": name, "size": 0, "block": None,
+                        "sha256": "", "pieces": [], "pp_rank": i["pp_rank"], "adam_steps": step})
+    ckpt.collect(step - 1, [{"checkpointed": True, "loss_scale": 1.0, "lr": 1e-3, "uploads": []}])
+    ckpt.add_uploads(uploads)
+    assert ckpt.last_committed, "the checkpoint must commit"
+    return ckpt.last_committed
+
+
 def covered_pairs() -> int:
     from tests.allpairs import pairs_of
 

@@ -16,6 +16,7 @@ import logging
 import re
 from dataclasses import dataclass
 
+from rayzero.checkpoint.records import stored
 from rayzero.models import spec_class
 from rayzero.models.config import ModelConfig
 from rayzero.storage import Storage, StorageError
@@ -153,7 +154,7 @@ def what_differs(was: dict | None, now: dict | None) -> str | None:
     """What makes two models (`ModelSpec.record()`s) different, in a few words, where their
     records say: the kind, the LoRA settings, the config keys, the source; None where they say
     nothing (the same model, configured alike)."""
-    was, now = recorded(was), recorded(now)
+    was, now = stored(recorded(was)), stored(recorded(now))
 
     def pairs(a: dict, b: dict, prefix: str = "", skip=()) -> list[str]:
         keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and k not in skip]

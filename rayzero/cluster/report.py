@@ -88,6 +88,7 @@ def run_summary(cfg, rec, h, ckpt, early, tracker, run_dir: str) -> dict:
         "strategy": cfg.sharding.strategy,
         "tp": cfg.parallel.tp,
         "pp": info.get("pp", 1),  # pipeline stages; each stage's own figures under "stages"
+        "pp_schedule": cfg.parallel.pp_schedule if info.get("pp", 1) > 1 else None,
         "stages": info.get("stages"),  # None without stages (`checkpoint/stages.py`)
         "sequence_parallel": cfg.parallel.sequence_parallel,
         # the embedding, head and logits split over the TP ranks (what the ranks built, not only what was asked)

@@ -20,6 +20,7 @@ import logging
 import posixpath
 import sys
 import threading
+import uuid
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from pathlib import Path
@@ -62,11 +63,24 @@ def _filesystem(uri: str, storage_cfg=None) -> tuple[pafs.FileSystem, str]:
 
 
 class ShardWriter:
-    """Token arrays in, Parquet shards of about `shard_tokens` out; meta.json last."""
+    """Token arrays in, Parquet shards of about `shard_tokens` out; meta.json last.
+
+    A prepare that fails leaves nothing behind (`discard`). On a local disk the shards go to a
+    hidden folder beside `out`, renamed to `out` at the commit (a dataset already there is
+    replaced only then); in object storage, which has no rename, into `out` itself, meta.json
+    last, and a failure deletes what it wrote (with a dataset already there: deletes it, whose
+    meta.json went first, so that it is never half old and half new)."""
 
     def __init__(self, out: str, dtype: np.dtype, shard_tokens: int, row_group_tokens: int, storage_cfg=None,
                  with_mask: bool = False):
-        self.fs, self.root = _filesystem(out, storage_cfg)
+        self.fs, self.final = _filesystem(out, storage_cfg)
+        self.staged = isinstance(self.fs, pafs.LocalFileSystem)
+        if self.staged:
+            parent, name = posixpath.split(self.final.rstrip("/"))
+            self.root = posixpath.join(parent, f".{name}.preparing-{uuid.uuid4().hex[:8]}")
+        else:
+            self.root = self.final
+            self.existed = self.fs.get_file_info(self.final).type != pafs.FileType.NotFound
         self.fs.create_dir(self.root, recursive=True)
         meta = posixpath.join(self.root, "meta.json")
         if self.fs.get_file_info(meta).type == pafs.FileType.File:
@@ -130,7 +144,26 @@ class ShardWriter:
                 "shards": self.shards, "fingerprint": self.digest.hexdigest()[:16]}
         with self.fs.open_output_stream(posixpath.join(self.root, "meta.json")) as f:  # the commit
             f.write(json.dumps(meta, indent=2).encode())
+        if self.staged:  # the whole dataset appears at `out` at once
+            old = None
+            if self.fs.get_file_info(self.final).type != pafs.FileType.NotFound:
+                old = f"{self.root}.old"
+                self.fs.move(self.final, old)
+            self.fs.move(self.root, self.final)
+            if old is not None:
+                self.fs.delete_dir(old)
+            self.root = self.final
         return meta
+
+    def discard(self) -> None:
+        """After a failure: what this writer wrote goes (see the class)."""
+        try:
+            if self.staged or not self.existed:
+                self.fs.delete_dir(self.root)
+            else:
+                self.fs.delete_dir_contents(self.root)
+        except OSError as e:  # the failure itself is what the user must see
+            log.warning("could not remove %s after the failed prepare: %s", self.root, e)
 
 
 def prepare(
@@ -166,6 +199,17 @@ def prepare(
     files = list_sources(str(src), pattern, exclude, storage_cfg)
     writer = ShardWriter(out, token_dtype(tok.vocab_size), shard_tokens, row_group_tokens, storage_cfg,
                          with_mask=kind in MASKED_KINDS)
+    try:
+        return _fill(writer, src, tok, files, kind, pattern, exclude, fields, strict_utf8, progress, storage_cfg,
+                     instructions, preferences, tokenize_with)
+    except BaseException:
+        writer.discard()
+        raise
+
+
+def _fill(writer: ShardWriter, src, tok: Tokenizer, files, kind: str, pattern, exclude, fields, strict_utf8,
+          progress, storage_cfg, instructions, preferences, tokenize_with) -> dict:
+    """`prepare`'s work, into `writer`, to its commit: the written metadata."""
     skipped: list[str] | None = None if strict_utf8 else []
     bar = _progress(files, progress)
     if tokenize_with is not None:
@@ -246,13 +290,15 @@ def _progress(files, enabled: bool):
                 disable=not enabled, file=sys.stderr, dynamic_ncols=True)
 
 
-def read_meta(uri: str, storage_cfg=None, tokenizer: str | None = None) -> dict:
+def read_meta(uri: str, storage_cfg=None, tokenizer: str | None = None, kind: str = "") -> dict:
     """The dataset's meta.json (a v1 dataset's in today's terms: bytes, uint16). `tokenizer`:
-    the model directory whose tokenizer a missing dataset must be made with (the hint says so)."""
+    the model directory whose tokenizer a missing dataset must be made with, `kind`
+    ("preferences", "instructions"; "": documents) the records it must hold (the hint says so)."""
     fs, root = _filesystem(uri, storage_cfg)
     path = posixpath.join(root, "meta.json")
     if fs.get_file_info(path).type != pafs.FileType.File:
-        how = f" --tokenizer {tokenizer}`, the model's own tokenizer" if tokenizer else "`"
+        flag = f" --{kind}" if kind else ""
+        how = f"{flag} --tokenizer {tokenizer}`, the model's own tokenizer" if tokenizer else f"{flag}`"
         raise DataError(f"no dataset at {uri}: expected {path} (make one with `rayzero data prepare SRC {uri}{how})")
     with fs.open_input_stream(path) as f:
         meta = json.loads(f.read())

@@ -55,7 +55,7 @@ def _train(args) -> int:
     if args.dry_run:
         from rayzero.jobs.train import plan
 
-        p = plan(cfg)
+        p = plan(cfg)  # ConfigError: the refusal the run would give, the same exit code
         _print_plan(p)
         if args.summary_json:
             Path(args.summary_json).write_text(json.dumps(p, indent=2))
@@ -115,19 +115,44 @@ def _print_plan(p: dict) -> None:
         + (f"  {_activations_line(mem)}\n" if mem.get("activations_bytes") is not None else "")
         + (f"  {objective_line(p['objective'])}\n" if p.get("objective") else "")
         + (f"  {_buckets_line(p['buckets'])}\n" if p["buckets"]["numel"] else "")
-        + f"  {p['global_batch_size']} sequences per step = {p['world_size'] // p['tp']} "
-        + ("data-parallel ranks" if p["tp"] > 1 else "ranks") + f" x {p['grad_accum']} "
+        + f"  {p['global_batch_size']} sequences per step = {p['dp_size']} "
+        + ("data-parallel ranks" if p["dp_size"] < p["world_size"] else "ranks") + f" x {p['grad_accum']} "
         f"micro-batches x {p['micro_batch_size']}; {p['tokens_per_step']:,} tokens per step, {p['steps']} steps\n"
         f"  {p['schedule']}\n"
         f"  data {p['data']}\n"
         + (f"  checkpoints every {ck['every_steps']} steps to {ck['dir']} (resume {ck['resume']})\n" if ck
            else "  checkpoints off\n")
+        + (f"  {_start_line(ck['start'], ck['resume'])}\n" if ck and ck.get("start") else "")
         + f"  mlflow {p['tracking'] or 'off'}\n"
         f"  restarts up to {p['failure']['max_restarts']} (-1: unlimited), phase watchdog "
         f"{p['failure']['phase_timeout_s']:g} s"
-        + (f", {p['failure']['spares']} warm spare{'s' if p['failure']['spares'] > 1 else ''}"
-           if p["failure"].get("spares") else "")
+        + (f", {_spares_words(p['failure'])}" if p["failure"].get("spares") else "")
     )
+
+
+def _start_line(r: dict, mode: str) -> str:
+    """Where the run starts, as the run itself will say it (`mode`: checkpoint.resume)."""
+    if r.get("note"):
+        return f"where it starts: {r['note']}"
+    if r["from"] is None:
+        return f"starts at step 0 of {r['of']}: " + ("checkpoint.resume=none" if mode == "none" else
+                                                      "no checkpoint to resume yet")
+    if r["nothing_to_train"]:
+        return f"nothing to train: {r['from']} is at step {r['step']}, train.steps={r['of']}"
+    return f"resuming from {r['from']} at step {r['step']} of {r['of']}"
+
+
+def _spares_words(f: dict) -> str:
+    """The warm spares asked for, and how many would be placed where that was measured."""
+    n, room = f["spares"], f.get("spare_room") or {}
+    asked = f"{n} warm spare{'s' if n > 1 else ''}"
+    if room.get("fit") is None:
+        return f"{asked}, room {room.get('on', 'not measured')}" if room else asked
+    if room["fit"] >= n:
+        return f"{asked}, room for {'them' if n > 1 else 'it'} on {room['on']}"
+    fit = room["fit"]
+    return (f"{asked} asked, but {'none' if not fit else f'only {fit}'} can be placed on {room['on']}: the run "
+            f"would go on with{'out spares' if not fit else f' {fit}'}")
 
 
 def _rewards_line(s: dict) -> str:
@@ -203,6 +228,7 @@ def _print_summary(s: dict) -> None:
         + (f"; router load-balancing loss {s['final_router_aux_loss']:.4f}"
            if s.get("final_router_aux_loss") is not None else "") + "\n"
         f"  {ranks}, strategy {s['strategy']}" + (f", tensor parallel {s['tp']}" if s.get("tp", 1) > 1 else "")
+        + (f", pipeline {s['pp']} stages ({s.get('pp_schedule')})" if s.get("pp", 1) > 1 else "")
         + f", {_params_line(s['num_params'], s['trainable_params'])}, "
         f"{s['grad_accum']} micro-batches/step\n"
         f"  {s['tokens_per_s']:,.0f} tokens/s ({s['tokens_per_s_per_rank']:,.0f} per rank"

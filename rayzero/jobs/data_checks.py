@@ -16,7 +16,8 @@ from rayzero.data.tokens import MASKED_KINDS, DataError, read_meta
 def resolve_data(cfg: RootConfig) -> str:
     """The dataset path, prepared on first use if it is the default corpus, checked for size."""
     path = cfg.data.path or ensure_default_corpus(cfg.data.cache_dir)
-    meta = read_meta(path, cfg.checkpoint, tokenizer=model_tokenizer_dir(cfg))
+    meta = read_meta(path, cfg.checkpoint, tokenizer=model_tokenizer_dir(cfg),
+                     kind="preferences" if cfg.train.objective == "dpo" else "")
     need = cfg.train.global_batch_size * (cfg.train.seq_len + 1)
     if meta.get("kind") not in MASKED_KINDS and meta["num_tokens"] < need:  # examples and pairs are padded out
         raise DataError(

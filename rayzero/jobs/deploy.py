@@ -404,7 +404,7 @@ def dry_run(config: str | None, overrides: list[str], workdir: str | Path = ".")
             local = Path(model_path) if Path(model_path).is_absolute() else Path(workdir) / model_path
             read_model = local.exists()  # else on a volume of the cluster's, say
             cfg = cfg.override(f"model.path={local}") if read_model else cfg
-        return cfg, plan(cfg, read_model=read_model, local=False)  # a job runs on its cluster
+        return cfg, plan(cfg, read_model=read_model, local=False, job=True)  # a job runs on its cluster
     except ConfigError as e:
         header, *items = [line.strip() for line in str(e).splitlines()]
         items = [i for i in items if i != header]  # "invalid config:" heads the list of keys

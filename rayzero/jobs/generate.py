@@ -28,6 +28,7 @@ closes an answer with, and at the generation config's `eos_token_id`s. Greedy at
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -216,7 +217,10 @@ def load_generator(weights: str, cfg: RootConfig | None = None, tokenizer: str |
         tf.logging.set_verbosity_error()
         tf.logging.disable_progress_bar()
         model = tf.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-        model = PeftModel.from_pretrained(model, str(local)).merge_and_unload()
+        with warnings.catch_warnings():  # PEFT reads a property transformers has renamed: not the user's to fix
+            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                                    category=FutureWarning)
+            model = PeftModel.from_pretrained(model, str(local)).merge_and_unload()
         tok = chosen or find_tokenizer(str(local), None, storage)  # the tokenizer saved with the adapter
         if isinstance(tok, ByteTokenizer):
             tok = find_tokenizer(base, None, storage)

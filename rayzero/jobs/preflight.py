@@ -18,7 +18,7 @@ from rayzero.cluster.history import load_rows
 from rayzero.config import ConfigError, RootConfig
 from rayzero.models import ModelSpec
 from rayzero.objectives.config import objective_difference, objective_record
-from rayzero.workers.assembly import build_model, whole_shapes
+from rayzero.workers.assembly import build_model, identity
 
 
 class _DropNotice(logging.Filter):
@@ -35,12 +35,46 @@ class _DropNotice(logging.Filter):
 def quiet_logs() -> None:
     """Keep the libraries' routine start-up notes out of a run's output: Ray's note that token
     authentication is on (its warning that it is off stays), and MLflow's creation of a new
-    sqlite store's tables. Idempotent."""
+    sqlite store's tables; and Ray's own account of a rank process that died (`_worker_deaths`).
+    Idempotent."""
     ray_auth = logging.getLogger("ray._private.authentication.authentication_token_setup")
     if not any(isinstance(f, _DropNotice) for f in ray_auth.filters):
         ray_auth.addFilter(_DropNotice("Token authentication is enabled"))
     for name in ("mlflow.store.db.utils", "alembic.runtime.migration"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    _worker_deaths()
+
+
+# How the raylet tells a driver that one of its worker processes died (killed, crashed): a
+# paragraph guessing at causes ("... killed by SIGKILL by OOM killer due to high memory usage
+# ...") printed to stdout, while the controller says which rank died, at what step, and what it
+# does about it, in its own words (`failure (rank_died): ...`).
+WORKER_DIED = ("A worker died or was killed while executing a task", "Worker unexpectedly exits with a connection error")
+
+
+def _worker_deaths() -> None:
+    """Ray's driver prints the raylet's error messages through `print_to_stdstream`, looked up
+    by name when one arrives: the raylet's report of a dead worker goes to the log at debug
+    level instead (Ray's other messages print as they would). Installed once."""
+    from ray._private import worker as ray_worker
+
+    original = getattr(ray_worker, "print_to_stdstream", None)
+    if original is None or getattr(original, "keeps_out_worker_deaths", False):
+        return
+
+    def printing(data, ignore_prefix):
+        if data.get("pid") == "raylet":
+            dropped = [line for line in data.get("lines", []) if any(m in line for m in WORKER_DIED)]
+            for line in dropped:
+                logging.getLogger(__name__).debug("Ray: %s", line)
+            if dropped:
+                data = {**data, "lines": [line for line in data["lines"] if line not in dropped]}
+                if not data["lines"]:
+                    return None
+        return original(data, ignore_prefix)
+
+    printing.keeps_out_worker_deaths = True
+    ray_worker.print_to_stdstream = printing
 
 
 def starts_local_ray(cfg: RootConfig) -> bool:
@@ -79,19 +113,22 @@ def check_local_capacity(cfg: RootConfig) -> None:
                 f"{have[kind]:g}; {fewer + ', or ' if fits else ''}set cluster.address to run on a Ray cluster")
 
 
+class CheckpointsUnreadable(ConfigError):
+    """checkpoint.dir names storage this process cannot read (unreachable, refused)."""
+
+
 def resume_preview(checkpoints: Checkpoints, spec: ModelSpec):
     """The commit the run will resume from (None: it starts from scratch), chosen as the
     controller will choose it, before anything starts: a directory holding only another
     model's checkpoints is refused here, in one line, not after the cluster is up."""
     built = build_model(checkpoints.cfg, spec)  # what the ranks will build: one TP rank's share of it
-    params = whole_shapes(built.model, built.tp)  # checkpoints hold whole tensors, whatever the TP size
-    frozen = sorted(n for n, p in built.model.named_parameters() if not p.requires_grad)
+    now = identity(built.model, built.tp, spec)  # as the ranks report it: whole shapes, whatever the TP size
     try:
-        found = checkpoints.resume_target(params, frozen, spec.record())
+        found = checkpoints.resume_target(now["params"], now["frozen"], now["model"])
     except StorageError as e:
-        raise ConfigError(f"checkpoint.dir: cannot read checkpoints there: {e}") from None
+        raise CheckpointsUnreadable(f"checkpoint.dir: cannot read checkpoints there: {e}") from None
     if found:
-        why = objective_difference(found[0].manifest.get("objective"), objective_record(checkpoints.cfg, spec.record()))
+        why = objective_difference(found[0].manifest.get("objective"), objective_record(checkpoints.cfg, now["model"]))
         if why:
             raise ConfigError(f"checkpoint.dir: cannot resume {found[0].uri}: {why}")
     return found[0] if found else None

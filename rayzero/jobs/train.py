@@ -227,21 +227,24 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
         raise ConnectionError(f"{host}:{port} is not reachable ({e})") from None
 
 
-def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | None = None) -> dict:
+def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | None = None, job: bool = False) -> dict:
     """What `run_train(cfg)` would do, checked as far as possible without data or Ray: the
     config and the model (built on the meta device; its weights' headers read) are validated
     (ConfigError), and the plan says how the ranks split the work and what each holds
     (Megatron's model-state formula). A model whose storage this machine cannot reach (an
     S3 endpoint only the cluster sees; with `read_model=False`, any) is left out of the plan,
     with a note saying so. `local`: whether the run starts a Ray of its own here, which must
-    then fit this machine (default: as `starts_local_ray` finds)."""
+    then fit this machine (default: as `starts_local_ray` finds). `job`: the plan of a job that
+    runs on its cluster (`rayzero deploy check`): its checkpoints are the cluster's to read, and
+    where it resumes is not said."""
     from rayzero.cluster.checkpoints import checkpoint_root
     from rayzero.cluster.schedule import describe as describe_schedule
     from rayzero.objectives.config import objective_plan
     from rayzero.sharding.memory import activation_bytes, formula_bytes_per_param
     from rayzero.sharding.precision import DTYPES
 
-    if starts_local_ray(cfg) if local is None else local:
+    local = starts_local_ray(cfg) if local is None else local
+    if local:
         check_local_capacity(cfg)
 
     try:
@@ -292,6 +295,9 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
         pipeline = pipeline_plan(cfg, stages, model, per_param, frozen_per_param, act)
         bytes_per_rank = max(r["bytes_per_rank"] for r in pipeline["ranks"])  # the fullest stage's
         num_params = max(r["params"] for r in pipeline["ranks"])
+    # Where the run would start: read as the run reads it (the same refusals), unless the
+    # checkpoints are the cluster's to read (a job's plan) or the model is not read here.
+    resume = resume_plan(cfg, spec) if spec is not None and cfg.checkpoint.dir and not job else None
     return {
         "objective": objective_plan(cfg, num_params, frozen_per_param, sh.param_dtype),
         "pipeline": pipeline,
@@ -317,6 +323,7 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
         "global_batch_size": t.global_batch_size,
         "micro_batch_size": t.micro_batch_size,
         "grad_accum": cfg.grad_accum,
+        "dp_size": mesh.size("dp"),  # the ranks the global batch is split over (not tp, not pp)
         "tokens_per_step": t.global_batch_size * t.seq_len,
         "steps": t.steps,
         "schedule": describe_schedule(t.steps, cfg.optim),
@@ -328,13 +335,80 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
                    "activations_bytes": act,
                    "activation_checkpointing": cfg.model.activation_checkpointing},
         "checkpoint": ({"dir": checkpoint_root(cfg), "every_steps": cfg.checkpoint.every_steps,
-                        "resume": cfg.checkpoint.resume} if cfg.checkpoint.dir else None),
+                        "resume": cfg.checkpoint.resume, "start": resume} if cfg.checkpoint.dir else None),
         "tracking": (cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite in the run directory")
         if cfg.tracking.enabled else None,
         "data": cfg.data.path or "the default corpus (prepared on first use)",
         "failure": {"max_restarts": cfg.failure.max_restarts, "phase_timeout_s": cfg.failure.phase_timeout_s,
-                    "spares": cfg.failure.spares},
+                    "spares": cfg.failure.spares, "spare_room": spare_room(cfg, local) if cfg.failure.spares else None},
     }
+
+
+def resume_plan(cfg: RootConfig, spec: ModelSpec) -> dict:
+    """Where a run of `cfg` starts, found as the run finds it (`resume_preview`: a checkpoint of
+    another model or objective is refused here too, ConfigError): {"from": the commit's URI or
+    None, "step", "of": train.steps, "nothing_to_train"}; with checkpoints this process cannot
+    read (storage only the cluster reaches, as for the model), "note" says so instead."""
+    from rayzero.checkpoint.manifest import CheckpointError
+    from rayzero.jobs.preflight import CheckpointsUnreadable
+
+    cfg = absolute_model_path(absolute_data_paths(cfg))
+    try:
+        checkpoints = Checkpoints(cfg)
+        checkpoints.root.list_dirs()  # readable from here at all
+        resume = resume_preview(checkpoints, spec)
+    except (StorageError, CheckpointsUnreadable) as e:
+        return {"from": None, "step": None, "of": cfg.train.steps, "nothing_to_train": False,
+                "note": f"not read from here: {str(e).removeprefix('checkpoint.dir: ')}"}
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
+    if resume is None:
+        return {"from": None, "step": 0, "of": cfg.train.steps, "nothing_to_train": False}
+    return {"from": resume.uri, "step": resume.step, "of": cfg.train.steps,
+            "nothing_to_train": nothing_to_train(cfg, resume) is not None}
+
+
+def spare_room(cfg: RootConfig, local: bool) -> dict:
+    """How many of `failure.spares` would be placed: each takes a rank's bundle, beside the
+    ranks. Measured on this machine for a run that starts its own Ray (`local`), else on the
+    cluster at `cluster.address` (its free resources now) when this process can reach it:
+    {"fit": n, "on": what was measured} ("fit" None: not measured, "on" says why)."""
+    c = cfg.cluster
+    need = {"CPU": c.cpus_per_worker, **({"GPU": 1.0} if c.use_gpu else {})}
+    if local:
+        from rayzero.jobs.preflight import local_capacity
+
+        have, on = local_capacity(), "this machine"
+    else:
+        address = c.address or os.environ.get("RAY_ADDRESS", "")
+        try:
+            have, on = cluster_free(address), f"the cluster at {address or 'RAY_ADDRESS'}, free now"
+        except ConnectionError as e:
+            return {"fit": None, "on": f"not measured: {e}"}
+    room = min((have.get(k, 0.0) - c.num_workers * each) / each for k, each in need.items())
+    fit = max(0, min(cfg.failure.spares, int(room + 1e-9)))
+    said = ", ".join(f"{have.get(k, 0.0):g} {k}" for k in need)
+    return {"fit": fit, "on": f"{on} ({said}; the {c.num_workers} ranks take "
+                              + ", ".join(f"{c.num_workers * each:g} {k}" for k, each in need.items()) + ")"}
+
+
+def cluster_free(address: str) -> dict[str, float]:
+    """The free resources of the Ray cluster at `address` (this process's, if connected);
+    ConnectionError if it cannot be reached. A connection made here is closed again."""
+    if ray.is_initialized():
+        return dict(ray.available_resources())
+    _check_reachable(address)
+    quiet_logs()
+    try:
+        ray.init(address=address or None, logging_level="ERROR", log_to_driver=False)
+    except ConnectionError:
+        raise
+    except Exception as e:  # noqa: BLE001 (whatever Ray raises for a cluster it cannot join)
+        raise ConnectionError(f"{address}: {e}") from None
+    try:
+        return dict(ray.available_resources())
+    finally:
+        ray.shutdown()
 
 
 def run_train(cfg: RootConfig, progress: bool = True, factory=None, startup: Startup | None = None) -> dict:

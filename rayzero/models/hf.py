@@ -388,17 +388,37 @@ def _matches(pattern: str, key: str) -> bool:
         return False
 
 
+def _what_is_there(storage: Storage) -> str:
+    """Why a model directory has no config: nothing there at all, a file, or a folder without one."""
+    import pyarrow.fs as pafs
+
+    try:
+        kind = storage.fs.get_file_info(storage.base).type
+    except OSError:
+        kind = None
+    if kind == pafs.FileType.NotFound:
+        return "does not exist"
+    if kind == pafs.FileType.File:
+        return "is a file, not a directory"
+    return f"has no {CONFIG}"
+
+
 def load_hf_config(path: str, storage_cfg=None, trust_remote_code: bool = False):
     """(the bytes of `config.json`, the transformers config) of a model directory; ModelError
     naming the directory when it has none, or transformers cannot read it."""
     tf = _transformers()
+    storage = None
     try:
         storage = Storage(path, storage_cfg)
         raw = storage.read_bytes(CONFIG)
     except FileNotFoundError:
-        raise ModelError(f"model.path: {path} has no {CONFIG} (expected a Hugging Face model directory, as "
-                         f"save_pretrained writes)") from None
+        raise ModelError(f"model.path: {path} {_what_is_there(storage)} (expected a Hugging Face model directory, "
+                         f"as save_pretrained writes)") from None
     except StorageError as e:
+        there = _what_is_there(storage) if storage is not None else f"has no {CONFIG}"
+        if there != f"has no {CONFIG}":  # a file, or nothing: not storage this machine cannot reach
+            raise ModelError(f"model.path: {path} {there} (expected a Hugging Face model directory, as "
+                             f"save_pretrained writes)") from None
         raise ModelUnavailable(f"model.path: cannot read {path}: {e}") from None
     local = None if "://" in path and not path.startswith("file://") else Path(storage.base)
     try:

@@ -341,7 +341,7 @@ class ModelSpec:
 
     def adapter_record(self) -> dict:
         """The LoRA settings a model trains with, for its record (nothing without)."""
-        return {"lora": self.cfg.lora.model_dump()} if self.cfg.lora is not None else {}
+        return {"lora": self.cfg.lora.model_dump(mode="json")} if self.cfg.lora is not None else {}
 
     def export_plan(self, model: nn.Module) -> list[ExportEntry]:
         """Every tensor a safetensors export writes, by `state_dict()` name: a tied weight under

@@ -3,6 +3,7 @@ from typing import Literal
 from pydantic import Field
 
 from rayzero._frozen import Frozen
+from rayzero.checkpoint.records import brief, first_difference, stored
 
 # The losses that compare the policy with a reference model; `orpo` needs none.
 REFERENCE_LOSSES = ("sigmoid", "ipo", "hinge", "robust")
@@ -50,30 +51,51 @@ class DPOConfig(Frozen):
 def objective_record(cfg, model: dict | None) -> dict:
     """What a checkpoint notes of the objective it was trained for: its name and, for a loss
     with a reference model, which reference (how it is made, and from what model, `model`:
-    `ModelSpec.record()`). The reference is rebuilt from `model.path` on a resume, never stored."""
+    `ModelSpec.record()`). The reference is rebuilt from `model.path` on a resume, never stored.
+    In the form the manifest stores it (`records.stored`): the record a run writes and the one
+    the same command computes again compare equal."""
     if cfg.train.objective != "dpo":
         return {"name": "lm"}
     reference = None
     if cfg.dpo.uses_reference:
-        reference = {"kind": "adapters_off" if cfg.model.lora is not None else "frozen_copy", "model": model}
-    return {"name": "dpo", "loss": cfg.dpo.loss, "reference": reference}
+        reference = _reference("adapters_off" if cfg.model.lora is not None else "frozen_copy", model)
+    return stored({"name": "dpo", "loss": cfg.dpo.loss, "reference": reference})
+
+
+def _reference(kind: str, model: dict | None) -> dict:
+    """A reference model's record: with LoRA (`adapters_off`) the base model, whatever the
+    adapters' settings (they are not part of it); else the model the policy starts as."""
+    if kind == "adapters_off" and model is not None:
+        model = {k: v for k, v in model.items() if k != "lora"}
+    return {"kind": kind, "model": model}
+
+
+# The two ways out of a refusal to resume, as every such refusal gives them.
+WAYS_OUT = "train into another checkpoint.dir, or set checkpoint.resume=none to start from scratch beside them"
 
 
 def objective_difference(saved: dict | None, now: dict) -> str | None:
     """Why a checkpoint (its `objective` record; None: from before objectives were recorded,
-    i.e. `lm`) cannot be resumed by a run of objective `now`, or None."""
-    saved = saved or {"name": "lm"}
+    i.e. `lm`) cannot be resumed by a run of objective `now`, or None: the first field of the
+    records that differs, with its two values, and the ways out."""
+    saved = stored(saved or {"name": "lm"})
     if saved.get("name") != now["name"]:
-        return (f"it was trained with train.objective={saved.get('name')}, this run has train.objective={now['name']}"
-                + ("; to tune its result on preferences, export it (train.save_final) and start from it with "
-                   "model.path" if now["name"] == "dpo" else ""))
-    if saved.get("reference") != now.get("reference"):
-        def said(r):
-            return "none" if r is None else f"{r['kind']} of {(r.get('model') or {}).get('source') or 'its model'}"
+        return (f"it was trained with train.objective={saved.get('name')}, this run has train.objective={now['name']}; "
+                + ("to tune its result on preferences, export it (train.save_final) and start from it with "
+                   "model.path, or " if now["name"] == "dpo" else "")
+                + WAYS_OUT)
+    was, here = (r and _reference(r["kind"], r.get("model")) for r in (saved.get("reference"), now.get("reference")))
+    found = first_difference(was, here, "reference")
+    if found is None:
+        return None
 
-        return (f"its reference model ({said(saved.get('reference'))}) is not this run's ({said(now.get('reference'))}): "
-                "the rewards would be measured against another model")
-    return None
+    def said(r):
+        return "none" if not r else f"{r['kind']} of {(r.get('model') or {}).get('source') or 'its model'}"
+
+    field = (f"{found[0]} is {brief(found[1])} in the checkpoint, {brief(found[2])} here; "
+             if was and here else "")  # else the kinds say it: one is none
+    return (f"its reference model ({said(was)}) is not this run's ({said(here)}): {field}the rewards would be "
+            f"measured against another model; {WAYS_OUT}")
 
 
 def objective_plan(cfg, params_per_rank: int | None, frozen_bytes_per_param: float, param_dtype: str) -> dict | None:

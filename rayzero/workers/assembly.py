@@ -75,6 +75,15 @@ def whole_shapes(model: nn.Module, tp: TPLayout | None) -> dict[str, list[int]]:
     return {n: list(shapes.get(n, p.shape)) for n, p in model.named_parameters()}
 
 
+def identity(model: nn.Module, tp: TPLayout | None, spec: ModelSpec) -> dict:
+    """What a checkpoint records of the model a rank built, and what a resume compares with it
+    (`resume_preview`, from the driver's build of the same config): every parameter's whole
+    shape (at any TP size), the frozen parameters' names, and the model's record."""
+    return {"params": whole_shapes(model, tp),
+            "frozen": sorted(n for n, p in model.named_parameters() if not p.requires_grad),
+            "model": spec.record()}
+
+
 def whole_counts(model: nn.Module, tp: TPLayout | None) -> tuple[int, int]:
     """(parameters, of which trainable) of the whole model, from one tensor-parallel rank's
     share: each split tensor counted at its whole shape, a tied one once."""

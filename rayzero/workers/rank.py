@@ -26,7 +26,7 @@ from rayzero.models.spec import IGNORE_INDEX
 from rayzero.sharding.comm import wait
 from rayzero.sharding.rng import RandomStreams
 from rayzero.workers.activations import ActivationMeter
-from rayzero.workers.assembly import assemble, make_spec, whole_counts, whole_shapes
+from rayzero.workers.assembly import assemble, identity, make_spec, whole_counts
 from rayzero.workers import pipelined, preference
 from rayzero.workers.disconnect import opened_while
 from rayzero.workers.membership import Membership
@@ -175,15 +175,13 @@ class Rank(Membership):
             **dict(zip(("num_params", "trainable_params"), whole_counts(self.model, tp))),  # the whole model's
             "params_per_rank": num_params,
             "tp": tp.record() if tp is not None else None,
-            "frozen": sorted(n for n, p in self.model.named_parameters() if not p.requires_grad),
-            "model": self.spec.record(),
             "source_bytes_read": getattr(source, "bytes_read", None),
             "buffer_numel": self.strategy.buffer.layout.numel,
             "shard_numel": sum(p.numel() for p in self.strategy.main_params),
             "memory": self._memory(),
             "saves_shard": self.strategy.saves_shard,
             "layout": layout_record(self.strategy),
-            "params": whole_shapes(self.model, tp),  # what checkpoints record: whole, at any TP size
+            **identity(self.model, tp, self.spec),  # what checkpoints record: params whole, at any TP size
             "pp_rank": self.mesh.coord("pp"),
             "pp": self.mesh.size("pp"),
             **(pipelined.stage_report(self.spec, self.model, stages, cfg.train.seq_len) if stages else {}),

@@ -73,15 +73,7 @@ def combo_setup(tmp_path_factory, small_dataset) -> dict:
     data: the stdlib's source as bytes, and preference pairs cut from it, tokenized by a BPE
     tokenizer of 250 tokens (within every model's vocabulary)."""
     root = tmp_path_factory.mktemp("combos")
-    dirs = {}
-    for i, (name, m) in enumerate(combos.MODELS.items()):
-        if m["kind"] != "hf":
-            continue
-        shape = dict(n_layer=4) if m["arch"] == "gpt2" else dict(num_hidden_layers=4)
-        extra = {k: m[k] for k in ("num_key_value_heads",) if k in m}
-        if "vocab" in m:
-            extra["vocab_size"] = m["vocab"]
-        dirs[name] = str(save_hf_model(m["arch"], root / name, seed=i, **shape, **extra))
+    dirs = combos.save_models(root)
     tok = save_hf_model("llama", root / "tokenizer")
     save_tokenizer(tok, [Path(sys.modules["json"].__file__).read_text()], vocab=250)
     (root / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs(40)))
@@ -92,12 +84,7 @@ def combo_setup(tmp_path_factory, small_dataset) -> dict:
 
 
 def model_keys(name: str, setup: dict) -> list[str]:
-    m = combos.MODELS[name]
-    if m["kind"] == "gpt":
-        return ["model.n_layer=4", "model.n_embd=32", "model.n_head=4", "model.bias=true", "model.vocab_size=259"]
-    if m["kind"] == "module":
-        return ["model.kind=module", "model.factory=tests.models:TinyLM", "model.kwargs.n_layer=4"]
-    return ["model.kind=hf", f"model.path={setup['dirs'][name]}"]
+    return combos.model_keys(name, setup["dirs"])
 
 
 def config_of(c: dict, setup: dict, tmp: Path | None = None):
@@ -317,8 +304,16 @@ def test_a_configuration_equals_its_oracle(c, combo_setup, tmp_path):
             assert losses == pytest.approx(want["losses"], rel=BF16), "bf16 leaves the fp32 curve"
             assert losses != pytest.approx(want["losses"], rel=1e-7), "not computing in bf16"
 
+    for r in combos.stage_ranks(cfg):  # what the check of resumes builds on meta (tests/unit/test_resume_records.py)
+        meta = combos.rank_identity(cfg, r)
+        assert {k: ranks[r]["info"][k] for k in meta} == meta, f"rank {r} reports another model than its assembly's"
     if c["resume"]:  # saved after step 2, resumed in a new group: bitwise the straight run
         where = commit(cfg, ranks)
+        from rayzero.jobs.preflight import resume_preview
+        from rayzero.workers.assembly import make_spec
+
+        found = resume_preview(Checkpoints(cfg), make_spec(cfg))  # the same command finds it its own
+        assert found is not None and found.uri == where
         again = run_ranks(_resume, world, cfg, data_of(c, combo_setup), free_port(), where)
         assert again[0]["state"].keys() == first["state"].keys()
         assert all(torch.equal(again[0]["state"][k], v) for k, v in first["state"].items())

@@ -119,6 +119,8 @@ def model_dirs(tmp_path_factory):
 
 @pytest.mark.parametrize("args, expected", [
     (["model.kind=hf", "model.path=ROOT/empty"], "model.path: ROOT/empty has no config.json"),
+    (["model.kind=hf", "model.path=ROOT/nowhere"], "model.path: ROOT/nowhere does not exist"),
+    (["model.kind=hf", "model.path=ROOT/shapes.py"], "model.path: ROOT/shapes.py is a file, not a directory"),
     (["model.kind=hf", "model.path=ROOT/mismatch"],
      "model.layers.0.mlp.up_proj.weight: shape [10, 32] in the weights, [64, 32] in the model"),
     (["model.kind=hf", "model.path=ROOT/mismatch"], "model.norm.weight: missing from the weights"),

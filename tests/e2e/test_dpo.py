@@ -103,3 +103,28 @@ def test_a_dpo_run_reports_trl_metrics_resumes_bitwise_and_generates(train_here,
     # another reference (ORPO has none) cannot resume these checkpoints: the rewards would mean another thing
     code, _, err, _ = train_here(*resumed, "train.steps=8", "dpo.loss=orpo", summary="orpo.json")
     assert code != 0 and "reference model (frozen_copy" in err and "is not this run's (none)" in err, err[-2000:]
+
+
+def test_every_kind_of_reference_resumes_by_running_its_command_again(train_here, prefs, tmp_path, capsys,
+                                                                       monkeypatch):
+    """The base with the adapters off (LoRA, under ZeRO-3) and no reference at all (ORPO) — a
+    frozen copy above, language modelling everywhere: 2 steps, then the same command told 3
+    resumes its own checkpoint, and its dry run says so first. Every configuration of the
+    generator, without training: tests/unit/test_resume_records.py."""
+    model, data = prefs
+    keys = ["model.kind=hf", f"model.path={model}", f"data.path={data}", "train.objective=dpo", "train.seq_len=40",
+            "train.global_batch_size=8", "train.micro_batch_size=2", "cluster.num_workers=2", "optim.warmup_steps=1",
+            "tracking.enabled=false", "checkpoint.every_steps=2"]
+    for kind, extra in (("adapters_off", ["model.lora.r=4", "model.lora.alpha=8", "sharding.strategy=optim_grads_params"]),
+                        (None, ["dpo.loss=orpo"])):
+        args = [*keys, *extra, f"checkpoint.dir={tmp_path / str(kind)}"]
+        code, _, err, _ = train_here(*args, "train.steps=2", summary=f"{kind}-first.json")
+        assert code == 0, err[-3000:]
+        manifest = json.loads((tmp_path / str(kind) / "step-000002" / "manifest.json").read_text())
+        assert (manifest["objective"]["reference"] or {}).get("kind") == kind
+        if kind:  # the dry run of the command (the record a LoRA-DPO run once refused)
+            code, out, err = cli_in_process(capsys, monkeypatch, tmp_path, "train", "--dry-run", *args, "train.steps=3")
+            assert code == 0 and f"resuming from {tmp_path / kind / 'step-000002'} at step 2 of 3" in out, err
+        code, _, err, again = train_here(*args, "train.steps=3", summary=f"{kind}-again.json")
+        assert code == 0, err[-3000:]
+        assert again["start_step"] == 2 and again["steps"] == 1, kind

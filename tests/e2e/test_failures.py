@@ -68,6 +68,7 @@ def test_killed_ranks_are_replaced_and_the_result_is_bitwise_the_same(tmp_path, 
     assert [f["decision"] for f in s["failures"]] == ["restart", "restart"] and s["world_size"] == 2
     assert all("died" in f["message"] for f in s["failures"]) and "restart 1:" in out and "restart 2:" in out
     assert "failure (rank_died): " in err, "the controller's warnings reach the terminal as they happen"
+    assert "A worker died or was killed" not in out + err, "said once, in rayzero's words, not Ray's too"
     assert weights_equal(tmp_path / "final.safetensors", reference.weights)
 
     from mlflow.tracking import MlflowClient

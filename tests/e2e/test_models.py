@@ -5,6 +5,7 @@ the README's own example, run by test_readme.py.)"""
 
 import json
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -139,7 +140,10 @@ def test_lora_fine_tune_through_ray_exports_the_adapter_peft_loads_and_generate_
     assert ((tuned - want).norm() / want.norm()).item() < 1e-5
     assert not torch.allclose(want, logits(llama, x)), "training changed the model"
 
-    code, out, err = rayzero("generate", str(adapter), "--prompt", "import os", "--max-new-tokens", "8", "--raw")
+    with warnings.catch_warnings(record=True) as said:  # what a user would see printed: pytest collects them
+        warnings.simplefilter("always")
+        code, out, err = rayzero("generate", str(adapter), "--prompt", "import os", "--max-new-tokens", "8", "--raw")
+    assert not [w for w in said if issubclass(w.category, FutureWarning)], [str(w.message) for w in said]
     assert code == 0, err
     code, from_merged, err = rayzero("generate", str(merged), "--prompt", "import os", "--max-new-tokens", "8", "--raw")
     assert code == 0 and out == from_merged and out.startswith("import os"), (out, from_merged)

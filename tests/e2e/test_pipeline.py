@@ -40,10 +40,11 @@ def test_a_pipelined_run_trains_resumes_bitwise_takes_a_spare_and_equals_data_pa
             "optim.schedule=constant"]  # the same learning rates whether a run is told 2 steps or 4
     pp = [*keys, "parallel.pp=2", "parallel.pp_schedule=1f1b"]
 
-    code, _, err, straight = train_here(*pp, "train.steps=4", f"train.save_final={tmp_path / 'straight'}",
-                                        "checkpoint.dir=", summary="straight.json")
+    code, out, err, straight = train_here(*pp, "train.steps=4", f"train.save_final={tmp_path / 'straight'}",
+                                          "checkpoint.dir=", summary="straight.json")
     assert code == 0, err[-3000:]
     assert straight["pp"] == 2 and len(straight["stages"]) == 2
+    assert "2 ranks, strategy optim, pipeline 2 stages (1f1b), " in out, "the summary names the pipeline"
     assert [v[0] for v in straight["val_losses"]] == [-1, 1, 3]
 
     resumed = [*pp, f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.every_steps=2",

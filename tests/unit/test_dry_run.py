@@ -100,3 +100,67 @@ def test_a_local_ray_that_cannot_hold_the_ranks_is_refused_by_the_dry_run(tmp_pa
     code, out, _ = dry_run(tmp_path, capsys, "cluster.num_workers=4", "cluster.cpus_per_worker=4",
                            "cluster.address=10.0.0.1:6379")
     assert code == 0, out.err
+
+
+def test_the_dry_run_says_where_the_run_resumes_or_refuses_as_the_run_would(tmp_path, capsys):
+    """A checkpoint of this model (committed as the controller commits one, no training: see
+    tests/combinations.py's `commit_on_meta`) is resumed, is at the end already, or, of another
+    objective, is refused, with the exit code the run gives."""
+    from rayzero.config import load_config
+    from tests.combinations import commit_on_meta, rank_identity
+
+    gpt = ["model.n_layer=2", "model.n_embd=32", "model.n_head=4", f"checkpoint.dir={tmp_path / 'ck'}",
+           f"train.output_dir={tmp_path}"]
+    code, out, plan = dry_run(tmp_path, capsys, *gpt, "train.steps=4")
+    assert code == 0 and plan["checkpoint"]["start"]["from"] is None, out.err
+    assert "starts at step 0 of 4: no checkpoint to resume yet" in out.out
+    cfg = load_config(None, gpt)
+    written = commit_on_meta(cfg, [rank_identity(cfg, 0)], step=2)
+    code, out, plan = dry_run(tmp_path, capsys, *gpt, "train.steps=4")
+    assert code == 0 and f"resuming from {written} at step 2 of 4" in out.out, out.out + out.err
+    code, out, _ = dry_run(tmp_path, capsys, *gpt, "train.steps=2")
+    assert code == 0 and f"nothing to train: {written} is at step 2, train.steps=2" in out.out
+    code, out, _ = dry_run(tmp_path, capsys, *gpt, "train.steps=4", "checkpoint.resume=none")
+    assert code == 0 and "starts at step 0 of 4: checkpoint.resume=none" in out.out
+    code, out, _ = dry_run(tmp_path, capsys, *gpt, "train.steps=4", "model.n_layer=3")
+    assert code == 2 and "holds a different model: " in out.err and "checkpoint.resume=none" in out.err, out.err
+    code, out, _ = dry_run(tmp_path, capsys, *gpt, "train.steps=4", "train.objective=dpo")
+    assert code == 2 and out.err.startswith(f"rayzero: error: checkpoint.dir: cannot resume {written}: it was trained "
+                                            "with train.objective=lm, this run has train.objective=dpo; "), out.err
+    assert "or set checkpoint.resume=none" in out.err
+
+
+def test_the_batch_is_split_over_the_data_parallel_ranks_only(tmp_path, capsys):
+    code, out, plan = dry_run(tmp_path, capsys, "cluster.num_workers=4", "parallel.pp=2", "model.n_layer=4",
+                              "train.global_batch_size=16", "train.micro_batch_size=2", "cluster.cpus_per_worker=0.5")
+    assert code == 0, out.err
+    assert plan["dp_size"] == 2 and "16 sequences per step = 2 data-parallel ranks x 4 micro-batches x 2" in out.out
+    code, out, plan = dry_run(tmp_path, capsys, "cluster.num_workers=4", "parallel.tp=2", "parallel.pp=2",
+                              "model.n_layer=4", "train.global_batch_size=16", "train.micro_batch_size=2",
+                              "cluster.cpus_per_worker=0.5")
+    assert code == 0 and "16 sequences per step = 1 data-parallel ranks x 8 micro-batches x 2" in out.out, out.err
+
+
+def test_warm_spares_are_promised_only_where_they_fit(tmp_path, capsys, monkeypatch):
+    """On this machine for a run that starts its own Ray; on the cluster's free resources at
+    `cluster.address` (read with this process's connection, or one made and closed again)."""
+    from rayzero.jobs import preflight, train
+
+    monkeypatch.setattr(preflight, "local_capacity", lambda: {"CPU": 2.0, "GPU": 0.0})
+    code, out, plan = dry_run(tmp_path, capsys, "failure.spares=1")
+    assert code == 0 and plan["failure"]["spare_room"]["fit"] == 0, out.err
+    assert ("1 warm spare asked, but none can be placed on this machine (2 CPU; the 2 ranks take 2 CPU): the run "
+            "would go on without spares") in out.out
+    monkeypatch.setattr(preflight, "local_capacity", lambda: {"CPU": 5.0, "GPU": 0.0})
+    code, out, plan = dry_run(tmp_path, capsys, "failure.spares=4")
+    assert "4 warm spares asked, but only 3 can be placed on this machine (5 CPU; the 2 ranks take 2 CPU)" in out.out
+    code, out, plan = dry_run(tmp_path, capsys, "failure.spares=2")
+    assert "2 warm spares, room for them on this machine (5 CPU; the 2 ranks take 2 CPU)" in out.out
+
+    monkeypatch.setattr(train, "cluster_free", lambda address: {"CPU": 3.0})
+    code, out, plan = dry_run(tmp_path, capsys, "failure.spares=2", "cluster.address=10.0.0.1:6379")
+    assert ("2 warm spares asked, but only 1 can be placed on the cluster at 10.0.0.1:6379, free now (3 CPU; the 2 "
+            "ranks take 2 CPU)") in out.out
+    monkeypatch.undo()
+    code, out, plan = dry_run(tmp_path, capsys, "failure.spares=1", "cluster.address=127.0.0.1:9")  # nobody there
+    assert code == 0 and "1 warm spare, room not measured: 127.0.0.1:9 is not reachable" in out.out, out.out

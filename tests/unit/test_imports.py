@@ -267,8 +267,9 @@ def test_a_config_error_imports_neither_torch_nor_ray():
 
 LAYERS = [
     # URI -> filesystem (rayzero.storage): the data, the models and the checkpoints read through it,
-    # and the checkpoint config makes its settings
-    ["rayzero._frozen", "rayzero.version", "rayzero.storage", "rayzero.*.config"],
+    # and the checkpoint config makes its settings; the records a checkpoint keeps, as a resume
+    # compares them (the objective's config writes its own)
+    ["rayzero._frozen", "rayzero.version", "rayzero.storage", "rayzero.*.config", "rayzero.checkpoint.records"],
     ["rayzero.sharding", "rayzero.pipeline", "rayzero.objectives"],
     ["rayzero.data"],
     ["rayzero.models"],

@@ -225,8 +225,11 @@ def _load(d):
 
 
 def test_bad_model_directories(tmp_path, llama_dir):
+    (tmp_path / "empty").mkdir()
     with pytest.raises(ModelError, match=r"model.path: .*empty has no config.json"):
         spec_of("model.kind=hf", f"model.path={tmp_path / 'empty'}")
+    with pytest.raises(ModelError, match=r"model.path: .*nowhere does not exist"):
+        spec_of("model.kind=hf", f"model.path={tmp_path / 'nowhere'}")
     import transformers as tf
 
     vit = tmp_path / "vit"

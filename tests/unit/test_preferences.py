@@ -311,6 +311,31 @@ def test_the_cli_prepares_pairs(tmp_path, capsys, monkeypatch, text_tok):
 def test_bad_records_are_named_by_file_and_line(tmp_path, chat_tok, records, message):
     with pytest.raises(DataError, match=message):
         prepared(tmp_path, chat_tok, records)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prefs.jsonl"], "a failed prepare leaves nothing behind"
+
+
+def test_a_failed_prepare_leaves_nothing_and_a_dataset_there_as_it_was(tmp_path, capsys, monkeypatch, text_tok):
+    """The shards go to a hidden folder beside the output, renamed at the commit: a failure
+    leaves neither an empty folder that training would take for a missing dataset, nor a dataset
+    already there half replaced."""
+    write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "a", "rejected": "b"}])
+    code, _, err = cli_in_process(capsys, monkeypatch, tmp_path, "data", "prepare", "bad.jsonl", "out",
+                                  "--tokenizer", text_tok, "--preferences", "--no-progress")
+    assert code == 2 and "`chosen` is missing" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"], "nothing left behind"
+    # training on the path it never made: the hint is the command that makes pairs
+    code, _, err = cli_in_process(capsys, monkeypatch, tmp_path, "train", "train.objective=dpo", "data.path=out")
+    assert code == 2 and f"rayzero data prepare SRC {tmp_path / 'out'} --preferences`" in err, err
+
+    good = prepared(tmp_path, text_tok, STANDARD[:3], "out")
+    before = {p.name: p.read_bytes() for p in Path(good.uri).rglob("*") if p.is_file()}
+    code, _, err = cli_in_process(capsys, monkeypatch, tmp_path, "data", "prepare", "bad.jsonl", "out",
+                                  "--tokenizer", text_tok, "--preferences", "--no-progress")
+    assert code == 2
+    assert {p.name: p.read_bytes() for p in Path(good.uri).rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "out", "out.jsonl"]
+    prepared(tmp_path, text_tok, STANDARD[3:6], "out")  # prepared again over it: replaced at the commit
+    assert TokenDataset(str(tmp_path / "out")).meta["num_pairs"] == 3
 
 
 def test_pairs_prepared_as_something_else_get_a_hint(tmp_path, chat_tok):

@@ -227,8 +227,13 @@ def test_an_interrupted_prepare_never_looks_complete(tmp_path):
     bad.write_text('{"text": "a"}\n' * 1000 + '{"oops": 1}\n')
     with pytest.raises(DataError, match=":1001:"):
         prepare(bad, str(tmp_path / "ds"), shard_tokens=64)  # shards were written before the failure
+    assert read_meta(str(tmp_path / "ds"))["num_documents"] == 3, "the dataset there is replaced only at the commit"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "ds", "good.jsonl"], "nothing else left"
+    with pytest.raises(DataError, match=":1001:"):
+        prepare(bad, str(tmp_path / "new"), shard_tokens=64)
     with pytest.raises(DataError, match="no dataset at"):
-        read_meta(str(tmp_path / "ds"))
+        read_meta(str(tmp_path / "new"))
+    assert not (tmp_path / "new").exists()
 
 
 def test_tokenizers_that_load_nothing(tmp_path):
