@@ -39,6 +39,8 @@ class StorageSettings:
     region: str = ""
     access_key_id: str = ""
     secret_access_key: str = field(default="", repr=False)
+    session_token: str = field(default="", repr=False)
+    create_bucket: bool = False  # a bucket written to that does not exist: create it, else refuse
     retries: int = 5
 
 
@@ -67,8 +69,10 @@ def filesystem(uri: str, settings=None) -> tuple[pafs.FileSystem, str]:
 
 def destination(uri: str, settings=None, *, folder: bool = False) -> tuple[pafs.FileSystem, str]:
     """`filesystem(uri, settings)`, with the folder `uri` goes in (`folder`: `uri` itself)
-    made where it is not there yet (a bucket included)."""
+    made where it is not there yet; an S3 bucket only with `checkpoint.s3_create_bucket`
+    (else NoSuchBucket, naming it)."""
     fs, path = filesystem(uri, settings)
+    require_bucket(fs, path, uri, create=settings_of(settings).create_bucket)
     fs.create_dir(path if folder else posixpath.dirname(path), recursive=True)
     return fs, path
 
@@ -82,6 +86,7 @@ class Storage:
             raise StorageError(f"{uri}: unsupported scheme (use a local path, file:// or s3://)")
         self.uri = uri.rstrip("/")
         self.retries = settings_of(settings).retries
+        self.create_bucket = settings_of(settings).create_bucket
         self.fs, self.base = filesystem(uri, settings)
 
     def path(self, key: str = "") -> str:
@@ -89,7 +94,7 @@ class Storage:
 
     def child(self, key: str) -> "Storage":
         other = object.__new__(Storage)
-        other.fs, other.retries = self.fs, self.retries
+        other.fs, other.retries, other.create_bucket = self.fs, self.retries, self.create_bucket
         other.uri, other.base = f"{self.uri}/{key}", self.path(key)
         return other
 
@@ -102,8 +107,8 @@ class Storage:
             except FileNotFoundError:
                 raise
             except (OSError, pa.ArrowException) as e:
-                if attempt == self.retries or _permanent(e):
-                    raise StorageError(f"{what} {self.uri}: {_clean(e)}") from None
+                if attempt == self.retries or permanent(e):
+                    raise StorageError(f"{what} {self.uri}: {explained(e)}") from None
                 log.warning("%s %s failed (%s); retrying in %.1fs", what, self.uri, _clean(e), delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
@@ -150,9 +155,12 @@ class Storage:
         return info.size if info.type == pafs.FileType.File else None
 
     def list_dirs(self) -> list[str]:
-        """Names of the folders (prefixes) directly under the root."""
+        """Names of the folders (prefixes) directly under the root (StorageError for a bucket
+        that does not exist: not an empty listing)."""
         sel = pafs.FileSelector(self.base, allow_not_found=True)
         infos = self._retry("listing", lambda: self.fs.get_file_info(sel))
+        if not infos:
+            self._retry("listing", lambda: require_bucket(self.fs, self.base, self.uri))
         return sorted(posixpath.basename(i.path) for i in infos if i.type == pafs.FileType.Directory)
 
     def delete_dir(self, key: str) -> None:
@@ -162,6 +170,7 @@ class Storage:
         """Write, read back and delete a small object: raises StorageError with the cause
         (unreachable endpoint, wrong credentials, no such bucket, read-only path)."""
         key = ".rayzero-probe"
+        self._retry("checking", lambda: require_bucket(self.fs, self.base, self.uri, create=self.create_bucket))
         try:
             self.write_bytes(key, b"ok")
             if self.read_bytes(key) != b"ok":
@@ -184,19 +193,55 @@ def _s3(settings: StorageSettings) -> pafs.S3FileSystem:
     if settings.access_key_id:
         kw["access_key"] = settings.access_key_id
         kw["secret_key"] = settings.secret_access_key
+        if settings.session_token:
+            kw["session_token"] = settings.session_token
     # Fail fast on a dead endpoint: the retries above are ours, with backoff.
-    kw.update(connect_timeout=5, request_timeout=30, allow_bucket_creation=True,
+    kw.update(connect_timeout=5, request_timeout=30, allow_bucket_creation=settings.create_bucket,
               retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=2))
     return pafs.S3FileSystem(**kw)
 
 
-def _permanent(e: BaseException) -> bool:
+class NoSuchBucket(StorageError):
+    """An s3:// URI's bucket does not exist (and was not to be created)."""
+
+
+def require_bucket(fs: pafs.FileSystem, path: str, uri: str, create: bool = False) -> None:
+    """For S3: the bucket of `path` exists, or is created with `create`
+    (`checkpoint.s3_create_bucket`); else NoSuchBucket naming it. Other filesystems: nothing."""
+    if not isinstance(fs, pafs.S3FileSystem):
+        return
+    bucket = path.split("/", 1)[0]
+    if fs.get_file_info(bucket).type != pafs.FileType.NotFound:
+        return
+    if create:
+        fs.create_dir(bucket)
+        return
+    raise NoSuchBucket(f"{uri}: the bucket {bucket!r} does not exist; create it, or set "
+                       f"checkpoint.s3_create_bucket=true for rayzero to create it")
+
+
+def permanent(e: BaseException | str) -> bool:
     """Errors no retry can fix: wrong credentials, no permission, no such bucket, a malformed request."""
     text = str(e)
-    return any(code in text for code in ("SIGNATURE_DOES_NOT_MATCH", "ACCESS_DENIED", "INVALID_ACCESS_KEY",
-                                         "NO_SUCH_BUCKET", "Permission denied", "Read-only file system",
-                                         "Not a directory", "File exists",
-                                         "AWS Error VALIDATION"))  # a malformed endpoint or bucket name
+    return any(code in text for code in PERMANENT)
+
+
+# What a storage error says when no retry can fix it.
+PERMANENT = ("SIGNATURE_DOES_NOT_MATCH", "ACCESS_DENIED", "INVALID_ACCESS_KEY", "NO_SUCH_BUCKET",
+             "does not exist; create it", "Permission denied", "Read-only file system", "Not a directory",
+             "File exists", "AWS Error VALIDATION")  # the last: a malformed endpoint or bucket name
+
+
+CREDENTIALS = ("ACCESS_DENIED", "SIGNATURE_DOES_NOT_MATCH", "INVALID_ACCESS_KEY")
+
+
+def explained(e: BaseException) -> str:
+    """A storage error's first line (pyarrow names the bucket and key, never the credentials),
+    and where the server refused the credentials, which settings give them."""
+    text = _clean(e)
+    if any(code in text for code in CREDENTIALS):
+        text += " (the S3 credentials: checkpoint.s3_access_key_id and checkpoint.s3_secret_access_key, or the AWS_* variables)"
+    return text
 
 
 def _clean(e: BaseException) -> str:

@@ -64,6 +64,17 @@ class CheckpointConfig(Frozen):
         description="S3 secret access key, used together with `s3_access_key_id`; masked wherever the "
         "config is shown.",
     )
+    s3_session_token: SecretStr = Field(
+        default=SecretStr(""),
+        description="S3 session token of temporary credentials, with `s3_access_key_id`; empty = "
+        "`$AWS_SESSION_TOKEN` where the keys come from the environment; masked wherever the config is shown.",
+    )
+    s3_create_bucket: bool = Field(
+        default=False,
+        description="Create the bucket of an `s3://` URI written to (checkpoints, exports, `data prepare`) "
+        "when it does not exist; false = refuse, naming the bucket, so that a misspelt name is an error "
+        "rather than a new bucket and a fresh run.",
+    )
     retries: int = Field(
         default=5, ge=0,
         description="Retries per storage call, with exponential backoff; 0 = no retries.",
@@ -75,7 +86,29 @@ class CheckpointConfig(Frozen):
         from rayzero.storage import StorageSettings  # here, not above: the config imports no pyarrow
 
         return StorageSettings(endpoint=self.s3_endpoint, region=self.s3_region, access_key_id=self.s3_access_key_id,
-                               secret_access_key=self.s3_secret_access_key.get_secret_value(), retries=self.retries)
+                               secret_access_key=self.s3_secret_access_key.get_secret_value(),
+                               session_token=self.s3_session_token.get_secret_value(),
+                               create_bucket=self.s3_create_bucket, retries=self.retries)
+
+    def with_environment(self, env=None) -> "CheckpointConfig":
+        """These settings with their empty S3 fields taken from the standard AWS variables of
+        this process (`env`: os.environ): what a run's driver resolves once, and gives its ranks,
+        processes Ray starts without this environment on machines that may not have it; the
+        driver's probe write then proves what the ranks will do. The keys come as a pair (with
+        their session token), or not at all."""
+        import os
+
+        env = os.environ if env is None else env
+        fill: dict = {}
+        if not self.s3_endpoint:
+            fill["s3_endpoint"] = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or ""
+        if not self.s3_region:
+            fill["s3_region"] = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or ""
+        if not self.s3_access_key_id and env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
+            fill.update(s3_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                        s3_secret_access_key=SecretStr(env["AWS_SECRET_ACCESS_KEY"]),
+                        s3_session_token=SecretStr(env.get("AWS_SESSION_TOKEN", "")))
+        return self.model_copy(update={k: v for k, v in fill.items() if v})
 
     @field_validator("resume")
     @classmethod

@@ -24,7 +24,7 @@ import torch
 from rayzero.checkpoint.manifest import shard_name
 from rayzero.checkpoint.shard_file import NAMES, ShardReader, write_shard
 from rayzero.checkpoint.stages import stage_layouts
-from rayzero.storage import Storage
+from rayzero.storage import Storage, StorageError, permanent
 from rayzero.sharding.layout import Range
 from rayzero.sharding.strategies import Strategy
 from rayzero.sharding.tensor_parallel import Split
@@ -141,6 +141,8 @@ class ShardSaver:
     def _raise(self) -> None:
         if self._error is not None:
             e, self._error = self._error, None
+            if isinstance(e, StorageError):  # the storage's failure, reported as one (which URI, what it said)
+                raise UploadFailed(f"checkpoint upload failed: {e}") from e
             raise RuntimeError(f"checkpoint upload failed: {e}") from e
 
     def reports(self) -> list[dict]:
@@ -151,16 +153,21 @@ class ShardSaver:
         return out
 
 
+class UploadFailed(StorageError):
+    """A shard's upload failed for good: the message names the checkpoint's URI and the cause."""
+
+
 def _with_retries(storage: Storage, fn):
     """The whole upload again, with backoff, on a transient storage error (it restarts the
-    object: a stream cannot resume halfway)."""
+    object: a stream cannot resume halfway); StorageError naming the URI once retries are spent,
+    or at once where no retry can help (credentials, permissions, no such bucket)."""
     delay = 0.5
     for attempt in range(storage.retries + 1):
         try:
             return fn()
         except (OSError, pa.ArrowException) as e:
-            if attempt == storage.retries:
-                raise
+            if attempt == storage.retries or permanent(e):
+                raise StorageError(f"uploading to {storage.uri}: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
             log.warning("checkpoint upload to %s failed (%s); retrying in %.1fs", storage.uri,
                         str(e).splitlines()[0] if str(e) else type(e).__name__, delay)
             time.sleep(delay)

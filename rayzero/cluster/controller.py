@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import threading
 from pathlib import Path
@@ -116,8 +117,8 @@ class Controller:
         except KeyboardInterrupt:  # a second Ctrl-C while the run was ending (the release, MLflow's flush)
             raise self._stopped() from None
         finally:
-            if previous_handler is not None:
-                signal.signal(signal.SIGINT, previous_handler)
+            for signum, handler in (previous_handler or {}).items():
+                signal.signal(signum, handler)
         if self._interrupted:
             log.warning("interrupted after the last step: the run finished and saved everything")
         return summary
@@ -161,24 +162,31 @@ class Controller:
         after the last step, it lets the run finish as it would have (the final commit, weights,
         MLflow, the summary), since nothing is left to stop.
 
+        SIGTERM (`ray job stop`, Kubernetes stopping a pod; Ray's own handler in a driver dumps
+        the stacks and exits) is taken the same way: the iteration in flight ends, one line says
+        where the run stopped and what to resume from, MLflow's run is KILLED, nothing is left
+        on the cluster.
+
         A SIGINT that arrives while the main thread waits inside Ray's compiled-graph read can
         be swallowed there; so the handler only takes note, and the loop raises
-        KeyboardInterrupt at its next check. A second Ctrl-C raises at once. Returns the
-        handler to restore (None off the main thread, where signals cannot be handled)."""
+        KeyboardInterrupt at its next check. A second one raises at once. Returns the handlers
+        to restore, by signal (None off the main thread, where signals cannot be handled)."""
         if threading.current_thread() is not threading.main_thread():
             return None
-        self._interrupted = False
+        self._interrupted, self._signal = False, signal.SIGINT
 
-        def on_sigint(signum, frame):
+        def on_signal(signum, frame):
             if self._interrupted:
                 raise KeyboardInterrupt
-            self._interrupted = True
+            self._interrupted, self._signal = True, signum
+            what = "interrupted" if signum == signal.SIGINT else "terminated (SIGTERM)"
+            again = "Ctrl-C again to stop now" if signum == signal.SIGINT else "a second SIGTERM stops now"
             if self._trained:
-                log.warning("interrupted after the last step: finishing the run (Ctrl-C again to stop now)")
+                log.warning("%s after the last step: finishing the run (%s)", what, again)
             else:
-                log.warning("interrupted: stopping after the current iteration (Ctrl-C again to stop now)")
+                log.warning("%s: stopping after the current iteration (%s)", what, again)
 
-        return signal.signal(signal.SIGINT, on_sigint)
+        return {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
 
     @property
     def _trained(self) -> bool:
@@ -196,7 +204,8 @@ class Controller:
             raise KeyboardInterrupt
 
     def _stopped(self) -> Stopped:
-        return Stopped(self.record.step, self.last_checkpoint(), finishing=self._trained)
+        return Stopped(self.record.step, self.last_checkpoint(), finishing=self._trained,
+                       signal=int(getattr(self, "_signal", signal.SIGINT)))
 
     # -- what the states share ------------------------------------------------------------
     def start_spares(self, world: int) -> None:
@@ -227,6 +236,16 @@ class Controller:
             return
         self.tracker.log_metrics(step, values)
         self.add_row({"step": step, **values})
+
+    def rewrite_history(self) -> None:
+        """history.jsonl as the history now is (after a rewind: without the steps to be trained
+        again), replaced at once: never a half-written file."""
+        tmp = self.history_file.with_name(self.history_file.name + ".tmp")
+        try:
+            tmp.write_text("".join(json.dumps(row) + "\n" for row in self.history.rows))
+            os.replace(tmp, self.history_file)
+        except OSError as e:  # as for the appends: a convenience, never a reason to stop training
+            log.debug("could not rewrite %s: %s", self.history_file, e)
 
     def add_row(self, row: dict) -> None:
         self.history.rows.append(row)

@@ -13,7 +13,7 @@ from typing import Literal
 import ray
 import torch.distributed as dist
 
-from rayzero.storage import StorageError
+from rayzero.storage import StorageError, permanent
 from rayzero.cluster.scaling import ScalingPolicy
 from rayzero.cluster.worker_group import PlacementError
 from rayzero.config import RootConfig
@@ -35,14 +35,18 @@ class TrainingFailed(RuntimeError):
 
 
 class Stopped(KeyboardInterrupt):
-    """An interrupt (Ctrl-C, a notebook's stop button) ended the run cleanly: where it was,
-    and the checkpoint a rerun resumes from. `finishing`: after the last step, while the run
-    was finishing (its final commit, weights, MLflow)."""
+    """An interrupt (Ctrl-C, a notebook's stop button) or a termination (SIGTERM: `ray job
+    stop`, Kubernetes stopping a pod) ended the run cleanly: where it was, and the checkpoint a
+    rerun resumes from. `finishing`: after the last step, while the run was finishing (its
+    final commit, weights, MLflow). `signal`: the signal that stopped it (SIGINT for Ctrl-C and
+    `Controller.stop`)."""
 
-    def __init__(self, step: int | None, checkpoint: str | None, finishing: bool = False):
-        self.step, self.checkpoint = step, checkpoint
-        at = ("stopped after the last step, while the run was finishing" if finishing else
-              f"stopped at step {step}" if step is not None else "stopped before training began")
+    def __init__(self, step: int | None, checkpoint: str | None, finishing: bool = False,
+                 signal: int = 2):
+        self.step, self.checkpoint, self.signal = step, checkpoint, signal
+        how = "stopped" if signal == 2 else "terminated (SIGTERM): stopped"
+        at = (f"{how} after the last step, while the run was finishing" if finishing else
+              f"{how} at step {step}" if step is not None else f"{how} before training began")
         where = (f"last checkpoint {checkpoint}; run the same command again to resume" if checkpoint
                  else "no checkpoint was committed")
         super().__init__(f"{at}; {where}")
@@ -101,6 +105,9 @@ class FailurePolicy:
         could `capacity` place now (the failed group released)."""
         if failure.kind not in RETRYABLE:
             return Decision("give_up", world, 0.0, "the error is in the training code, not a lost resource")
+        if failure.kind == STORAGE and permanent(failure.message):
+            return Decision("give_up", world, 0.0, "the storage refuses, which no restart changes: check "
+                            "checkpoint.dir and the checkpoint.s3_* settings, or the AWS_* variables")
         if self._exhausted(restarts):
             return Decision("give_up", world, 0.0, f"failure.max_restarts={self.max_restarts} reached")
         delay = min(self.backoff_max_s, self.backoff_s * 2 ** max(0, streak - 1))

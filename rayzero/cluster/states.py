@@ -201,7 +201,9 @@ class Resuming(State):
             rec.schedule_steps = run.cfg.train.steps
         dropped = run.history.rewind(rec.start_step)
         if dropped:  # steps trained again: their earlier points in MLflow go (one point per step), and
-            # so does an early stop after one of them (one before would have ended training there)
+            # so does an early stop after one of them (one before would have ended training there);
+            # history.jsonl keeps one row per step too
+            run.rewrite_history()
             keys = sorted({k for row in dropped for k in row} - {"step"})
             run.tracker.rewind(rec.start_step, keys, tags=["stopped_early"])
         if ckpt is not None:
@@ -263,7 +265,7 @@ class Training(State):
         self.train(run)
         dispatch, self.live.dispatch = self.live.dispatch, None
         dispatch.close()
-        return Finishing(self.live, self.grow)
+        return Finishing(self.live, self.grow, bool(run.cfg.train.save_final))
 
     def train(self, run) -> None:
         cfg, rec, h, dispatch, ckpt = run.cfg, run.record, run.history, self.live.dispatch, run.checkpoints
@@ -401,11 +403,13 @@ class Finishing(State):
 
     live: Live
     grow: Grow | None
+    saves_final: bool = False  # train.save_final: the final weights are written after the uploads
     code = "FINISH"
 
     @property
     def doing(self) -> str:
-        return "finishing the checkpoint uploads" if self.grow is not None else "writing the final weights"
+        final = self.grow is None and self.saves_final
+        return "finishing the checkpoint uploads" + (" and writing the final weights" if final else "")
 
     def next(self, run) -> State:
         cfg, ckpt, group = run.cfg, run.checkpoints, self.live.group

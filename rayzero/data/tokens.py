@@ -32,6 +32,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from rayzero.data.errors import DataError
+from rayzero.storage import StorageError, explained, require_bucket, settings_of
 from rayzero.data.sources import Fields, each_document, list_sources
 from rayzero.data.tokenizer import BYTE_EOT, BYTE_VOCAB, ByteTokenizer, Tokenizer, load_tokenizer, token_dtype
 
@@ -74,6 +75,7 @@ class ShardWriter:
     def __init__(self, out: str, dtype: np.dtype, shard_tokens: int, row_group_tokens: int, storage_cfg=None,
                  with_mask: bool = False):
         self.fs, self.final = _filesystem(out, storage_cfg)
+        require_bucket(self.fs, self.final, out, create=settings_of(storage_cfg).create_bucket)
         self.staged = isinstance(self.fs, pafs.LocalFileSystem)
         if self.staged:
             parent, name = posixpath.split(self.final.rstrip("/"))
@@ -196,15 +198,26 @@ def prepare(
         raise DataError("instructions or preferences: a dataset holds one kind of record")
     kind = "instructions" if instructions else "preferences" if preferences else "text"
     tok = load_tokenizer(tokenizer)
-    files = list_sources(str(src), pattern, exclude, storage_cfg)
-    writer = ShardWriter(out, token_dtype(tok.vocab_size), shard_tokens, row_group_tokens, storage_cfg,
-                         with_mask=kind in MASKED_KINDS)
+    try:  # storage refusing (credentials, a bucket): one message naming what, not a traceback
+        files = list_sources(str(src), pattern, exclude, storage_cfg)
+        writer = ShardWriter(out, token_dtype(tok.vocab_size), shard_tokens, row_group_tokens, storage_cfg,
+                             with_mask=kind in MASKED_KINDS)
+    except (OSError, StorageError) as e:
+        raise DataError(_storage_words(e)) from None
     try:
         return _fill(writer, src, tok, files, kind, pattern, exclude, fields, strict_utf8, progress, storage_cfg,
                      instructions, preferences, tokenize_with)
+    except OSError as e:
+        writer.discard()
+        raise DataError(_storage_words(e)) from None
     except BaseException:
         writer.discard()
         raise
+
+
+def _storage_words(e: BaseException) -> str:
+    """A storage error in a prepare's words: `storage.explained`, or a StorageError's own."""
+    return str(e) if isinstance(e, StorageError) else explained(e)
 
 
 def _fill(writer: ShardWriter, src, tok: Tokenizer, files, kind: str, pattern, exclude, fields, strict_utf8,
@@ -296,7 +309,11 @@ def read_meta(uri: str, storage_cfg=None, tokenizer: str | None = None, kind: st
     ("preferences", "instructions"; "": documents) the records it must hold (the hint says so)."""
     fs, root = _filesystem(uri, storage_cfg)
     path = posixpath.join(root, "meta.json")
-    if fs.get_file_info(path).type != pafs.FileType.File:
+    try:
+        found = fs.get_file_info(path).type
+    except OSError as e:
+        raise DataError(f"cannot read the dataset at {uri}: {_storage_words(e)}") from None
+    if found != pafs.FileType.File:
         flag = f" --{kind}" if kind else ""
         how = f"{flag} --tokenizer {tokenizer}`, the model's own tokenizer" if tokenizer else f"{flag}`"
         raise DataError(f"no dataset at {uri}: expected {path} (make one with `rayzero data prepare SRC {uri}{how})")

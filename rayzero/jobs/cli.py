@@ -77,9 +77,9 @@ def _train(args) -> int:
     except TrainingFailed as e:
         print(f"rayzero: training failed: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt as e:  # Ctrl-C: one line, the shell's code for SIGINT, no traceback
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: one line, the shell's code for the signal, no traceback
         print(f"\nrayzero: {e if isinstance(e, Stopped) else 'stopped before training began'}", file=sys.stderr)
-        return 130
+        return 128 + (e.signal if isinstance(e, Stopped) else 2)
     _print_summary(summary)
     if args.summary_json:
         Path(args.summary_json).write_text(json.dumps(summary, indent=2))

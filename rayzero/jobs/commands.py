@@ -65,7 +65,8 @@ def _parser() -> argparse.ArgumentParser:
         "it was trained on) or a safetensors export (with the model's config: --config or model.* overrides). "
         "The tokenizer: --tokenizer, else the adapter's or model directory's own, else the training data's, else "
         "bytes. With a chat template the prompt is the user's message and only the answer is printed; generation "
-        "stops at the end-of-turn and end-of-sequence tokens. A checkpoint or safetensors file may be in s3://. "
+        "stops at the end-of-turn and end-of-sequence tokens. A checkpoint, a safetensors file, an HF directory "
+        "or a PEFT adapter directory may be in s3://. "
         + STORAGE_OPTIONS))
     g.add_argument("weights", help="a checkpoint, an HF model directory, a PEFT adapter directory, or a "
                                    ".safetensors file")

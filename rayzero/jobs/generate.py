@@ -209,6 +209,8 @@ def load_generator(weights: str, cfg: RootConfig | None = None, tokenizer: str |
     storage = cfg.checkpoint
     chosen = load_tokenizer(tokenizer) if tokenizer else None
     local = Path(weights).expanduser()
+    if "://" in weights and not weights.startswith("file://") and not weights.endswith(".safetensors"):
+        local = _fetched_model_dir(weights, storage) or local  # an HF or PEFT directory in S3: read as a local one
     if local.is_dir() and (local / "adapter_config.json").is_file():  # LoRA adapters (a `peft` export)
         import transformers as tf
         from peft import PeftModel
@@ -255,6 +257,30 @@ def load_generator(weights: str, cfg: RootConfig | None = None, tokenizer: str |
     if "config.json" not in files and (c.manifest.get("model_source") or {}).get("config"):
         files["config.json"] = json.dumps(c.manifest["model_source"]["config"]).encode()
     return Generator(model, tok, c.manifest.get("block_size"), eos_ids=_eos_ids(files))
+
+
+def _fetched_model_dir(uri: str, storage_cfg) -> Path | None:
+    """An HF model directory or a PEFT adapter directory in object storage (`ckpt export --format
+    hf|peft` writes them there), copied to a temporary directory removed at exit; None where
+    `uri` holds neither (a checkpoint, say)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    import pyarrow.fs as pafs
+
+    from rayzero.storage import Storage, StorageError
+
+    try:
+        root = Storage(uri, storage_cfg)
+        if root.size("config.json") is None and root.size("adapter_config.json") is None:
+            return None
+        to = Path(tempfile.mkdtemp(prefix="rayzero-generate-"))
+        atexit.register(shutil.rmtree, to, ignore_errors=True)
+        pafs.copy_files(root.base, str(to), source_filesystem=root.fs, destination_filesystem=pafs.LocalFileSystem())
+    except (StorageError, OSError) as e:
+        raise ConfigError(f"{uri}: cannot read it: {e}") from None
+    return to
 
 
 def adapter_base(adapter: Path, cfg: RootConfig) -> str:

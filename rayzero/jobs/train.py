@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -429,6 +430,11 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None,
         KEPT.release()  # ranks kept by an earlier run, and its Ray connection, are not this run's
     if starts_local_ray(cfg):  # before anything is written: not after the placement wait
         check_local_capacity(cfg)
+    # S3 settings left to the AWS variables are resolved here, once, for the driver's checks and
+    # for the ranks alike (Ray starts them without this environment); the run directory's
+    # config.json and MLflow show the settings as given.
+    given_storage = cfg.checkpoint
+    cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.with_environment()})
     cfg = adapter_start(cfg)
     cfg = absolute_data_paths(cfg)
     data_path = resolve_data(cfg)
@@ -473,8 +479,10 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None,
         return done
     if resume is not None:
         say_resume(cfg, resume)
-    run_dir = resumed_run_dir(resume) or make_run_dir(cfg)
-    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2, by_alias=True))
+    resumed_dir = resumed_run_dir(resume)
+    run_dir = resumed_dir or make_run_dir(cfg)
+    shown = cfg.model_copy(update={"checkpoint": given_storage})
+    (run_dir / "config.json").write_text(shown.model_dump_json(indent=2, by_alias=True))
     quiet_logs()
     started_ray = not ray.is_initialized()
     startup.stage("ray", ray_words(cfg.cluster.address or os.environ.get("RAY_ADDRESS", ""), started_ray))
@@ -483,6 +491,8 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None,
             _check_reachable(cfg.cluster.address)
             ray.init(address=cfg.cluster.address or None, logging_level="WARNING", log_to_driver=True)
         except ConnectionError as e:
+            if resumed_dir is None:  # the run directory this run made holds nothing yet but its config
+                shutil.rmtree(run_dir, ignore_errors=True)
             raise ClusterUnreachable(
                 f"cluster.address: cannot connect to a Ray cluster at {cfg.cluster.address!r}: {e}. "
                 "Leave it empty to start a local Ray; for a cluster with token authentication "
@@ -496,7 +506,7 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None,
             tags["checkpoint_dir"] = checkpoints.root.uri
         uri = tracking_uri(cfg, run_dir)
         local = uri.startswith(("sqlite:", "file:")) or "://" not in uri
-        tracker = Tracker(uri, cfg.tracking.experiment, cfg.tracking.run_name or run_dir.name, cfg.flat(), tags,
+        tracker = Tracker(uri, cfg.tracking.experiment, cfg.tracking.run_name or run_dir.name, shown.flat(), tags,
                           artifact_dir=str(run_dir / "artifacts") if local else None,
                           artifacts=[str(run_dir / "config.json")], spill_path=str(run_dir / "mlflow-unsent.json"),
                           flush_timeout_s=cfg.tracking.flush_timeout_s,

@@ -23,9 +23,9 @@ Where the test differs from a user's terminal, and why:
   the next one placed alike (`cluster.keep_ranks=true`, as `train_here` runs do); they are
   released before a command of another process (`ray job submit`) needs the head's CPUs.
 - The S3 block runs against the session's SeaweedFS (`s3_server`): its endpoint for
-  http://127.0.0.1:8333, a bucket of the test's own, its keys as the AWS_* variables and, for
-  the ranks (processes the head started, without those variables), as `checkpoint.s3_*`
-  overrides.
+  http://127.0.0.1:8333, a bucket of the test's own (made with the server, as a team's exists),
+  its keys only as the AWS_* variables of this process, as a user exports them: the run gives
+  them to its ranks (processes the head started, without those variables).
 - `rayzero deploy check --crds path/to/crds` takes KubeRay's CRDs beside the project
   (../shared/kuberay/crds, as tests/unit/test_kuberay.py does); without them it runs without
   `--crds`, and the schema is skipped with rayzero's own note.
@@ -155,7 +155,6 @@ class Walk:
             "s3://bucket/": f"s3://{bucket}/",
             " --crds path/to/crds": f" --crds {CRDS}" if CRDS.is_dir() else "",
         }
-        self.s3_keys = [o for o in s3_server.overrides() if not o.startswith("checkpoint.s3_endpoint=")]
         self.used: set[str] = set()
         self.job = ""  # the submission id `ray job submit` printed
         self.trained = 0  # training commands that trained
@@ -224,8 +223,6 @@ class Walk:
                 argv.append("tracking.enabled=false")
             if "cluster.num_workers=4" in argv:
                 argv.append("cluster.cpus_per_worker=0.5")
-            if any("s3://" in a for a in argv):
-                argv += self.s3_keys
         code, out, err = cli_in_process(self.capsys, self.monkeypatch, self.clone, *argv)
         self.transcript.append(out[-1500:] + err[-1500:])
         assert code == 0, self.said(f"README.md:{cmd.line}: exit code {code}\n{err}\n{self.caplog.text}")

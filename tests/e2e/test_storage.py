@@ -67,3 +67,30 @@ def test_every_uri_in_s3_with_only_the_checkpoint_settings(tmp_path, s3_server, 
         assert code == 0, err
         said.append(text)
     assert said[0] == said[1] and said[0].startswith("def f(")
+
+
+def test_credentials_only_in_the_environment_reach_every_rank(tmp_path, s3_server, small_dataset, train_here,
+                                                              monkeypatch):
+    """The S3 keys and endpoint only as the AWS_* variables of the command that joins the
+    cluster (the ranks are processes its head started, without them): data read and checkpoints
+    written by the ranks, the run directory's config.json without the keys; a bucket that does
+    not exist is refused before Ray is touched, naming it."""
+    without_aws_variables(monkeypatch)
+    for name, value in {"AWS_ACCESS_KEY_ID": s3_server.KEY, "AWS_SECRET_ACCESS_KEY": s3_server.SECRET,
+                        "AWS_ENDPOINT_URL": s3_server.endpoint, "AWS_DEFAULT_REGION": s3_server.REGION}.items():
+        monkeypatch.setenv(name, value)
+    fs = s3_server.fs()
+    pafs.copy_files(small_dataset, "uris/env-data", destination_filesystem=fs)
+    run = ["data.path=s3://uris/env-data", *FAST, "train.steps=2", "checkpoint.every_steps=2",
+           f"train.output_dir={tmp_path / 'runs'}"]
+    code, out, err, s = train_here(*run, "checkpoint.dir=s3://uris/env-ckpt")
+    assert code == 0, err[-3000:]
+    assert s["checkpoint"] == "s3://uris/env-ckpt/step-000002" and s["checkpoints_committed"] == 1
+    shown = (tmp_path / "runs").rglob("config.json")
+    assert all(s3_server.KEY not in p.read_text() and s3_server.SECRET not in p.read_text() for p in shown)
+    assert s3_server.SECRET not in out + err
+
+    code, _, err, _ = train_here(*run, "checkpoint.dir=s3://no-such-bucket/run", summary="missing.json")
+    assert code == 2 and "s3://no-such-bucket/run: the bucket 'no-such-bucket' does not exist; create it, or set " \
+                         "checkpoint.s3_create_bucket=true" in err, err[-2000:]
+    assert fs.get_file_info("no-such-bucket").type == pafs.FileType.NotFound, "nothing made"

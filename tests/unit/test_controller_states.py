@@ -3,6 +3,8 @@ shrink and come back, groups of stand-in ranks, a dispatcher that fails where a 
 checkpoints kept in memory. Each test reads what a run went through (`record.states`), what it
 decided and what it recorded."""
 
+import json
+
 import pytest
 import ray.exceptions
 
@@ -273,6 +275,8 @@ def test_a_lost_rank_restarts_the_group_from_the_last_commit(tmp_path):
     assert events.groups[1].calls[:2] == ["load_checkpoint", "apply_checkpoint"]
     assert c.tracker.rewinds == [4] and summary["resumed_from"] is None and summary["steps"] == 10
     assert [r["step"] for r in c.history.rows] == list(range(10)), "steps 4 and 5 trained again, once each"
+    on_disk = [json.loads(line)["step"] for line in (tmp_path / "history.jsonl").read_text().splitlines()]
+    assert on_disk == list(range(10)), "history.jsonl: one row per step as well"
     assert c.tracker.tags["resumed_from"] == "mem://step-000004"
     assert set(f.timings) >= {"diagnose_s", "teardown_s", "backoff_s", "placement_s", "rendezvous_s", "load_s",
                               "first_step_s", "total_s"}

@@ -164,3 +164,4 @@ def test_warm_spares_are_promised_only_where_they_fit(tmp_path, capsys, monkeypa
     monkeypatch.undo()
     code, out, plan = dry_run(tmp_path, capsys, "failure.spares=1", "cluster.address=127.0.0.1:9")  # nobody there
     assert code == 0 and "1 warm spare, room not measured: 127.0.0.1:9 is not reachable" in out.out, out.out
+

@@ -245,3 +245,42 @@ def test_without_a_dead_rank_the_failing_rank_and_phase_or_what_the_run_was_doin
     assert (f.kind, f.message) == (ERROR, "rank 2 failed in phase forward of step 9: ValueError: bad")
     f = diagnose(ValueError("bad"), None, None, dead=[], last_seen={}, step=None, doing="the rendezvous")
     assert f.message == "the rendezvous failed: ValueError: bad"
+
+
+def test_storage_that_refuses_ends_the_run_at_once_and_a_transient_fault_restarts():
+    """A checkpoint upload that fails for good is the storage's failure (which URI, what it said),
+    not an error in the training code; credentials or a missing bucket are not restarted again
+    and again."""
+    import pyarrow as pa
+
+    from rayzero.checkpoint.shards import ShardSaver, UploadFailed, _with_retries
+    from rayzero.storage import Storage, StorageSettings
+
+    storage = Storage("s3://bucket/run/step-000002", StorageSettings(endpoint="http://127.0.0.1:9", retries=3))
+    calls = []
+
+    def denied():
+        calls.append(1)
+        raise OSError("When uploading part for key 'x' in bucket 'bucket': AWS Error ACCESS_DENIED during UploadPart")
+
+    with pytest.raises(StorageError, match="uploading to s3://bucket/run/step-000002: When uploading .*ACCESS_DENIED"):
+        _with_retries(storage, denied)
+    assert len(calls) == 1, "no retry can fix refused credentials"
+    writer = object.__new__(ShardSaver)
+    writer._error = StorageError("uploading to s3://bucket/run/step-000002: ACCESS_DENIED")
+    with pytest.raises(UploadFailed) as e:
+        writer._raise()
+    assert classify(e.value) == "storage" and str(e.value).startswith("checkpoint upload failed: uploading to s3://")
+    refused = Failure("storage", str(e.value), rank=0, step=2)
+    d = policy().decide(refused, restarts=0, streak=1, world=4, capacity=4)
+    assert d.action == "give_up" and "checkpoint.s3_*" in d.reason and "training code" not in d.reason
+    flaky = Failure("storage", "checkpoint upload failed: uploading to s3://b/r: Connection reset by peer", rank=0)
+    assert policy().decide(flaky, restarts=0, streak=1, world=4, capacity=4).action == "restart"
+    assert not isinstance(pa.ArrowException("x"), StorageError)
+
+
+def test_the_last_state_says_what_it_does():
+    from rayzero.cluster.states import Finishing
+
+    assert Finishing(None, None).doing == "finishing the checkpoint uploads"
+    assert Finishing(None, None, True).doing == "finishing the checkpoint uploads and writing the final weights"

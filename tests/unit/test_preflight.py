@@ -1,9 +1,12 @@
-"""What a run keeps out of its output before it starts: Ray's own account of a dead worker
-process, which the controller gives in its own words (`failure (rank_died): ...`); the killed
-rank's run through the CLI: tests/e2e/test_failures.py."""
+"""What a run settles before it starts: Ray's own account of a dead worker process kept out of
+its output (the controller gives it in its own words, `failure (rank_died): ...`; the killed
+rank's run through the CLI: tests/e2e/test_failures.py), and a cluster it cannot reach leaving
+nothing behind."""
 
+import ray
 from ray._private import worker as ray_worker
 
+from rayzero.jobs import cli
 from rayzero.jobs.preflight import quiet_logs
 
 DIED = ("A worker died or was killed while executing a task by an unexpected system error. To troubleshoot the "
@@ -24,3 +27,12 @@ def test_the_raylets_report_of_a_dead_worker_stays_out_of_the_output(capsys, mon
     ray_worker.print_to_stdstream({"lines": [DIED, other], "pid": "raylet", "is_err": False}, ignore_prefix=False)
     out = capsys.readouterr().out
     assert other in out and "OOM killer" not in out, "Ray's other messages print as they did"
+
+
+def test_a_cluster_that_cannot_be_reached_leaves_no_run_directory(tmp_path, capsys):
+    code = cli.main(["train", "--no-progress", "cluster.address=127.0.0.1:9", f"train.output_dir={tmp_path / 'runs'}",
+                     "model.n_layer=1", "model.n_embd=32", "model.n_head=4", "checkpoint.dir="])
+    err = capsys.readouterr().err
+    assert code == 2 and "cluster.address: cannot connect to a Ray cluster at '127.0.0.1:9'" in err, err
+    assert not ray.is_initialized()
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir()), "no run directory left"

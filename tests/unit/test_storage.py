@@ -80,5 +80,74 @@ def test_the_final_weights_check_and_write_s3_with_the_checkpoint_settings(s3_se
         with pytest.raises(ValueError, match="already holds an export of gpt model"):
             check_final(uri, fmt, other, False, settings)
     wrong = dataclasses.replace(settings, secret_access_key="wrong")
-    with pytest.raises(ValueError, match="SIGNATURE_DOES_NOT_MATCH"):  # found before training, in one line
+    with pytest.raises(ValueError, match="ACCESS_DENIED .*the S3 credentials"):  # found before training, in one line
         check_destination("s3://final-unit/again.safetensors", wrong)
+
+
+def test_the_aws_variables_fill_what_the_settings_leave_empty_for_the_ranks():
+    from rayzero.checkpoint.config import CheckpointConfig
+
+    env = {"AWS_ACCESS_KEY_ID": "key", "AWS_SECRET_ACCESS_KEY": "s3cret", "AWS_SESSION_TOKEN": "tok",
+           "AWS_ENDPOINT_URL": "http://e:1", "AWS_DEFAULT_REGION": "r"}
+    got = CheckpointConfig().with_environment(env).storage
+    assert got == StorageSettings(endpoint="http://e:1", region="r", access_key_id="key", secret_access_key="s3cret",
+                                  session_token="tok")
+    assert "s3cret" not in repr(got) and "tok" not in repr(got)
+    given = load_config(None, ["checkpoint.s3_endpoint=http://mine:2", "checkpoint.s3_access_key_id=mine",
+                               "checkpoint.s3_secret_access_key=other"]).checkpoint
+    got = given.with_environment({**env, "AWS_ENDPOINT_URL_S3": "http://s3only:3"}).storage
+    assert (got.endpoint, got.access_key_id, got.secret_access_key, got.region) == ("http://mine:2", "mine", "other", "r")
+    alone = CheckpointConfig().with_environment({"AWS_ACCESS_KEY_ID": "key"}).storage  # a key without its secret
+    assert alone.access_key_id == "" and CheckpointConfig().with_environment({}) == CheckpointConfig()
+
+
+def test_a_bucket_that_does_not_exist_is_refused_by_name_or_made_when_asked(tmp_path, s3_server, capsys,
+                                                                           monkeypatch):
+    without_aws_variables(monkeypatch)
+    s3 = s3_server.overrides()
+    settings = load_config(None, s3).checkpoint.storage
+    with pytest.raises(StorageError, match="s3://missing-a/run: the bucket 'missing-a' does not exist; create it, "
+                                           "or set checkpoint.s3_create_bucket=true"):
+        Storage("s3://missing-a/run", settings).probe()
+    code, out, err = cli_in_process(capsys, monkeypatch, tmp_path, "ckpt", "ls", "s3://missing-a/run", *s3)
+    assert code == 2 and "the bucket 'missing-a' does not exist" in err and not out, (out, err)
+    (tmp_path / "d.txt").write_text("a document")
+    code, _, err = cli_in_process(capsys, monkeypatch, tmp_path, "data", "prepare", "d.txt", "s3://missing-a/tokens",
+                                  "--no-progress", *s3)
+    assert code == 2 and err.count("\n") == 1 and "the bucket 'missing-a' does not exist" in err, err
+    with pytest.raises(ValueError, match="the bucket 'missing-a' does not exist"):
+        check_destination("s3://missing-a/w.safetensors", settings)
+    assert s3_server.fs().get_file_info("missing-a").type == pafs.FileType.NotFound
+    Storage("s3://missing-a/run", dataclasses.replace(settings, create_bucket=True)).probe()  # asked: made
+    assert s3_server.fs().get_file_info("missing-a").type == pafs.FileType.Directory
+
+
+def test_refused_credentials_are_one_line_naming_what_to_fix(tmp_path, s3_server, capsys, monkeypatch):
+    without_aws_variables(monkeypatch)
+    wrong = [o if not o.startswith("checkpoint.s3_secret_access_key=") else "checkpoint.s3_secret_access_key=wrong"
+             for o in s3_server.overrides()]
+    (tmp_path / "d.txt").write_text("a document")
+    code, _, err = cli_in_process(capsys, monkeypatch, tmp_path, "data", "prepare", "d.txt", "s3://prepare-out/bad",
+                                  "--no-progress", *wrong)
+    assert code == 2 and err.startswith("rayzero: error: ") and err.count("\n") == 1, err
+    assert "the S3 credentials: checkpoint.s3_access_key_id" in err and "=wrong" not in err
+    with pytest.raises(Exception) as e:
+        read_meta("s3://prepare-out/tokens", load_config(None, wrong).checkpoint)
+    assert type(e.value).__name__ == "DataError" and "cannot read the dataset at s3://prepare-out/tokens" in str(e.value)
+
+
+def test_generate_reads_an_hf_directory_in_s3_as_a_local_one(tmp_path, s3_server, capsys, monkeypatch):
+    """The directory `ckpt export --format hf` writes to S3 is a model `rayzero generate` takes."""
+    from tests.models import save_hf_model, save_tokenizer
+
+    without_aws_variables(monkeypatch)
+    model = save_hf_model("llama", tmp_path / "llama")
+    save_tokenizer(model, ["def f(x):\n    return x\n" * 20], vocab=300)
+    pafs.copy_files(str(model), "models/hf-llama", destination_filesystem=s3_server.fs())
+    said = []
+    for where in (str(model), "s3://models/hf-llama"):
+        code, out, err = cli_in_process(capsys, monkeypatch, tmp_path, "generate", where, "--prompt", "def f(",
+                                        "--max-new-tokens", "4", "--raw", *s3_server.overrides())
+        assert code == 0, err
+        said.append(out)
+    assert said[0] == said[1] and said[0].startswith("def f(")
