@@ -27,7 +27,7 @@ class SeaweedS3:
     # The buckets the tests write to, made when the server starts, as a team's exist before its
     # runs: rayzero refuses a bucket that does not exist (checkpoint.s3_create_bucket creates one).
     BUCKETS = ("ckpt", "bucket", "texts", "prepare-src", "prepare-out", "final-unit", "models", "uris",
-               "readme")
+               "readme", "team")
 
     def __init__(self, root: Path):
         self.root = root

@@ -92,7 +92,8 @@ class TrackingConfig(Frozen):
         default=30.0, ge=0,
         description="At the end of a run, how long to wait for a slow or unreachable tracking server to "
         "take the metrics kept while it did not answer; what is left is written to "
-        "`mlflow-unsent.json` in the run directory.",
+        "`mlflow-unsent.json` in the run directory, which the next run of that directory (or `rayzero tracking "
+        "send RUN_DIR`) sends into the same MLflow run.",
     )
 
 

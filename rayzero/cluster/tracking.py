@@ -6,6 +6,12 @@ queued, retries with backoff, and sends it all when the server answers. At the e
 waits `flush_timeout_s` for the queue to drain; what still has not gone is written to a JSON
 file in the run directory, and the warning says where.
 
+What was written there is sent later, into the same run: the next run or resume of the same
+run directory (`unsent`) sends it first, before anything of its own, and `rayzero tracking send
+RUN_DIR` sends it without training. The file keeps the run itself (its params, tags and config
+artifact), not only the metrics, for a server that was down from the start; it is deleted once
+all of it is sent.
+
 When training goes back to a commit and trains the steps after it again (a rerun after Ctrl-C,
 a restart after a failure), `rewind` supersedes their earlier points, in order with the rest:
 a SQL store (the default sqlite file) loses them, so the run holds one point per step; a
@@ -25,6 +31,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+UNSENT = "mlflow-unsent.json"  # in the run directory: what the server did not take in time
 _PARAM_BATCH = 100  # MLflow's limit on params per log_batch call
 _METRIC_BATCH = 1000  # … and on metrics
 _START_WAIT_S = 2.0  # how long reading `run_id` waits to learn it (never longer)
@@ -34,9 +41,12 @@ _RETRY_MAX_S = 30.0
 class Tracker:
     def __init__(self, uri: str, experiment: str, run_name: str, params: dict, tags: dict, *,
                  artifact_dir: str | None = None, artifacts: list[str] = (), spill_path: str | None = None,
-                 flush_timeout_s: float = 30.0, resume: tuple[str | None, int] | None = None):
+                 flush_timeout_s: float = 30.0, resume: tuple[str | None, int] | None = None,
+                 unsent: str | None = None, own_run: bool = True):
         """`resume`: (the MLflow run id a checkpoint recorded, its step): that run goes on, if
-        this store has it, rather than a new one starting."""
+        this store has it, rather than a new one starting. `unsent`: a file an earlier tracker
+        of this run spilled (`_spill`), sent first, into the run it was for (the run this one
+        then goes on with), and deleted once sent. `own_run=False`: only that (`send_unsent`)."""
         self.uri = uri
         self.resume = resume
         self._run_id: str | None = None
@@ -53,9 +63,23 @@ class Tracker:
         self._stop = threading.Event()
         self._warned = False
         self._warned_rewind = False
-        self._queue.put(("start", experiment, run_name, params, tags, artifact_dir))
-        for path in artifacts:
-            self._queue.put(("artifact", str(path)))
+        earlier = load_unsent(unsent)
+        if earlier is not None:
+            self._run_id = earlier["run_id"]  # the run it was for, where the server had it; else its start makes it
+            # a run resumed at step k trains the steps from k again: their first points never go (a
+            # tracking server could not take them back), so the run holds one point per step there too
+            cut = (resume[1] if resume[1] > 0 else -1) if resume is not None else None
+            for op in earlier["ops"]:
+                if op[0] == "metrics" and cut is not None:
+                    op = ("metrics", [m for m in op[1] if m[3] < cut])
+                if op[0] != "end":  # the run goes on (or `send_unsent` ends it as it ended)
+                    self._queue.put(op)
+            self._queue.put(("sent", unsent))
+        if own_run:  # as MLflow takes them, strings (a secret masked, as its str() is): so the file keeps them too
+            self._queue.put(("start", experiment, run_name, {k: str(v) for k, v in params.items()},
+                             {k: str(v) for k, v in tags.items()}, artifact_dir))
+            for path in artifacts:
+                self._queue.put(("artifact", str(path)))
         self._thread = threading.Thread(target=self._run, name="rayzero-mlflow", daemon=True)
         self._thread.start()
 
@@ -160,6 +184,9 @@ class Tracker:
         kind = op[0]
         if kind == "start":
             _, experiment, run_name, params, tags, artifact_dir = op
+            if self._run_id is not None:  # the run an earlier tracker of this run left values for: it goes on
+                self.resume = (self._run_id, self.resume[1] if self.resume else 0)
+                self._run_id = None
             if self._run_id is None and self.resume is not None and self._continue(params, tags):
                 return
             if self._run_id is None:
@@ -183,6 +210,9 @@ class Tracker:
             self._rewind(*op[1:])
         elif kind == "end":
             self.client.set_terminated(self.run_id, status=op[1])
+        elif kind == "sent":  # everything an earlier tracker left is in: its file goes
+            Path(op[1]).unlink(missing_ok=True)
+            log.warning("MLflow at %s took the values an earlier run left in %s", self.uri, op[1])
 
     def _continue(self, params: dict, tags: dict) -> bool:
         """Go on with the resumed run in this store, if it has it: RUNNING again, the params
@@ -236,9 +266,11 @@ class Tracker:
             self._warned_rewind = True
 
     def _spill(self) -> None:
-        """What never reached the server, as JSON in the run directory: one point per step, and
-        the rewinds the server never got (it still holds the points they supersede)."""
-        left = self._pending + list(self._drain())
+        """What never reached the server, as JSON in the run directory: every operation left, in
+        order (`ops`: the run's start with its params and tags where the server never had it,
+        artifacts, metrics, tags, rewinds, its end), which a later tracker sends (`unsent`);
+        and, to read, one point per step (`metrics`) and the rewinds the server never got."""
+        left = [op for op in self._pending + list(self._drain()) if op[0] != "sent"]
         rows, rewinds = [], []
         for op in left:
             if op[0] == "metrics":
@@ -250,8 +282,10 @@ class Tracker:
         if not self.spill_path:
             log.warning("MLflow at %s never answered; %d metric values were not sent", self.uri, len(rows))
             return
-        Path(self.spill_path).write_text(json.dumps({"tracking_uri": self.uri, "run_id": self.run_id,
-                                                     "metrics": rows, "rewinds": rewinds}, indent=1))
+        tmp = Path(self.spill_path).with_suffix(".tmp")
+        tmp.write_text(json.dumps({"tracking_uri": self.uri, "run_id": self._run_id, "ops": [list(op) for op in left],
+                                   "metrics": rows, "rewinds": rewinds}, indent=1))
+        os.replace(tmp, self.spill_path)
         self.spilled_to = self.spill_path
         log.warning("MLflow at %s did not take the last %d metric values within %.0fs; they are in %s",
                     self.uri, len(rows), self.flush_timeout_s, self.spill_path)
@@ -262,6 +296,48 @@ class Tracker:
                 yield self._queue.get_nowait()
             except queue.Empty:
                 return
+
+
+def load_unsent(path: str | None) -> dict | None:
+    """What a tracker spilled to `path` (`Tracker._spill`): {"tracking_uri", "run_id", "ops"},
+    the ops as the queue holds them; None where there is no such file. A file from before the
+    ops were kept holds the metrics alone: those are sent."""
+    if not path or not Path(path).is_file():
+        return None
+    try:
+        kept = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        log.warning("cannot read %s (%s): its values are not sent", path, e)
+        return None
+    ops = kept.get("ops")
+    if ops is None:
+        ops = [["metrics", [[m["key"], m["value"], m["timestamp"], m["step"]] for m in kept.get("metrics", [])]]]
+    return {"tracking_uri": kept.get("tracking_uri"), "run_id": kept.get("run_id"),
+            "ops": [_as_op(op) for op in ops]}
+
+
+def _as_op(op: list) -> tuple:
+    """An operation read back from JSON, as the queue holds it (metrics as tuples)."""
+    if op[0] == "metrics":
+        return ("metrics", [tuple(m) for m in op[1]])
+    return tuple(op)
+
+
+def send_unsent(path: str, uri: str | None = None, timeout_s: float = 60.0) -> dict:
+    """`rayzero tracking send`: what a run left in `path` (its run directory's
+    mlflow-unsent.json), sent to its tracking URI (or `uri`) without training: the run made
+    where the server never had it, ended as the run ended. {"run_id", "sent": bool}."""
+    kept = load_unsent(path)
+    if kept is None:
+        raise FileNotFoundError(path)
+    if not kept["run_id"] and not any(op[0] == "start" for op in kept["ops"]):
+        raise ValueError(f"{path} names no MLflow run to send its values to (a file from before runs were kept "
+                         "in it)")
+    ends = [op[1] for op in kept["ops"] if op[0] == "end"]
+    t = Tracker(uri or kept["tracking_uri"], "", "", {}, {}, spill_path=path, flush_timeout_s=timeout_s,
+                unsent=path, own_run=False)
+    t.finish(ends[-1] if ends else "FINISHED")
+    return {"run_id": t._run_id, "sent": not Path(path).exists()}
 
 
 def seed_sqlite_store(uri: str) -> None:

@@ -367,6 +367,24 @@ class _UserError(Exception):
     pass
 
 
+def _tracking(args) -> int:
+    """`tracking send`: what a run left unsent, into its MLflow run."""
+    from rayzero.cluster.tracking import UNSENT, send_unsent
+
+    path = Path(args.run_dir)
+    path = path / UNSENT if path.is_dir() else path
+    if not path.is_file():
+        raise _UserError(f"{args.run_dir}: nothing left unsent ({path} does not exist)")
+    try:
+        done = send_unsent(str(path), args.uri, args.timeout)
+    except ValueError as e:
+        raise _UserError(str(e)) from None
+    if not done["sent"]:
+        raise _UserError(f"MLflow did not take everything within {args.timeout:g} s; what is left stays in {path}")
+    print(f"sent {path} to MLflow run {done['run_id']}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -378,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "deploy":
             return _deploy(args)
+        if args.command == "tracking":
+            return _tracking(args)
         return _prepare(args)
     except (ConfigError, DataError, _UserError) as e:
         print(f"rayzero: error: {e}", file=sys.stderr)

@@ -1,5 +1,5 @@
 """The `rayzero` command: `rayzero train …`, `rayzero data prepare SRC OUT`, `rayzero ckpt …`,
-`rayzero deploy check FILE…`."""
+`rayzero deploy check FILE…`, `rayzero tracking send RUN_DIR`."""
 
 from __future__ import annotations
 
@@ -116,6 +116,16 @@ def _parser() -> argparse.ArgumentParser:
                                     "(default: $RAYZERO_KUBERAY_CRDS; without either the schema is not checked)")
     chk.add_argument("--workdir", default=".", help="where an entrypoint's --config resolves: the repository "
                                                     "root, which the image has at /app (default: here)")
+    m = sub.add_parser("tracking", help="MLflow tools")
+    msub = m.add_subparsers(dest="tracking_command", required=True)
+    send = msub.add_parser("send", help="send what a run could not send to MLflow", description=(
+        "Send what a run left in its run directory's mlflow-unsent.json when its MLflow server did not answer "
+        "(its params, tags and config where the server never had the run, its metrics, its end) into the MLflow "
+        "run it was for, made where the server never had it; the file goes once all of it is in. The next run "
+        "or resume of the same run directory does this by itself."))
+    send.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (or the mlflow-unsent.json in it)")
+    send.add_argument("--uri", help="the tracking URI to send to (default: the one the run used)")
+    send.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the server (default 60)")
     return p
 
 

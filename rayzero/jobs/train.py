@@ -18,7 +18,7 @@ from rayzero.storage import StorageError
 from rayzero.cluster.checkpoints import Checkpoints
 from rayzero.cluster.controller import Controller
 from rayzero.cluster.startup import CHECKS, Startup
-from rayzero.cluster.tracking import NullTracker, Tracker
+from rayzero.cluster.tracking import UNSENT, NullTracker, Tracker
 from rayzero.cluster.worker_group import KEPT
 from rayzero.checkpoint.export import check_destination, check_final, export_identity
 from rayzero.config import ConfigError, RootConfig
@@ -218,7 +218,9 @@ def tracking_uri(cfg: RootConfig, run_dir: Path) -> str:
 
 
 def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
-    """Fail fast on a host:port nobody listens on (ray.init would retry for minutes)."""
+    """Fail fast on a host:port nobody listens on (ray.init would retry for minutes), and on a
+    cluster that refuses this process's authentication (ray.init would print Ray's refusal
+    every second for 20 s, then say only that it cannot connect)."""
     host, sep, port = address.removeprefix("ray://").rpartition(":")
     if not sep or not port.isdigit():
         return  # "", "auto", or a form ray.init resolves itself
@@ -226,6 +228,42 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
     except OSError as e:
         raise ConnectionError(f"{host}:{port} is not reachable ({e})") from None
+    if not address.startswith("ray://"):  # a GCS address: ask it, as ray.init will, once
+        _check_authentication(f"{host}:{port}", timeout_s)
+
+
+def _check_authentication(gcs: str, timeout_s: float) -> None:
+    """One GCS call with this process's credentials (RAY_AUTH_MODE=token: its token): a
+    refusal is a ConnectionError that says what to set. Anything else is left to ray.init."""
+    try:
+        import grpc
+        from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+    except ImportError:
+        return
+    token = os.environ.get("RAY_AUTH_MODE", "").lower() == "token"
+    metadata = ()
+    if token:
+        try:
+            from ray._private.authentication.grpc_authentication_client_interceptor import (
+                _get_authentication_metadata_tuple,
+            )
+            metadata = _get_authentication_metadata_tuple()
+        except Exception:  # noqa: BLE001 (Ray's internals moved: ray.init checks the token itself)
+            return
+    with grpc.insecure_channel(gcs) as channel:
+        try:
+            gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
+                gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s, metadata=metadata)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAUTHENTICATED:
+                return
+            where = ("the token `ray get-auth-token` prints on its head node, as RAY_AUTH_TOKEN or in "
+                     "~/.ray/auth_token")
+            raise ConnectionError(
+                f"the cluster uses token authentication and refused this process's token: give it {where}"
+                if token else
+                f"the cluster uses token authentication: export RAY_AUTH_MODE=token before the command, with "
+                f"{where}") from None
 
 
 def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | None = None, job: bool = False) -> dict:
@@ -488,15 +526,17 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None,
     startup.stage("ray", ray_words(cfg.cluster.address or os.environ.get("RAY_ADDRESS", ""), started_ray))
     if started_ray:
         try:
-            _check_reachable(cfg.cluster.address)
+            _check_reachable(cfg.cluster.address or os.environ.get("RAY_ADDRESS", ""))
             ray.init(address=cfg.cluster.address or None, logging_level="WARNING", log_to_driver=True)
         except ConnectionError as e:
             if resumed_dir is None:  # the run directory this run made holds nothing yet but its config
                 shutil.rmtree(run_dir, ignore_errors=True)
+            key = "cluster.address" if cfg.cluster.address else "RAY_ADDRESS"
             raise ClusterUnreachable(
-                f"cluster.address: cannot connect to a Ray cluster at {cfg.cluster.address!r}: {e}. "
-                "Leave it empty to start a local Ray; for a cluster with token authentication "
-                "set RAY_AUTH_MODE=token."
+                f"{key}: cannot connect to a Ray cluster at {cfg.cluster.address or os.environ['RAY_ADDRESS']!r}: "
+                f"{e}" + ("" if "token authentication" in str(e) else
+                          ". Leave it empty to start a local Ray; for a cluster with token authentication "
+                          "set RAY_AUTH_MODE=token.")
             ) from None
     tracker = NullTracker()
     if cfg.tracking.enabled:
@@ -508,7 +548,8 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None,
         local = uri.startswith(("sqlite:", "file:")) or "://" not in uri
         tracker = Tracker(uri, cfg.tracking.experiment, cfg.tracking.run_name or run_dir.name, shown.flat(), tags,
                           artifact_dir=str(run_dir / "artifacts") if local else None,
-                          artifacts=[str(run_dir / "config.json")], spill_path=str(run_dir / "mlflow-unsent.json"),
+                          artifacts=[str(run_dir / "config.json")], spill_path=str(run_dir / UNSENT),
+                          unsent=str(run_dir / UNSENT),  # what an earlier run of this directory could not send
                           flush_timeout_s=cfg.tracking.flush_timeout_s,
                           resume=(resume.manifest.get("mlflow_run_id"), resume.step) if resume is not None else None)
     try:

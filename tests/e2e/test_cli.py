@@ -284,3 +284,26 @@ def test_ctrl_c_then_the_command_again_keeps_one_mlflow_point_per_step(tmp_path,
     assert sorted(m.step for m in loss) == list(range(8))
     run = client.get_run(s["mlflow_run_id"])
     assert run.info.status == "FINISHED" and run.data.metrics["loss"] == pytest.approx(s["final_loss"])
+
+
+def test_a_token_cluster_joined_without_token_mode_says_so_within_seconds(tmp_path, ray_cluster):
+    """The session's head uses token authentication; a command run without RAY_AUTH_MODE=token
+    is refused in one line saying what to set (Ray's own refusal would repeat every second for
+    20 s before a bare "cannot connect"), and leaves no run directory behind."""
+    import os
+    import subprocess
+
+    from tests.e2e.conftest import BIN
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
+    r = subprocess.run([str(BIN / "rayzero"), "train", "--no-progress", f"cluster.address={ray_cluster}",
+                        "model.n_layer=1", "checkpoint.dir=", "tracking.enabled=false",
+                        f"train.output_dir={tmp_path / 'runs'}"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"rayzero: error: cluster.address: cannot connect to a Ray cluster at '{ray_cluster}': the cluster uses "
+        "token authentication: export RAY_AUTH_MODE=token before the command, with the token `ray get-auth-token` "
+        "prints on its head node, as RAY_AUTH_TOKEN or in ~/.ray/auth_token")
+    assert "InvalidAuthToken" not in r.stderr + r.stdout, "refused before ray.init, not by Ray's retries"
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

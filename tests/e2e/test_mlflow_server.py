@@ -114,11 +114,28 @@ def test_a_tracking_server_down_at_the_start_and_frozen_later_loses_nothing(tmp_
     assert client.get_run(run_id).info.status == "FINISHED"
 
 
-def test_a_server_that_never_answers_leaves_the_metrics_in_the_run_directory(train):
-    dead = f"http://127.0.0.1:{free_port()}"
+def test_a_server_that_never_answers_leaves_the_run_in_the_run_directory_and_the_resume_sends_it(train, tmp_path):
+    """Down from the start to the end of a run: its params, tags and metrics stay in the run
+    directory. The server back on its address, the same command told 8 steps resumes from the
+    step-6 commit and sends them first: one MLflow run, one point per step, the file gone."""
+    port = free_port()
+    dead = f"http://127.0.0.1:{port}"
     out, err, s = train(f"tracking.uri={dead}", "train.steps=6", "tracking.flush_timeout_s=3")
     assert f"MLflow at {dead} does not answer" in err
     assert s["steps"] == 6 and s["mlflow_run_id"] is None
     unsent = json.loads(open(s["mlflow_unsent"]).read())
     assert sorted({m["step"] for m in unsent["metrics"] if m["key"] == "loss"}) == list(range(6))
     assert f"did not answer; unsent metrics in {s['mlflow_unsent']}" in out
+    (tmp_path / "mlflow").mkdir()
+    server = MlflowServer(tmp_path / "mlflow", port=port).start()
+    try:
+        out, err, again = train(f"tracking.uri={dead}", "train.steps=8", "tracking.flush_timeout_s=3")
+        assert again["start_step"] == 6 and again["run_dir"] == s["run_dir"]
+        client = MlflowClient(server.uri)
+        (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+        assert run.info.run_id == again["mlflow_run_id"] and run.info.status == "FINISHED"
+        assert run.data.params["train.steps"] == "6" and "resumed_at_step_6" in run.data.tags
+        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(8))
+        assert not os.path.exists(s["mlflow_unsent"]), "all of it sent: the file goes"
+    finally:
+        server.stop()

@@ -135,3 +135,66 @@ def test_a_new_sqlite_store_starts_as_mlflow_would_make_it(tmp_path, monkeypatch
     before = seeded.read_bytes()
     seed_sqlite_store(f"sqlite:///{seeded}")
     assert seeded.read_bytes() == before
+
+
+def test_what_a_server_never_took_goes_into_one_run_when_the_run_goes_on(tmp_path):
+    """MLflow down from the start to the end: the file keeps the run itself (params, tags, its
+    metrics, its end), and the next tracker of the same run directory sends all of it first,
+    into the run it then goes on with, and deletes the file; steps trained again supersede
+    their first points, as they would have."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    spill = tmp_path / "mlflow-unsent.json"
+    from pydantic import SecretStr
+
+    t = Tracker(dead, "unit", "run-u", {"train.steps": 6, "checkpoint.s3_secret_access_key": SecretStr("s3cret")},
+                {"strategy": "optim"}, spill_path=str(spill), flush_timeout_s=0.5)
+    for step in range(4):
+        t.log_metrics(step, {"loss": float(step)})
+    t.finish("KILLED")
+    assert "s3cret" not in spill.read_text(), "a secret is kept as MLflow shows it, masked"
+    kept = json.loads(spill.read_text())
+    assert kept["run_id"] is None and [op[0] for op in kept["ops"]] == ["start", "metrics", "metrics", "metrics",
+                                                                          "metrics", "end"]
+    # the same directory's next run (here the server is a sqlite store): resumed from step 2
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    again = Tracker(uri, "unit", "run-u", {"train.steps": 6}, {"strategy": "optim"}, spill_path=str(spill),
+                    unsent=str(spill), resume=(None, 2))
+    again.rewind(2, ["loss"])
+    for step in range(2, 6):
+        again.log_metrics(step, {"loss": 10.0 + step})
+    again.finish("FINISHED")
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("unit").experiment_id])
+    assert run.info.run_id == again.run_id and run.info.status == "FINISHED"
+    assert run.data.params == {"train.steps": "6", "checkpoint.s3_secret_access_key": "**********"}
+    assert run.data.tags["strategy"] == "optim"
+    assert sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")) == [
+        (0, 0.0), (1, 1.0), (2, 12.0), (3, 13.0), (4, 14.0), (5, 15.0)]
+    assert not spill.exists(), "sent: the file goes"
+
+
+def test_the_command_sends_what_was_left_without_training(tmp_path, capsys, monkeypatch):
+    from tests.conftest import cli_in_process
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text("{}")
+    t = Tracker(dead, "unit", "run-c", {"optim.lr": 0.1}, {"strategy": "no_shard"},
+                artifacts=[str(run_dir / "config.json")], spill_path=str(run_dir / "mlflow-unsent.json"),
+                flush_timeout_s=0.5)
+    for step in range(3):
+        t.log_metrics(step, {"loss": 1.0 + step})
+    t.finish("FINISHED")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    code, out, err = cli_in_process(capsys, monkeypatch, tmp_path, "tracking", "send", str(run_dir), "--uri", uri)
+    assert code == 0 and out.startswith(f"sent {run_dir / 'mlflow-unsent.json'} to MLflow run "), err
+    client = MlflowClient(uri)
+    run = client.get_run(out.split()[-1])
+    assert run.info.status == "FINISHED" and run.data.params == {"optim.lr": "0.1"}
+    assert [m.value for m in sorted(client.get_metric_history(run.info.run_id, "loss"), key=lambda m: m.step)] == [
+        1.0, 2.0, 3.0]
+    assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["config.json"]
+    assert not (run_dir / "mlflow-unsent.json").exists()
+    code, _, err = cli_in_process(capsys, monkeypatch, tmp_path, "tracking", "send", str(run_dir))
+    assert code == 2 and "nothing left unsent" in err
