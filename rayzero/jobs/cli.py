@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import signal
 import sys
 from pathlib import Path
 
@@ -70,6 +71,7 @@ def _train(args) -> int:
     from rayzero.cluster.worker_group import PlacementError
     from rayzero.jobs.train import ClusterUnreachable, run_train
 
+    previous = _on_sigterm()  # before training; the controller takes SIGTERM over while it trains
     try:
         summary = run_train(cfg, progress=not args.no_progress, startup=startup)
     except (PlacementError, ClusterUnreachable, CheckpointError, StorageError) as e:
@@ -78,12 +80,39 @@ def _train(args) -> int:
         print(f"rayzero: training failed: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: one line, the shell's code for the signal, no traceback
-        print(f"\nrayzero: {e if isinstance(e, Stopped) else 'stopped before training began'}", file=sys.stderr)
-        return 128 + (e.signal if isinstance(e, Stopped) else 2)
+        if isinstance(e, Stopped):
+            said, signum = str(e), e.signal
+        else:
+            terminated = isinstance(e, _Terminated)
+            said = ("terminated (SIGTERM): " if terminated else "") + "stopped before training began"
+            signum = 15 if terminated else 2
+        print(f"\nrayzero: {said}", file=sys.stderr)
+        return 128 + signum
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     _print_summary(summary)
     if args.summary_json:
         Path(args.summary_json).write_text(json.dumps(summary, indent=2))
     return 0
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM before training began (`ray job stop`, a pod stopped during the checks)."""
+
+
+def _on_sigterm():
+    """SIGTERM raises _Terminated, as Ctrl-C raises KeyboardInterrupt; the previous handler
+    (None off the main thread, where none can be set)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def terminated(signum, frame):
+        raise _Terminated
+
+    return signal.signal(signal.SIGTERM, terminated)
 
 
 def _print_plan(p: dict) -> None:

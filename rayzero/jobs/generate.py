@@ -300,7 +300,10 @@ def adapter_base(adapter: Path, cfg: RootConfig) -> str:
     if not base:
         raise ConfigError(f"{adapter}: the adapter names no base model (base_model_name_or_path): give "
                           "model.path=BASE_DIR")
-    config = Path(base).expanduser() / "config.json"
+    where_base = Path(base).expanduser()
+    if "://" in base and not base.startswith("file://"):  # a base in object storage: read as a local one
+        where_base = _fetched_model_dir(base, cfg.checkpoint) or where_base
+    config = where_base / "config.json"
     if not config.is_file():
         where = "model.path" if given else "the base it names,"
         raise ConfigError(f"{adapter}: {where} {base} is not a model directory (no config.json): give "
@@ -312,7 +315,7 @@ def adapter_base(adapter: Path, cfg: RootConfig) -> str:
     mine = digest(config)
     recorded = found.identity.get("config_sha256")
     trained_on = found.identity.get("source") or named or "another model"
-    same_path = bool(named) and Path(named).expanduser().resolve() == Path(base).expanduser().resolve()
+    same_path = bool(named) and (named == base or Path(named).expanduser().resolve() == where_base.resolve())
     if recorded and recorded != mine:
         if same_path:
             raise ConfigError(f"{adapter}: the model at {base} is not the one the adapter was trained on: its "
@@ -324,4 +327,4 @@ def adapter_base(adapter: Path, cfg: RootConfig) -> str:
         if other.is_file() and digest(other) != mine:
             raise ConfigError(f"{adapter}: the adapter was trained on {named} (config {digest(other)}), not on "
                               f"model.path {base} (config {mine}); give model.path={named}, or leave it out")
-    return base
+    return str(where_base)

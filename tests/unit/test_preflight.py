@@ -36,3 +36,24 @@ def test_a_cluster_that_cannot_be_reached_leaves_no_run_directory(tmp_path, caps
     assert code == 2 and "cluster.address: cannot connect to a Ray cluster at '127.0.0.1:9'" in err, err
     assert not ray.is_initialized()
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir()), "no run directory left"
+
+
+def test_a_sigterm_during_the_checks_stops_with_one_line_and_exit_143(tmp_path, capsys, monkeypatch):
+    """`ray job stop` (or a pod stopped) while the run is still checking its inputs: one line,
+    the shell's code for SIGTERM, nothing started (the controller takes SIGTERM over while it
+    trains: tests/e2e/test_cli.py)."""
+    import os
+    import signal
+
+    from rayzero.jobs import train
+
+    def sigterm_while_checking(cfg):
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("the signal ends the checks")
+
+    monkeypatch.setattr(train, "resolve_data", sigterm_while_checking)
+    before = signal.getsignal(signal.SIGTERM)
+    code = cli.main(["train", "--no-progress", f"train.output_dir={tmp_path / 'runs'}", "checkpoint.dir="])
+    assert code == 143 and capsys.readouterr().err.strip().splitlines()[-1] == (
+        "rayzero: terminated (SIGTERM): stopped before training began")
+    assert signal.getsignal(signal.SIGTERM) is before and not ray.is_initialized()

@@ -136,18 +136,32 @@ def test_refused_credentials_are_one_line_naming_what_to_fix(tmp_path, s3_server
     assert type(e.value).__name__ == "DataError" and "cannot read the dataset at s3://prepare-out/tokens" in str(e.value)
 
 
-def test_generate_reads_an_hf_directory_in_s3_as_a_local_one(tmp_path, s3_server, capsys, monkeypatch):
-    """The directory `ckpt export --format hf` writes to S3 is a model `rayzero generate` takes."""
+def test_generate_reads_hf_and_peft_directories_in_s3_as_local_ones(tmp_path, s3_server, capsys, monkeypatch):
+    """The directories `ckpt export --format hf|peft` write to S3 are models `rayzero generate`
+    takes: an HF model, and a PEFT adapter whose base is in S3 too."""
+    import peft
+    import transformers as tf
+
     from tests.models import save_hf_model, save_tokenizer
 
     without_aws_variables(monkeypatch)
+    fs = s3_server.fs()
     model = save_hf_model("llama", tmp_path / "llama")
     save_tokenizer(model, ["def f(x):\n    return x\n" * 20], vocab=300)
-    pafs.copy_files(str(model), "models/hf-llama", destination_filesystem=s3_server.fs())
+    pafs.copy_files(str(model), "models/hf-llama", destination_filesystem=fs)
+    lora = peft.get_peft_model(tf.AutoModelForCausalLM.from_pretrained(str(model)),
+                               peft.LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
+    lora.save_pretrained(tmp_path / "adapter")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    (tmp_path / "adapter" / "adapter_config.json").write_text(
+        json.dumps({**config, "base_model_name_or_path": "s3://models/hf-llama"}))
+    pafs.copy_files(str(tmp_path / "adapter"), "models/adapter", destination_filesystem=fs)
     said = []
-    for where in (str(model), "s3://models/hf-llama"):
-        code, out, err = cli_in_process(capsys, monkeypatch, tmp_path, "generate", where, "--prompt", "def f(",
+    for where in ([str(model)], ["s3://models/hf-llama"], [str(tmp_path / "adapter"), f"model.path={model}"],
+                  ["s3://models/adapter"]):
+        code, out, err = cli_in_process(capsys, monkeypatch, tmp_path, "generate", *where, "--prompt", "def f(",
                                         "--max-new-tokens", "4", "--raw", *s3_server.overrides())
-        assert code == 0, err
+        assert code == 0, (where, err)
         said.append(out)
     assert said[0] == said[1] and said[0].startswith("def f(")
+    assert said[2] == said[3], "the adapter from S3 onto its base from S3: what it gives locally"
