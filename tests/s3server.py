@@ -19,6 +19,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _ports(names: tuple[str, ...]) -> dict[str, int]:
+    """A free port per service, none of them another's gRPC port: `weed mini` gives each service
+    its port + 10000 for gRPC and refuses to start where one of those is another's port."""
+    while True:
+        ports = {name: free_port() for name in names}
+        taken = set(ports.values())
+        if len(taken) == len(names) and all(p + 10000 < 65536 and p + 10000 not in taken for p in taken):
+            return ports
+
+
 class SeaweedS3:
     """A real S3 server (SeaweedFS `weed mini`) on loopback, with credentials, persisting to
     `data_dir`. `stop()` and `start()` take it down and bring it back on the same ports."""
@@ -31,7 +41,7 @@ class SeaweedS3:
 
     def __init__(self, root: Path):
         self.root = root
-        self.ports = {name: free_port() for name in ("s3", "master", "filer", "volume", "webdav", "admin", "debug")}
+        self.ports = _ports(("s3", "master", "filer", "volume", "webdav", "admin", "debug"))
         self.endpoint = f"http://127.0.0.1:{self.ports['s3']}"
         (root / "s3.json").write_text(json.dumps({"identities": [{
             "name": "admin", "credentials": [{"accessKey": self.KEY, "secretKey": self.SECRET}],

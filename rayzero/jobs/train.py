@@ -379,7 +379,8 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
         if cfg.tracking.enabled else None,
         "data": cfg.data.path or "the default corpus (prepared on first use)",
         "failure": {"max_restarts": cfg.failure.max_restarts, "phase_timeout_s": cfg.failure.phase_timeout_s,
-                    "spares": cfg.failure.spares, "spare_room": spare_room(cfg, local) if cfg.failure.spares else None},
+                    "spares": cfg.failure.spares,  # a job's room is its cluster's, not measured from here
+                    "spare_room": spare_room(cfg, local) if cfg.failure.spares and not job else None},
     }
 
 
