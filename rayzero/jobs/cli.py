@@ -54,7 +54,7 @@ def _ckpt(args) -> int:
 def _train(args) -> int:
     cfg = load_config(args.config, args.overrides)  # before torch and Ray are imported: a typo fails at once
     if args.dry_run:
-        from rayzero.jobs.train import plan
+        from rayzero.jobs.plan import plan
 
         p = plan(cfg)  # ConfigError: the refusal the run would give, the same exit code
         _print_plan(p)

@@ -389,7 +389,7 @@ def dry_run(config: str | None, overrides: list[str], workdir: str | Path = ".")
     A relative `config` resolves against `workdir`. DeployError with rayzero's own message,
     one problem per line of it."""
     from rayzero.config import ConfigError, load_config
-    from rayzero.jobs.train import plan
+    from rayzero.jobs.plan import plan
 
     path = None
     if config:

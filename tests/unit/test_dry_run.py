@@ -144,7 +144,7 @@ def test_the_batch_is_split_over_the_data_parallel_ranks_only(tmp_path, capsys):
 def test_warm_spares_are_promised_only_where_they_fit(tmp_path, capsys, monkeypatch):
     """On this machine for a run that starts its own Ray; on the cluster's free resources at
     `cluster.address` (read with this process's connection, or one made and closed again)."""
-    from rayzero.jobs import preflight, train
+    from rayzero.jobs import plan as planning, preflight
 
     monkeypatch.setattr(preflight, "local_capacity", lambda: {"CPU": 2.0, "GPU": 0.0})
     code, out, plan = dry_run(tmp_path, capsys, "failure.spares=1")
@@ -157,7 +157,7 @@ def test_warm_spares_are_promised_only_where_they_fit(tmp_path, capsys, monkeypa
     code, out, plan = dry_run(tmp_path, capsys, "failure.spares=2")
     assert "2 warm spares, room for them on this machine (5 CPU; the 2 ranks take 2 CPU)" in out.out
 
-    monkeypatch.setattr(train, "cluster_free", lambda address: {"CPU": 3.0})
+    monkeypatch.setattr(planning, "cluster_free", lambda address: {"CPU": 3.0})
     code, out, plan = dry_run(tmp_path, capsys, "failure.spares=2", "cluster.address=10.0.0.1:6379")
     assert ("2 warm spares asked, but only 1 can be placed on the cluster at 10.0.0.1:6379, free now (3 CPU; the 2 "
             "ranks take 2 CPU)") in out.out

@@ -305,7 +305,7 @@ def test_model_config_keys_of_another_kind_are_refused():
         load_config(None, ["model.kind=hf", "model.path=x", "model.n_layer=4"])
     with pytest.raises(ConfigError, match=r"model.path: model.kind=hf needs the model directory"):
         load_config(None, ["model.kind=hf"])
-    from rayzero.jobs.train import plan
+    from rayzero.jobs.plan import plan
 
     with pytest.raises(ConfigError, match=r"model.factory: model.kind=module needs"):
         plan(load_config(None, ["model.kind=module"]))
