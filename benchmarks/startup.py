@@ -80,7 +80,7 @@ def start_head(env: dict) -> tuple[str, Path]:
     one running before a job: (its address, its temporary folder)."""
     temp = Path(tempfile.mkdtemp(prefix="rayzero-startup-ray-"))
     port = free_port()
-    # Token authentication, as the README starts a cluster: a token is made only if none exists.
+    # Token authentication, as the Ray cluster guide starts one: a token is made only if none exists.
     subprocess.run([str(BIN / "ray"), "get-auth-token", "--generate"], env=env, check=True, capture_output=True,
                    timeout=60)
     subprocess.run([str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",

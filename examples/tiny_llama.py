@@ -12,7 +12,7 @@ With `--tokenizer-from FILE ...` the directory gets a tokenizer of its own, as a
 has one: a byte-level BPE of the model's 320 ids (every byte, then merges) trained on those
 files, saved as `save_pretrained` writes it, for `rayzero data prepare --tokenizer DIR`:
 
-    python examples/tiny_llama.py runs/my-llama --tokenizer-from README.md docs/configuration.md
+    python examples/tiny_llama.py runs/my-llama --tokenizer-from README.md docs/reference/configuration.md
 """
 
 import argparse

@@ -1,10 +1,12 @@
 """The configuration reference, generated from the config classes themselves.
 
-    python -m rayzero.config_reference            # (re)write docs/configuration.md
+    python -m rayzero.config_reference            # (re)write docs/reference/configuration.md
     python -m rayzero.config_reference --check    # exit 1 if it is out of date
 
 Every key, its type, its default and its description come from `RootConfig`'s sections, so the
-reference cannot drift from what `load_config` accepts.
+reference cannot drift from what `load_config` accepts; and where a key's type rules values out
+(a bound, a set of choices, a number or a flag), the message `load_config` gives one of them,
+asked of `load_config` itself when the reference is written.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from pydantic_core import PydanticUndefined
 
 from rayzero.config import RootConfig
 
-DEFAULT_PATH = "docs/configuration.md"
+DEFAULT_PATH = "docs/reference/configuration.md"
 REGENERATE = "python -m rayzero.config_reference"
 
 TITLE = "# Configuration reference"
@@ -50,6 +52,7 @@ class Row:
     default: str  # as users would type it in an override (`""` for an empty string)
     meaning: str
     secret: bool = False
+    wrong: str = ""  # a value the key refuses, as typed in an override ("" where its type takes any text)
 
 
 def sections() -> list[tuple[str, type[BaseModel]]]:
@@ -73,7 +76,7 @@ def rows(model: type[BaseModel], prefix: str) -> list[Row]:
                            _clean(field.description or "") + f" Its keys: {keys}."))
             continue
         out.append(Row(key, render_type(field), render_default(field), _clean(field.description or ""),
-                       secret=_is_secret(field.annotation)))
+                       secret=_is_secret(field.annotation), wrong=WRONG.get(key) or wrong_value(field)))
     return out
 
 
@@ -94,9 +97,9 @@ def render() -> str:
         doc = _docstring(model)
         if doc:
             parts += [doc, ""]
-        parts += ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+        parts += ["| key | type | default | meaning | a wrong value gets |", "| --- | --- | --- | --- | --- |"]
         for r in rows(model, name):
-            cells = [f"`{r.key}`", r.type, f"`{r.default}`" if r.default else "", r.meaning]
+            cells = [f"`{r.key}`", r.type, f"`{r.default}`" if r.default else "", r.meaning, refusal(r)]
             parts.append("| " + " | ".join(_cell(c) for c in cells) + " |")
         parts.append("")
     return "\n".join(parts)
@@ -168,6 +171,55 @@ def _bound(m: Any) -> str:
     if isinstance(m, at.MaxLen):
         return f"at most {m.max_length} long"
     return ""
+
+
+# --------------------------------------------------------------------------- wrong values
+
+# Keys whose type takes text that a validator of their own then reads: a value it refuses.
+WRONG = {"model.activation_checkpointing": "sometimes", "sharding.bucket_numel": "lots",
+         "sharding.loss_scale": "lots", "parallel.pp_layers": "two"}
+
+
+def wrong_value(field: FieldInfo) -> str:
+    """A value `field` refuses by its type alone, as typed in an override: one past a bound, a
+    choice that is not one, a word for a number or a flag; "" where the type takes any text
+    (paths, names, patterns: those are checked against what they name, when a run starts)."""
+    tp = field.annotation
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        members = [a for a in typing.get_args(tp) if a is not type(None)]
+        if any(typing.get_origin(a) is Literal for a in members) and all(
+                typing.get_origin(a) is Literal for a in members):
+            return "nosuch"
+        if len(members) != 1:
+            return ""
+        tp = members[0]
+    if typing.get_origin(tp) is typing.Annotated:
+        tp = typing.get_args(tp)[0]
+    if typing.get_origin(tp) is Literal or (isinstance(tp, type) and issubclass(tp, enum.Enum)):
+        return "nosuch"
+    if tp is bool:
+        return "maybe"
+    if tp in (int, float):
+        for m in field.metadata:
+            for cls, step in ((at.Ge, -1), (at.Gt, 0), (at.Le, 1), (at.Lt, 0)):
+                if isinstance(m, cls):
+                    return _value(getattr(m, cls.__name__.lower()) + step)
+        return "many"
+    return ""
+
+
+def refusal(row: Row) -> str:
+    """What `load_config` says to `row.key=row.wrong`: the reference shows the real message."""
+    if not row.wrong:
+        return ""
+    from rayzero.config import ConfigError, load_config
+
+    try:
+        load_config(None, [f"{row.key}={row.wrong}"])
+    except ConfigError as e:
+        said = "; ".join(line.strip() for line in str(e).splitlines()[1:] if line.strip())
+        return f"`{row.key}={row.wrong}` → {said}"
+    raise AssertionError(f"{row.key}={row.wrong} is accepted: the reference's wrong value is not wrong")
 
 
 # --------------------------------------------------------------------------- defaults

@@ -49,6 +49,8 @@ class TrainConfig(RootConfig):
 
 
 class Trainer:
+    """Runs a configuration, as `rayzero train` does, from Python: `Trainer(config).fit()`."""
+
     def __init__(self, config: RootConfig | str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
                  *, model: Callable[..., Any] | None = None, progress: bool = True):
         """`config`: a TrainConfig, or the path of a YAML file (None: every default);
@@ -71,6 +73,12 @@ class Trainer:
         self.progress = progress
 
     def fit(self) -> "Result":
+        """Train: start a local Ray (or join `cluster.address`), run to `train.steps`, and shut
+        down only what it started, so it runs again in the same kernel. Fitting the same config
+        again resumes from its last commit and goes on in the same run directory, MLflow run and
+        history. An interrupt (Ctrl-C, a notebook's stop) ends the run after the iteration in
+        flight, its last commit intact. A mistake in the config, the data or the model raises a
+        `ConfigError` before Ray starts; a run that fails for good raises with its cause."""
         from rayzero.jobs.train import train_run
 
         summary, rows = train_run(self.config, progress=self.progress, factory=self.model)
@@ -79,6 +87,8 @@ class Trainer:
 
 @dataclass
 class Result:
+    """What a run did: its summary, its metrics step by step, and the way to its weights."""
+
     summary: dict  # what `rayzero train --summary-json` writes
     rows: list[dict]  # each step's metrics
     config: RootConfig | None = None  # the job's
@@ -125,10 +135,12 @@ class Result:
 
     @property
     def mlflow_run_id(self) -> str | None:
+        """The MLflow run the metrics went to (None with `tracking.enabled=false`)."""
         return self.summary["mlflow_run_id"] or None
 
     @property
     def final_weights(self) -> str | None:
+        """Where `train.save_final` wrote the final weights (None without it)."""
         return self.summary["final_weights"]
 
     def generate(self, prompt: str | None = None, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,

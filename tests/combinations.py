@@ -250,7 +250,7 @@ def excluded_pairs() -> list:
 
 
 def readme_block() -> str:
-    """What the README's Tests section says of the configurations (kept equal to this by
+    """What docs/concepts/tests.md says of the configurations (kept equal to this by
     tests/unit/test_allpairs.py; `python -m tests.combinations` prints it)."""
     from itertools import combinations
 

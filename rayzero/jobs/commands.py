@@ -24,7 +24,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--dry-run", action="store_true",
                    help="validate the config and print the plan (world size, strategy, accumulation, "
                         "memory per rank) without starting Ray; --summary-json gets the plan")
-    t.add_argument("overrides", nargs="*", metavar="key=value")
+    t.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="dotted config keys, over the --config file's values (the keys: below)")
     d = sub.add_parser("data", help="dataset tools")
     dsub = d.add_subparsers(dest="data_command", required=True)
     prep = dsub.add_parser("prepare", help="tokenize text, JSON lines or Parquet into token shards", description=(
@@ -82,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--tokenizer", default=None, help="`byte` or a tokenizer directory")
     g.add_argument("--config", default=None, help="the training job's YAML (a safetensors export's model)")
-    g.add_argument("overrides", nargs="*", metavar="key=value")
+    g.add_argument("overrides", nargs="*", metavar="key=value", help="storage settings (checkpoint.s3_*)")
     c = sub.add_parser("ckpt", help="checkpoint tools", description=(
         "Inspect committed checkpoints. URI is a checkpoint directory (ls; the others take its "
         "newest commit) or one step-… prefix. " + STORAGE_OPTIONS))
@@ -90,8 +91,10 @@ def _parser() -> argparse.ArgumentParser:
     for name, text in (("ls", "committed checkpoints: step, size, world size, strategy"),
                        ("verify", "read every shard and check its checksums"),
                        ("export", "consolidated weights: one safetensors file, or a Hugging Face directory")):
-        cmd = csub.add_parser(name, help=text)
-        cmd.add_argument("uri")
+        cmd = csub.add_parser(name, help=text, description=(
+            f"{text[0].upper()}{text[1:]}. URI is a checkpoint directory ({'its commits' if name == 'ls' else 'its newest commit'}) "
+            "or one step-… prefix. " + STORAGE_OPTIONS))
+        cmd.add_argument("uri", help="a checkpoint directory or one step-… prefix: a local path, file:// or s3://")
         if name == "export":
             cmd.add_argument("out", help="output .safetensors file, or directory with --format hf or peft (local "
                                          "path or s3://…)")
@@ -105,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
             cmd.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                              help="dtype of the weights written; auto: hf = the pretrained weights' dtype (else "
                                   "the config's), safetensors = float32")
-        cmd.add_argument("overrides", nargs="*", metavar="key=value")
+        cmd.add_argument("overrides", nargs="*", metavar="key=value", help="storage settings (checkpoint.s3_*)")
     k = sub.add_parser("deploy", help="KubeRay deployment tools")
     ksub = k.add_subparsers(dest="deploy_command", required=True)
     chk = ksub.add_parser("check", help="validate RayJob/RayCluster manifests before kubectl apply", description=(
@@ -136,7 +139,7 @@ def _keys_epilog() -> str:
 
     from rayzero.config import RootConfig
 
-    lines = ["config keys (defaults and meanings: docs/configuration.md, or `python -m rayzero.config_reference`):"]
+    lines = ["config keys (defaults and meanings: docs/reference/configuration.md, or `python -m rayzero.config_reference`):"]
     for section, field in RootConfig.model_fields.items():
         keys = ", ".join(f.alias or name for name, f in field.annotation.model_fields.items())
         lines += textwrap.wrap(f"{section}: {keys}", width=100, initial_indent="  ", subsequent_indent="    ")

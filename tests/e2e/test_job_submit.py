@@ -1,6 +1,6 @@
 """`ray job submit -- rayzero train …` on a running cluster: a job that fails, and a submission
 without the token. The README's own submission, a job that trains and succeeds (its log streamed
-back, its status, its logs, its checkpoint), runs in test_readme.py, in the README's order."""
+back, its status, its logs, its checkpoint), runs in test_examples.py, in the order of its guide's page."""
 
 import os
 import re

@@ -1,7 +1,7 @@
 """Users' own models through the CLI on real Ray: an HF Llama fine-tuned from its
 pretrained weights and exported back to a directory transformers loads; a module from the
 user's working directory. (A class defined where `Trainer` is called, as in a notebook cell:
-the README's own example, run by test_readme.py.)"""
+the README's own example, run by test_examples.py.)"""
 
 import json
 import textwrap

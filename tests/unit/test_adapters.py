@@ -111,5 +111,5 @@ def test_help_lists_the_config_keys_and_adapter_directories(capsys):
         with pytest.raises(SystemExit):
             cli.main(argv)
     out = capsys.readouterr().out
-    assert "docs/configuration.md" in out and "  model: kind, path, init," in out and "checkpoint: dir," in out
+    assert "docs/reference/configuration.md" in out and "  model: kind, path, init," in out and "checkpoint: dir," in out
     assert "a PEFT adapter directory" in " ".join(out.split())

@@ -114,9 +114,9 @@ def test_a_pair_left_out_is_one_the_product_refuses(rule, keys, says, tmp_path):
     assert says in str(refused.value), str(refused.value)
 
 
-def test_the_readme_says_what_the_configurations_cover():
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+def test_the_docs_say_what_the_configurations_cover():
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "concepts" / "tests.md").read_text()
     start, end = "<!-- configurations: python -m tests.combinations -->\n", "\n<!-- /configurations -->"
     assert start in readme and end in readme
     said = readme[readme.index(start) + len(start):readme.index(end)]
-    assert said == combos.readme_block(), "README.md's Tests section: paste `python -m tests.combinations`"
+    assert said == combos.readme_block(), "docs/concepts/tests.md: paste `python -m tests.combinations`"

@@ -1,4 +1,4 @@
-"""docs/configuration.md: generated from the config classes, and in step with them."""
+"""docs/reference/configuration.md: generated from the config classes, and in step with them."""
 
 import functools
 import re
@@ -11,20 +11,20 @@ from pydantic import BaseModel, Field, SecretStr
 from rayzero import config_reference as ref
 from rayzero.config import ConfigError, RootConfig, load_config
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "reference" / "configuration.md"
 
 
 @functools.cache
 def table() -> dict[str, dict[str, str]]:
-    """The reference's rows as users read them: key -> {type, default, meaning} (cell text)."""
+    """The reference's rows as users read them: key -> {type, default, meaning, wrong} (cell text)."""
     out = {}
     for line in ref.render().splitlines():
         if not line.startswith("| `"):
             continue
         cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line)[1:-1]]
-        key, typ, default, meaning = cells
+        key, typ, default, meaning, wrong = cells
         assert key not in out, f"{key} listed twice"
-        out[key.strip("`")] = {"type": typ, "default": default, "meaning": meaning}
+        out[key.strip("`")] = {"type": typ, "default": default, "meaning": meaning, "wrong": wrong}
     return out
 
 
@@ -38,9 +38,9 @@ def all_fields(model: type[BaseModel], prefix: str):
 
 
 def test_committed_reference_is_up_to_date():
-    assert DOC.is_file(), "docs/configuration.md is missing: run python -m rayzero.config_reference"
+    assert DOC.is_file(), "docs/reference/configuration.md is missing: run python -m rayzero.config_reference"
     assert DOC.read_text() == ref.render(), (
-        "docs/configuration.md is out of date: run python -m rayzero.config_reference"
+        "docs/reference/configuration.md is out of date: run python -m rayzero.config_reference"
     )
 
 
@@ -141,3 +141,25 @@ def test_unknown_key_suggestions_use_the_keys_users_type():
     with pytest.raises(ConfigError) as info:
         load_config(None, ["checkpoint.asyn=false"])
     assert "did you mean 'async'?" in str(info.value) and "async_" not in str(info.value)
+
+
+def test_a_wrong_value_shows_the_message_the_key_gets():
+    """Where a key's type rules values out, the reference shows one and what `load_config` says
+    to it: the message is the real one (asked when the reference is written), and it names the key."""
+    rows = table()
+    shown = {key: row["wrong"] for key, row in rows.items() if row["wrong"]}
+    assert len(shown) > 0.7 * len(rows), sorted(set(rows) - set(shown))
+    for key, cell in shown.items():
+        value, said = re.fullmatch(r"`(\S+?)` → (.+)", cell).groups()
+        assert value.startswith(f"{key}=") and said.startswith(key), cell
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [value])
+        assert said.split(";")[0].replace("\\|", "|") in str(e.value), (cell, str(e.value))
+    assert shown["train.steps"].startswith("`train.steps=0` → train.steps: Input should be greater than or equal to 1")
+    assert "expected none, full, every:N" in shown["model.activation_checkpointing"]
+
+
+def test_a_wrong_value_that_is_accepted_fails_the_reference():
+    row = ref.Row("train.steps", "`int`", "100", "Steps.", wrong="50")
+    with pytest.raises(AssertionError, match="train.steps=50 is accepted"):
+        ref.refusal(row)

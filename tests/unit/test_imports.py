@@ -278,7 +278,7 @@ LAYERS = [
     ["rayzero.workers"],
     ["rayzero.cluster"],
     ["rayzero.jobs"],
-    ["rayzero.sdk", "rayzero.config_reference"],
+    ["rayzero.sdk", "rayzero.config_reference", "rayzero.cli_reference"],
 ]
 TOP = len(LAYERS)  # the package root, which re-exports the SDK: nothing imports it
 
