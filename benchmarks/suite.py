@@ -48,8 +48,9 @@ CAPABILITIES = {
         "unit/test_controller_states"],
     "data": ["e2e/test_text_data", "unit/test_data", "unit/test_one_tokenizer", "unit/test_text_data"],
     "tracking (MLflow)": ["e2e/test_mlflow_server", "unit/test_tracking"],
-    "the CLI, SDK, jobs and the README": [
-        "e2e/test_cli", "e2e/test_sdk", "e2e/test_job_submit", "e2e/test_examples", "unit/test_docs", "e2e/test_cleanup",
+    "the CLI, SDK, jobs, the team path and the docs' examples": [
+        "e2e/test_cli", "e2e/test_sdk", "e2e/test_job_submit", "e2e/test_team_path", "e2e/test_examples",
+        "e2e/test_readme", "unit/test_docs", "e2e/test_cleanup",
         "e2e/test_bad_input", "unit/test_config", "unit/test_config_reference", "unit/test_dry_run",
         "unit/test_kuberay", "unit/test_dispatch", "unit/test_placement", "unit/test_imports", "unit/test_results",
         "unit/test_startup"],
