@@ -3,7 +3,8 @@ its order): every ```bash and ```python block of a page, in the page's order, in
 the repository as a clone has it (`git ls-files`, and the untracked files git does not ignore),
 each page in a copy of its own, as a user who lands on it and pastes its commands one after
 another: each gets what it promises, and every training command trains (none finds an earlier
-example's checkpoints and has nothing to train, or is refused as another model). The blocks are
+example's checkpoints and has nothing to train, or is refused as another model), with no
+warning the page does not show. The blocks are
 read when the test runs, so the pages and this test stay in step: a command that cannot run here
 must be named in SKIPPED or REPLACED, a page's text the test substitutes must still be there,
 and an entry no command of any page matches any more fails the test as well.
@@ -273,6 +274,9 @@ class Walk:
         code, out, err = cli_in_process(self.capsys, self.monkeypatch, self.clone, *argv)
         self.transcript.append(out[-1500:] + err[-1500:])
         assert code == 0, self.said(f"{cmd.where}: exit code {code}\n{err}\n{self.caplog.text}")
+        warned = [line for line in err.splitlines() if line.startswith("rayzero: warning")]
+        shown = [w for w in warned if any(e in w for e in cmd.expect)]
+        assert warned == shown, self.said(f"{cmd.where}: a warning the page does not show: {warned}")
         if training:
             self.assert_trained(out, cmd)
             if "--config" not in argv:  # (a config file may name its own checkpoint.dir)
