@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
+from rayzero.config_reference import page_command
 from rayzero.jobs.commands import _parser
 
 DEFAULT_PATH = "docs/reference/cli.md"
@@ -83,23 +83,8 @@ def _cell(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=f"python -m {__name__}",
-                                description="Write the command-line reference generated from the parser.")
-    p.add_argument("--check", action="store_true", help="exit 1 if PATH differs from the generated text")
-    p.add_argument("path", nargs="?", default=DEFAULT_PATH, help=f"where it goes (default: {DEFAULT_PATH})")
-    args = p.parse_args(argv)
-    path, text = Path(args.path), render()
-    how = REGENERATE + ("" if args.path == DEFAULT_PATH else f" {args.path}")
-    if args.check:
-        if not path.is_file() or path.read_text() != text:
-            print(f"{args.path} is {'out of date' if path.is_file() else 'missing'}: run {how}", file=sys.stderr)
-            return 1
-        print(f"{args.path} is up to date")
-        return 0
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    print(f"wrote {args.path}")
-    return 0
+    return page_command(argv, "rayzero.cli_reference", "the command-line reference generated from the parser",
+                        DEFAULT_PATH, render)
 
 
 if __name__ == "__main__":

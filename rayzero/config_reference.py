@@ -291,16 +291,19 @@ def _cell(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m rayzero.config_reference",
-        description="Write the configuration reference generated from the config classes.",
-    )
+    return page_command(argv, "rayzero.config_reference", "the configuration reference generated from the config "
+                        "classes", DEFAULT_PATH, render)
+
+
+def page_command(argv: list[str] | None, module: str, what: str, default_path: str, render_page) -> int:
+    """`python -m MODULE [--check] [PATH]` for a page generated from the code: write it, or with
+    `--check` exit 1 (saying the command that renews it) where PATH differs from what it renders."""
+    p = argparse.ArgumentParser(prog=f"python -m {module}", description=f"Write {what}.")
     p.add_argument("--check", action="store_true", help="exit 1 if PATH differs from the generated text")
-    p.add_argument("path", nargs="?", default=DEFAULT_PATH, help=f"where it goes (default: {DEFAULT_PATH})")
+    p.add_argument("path", nargs="?", default=default_path, help=f"where it goes (default: {default_path})")
     args = p.parse_args(argv)
-    path = Path(args.path)
-    text = render()
-    how = REGENERATE + ("" if args.path == DEFAULT_PATH else f" {args.path}")
+    path, text = Path(args.path), render_page()
+    how = f"python -m {module}" + ("" if args.path == default_path else f" {args.path}")
     if args.check:
         if not path.is_file():
             print(f"{args.path} does not exist: run {how}", file=sys.stderr)
