@@ -5,6 +5,8 @@ One run, in rounds (default 3), each round all of:
      process of its own, starting a local Ray of its own (no RAY_ADDRESS), the default model
      (`tiny`) and data (the stdlib corpus, prepared before the first round: its first-use
      preparation is not timed), MLflow and checkpoints on, as the defaults have them;
+  1b. the same with `cluster.dashboard=true`: the local Ray with its dashboard, as every run
+     started one before the dashboard was left out (the baseline of that change);
   2. the same joining a Ray that is already running (`ray start --head`, started once before
      the rounds, as on a cluster or under `ray job submit`): Ray's own start left out;
   3. the same as 2 with `tracking.enabled=false`: MLflow's share left out as well;
@@ -131,6 +133,7 @@ def median_stages(rows: list[dict]) -> dict:
 
 VARIANTS = {  # name: (what it is, whether it joins the running head, extra overrides)
     "local": ("rayzero, starting a local Ray", False, []),
+    "local_dashboard": ("rayzero, starting a local Ray, cluster.dashboard=true", False, ["cluster.dashboard=true"]),
     "join": ("rayzero, joining a running Ray", True, []),
     "join_no_mlflow": ("rayzero, joining a running Ray, tracking.enabled=false", True, ["tracking.enabled=false"]),
 }
@@ -153,7 +156,8 @@ def main() -> None:
 
     def one_round(count: bool) -> None:
         # The local one first, while no head runs: ray.init() would join a head started here.
-        ours_now = {"local": again(rayzero_round, overrides, env)}
+        ours_now = {name: again(rayzero_round, [*overrides, *extra], env)
+                    for name, (_, joins, extra) in VARIANTS.items() if not joins}
         token_env = {**env, "RAY_AUTH_MODE": "token"}
         address, _ = start_head(token_env)
         try:

@@ -35,6 +35,12 @@ class ClusterConfig(Frozen):
         default=1.0, gt=0,
         description="CPUs Ray reserves for each rank; may be fractional.",
     )
+    dashboard: bool = Field(
+        default=False,
+        description="Start Ray's dashboard with the local Ray this run starts (no `cluster.address`): its web UI "
+        "on 127.0.0.1:8265, the state API and `ray job`. Left out by default, as a run needs none of it and it "
+        "costs about 2 s of the start; a cluster the run joins keeps its own.",
+    )
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         default="PACK",
         description="Ray placement-group strategy for the ranks: `PACK` keeps them on as few nodes as "

@@ -342,8 +342,10 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None,
     startup.stage("ray", ray_words(cfg.cluster.address or os.environ.get("RAY_ADDRESS", ""), started_ray))
     if started_ray:
         try:
-            _check_reachable(cfg.cluster.address or os.environ.get("RAY_ADDRESS", ""))
-            ray.init(address=cfg.cluster.address or None, logging_level="WARNING", log_to_driver=True)
+            address = cfg.cluster.address or os.environ.get("RAY_ADDRESS", "")
+            _check_reachable(address)
+            ray.init(address=cfg.cluster.address or None, logging_level="WARNING", log_to_driver=True,
+                     **local_ray_options(cfg, address))
         except ConnectionError as e:
             if resumed_dir is None:  # the run directory this run made holds nothing yet but its config
                 shutil.rmtree(run_dir, ignore_errors=True)
@@ -392,6 +394,13 @@ def shutdown_ray() -> None:
         ray.shutdown()
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def local_ray_options(cfg: RootConfig, address: str) -> dict:
+    """`ray.init`'s options for the Ray a run starts when it joins none (`address` empty): no
+    dashboard unless `cluster.dashboard` asks for one (it costs about 2 s of the start and a run
+    needs none of it). A cluster the run joins is left as it is."""
+    return {} if address or cfg.cluster.dashboard else {"include_dashboard": False}
 
 
 def ray_words(address: str, connects: bool) -> str:
