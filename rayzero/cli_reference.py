@@ -49,7 +49,7 @@ def render() -> str:
     parts += ["| command | what it does |", "| --- | --- |"]
     parts += [f"| [`rayzero {' '.join(w)}`](#{'-'.join(('rayzero', *w))}) | {_cell(h)} |" for w, _, h in cmds]
     parts.append("")
-    for words, sub, helped in cmds:
+    for words, sub, _ in cmds:
         parts += [f"## rayzero {' '.join(words)}", ""]
         usage = " ".join(sub.format_usage().split())
         parts += ["```text", usage.removeprefix("usage: "), "```", ""]

@@ -27,7 +27,7 @@ from pydantic import BaseModel, SecretBytes, SecretStr
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from rayzero.config import RootConfig
+from rayzero.config import ConfigError, RootConfig, load_config
 
 DEFAULT_PATH = "docs/reference/configuration.md"
 REGENERATE = "python -m rayzero.config_reference"
@@ -187,8 +187,7 @@ def wrong_value(field: FieldInfo) -> str:
     tp = field.annotation
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         members = [a for a in typing.get_args(tp) if a is not type(None)]
-        if any(typing.get_origin(a) is Literal for a in members) and all(
-                typing.get_origin(a) is Literal for a in members):
+        if all(typing.get_origin(a) is Literal for a in members):
             return "nosuch"
         if len(members) != 1:
             return ""
@@ -212,8 +211,6 @@ def refusal(row: Row) -> str:
     """What `load_config` says to `row.key=row.wrong`: the reference shows the real message."""
     if not row.wrong:
         return ""
-    from rayzero.config import ConfigError, load_config
-
     try:
         load_config(None, [f"{row.key}={row.wrong}"])
     except ConfigError as e:

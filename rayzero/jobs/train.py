@@ -339,19 +339,18 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None,
     (run_dir / "config.json").write_text(shown.model_dump_json(indent=2, by_alias=True))
     quiet_logs()
     started_ray = not ray.is_initialized()
-    startup.stage("ray", ray_words(cfg.cluster.address or os.environ.get("RAY_ADDRESS", ""), started_ray))
+    startup.stage("ray", ray_words(address, started_ray))
     if started_ray:
         try:
-            address = cfg.cluster.address or os.environ.get("RAY_ADDRESS", "")
             _check_reachable(address)
             ray.init(address=cfg.cluster.address or None, logging_level="WARNING", log_to_driver=True,
-                     **local_ray_options(cfg, address))
+                     **local_ray_options(cfg))
         except ConnectionError as e:
             if resumed_dir is None:  # the run directory this run made holds nothing yet but its config
                 shutil.rmtree(run_dir, ignore_errors=True)
             key = "cluster.address" if cfg.cluster.address else "RAY_ADDRESS"
             raise ClusterUnreachable(
-                f"{key}: cannot connect to a Ray cluster at {cfg.cluster.address or os.environ['RAY_ADDRESS']!r}: "
+                f"{key}: cannot connect to a Ray cluster at {address!r}: "
                 f"{e}" + ("" if "token authentication" in str(e) else
                           ". Leave it empty to start a local Ray; for a cluster with token authentication "
                           "set RAY_AUTH_MODE=token.")
@@ -396,11 +395,11 @@ def shutdown_ray() -> None:
         signal.signal(signal.SIGINT, previous)
 
 
-def local_ray_options(cfg: RootConfig, address: str) -> dict:
-    """`ray.init`'s options for the Ray a run starts when it joins none (`address` empty): no
-    dashboard unless `cluster.dashboard` asks for one (it costs about 2 s of the start and a run
-    needs none of it). A cluster the run joins is left as it is."""
-    return {} if address or cfg.cluster.dashboard else {"include_dashboard": False}
+def local_ray_options(cfg: RootConfig) -> dict:
+    """`ray.init`'s options for a run of `cfg` from here: where it starts a Ray of its own
+    (`starts_local_ray`), no dashboard unless `cluster.dashboard` asks for one (it costs about
+    2 s of the start and a run needs none of it); a cluster the run joins is left as it is."""
+    return {"include_dashboard": False} if starts_local_ray(cfg) and not cfg.cluster.dashboard else {}
 
 
 def ray_words(address: str, connects: bool) -> str:

@@ -180,6 +180,7 @@ class Walk:
         self.ray_head = ray_head
         self.capsys, self.monkeypatch, self.caplog = capsys, monkeypatch, caplog
         self.clone = Path()
+        self.checkpoint_dirs: set[str] = set()  # where the current page's runs trained
         bucket = "readme"
         # A page's text -> what it is here; each must be found in some page.
         self.substitutions = {
@@ -208,7 +209,7 @@ class Walk:
     def page(self, page: str, clone: Path) -> None:
         """Every block of `page` in order, in `clone` (a fresh copy of the repository)."""
         self.clone = clone
-        self.checkpoint_dirs: set[str] = set()  # where this page's runs trained
+        self.checkpoint_dirs = set()
         self.monkeypatch.chdir(clone)
         self.monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)  # what an earlier page exported
         started = time.monotonic()

@@ -35,14 +35,16 @@ def test_each_stage_is_one_line_with_its_time_and_the_stages_add_up_to_the_first
     assert s.timings() == {"checks_s": 0.5, "ray_s": 3.0, "placement_s": 1.25, "first_step_s": 0.75, "total_s": 5.5}
 
 
-def test_a_local_ray_a_run_starts_has_no_dashboard_unless_asked():
+def test_a_local_ray_a_run_starts_has_no_dashboard_unless_asked(monkeypatch):
     """The Ray a run starts for itself leaves its dashboard out (about 2 s of the start here:
     `ray.init()` 9.1 s with it, 6.8 s without); `cluster.dashboard=true` asks for it, and a
     cluster the run joins is given no options at all (Ray refuses `include_dashboard` there)."""
     from rayzero.config import load_config
     from rayzero.jobs.train import local_ray_options
 
-    assert local_ray_options(load_config(None, []), "") == {"include_dashboard": False}
-    assert local_ray_options(load_config(None, ["cluster.dashboard=true"]), "") == {}
-    assert local_ray_options(load_config(None, []), "127.0.0.1:6379") == {}
-    assert local_ray_options(load_config(None, ["cluster.address=auto"]), "auto") == {}
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert local_ray_options(load_config(None, [])) == {"include_dashboard": False}
+    assert local_ray_options(load_config(None, ["cluster.dashboard=true"])) == {}
+    assert local_ray_options(load_config(None, ["cluster.address=auto"])) == {}
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")  # as `ray job submit` gives a job
+    assert local_ray_options(load_config(None, [])) == {}
