@@ -7,6 +7,8 @@ One run, in rounds (default 3), each round all of:
      preparation is not timed), MLflow and checkpoints on, as the defaults have them;
   1b. the same with `cluster.dashboard=true`: the local Ray with its dashboard, as every run
      started one before the dashboard was left out (the baseline of that change);
+  1c. the same with `tracking.enabled=false`: MLflow's share of a local start (none, since
+     MLflow begins only after the first step: `Tracker.begin`);
   2. the same joining a Ray that is already running (`ray start --head`, started once before
      the rounds, as on a cluster or under `ray job submit`): Ray's own start left out;
   3. the same as 2 with `tracking.enabled=false`: MLflow's share left out as well;
@@ -134,6 +136,7 @@ def median_stages(rows: list[dict]) -> dict:
 VARIANTS = {  # name: (what it is, whether it joins the running head, extra overrides)
     "local": ("rayzero, starting a local Ray", False, []),
     "local_dashboard": ("rayzero, starting a local Ray, cluster.dashboard=true", False, ["cluster.dashboard=true"]),
+    "local_no_mlflow": ("rayzero, starting a local Ray, tracking.enabled=false", False, ["tracking.enabled=false"]),
     "join": ("rayzero, joining a running Ray", True, []),
     "join_no_mlflow": ("rayzero, joining a running Ray, tracking.enabled=false", True, ["tracking.enabled=false"]),
 }

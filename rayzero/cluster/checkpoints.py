@@ -7,6 +7,7 @@ import logging
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Callable
 
 from rayzero.objectives.config import objective_record
 from rayzero.checkpoint.manifest import (
@@ -39,6 +40,7 @@ class Checkpoints:
         self.frozen: list[str] = []
         self.model: dict | None = None
         self.mlflow_run_id: str | None = None
+        self.ask_run_id: Callable[[], str | None] | None = None  # see `configure`
         # Where this run keeps the rest of itself (data path, run directory, MLflow store): the
         # controller fills it in, the manifest records it, a resume finds them again.
         self.run: dict = {}
@@ -55,10 +57,12 @@ class Checkpoints:
         """A write, read and delete at the checkpoint root: StorageError with the cause."""
         self.root.probe()
 
-    def configure(self, infos: list[dict], mlflow_run_id: str | None) -> None:
+    def configure(self, infos: list[dict], mlflow_run_id: str | Callable[[], str | None] | None) -> None:
         """For a new group of ranks (the first, or one rebuilt after a failure or a resize):
         uploads the previous group left unfinished are dropped, uncommitted. With pipeline
-        stages, the whole model's names and every stage's layout (`whole_build`)."""
+        stages, the whole model's names and every stage's layout (`whole_build`).
+        `mlflow_run_id`: the MLflow run a rerun goes on with, or how to ask for it: asked at each
+        commit until it is known (MLflow may start after training has: `Tracker.begin`)."""
         self.pending = {}
         self.saving_ranks = sum(1 for i in infos if i["saves_shard"])
         whole = whole_build(infos)
@@ -66,7 +70,8 @@ class Checkpoints:
         self.params = [{"name": n, "shape": s} for n, s in whole["params"].items()]
         self.frozen = whole.get("frozen", [])
         self.model = whole.get("model")
-        self.mlflow_run_id = mlflow_run_id
+        self.ask_run_id = mlflow_run_id if callable(mlflow_run_id) else None
+        self.mlflow_run_id = None if callable(mlflow_run_id) else mlflow_run_id
 
     def plan(self, step: int, force: bool = False) -> dict | None:
         """For iteration `step` (0-based): where to save after it, if it is a checkpoint step
@@ -103,6 +108,8 @@ class Checkpoints:
 
     def _commit(self, step: int, entry: dict) -> None:
         cfg = self.cfg
+        if self.mlflow_run_id is None and self.ask_run_id is not None:
+            self.mlflow_run_id = self.ask_run_id()
         shards = sorted(entry["uploads"], key=lambda u: u["rank"])
         manifest = {
             "format": FORMAT, "version": VERSION, "step": step,

@@ -28,6 +28,7 @@ class Startup:
         self.t0 = time.monotonic()
         self.stages: list[tuple[str, float]] = []  # (key, seconds since the start), as they began
         self.done_s: float | None = None  # when the first step's results came in
+        self._then: list = []  # what waits for the start-up's end (`when_done`)
 
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
@@ -41,9 +42,19 @@ class Startup:
         print(f"rayzero: [{now:6.1f}s] {text}", file=self.out or sys.stderr, flush=True)
 
     def first_step(self) -> None:
-        """The first step's results are in: the start-up is over."""
+        """The first step's results are in: the start-up is over (what waits for it is called)."""
         if self.done_s is None:
             self.done_s = self.elapsed()
+            then, self._then = self._then, []
+            for fn in then:
+                fn()
+
+    def when_done(self, fn) -> None:
+        """Call `fn()` once the start-up is over (now, if it is)."""
+        if self.done_s is None:
+            self._then.append(fn)
+        else:
+            fn()
 
     def timings(self) -> dict[str, float]:
         """Seconds per stage, by key + `_s` (a stage said twice, in a restart before the first

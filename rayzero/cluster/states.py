@@ -194,7 +194,7 @@ class Resuming(State):
         rec, ckpt = run.record, run.checkpoints
         rec.start_step, rec.resumed_from = 0, None
         if ckpt is not None:
-            ckpt.configure(self.infos, run.tracker.run_id)
+            ckpt.configure(self.infos, lambda: run.tracker.run_id)  # asked at a commit: MLflow may not have begun
             self.resume(run, whole_build(self.infos)["params"])
         else:
             run.early.restore(None)  # from step 0 again
@@ -354,10 +354,6 @@ class Training(State):
         ckpt = run.checkpoints
         if ckpt is not None:
             metrics["checkpoint_stall_ms"] = max(r["phase_s"].get("checkpoint", 0.0) for r in results) * 1e3
-            if ckpt.mlflow_run_id is None and any(r["uploads"] for r in results):  # a commit may come
-                # The MLflow run a rerun goes on with, for its manifest: a slow store may have
-                # created it only after `configure` asked (reading run_id waits 2 s at most).
-                ckpt.mlflow_run_id = run.tracker.run_id
             before = ckpt.last_committed
             record = {"early_stopping": early.state()}
             if "val_loss" in metrics:

@@ -16,6 +16,11 @@ When training goes back to a commit and trains the steps after it again (a rerun
 a restart after a failure), `rewind` supersedes their earlier points, in order with the rest:
 a SQL store (the default sqlite file) loses them, so the run holds one point per step; a
 tracking server, which has no API for it, keeps them and a run tag says which they are.
+
+A run's tracker is made `held`: its thread queues everything but touches MLflow (its import,
+the store, the run) only once the run's start-up is over (`begin`, at the end of the first
+step), so that it takes no CPU from the ranks' start (on 2 cores the first step came 2.2 s
+later with MLflow on than off; `benchmarks/startup.py`). Until then `run_id` is None at once.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ UNSENT = "mlflow-unsent.json"  # in the run directory: what the server did not t
 _PARAM_BATCH = 100  # MLflow's limit on params per log_batch call
 _METRIC_BATCH = 1000  # … and on metrics
 _START_WAIT_S = 2.0  # how long reading `run_id` waits to learn it (never longer)
+_HELD_MAX_S = 30.0  # a held tracker begins by then even if the first step has not come
 _RETRY_MAX_S = 30.0
 
 
@@ -42,11 +48,12 @@ class Tracker:
     def __init__(self, uri: str, experiment: str, run_name: str, params: dict, tags: dict, *,
                  artifact_dir: str | None = None, artifacts: list[str] = (), spill_path: str | None = None,
                  flush_timeout_s: float = 30.0, resume: tuple[str | None, int] | None = None,
-                 unsent: str | None = None, own_run: bool = True):
+                 unsent: str | None = None, own_run: bool = True, held: bool = False):
         """`resume`: (the MLflow run id a checkpoint recorded, its step): that run goes on, if
         this store has it, rather than a new one starting. `unsent`: a file an earlier tracker
         of this run spilled (`_spill`), sent first, into the run it was for (the run this one
-        then goes on with), and deleted once sent. `own_run=False`: only that (`send_unsent`)."""
+        then goes on with), and deleted once sent. `own_run=False`: only that (`send_unsent`).
+        `held`: MLflow is not touched before `begin()` (or `finish()`, or _HELD_MAX_S)."""
         self.uri = uri
         self.resume = resume
         self._run_id: str | None = None
@@ -60,6 +67,10 @@ class Tracker:
         self._queue: queue.Queue = queue.Queue()
         self._pending: list[tuple] = []  # taken from the queue, not yet sent
         self._started = threading.Event()  # the run exists: run_id is known
+        self._begun = threading.Event()  # MLflow may be used (a held tracker waits for `begin`)
+        self._ready = threading.Event()  # MLflow imported and its client made (or that failed)
+        if not held:
+            self._begun.set()
         self._stop = threading.Event()
         self._warned = False
         self._warned_rewind = False
@@ -86,9 +97,15 @@ class Tracker:
     @property
     def run_id(self) -> str | None:
         """The MLflow run's id, once the thread has it (waits a little for it: None if the
-        server has not answered by then)."""
-        self._started.wait(_START_WAIT_S)
+        server has not answered by then; None at once while the tracker is held)."""
+        if self._begun.is_set():
+            self._ready.wait(_HELD_MAX_S)  # MLflow's import and its store: this process's own work
+            self._started.wait(_START_WAIT_S)  # the server's answer
         return self._run_id
+
+    def begin(self) -> None:
+        """The run's start-up is over: a held tracker goes to MLflow with what it has queued."""
+        self._begun.set()
 
     # -- what the controller calls: never blocks on the server -------------------------
     # The queue holds plain values: MLflow is imported by the thread alone (an import of it here,
@@ -112,6 +129,7 @@ class Tracker:
         """Close the run with `status` (FINISHED, FAILED or KILLED) once everything queued
         before has been sent; after `flush_timeout_s`, spill what is left to a file."""
         self._queue.put(("end", status))
+        self.begin()
         deadline = time.monotonic() + self.flush_timeout_s
         while self._thread.is_alive() and time.monotonic() < deadline:
             self._thread.join(timeout=0.1)
@@ -122,6 +140,7 @@ class Tracker:
 
     # -- the background thread ----------------------------------------------------------
     def _run(self) -> None:
+        self._begun.wait(_HELD_MAX_S)
         delay = 1.0
         while True:
             if not self._pending:
@@ -133,6 +152,7 @@ class Tracker:
             except Exception as e:  # the server is down or slow: keep the rest, try again
                 if self._stop.is_set():
                     return
+                self._ready.set()
                 self._started.set()  # nobody waits for a run id that is not coming soon
                 if not self._warned:
                     log.warning("MLflow at %s does not answer (%s); training goes on and the metrics are kept "
@@ -161,6 +181,7 @@ class Tracker:
 
             seed_sqlite_store(self.uri)
             self.client = MlflowClient(tracking_uri=self.uri)
+            self._ready.set()
         ops = self._pending
         while ops:
             n = 1

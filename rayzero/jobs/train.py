@@ -368,7 +368,9 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None,
                           artifacts=[str(run_dir / "config.json")], spill_path=str(run_dir / UNSENT),
                           unsent=str(run_dir / UNSENT),  # what an earlier run of this directory could not send
                           flush_timeout_s=cfg.tracking.flush_timeout_s,
-                          resume=(resume.manifest.get("mlflow_run_id"), resume.step) if resume is not None else None)
+                          resume=(resume.manifest.get("mlflow_run_id"), resume.step) if resume is not None else None,
+                          held=True)
+        startup.when_done(tracker.begin)  # MLflow takes no CPU from the ranks' start
     try:
         controller = Controller(cfg, data_path, str(run_dir), tracker, progress=progress, checkpoints=checkpoints,
                                 factory=factory, spec=spec, startup=startup)

@@ -247,7 +247,7 @@ def test_elastic_shrinks_when_a_node_is_lost_and_grows_back_when_it_returns(tmp_
     so the losses follow the unbroken 2-rank run's (`reference`, on the session's cluster)."""
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     spare = cluster.add_node(num_cpus=1)
     try:
         events = []

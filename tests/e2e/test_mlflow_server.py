@@ -83,20 +83,22 @@ def test_a_rewind_on_a_tracking_server_keeps_the_points_and_says_so_in_a_tag(mlf
     assert caplog.text.count("cannot delete metric points") == 1
 
 
-def test_a_tracking_server_down_at_the_start_and_frozen_later_loses_nothing(tmp_path, server, train):
+def test_a_tracking_server_down_at_the_start_and_frozen_later_loses_nothing(tmp_path, server, train, monkeypatch):
     """The server is not up when training starts (the run warns once and goes on), comes up
-    some seconds in, is frozen (SIGSTOP: it accepts connections and never answers) for a while,
+    some seconds in, is frozen (SIGSTOP: it accepts connections and never answers) for longer
+    than a request waits (MLFLOW_HTTP_REQUEST_TIMEOUT, which a user sets as here; 10 s unset),
     and thaws; every step's metrics arrive all the same, and the run finishes normally."""
     root = tmp_path / "runs" / "checkpoints"
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
 
     def chaos():
-        time.sleep(4)
+        time.sleep(2)
         server.start()
         deadline = time.monotonic() + 120
         while not list(root.glob("step-*/manifest.json")) and time.monotonic() < deadline:
             time.sleep(0.1)
         os.killpg(server.proc.pid, signal.SIGSTOP)
-        time.sleep(12)
+        time.sleep(5)  # two requests' timeouts and the retry between them
         os.killpg(server.proc.pid, signal.SIGCONT)
 
     thread = threading.Thread(target=chaos, daemon=True)
@@ -120,7 +122,7 @@ def test_a_server_that_never_answers_leaves_the_run_in_the_run_directory_and_the
     step-6 commit and sends them first: one MLflow run, one point per step, the file gone."""
     port = free_port()
     dead = f"http://127.0.0.1:{port}"
-    out, err, s = train(f"tracking.uri={dead}", "train.steps=6", "tracking.flush_timeout_s=3")
+    out, err, s = train(f"tracking.uri={dead}", "train.steps=6", "tracking.flush_timeout_s=1")
     assert f"MLflow at {dead} does not answer" in err
     assert s["steps"] == 6 and s["mlflow_run_id"] is None
     unsent = json.loads(open(s["mlflow_unsent"]).read())
@@ -129,7 +131,7 @@ def test_a_server_that_never_answers_leaves_the_run_in_the_run_directory_and_the
     (tmp_path / "mlflow").mkdir()
     server = MlflowServer(tmp_path / "mlflow", port=port).start()
     try:
-        out, err, again = train(f"tracking.uri={dead}", "train.steps=8", "tracking.flush_timeout_s=3")
+        out, err, again = train(f"tracking.uri={dead}", "train.steps=8", "tracking.flush_timeout_s=10")
         assert again["start_step"] == 6 and again["run_dir"] == s["run_dir"]
         client = MlflowClient(server.uri)
         (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])

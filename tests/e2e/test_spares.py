@@ -92,7 +92,7 @@ def test_a_lost_node_with_more_ranks_than_spares_restarts_the_group_bitwise(tmp_
     restarts (at the same world, once a node is back) and ends as the unbroken run does."""
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     node = cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
     cfg = load_config(None, [*RUN, "failure.spares=1", f"data.path={small_dataset}",

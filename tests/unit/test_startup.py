@@ -48,3 +48,17 @@ def test_a_local_ray_a_run_starts_has_no_dashboard_unless_asked(monkeypatch):
     assert local_ray_options(load_config(None, ["cluster.address=auto"])) == {}
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")  # as `ray job submit` gives a job
     assert local_ray_options(load_config(None, [])) == {}
+
+
+def test_what_waits_for_the_start_up_runs_once_at_the_first_step():
+    """`when_done` (the tracker's `begin`): called at the first step's end, once; after it, at once."""
+    s = Startup(io.StringIO())
+    calls = []
+    s.when_done(lambda: calls.append("a"))
+    s.stage("checks", "checks begins")
+    assert calls == []
+    s.first_step()
+    s.first_step()
+    assert calls == ["a"]
+    s.when_done(lambda: calls.append("b"))
+    assert calls == ["a", "b"]

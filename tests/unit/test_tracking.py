@@ -198,3 +198,40 @@ def test_the_command_sends_what_was_left_without_training(tmp_path, capsys, monk
     assert not (run_dir / "mlflow-unsent.json").exists()
     code, _, err = cli_in_process(capsys, monkeypatch, tmp_path, "tracking", "send", str(run_dir))
     assert code == 2 and "nothing left unsent" in err
+
+
+def test_a_held_tracker_touches_mlflow_only_once_begun_and_loses_nothing(tmp_path, monkeypatch):
+    """A run's tracker is held while the ranks start (MLflow's import and store would take their
+    CPU): what is logged meanwhile is queued, `run_id` is None at once, no store is made; once
+    begun (the first step done), all of it arrives in one run, and `run_id` waits for it."""
+    import time
+
+    from rayzero.cluster import tracking
+
+    touched = []
+    monkeypatch.setattr(tracking, "seed_sqlite_store", lambda uri: touched.append(uri))  # as the client is made
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    t = Tracker(uri, "unit", "run-h", {"train.steps": 3}, {}, held=True)
+    for step in range(3):
+        t.log_metrics(step, {"loss": float(step)})
+    assert t.run_id is None
+    time.sleep(0.3)  # time enough for an unheld thread to start on it
+    assert not touched and not (tmp_path / "mlflow.db").exists()
+    t.begin()
+    run_id = t.run_id
+    assert run_id and touched == [uri]
+    t.finish()
+    client = MlflowClient(uri)
+    assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == [0, 1, 2]
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_a_held_tracker_finished_before_it_began_still_sends_everything(tmp_path):
+    """A run that ends before its first step (refused by the cluster, stopped at once) still
+    has its MLflow run, ended as it ended."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    t = Tracker(uri, "unit", "run-f", {}, {"strategy": "optim"}, held=True)
+    t.set_tags({"failure.1": "placement"})
+    t.finish("FAILED")
+    run = MlflowClient(uri).get_run(t.run_id)
+    assert run.info.status == "FAILED" and run.data.tags["failure.1"] == "placement"
