@@ -96,6 +96,11 @@ def bundle_words(bundle: dict[str, float]) -> str:
     return ", ".join(f"{v:g} {k}" for k, v in bundle.items())
 
 
+def ranks_words(world: int) -> str:
+    """`2 ranks`, `1 rank`."""
+    return f"{world} rank{'s' if world != 1 else ''}"
+
+
 def build_words(cfg: RootConfig, spec) -> str:
     """The start-up's line for the ranks' build: where their first weights come from."""
     m = cfg.model
@@ -121,11 +126,12 @@ class Placing(State):
         c = run.cfg.cluster
         if c.keep_ranks and run.cluster.kept(run.actor_cls, self.world, run.bundle, c.placement_strategy,
                                              run.cfg.parallel.tp):
-            run.startup.stage("placement", f"taking the {self.world} ranks the last run kept "
+            run.startup.stage("placement", f"taking the {ranks_words(self.world)} the last run kept "
                                            f"({bundle_words(run.bundle)} each)")
         else:
-            run.startup.stage("placement", f"placing {self.world} ranks ({bundle_words(run.bundle)} each) "
-                                           "and starting their processes")
+            processes = "their processes" if self.world > 1 else "its process"
+            run.startup.stage("placement", f"placing {ranks_words(self.world)} ({bundle_words(run.bundle)} each) "
+                                           f"and starting {processes}")
         group, world = self.place(run)
         run.record.world = world
         run.start_spares(world)

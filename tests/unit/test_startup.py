@@ -62,3 +62,9 @@ def test_what_waits_for_the_start_up_runs_once_at_the_first_step():
     assert calls == ["a"]
     s.when_done(lambda: calls.append("b"))
     assert calls == ["a", "b"]
+
+
+def test_the_placement_line_counts_its_ranks_in_words():
+    from rayzero.cluster.states import ranks_words
+
+    assert [ranks_words(n) for n in (1, 2, 4)] == ["1 rank", "2 ranks", "4 ranks"]
