@@ -9,6 +9,7 @@ import ray
 import torch
 
 from rayzero.config import RootConfig
+from rayzero.workers.membership import freeze_imports
 from rayzero.workers.phases import CALLS
 from rayzero.workers.rank import Rank
 
@@ -19,6 +20,7 @@ class RankShim:
 
     def __init__(self, cfg: RootConfig, rank: int | None, world_size: int, data_path: str, factory=None):
         """`rank`: None for a warm spare (see `Rank`)."""
+        freeze_imports()  # the process has just started: what it holds now is its imports
         self.rank = Rank(cfg, rank, world_size, data_path, factory)
 
     # In its own thread, so the controller's watchdog gets an answer while a phase runs.
