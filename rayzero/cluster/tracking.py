@@ -98,8 +98,10 @@ class Tracker:
     def run_id(self) -> str | None:
         """The MLflow run's id, once the thread has it (waits a little for it: None if the
         server has not answered by then; None at once while the tracker is held)."""
-        if self._begun.is_set():
-            self._ready.wait(_HELD_MAX_S)  # MLflow's import and its store: this process's own work
+        if self._begun.is_set():  # MLflow's import and its store first: this process's own work
+            deadline = time.monotonic() + _HELD_MAX_S
+            while not self._ready.wait(0.1) and self._thread.is_alive() and time.monotonic() < deadline:
+                pass
             self._started.wait(_START_WAIT_S)  # the server's answer
         return self._run_id
 
@@ -150,9 +152,9 @@ class Tracker:
             try:
                 ended = self._send_pending()
             except Exception as e:  # the server is down or slow: keep the rest, try again
+                self._ready.set()
                 if self._stop.is_set():
                     return
-                self._ready.set()
                 self._started.set()  # nobody waits for a run id that is not coming soon
                 if not self._warned:
                     log.warning("MLflow at %s does not answer (%s); training goes on and the metrics are kept "
