@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import ray
 
 from rayzero import Result, TrainConfig, Trainer
 from tests.e2e.conftest import leftovers
@@ -75,6 +76,12 @@ def test_fit_returns_a_result_and_runs_twice_in_one_process(tmp_path, ray_cluste
     assert run.data.tags["resumed_at_step_12"] == "train.steps: 12 -> 20"
     assert second.summary["run_dir"] == first.summary["run_dir"]
     assert leftovers(ray_cluster)[0] == ["RankShim"] * 2  # kept for a third run
+    # Each rank process froze its imports at its start (`freeze_imports`): what its full
+    # collections between runs scan is what the runs made, not torch's and Ray's objects.
+    from rayzero.cluster.worker_group import KEPT
+
+    frozen = ray.get([a.__ray_call__.remote(lambda _: __import__("gc").get_freeze_count()) for a in KEPT.group.actors])
+    assert all(n > 100_000 for n in frozen), frozen
     # A kept rank that died while idle: the third run starts new ones, and keeps those.
     os.kill(kept[0], signal.SIGKILL)
     capfd.readouterr()
