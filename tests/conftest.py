@@ -90,13 +90,13 @@ def small_dataset(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
-    """One SeaweedFS S3 server for the session, stopped (and its data removed) at the end."""
+    """One SeaweedFS S3 server for the session, killed (and its data removed) at the end."""
     server = SeaweedS3(tmp_path_factory.mktemp("s3"))
     server.start()
     try:
         yield server
     finally:
-        server.stop()
+        server.stop(graceful=False)
 
 
 def without_startup(err: str) -> str:

@@ -90,7 +90,35 @@ def ray_head(tmp_path_factory):
         release_ranks()
         if ray.is_initialized():  # a driver left connected would outlive its head
             ray.shutdown()
-        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
+        kill_ray(temp, port)
+
+
+def kill_ray(temp: Path, port: int) -> None:
+    """Every process of one Ray, found by what its command line names (its `--temp-dir`, or
+    its GCS port as `--address=IP:PORT`: the client server names only that), and all their
+    descendants (workers, job drivers: their titles are Ray's own), killed and waited for.
+    `ray stop --force` does as much for every Ray on the machine, in three rounds a second or
+    two apart (7 s)."""
+    import psutil
+
+    own = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
+    found: dict[int, psutil.Process] = {}
+    for p in psutil.process_iter(["cmdline"]):
+        args = p.info["cmdline"] or ()
+        if p.pid not in own and any(str(temp) in a or (a.startswith("--address=") and a.endswith(f":{port}"))
+                                    for a in args):
+            found[p.pid] = p
+            try:
+                found.update({c.pid: c for c in p.children(recursive=True) if c.pid not in own})
+            except psutil.NoSuchProcess:
+                pass
+    for p in found.values():
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(list(found.values()), timeout=30)
+    assert not alive, f"Ray processes that outlived SIGKILL: {alive}"
 
 
 @pytest.fixture(scope="session")
@@ -200,9 +228,10 @@ class MlflowServer:
         self.stop()
         raise RuntimeError(f"mlflow server did not start; see {self.root / 'server.log'}")
 
-    def stop(self):
+    def stop(self, graceful: bool = True):
+        """SIGTERM (its workers finish what they serve) or, at the session's end, SIGKILL."""
         if self.proc is not None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            os.killpg(self.proc.pid, signal.SIGTERM if graceful else signal.SIGKILL)
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
@@ -219,7 +248,7 @@ def mlflow_server(tmp_path_factory):
     try:
         yield server
     finally:
-        server.stop()
+        server.stop(graceful=False)
 
 
 @pytest.fixture(scope="session")

@@ -216,7 +216,6 @@ def test_ctrl_c_stops_after_the_iteration_with_one_line_and_exit_130(tmp_path, r
     line where it stopped and what a rerun resumes from, exits 128 + the signal (130, 143), no
     traceback and no stack dump of Ray's; nothing is left on the cluster."""
     import os
-    import signal
     import subprocess
 
     from tests.e2e.conftest import BIN

@@ -28,7 +28,7 @@ from rayzero.workers.actor import RankShim, rank_actor
 from tests.conftest import cli_in_process
 from tests.e2e.conftest import BIN, leftovers
 from tests.e2e.faults import (EVERY, RUN, STEPS, STRIKE, NullTracker, OnceMarker, committed, controller_run,
-                              rank_pids, wait_for, weights_equal)
+                              rank_pids, shut_down, wait_for, weights_equal)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 HANG = 2 * EVERY + 3  # after the second commit, made by the group that came back
@@ -167,59 +167,59 @@ def test_the_controller_killed_and_the_command_rerun_resumes(tmp_path, ray_clust
     assert weights_equal(tmp_path / "final.safetensors", reference.weights)
 
 
-class DiesOnceAtStep6(OnceMarker):
-    """Rank 1 dies once, at step 6 (after the step-4 commit)."""
+class DiesOnceAtStep3(OnceMarker):
+    """Rank 1 dies once, at step 3 (after the step-2 commit)."""
 
     def step(self, prev):
-        if self.rank.plan["step"] == 6 and self.rank.mesh.rank == 1 and self._first_time("die"):
+        if self.rank.plan["step"] == 3 and self.rank.mesh.rank == 1 and self._first_time("die"):
             os._exit(1)
         return super().step(prev)
 
 
 # tp 2 x dp 2, ZeRO-3 with sequence parallelism, dropout, a vocabulary split with padding; a
-# constant learning rate, so that 4 steps and then 8 follow the schedule of 8 steps.
+# constant learning rate, so that 2 steps and then 4 follow the schedule of 4 steps.
 TP = ["cluster.num_workers=4", "cluster.cpus_per_worker=0.5", "parallel.tp=2", "parallel.sequence_parallel=true",
       "sharding.strategy=optim_grads_params", "model.dropout=0.1", "model.vocab_size=259", "optim.schedule=constant",
-      "optim.warmup_steps=0", "checkpoint.every_steps=4"]
+      "optim.warmup_steps=0", "checkpoint.every_steps=2"]
 
 
 def test_a_tensor_parallel_run_restarts_after_a_lost_rank_and_resumes_from_its_command_bitwise(
         tmp_path, ray_cluster, small_dataset, train_here):
-    """tp 2 x dp 2 with dropout, 8 steps three ways, all bit for bit the same weights: with rank
-    1 killed at step 6, the controller rebuilding the group from the step-4 commit (its whole
+    """tp 2 x dp 2 with dropout, 4 steps three ways, all bit for bit the same weights: with rank
+    1 killed at step 3, the controller rebuilding the group from the step-2 commit (its whole
     tensors against the ranks' whole shapes); unbroken, through `rayzero train`; and through
-    `rayzero train` again on a checkpoint directory holding the unbroken run's step-4 commit
-    alone (as a run stopped there leaves it), the same command run again to 8, on the rank
-    processes the unbroken run kept. The dropout masks of steps 4 to 8 are drawn again alike,
+    `rayzero train` again on a checkpoint directory holding the unbroken run's step-2 commit
+    alone (as a run stopped there leaves it), the same command run again to 4, on the rank
+    processes the unbroken run kept. The dropout masks of steps 2 to 4 are drawn again alike,
     whatever came before them. The command run again recomputes its activations (`full`, its
     ZeRO-3 units gathered again inside the recompute): a recompute draws the masks its first
     forward drew, so the weights are bitwise those of the runs that recompute nothing. (Every
     mode, `selective` too, bitwise for three models: tests/dist/test_activation_checkpointing.py;
-    a recompute here costs 1-3 s a step, 4 ranks sharing 2 cores, so one run of 4 steps shows it.)"""
+    a recompute here costs 1-3 s a step, 4 ranks sharing 2 cores, so one run of 2 steps shows it.)"""
     (tmp_path / "struck").mkdir()
-    struck, error = controller_run(tmp_path / "struck", ray_cluster, small_dataset, DiesOnceAtStep6, *TP,
-                                   "train.steps=8")
+    struck, error = controller_run(tmp_path / "struck", ray_cluster, small_dataset, DiesOnceAtStep3, *TP,
+                                   "train.steps=4")
     assert error is None, error
     (failure,) = struck.failures
     assert (failure.kind, failure.rank, failure.decision) == ("rank_died", 1, "restart")
     resumed = [t["resumed_from"] for t in struck.tracker.tag_updates if "resumed_from" in t]
-    assert [r.rpartition("/")[2] for r in resumed] == ["step-000004"]
+    assert [r.rpartition("/")[2] for r in resumed] == ["step-000002"]
 
     straight = tmp_path / "straight"
-    code, _, err, _ = train_here(f"data.path={small_dataset}", *RUN, *TP, "train.steps=8", "tracking.enabled=false",
+    code, _, err, _ = train_here(f"data.path={small_dataset}", *RUN, *TP, "train.steps=4", "tracking.enabled=false",
                                  f"checkpoint.dir={straight}", f"train.save_final={tmp_path / 'straight.safetensors'}",
                                  summary="straight.json")
     assert code == 0, err[-3000:]
     assert weights_equal(tmp_path / "struck" / "final.safetensors", tmp_path / "straight.safetensors")
 
     stopped = tmp_path / "ck"
-    shutil.copytree(straight / "step-000004", stopped / "step-000004")
-    code, _, err, again = train_here(f"data.path={small_dataset}", *RUN, *TP, "train.steps=8",
+    shutil.copytree(straight / "step-000002", stopped / "step-000002")
+    code, _, err, again = train_here(f"data.path={small_dataset}", *RUN, *TP, "train.steps=4",
                                      f"checkpoint.dir={stopped}", "model.activation_checkpointing=full",
                                      "tracking.enabled=false", f"train.save_final={tmp_path / 'rerun.safetensors'}")
     assert code == 0, err[-3000:]
-    assert f"rayzero: resuming from {stopped / 'step-000004'} at step 4 of 8" in err
-    assert again["start_step"] == 4 and again["steps"] == 4 and again["vocab_parallel"]
+    assert f"rayzero: resuming from {stopped / 'step-000002'} at step 2 of 4" in err
+    assert again["start_step"] == 2 and again["steps"] == 2 and again["vocab_parallel"]
     assert "taking the 4 ranks the last run kept" in err, "the unbroken run's rank processes serve the rerun"
     assert weights_equal(tmp_path / "rerun.safetensors", tmp_path / "straight.safetensors")
     assert load_file(tmp_path / "rerun.safetensors")["wte.weight"].shape == (259, 64), "no padding row"
@@ -267,7 +267,7 @@ def test_elastic_shrinks_when_a_node_is_lost_and_grows_back_when_it_returns(tmp_
         controller, error = elastic_run(tmp_path, cluster, small_dataset, chaos)
         assert error is None, error
     finally:
-        cluster.shutdown()
+        shut_down(cluster)
     assert [e for e, _ in events] == ["removed", "added"]
     assert controller.failures[-1].world_size == 1, controller.failures
     assert "shrink" in [f.decision for f in controller.failures]

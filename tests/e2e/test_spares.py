@@ -13,7 +13,7 @@ from rayzero.cluster.controller import Controller
 from rayzero.config import load_config
 from tests.e2e.conftest import leftovers
 from tests.e2e.faults import (EVERY, RUN, STEPS, STRIKE, NullTracker, OnceMarker, committed, controller_run, wait_for,
-                              weights_equal)
+                              shut_down, weights_equal)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -119,7 +119,7 @@ def test_a_lost_node_with_more_ranks_than_spares_restarts_the_group_bitwise(tmp_
         assert not thread.is_alive(), "training did not finish"
     finally:
         ray.shutdown()
-        cluster.shutdown()
+        shut_down(cluster)
     assert not errors, errors
     # A lost node's ranks are found dead together, or one after the other (the second while the
     # spare is put in): either way both are lost and the group restarts whole, at 2 ranks.
