@@ -98,6 +98,19 @@ class RunConfig(Frozen):
         description="Global batches of validation rows each evaluation reads (the same rows every time; fewer if "
         "the validation data holds fewer).",
     )
+    compile: bool = Field(
+        default=False,
+        description="Compile each transformer block with `torch.compile` on the ranks (the blocks' own forward: "
+        "the sharding hooks, the embedding, the head and the loss stay eager). The first step compiles (its "
+        "seconds are shown as `torch compile` in the start-up line); inductor's on-disk caches spare a restart, a "
+        "spare or the next run most of it. Not with `model.activation_checkpointing=selective`.",
+    )
+    compile_backend: Literal["inductor", "aot_eager"] = Field(
+        default="inductor",
+        description="`torch.compile`'s backend with `compile`: `inductor` generates fused kernels (C++ on CPU, "
+        "Triton on GPU); `aot_eager` traces forward and backward as inductor does but runs torch's own "
+        "kernels (no code generated: for finding whether a model compiles, and quickly).",
+    )
     output_dir: str = Field(
         default="runs",
         description="Each run gets a directory below it, named by `tracking.run_name`; a relative "
@@ -191,6 +204,9 @@ class RootConfig(Frozen):
                              f"{self.dpo.loss} (as in TRL, only robust DPO takes it); use dpo.loss=robust, or leave it 0")
         if self.dpo.precompute_ref and not self.dpo.uses_reference:
             raise ValueError(f"dpo.precompute_ref: dpo.loss={self.dpo.loss} has no reference model to precompute")
+        if t.compile and self.model.activation_checkpointing == "selective":
+            raise ValueError("train.compile: model.activation_checkpointing=selective picks the ops to keep inside a "
+                             "block, and a compiled block runs as one op to it; use full or every:N with compile")
         if self.optim.min_lr is not None and self.optim.min_lr > self.optim.lr:
             raise ValueError(f"optim.min_lr: {self.optim.min_lr} exceeds optim.lr ({self.optim.lr})")
         return self

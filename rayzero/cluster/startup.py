@@ -28,6 +28,7 @@ class Startup:
         self.t0 = time.monotonic()
         self.stages: list[tuple[str, float]] = []  # (key, seconds since the start), as they began
         self.done_s: float | None = None  # when the first step's results came in
+        self.parts: dict[str, float] = {}  # seconds of a stage spent on one thing (`part`)
         self._then: list = []  # what waits for the start-up's end (`when_done`)
 
     def elapsed(self) -> float:
@@ -40,6 +41,12 @@ class Startup:
         if self.done_s is None:
             self.stages.append((key, now))
         print(f"rayzero: [{now:6.1f}s] {text}", file=self.out or sys.stderr, flush=True)
+
+    def part(self, key: str, seconds: float) -> None:
+        """`seconds` of the start-up went to `key` inside a stage (the first step's compilation):
+        in the timings as `key_s`, beside the stages, not added to the total."""
+        if self.done_s is None and seconds > 0:
+            self.parts[key] = self.parts.get(key, 0.0) + seconds
 
     def first_step(self) -> None:
         """The first step's results are in: the start-up is over (what waits for it is called)."""
@@ -58,12 +65,14 @@ class Startup:
 
     def timings(self) -> dict[str, float]:
         """Seconds per stage, by key + `_s` (a stage said twice, in a restart before the first
-        step: summed), and `total_s`, from the start to the first step's end. Empty before then."""
+        step: summed), each `part` (within a stage: `torch_compile_s`), and `total_s`, from the start
+        to the first step's end. Empty before then."""
         if self.done_s is None:
             return {}
         out: dict[str, float] = {}
         ends = [start for _, start in self.stages[1:]] + [self.done_s]
         for (key, start), end in zip(self.stages, ends):
             out[f"{key}_s"] = round(out.get(f"{key}_s", 0.0) + end - start, 3)
+        out.update({f"{key}_s": round(v, 3) for key, v in self.parts.items()})  # inside the stages above
         out["total_s"] = round(self.done_s, 3)
         return out

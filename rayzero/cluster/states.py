@@ -281,7 +281,9 @@ class Training(State):
             return
         left = cfg.train.steps - first
         run.startup.stage("first_step", f"training {left} step{'s' if left != 1 else ''}"
-                          + (f" from step {first}" if first else ""))
+                          + (f" from step {first}" if first else "")
+                          + (f" (the first compiles the blocks: torch.compile, {cfg.train.compile_backend})"
+                             if cfg.train.compile else ""))
         bar = tqdm(range(first, cfg.train.steps), desc="train", unit="step", disable=not run.progress,
                    mininterval=1.0, dynamic_ncols=True, initial=first, total=cfg.train.steps)
         plans: dict[int, dict] = {}
@@ -313,6 +315,7 @@ class Training(State):
             hold = bool(run.early.patience) and plans.pop(step)["evaluate"]
             queued = dispatch.submit(plan(step + 1)) if more and not hold else None
             results = dispatch.collect(pending, queued=queued is not None)
+            run.startup.part("torch_compile", max(r["phase_s"].get("torch_compile", 0.0) for r in results))
             run.startup.first_step()
             now = time.perf_counter()
             dt, last = now - last, now

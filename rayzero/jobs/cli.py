@@ -142,6 +142,8 @@ def _print_plan(p: dict) -> None:
            f"formula, before padding and activations)\n" if p["num_params"] else
            f"  model state per rank {mem['bytes_per_param']:.2f} bytes/parameter (Megatron's formula)\n")
         + (f"  {_activations_line(mem)}\n" if mem.get("activations_bytes") is not None else "")
+        + (f"  each block compiled (torch.compile, {p['compile']}) at the first step; the embedding, head, loss "
+           "and sharding hooks eager\n" if p.get("compile") else "")
         + (f"  {objective_line(p['objective'])}\n" if p.get("objective") else "")
         + (f"  {_buckets_line(p['buckets'])}\n" if p["buckets"]["numel"] else "")
         + f"  {p['global_batch_size']} sequences per step = {p['dp_size']} "
@@ -229,10 +231,14 @@ def _params_line(total: int, trainable: int) -> str:
     return f"{total:,} parameters" + (f" ({frozen:,} frozen)" if frozen else "")
 
 
+PARTS = ("torch_compile_s",)  # start-up timings inside a stage (the first step's), not stages of their own
+
+
 def _startup_line(t: dict) -> str:
     """Where the wait for the first step went, stage by stage (the status lines' stages)."""
-    stages = ", ".join(f"{k[:-2].replace('_', ' ')} {v:.1f}" for k, v in t.items() if k != "total_s")
-    return f"first step done {t['total_s']:.1f} s after the start ({stages} s)"
+    stages = ", ".join(f"{k[:-2].replace('_', ' ')} {v:.1f}" for k, v in t.items() if k not in ("total_s", *PARTS))
+    parts = "".join(f", of which {k[:-2].replace('_', ' ')} {t[k]:.1f} s" for k in PARTS if k in t)
+    return f"first step done {t['total_s']:.1f} s after the start ({stages} s{parts})"
 
 
 def _print_summary(s: dict) -> None:

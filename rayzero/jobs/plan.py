@@ -114,6 +114,7 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
         "model": {"kind": record["kind"], "source": record.get("source"), "init": record.get("init"),
                   "architecture": spec_class(record["kind"]).architecture(record),
                   "note": note, "lora": lora},
+        "compile": t.compile_backend if t.compile else None,  # torch.compile of each block, its backend
         "global_batch_size": t.global_batch_size,
         "micro_batch_size": t.micro_batch_size,
         "grad_accum": cfg.grad_accum,

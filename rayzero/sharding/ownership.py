@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn as nn
 import torch.distributed as dist
 
 from rayzero.sharding.comm import Axis, wait
@@ -84,15 +85,27 @@ class OwnShard:
         return self.s.replicate_axis.rank == 0  # other replicas hold the same shards
 
     def attach(self) -> None:
-        """With `in_forward`, each module's forward first waits for its buckets' all-gather."""
+        """With `in_forward`, each module's forward first waits for its buckets' all-gather; a
+        module inside a compiled block (`train.compile`: the block marked `compiled_block`) waits
+        at the block's entry instead, outside the compiled code, for all of the block's buckets
+        (a wait inside it would split the block's graph at every layer)."""
         if not self.in_forward:
             return
         buffer = self.s.buffer
         bucket_of = {id(p): buffer.bucket_of(i) for i, p in enumerate(buffer.params)}
+        holder = {}  # id(module) -> the module whose forward waits for its buckets
         for module in self.s.model.modules():
-            own = sorted({bucket_of[id(p)] for p in module.parameters(recurse=False)})
+            if getattr(module, "compiled_block", False):
+                for inner in module.modules():
+                    holder.setdefault(id(inner), module)
+        waits: dict[int, tuple[nn.Module, set[int]]] = {}
+        for module in self.s.model.modules():
+            own = {bucket_of[id(p)] for p in module.parameters(recurse=False)}
             if own:
-                module.register_forward_pre_hook(self._wait_for(own))
+                at = holder.get(id(module), module)
+                waits.setdefault(id(at), (at, set()))[1].update(own)
+        for at, own in waits.values():
+            at.register_forward_pre_hook(self._wait_for(sorted(own)))
 
     def _wait_for(self, buckets: list[int]):
         def hook(_module, _args) -> None:

@@ -1,6 +1,7 @@
 """How a rank assembles its model: one place, one fixed order.
 
-    build on meta → adapters → tensor parallel → activation checkpointing
+    build on meta → adapters → tensor parallel → compiled blocks (on the ranks)
+                  → activation checkpointing
                   → pipeline stage (the blocks and ends of this rank's stages; the rest stand-ins)
                   → sharding strategy (over whatever the steps before left local)
                   → initial values, per name (their source matched to the whole model's names,
@@ -34,6 +35,7 @@ from rayzero.sharding.tensor_parallel import TPLayout, TPSlices
 from rayzero.sharding.precision import DTYPES, check_device_supports
 from rayzero.sharding.rng import RandomStreams
 from rayzero.workers.activations import blocks_of, checkpoint_activations
+from rayzero.workers.compile import compile_blocks, hooks_stay_eager
 
 
 def make_spec(cfg: RootConfig, factory: Callable | None = None) -> ModelSpec:
@@ -51,19 +53,24 @@ class Built:
     adapters: dict = field(default_factory=dict)  # LoRA: base weight name -> `lora.Adapter`
     tp: TPLayout | None = None  # what tensor parallelism split, and each split tensor's global shape
     stages: Stages | None = None  # the pipeline stages this rank holds
+    compiled: list[str] = field(default_factory=list)  # the blocks `train.compile` compiled, by name
 
 
 # -- the steps, in order ---------------------------------------------------------------------------
 
 def build_model(cfg: RootConfig, spec: ModelSpec, mesh: Mesh | None = None,
-                streams: RandomStreams | None = None) -> Built:
-    """Build on meta → adapters → tensor parallel → activation checkpointing: the model a
-    strategy shards (parameters still on the meta device). `mesh`: this rank's, connected (the
-    driver's checks pass none and build on the config's: the shapes are the same on every rank). `streams`: the
-    rank's dropout streams, which the TP regions switch and a recompute replays."""
+                streams: RandomStreams | None = None, compiled: bool = False) -> Built:
+    """Build on meta → adapters → tensor parallel → (`compiled`) compiled blocks → activation
+    checkpointing: the model a strategy shards (parameters still on the meta device). `mesh`:
+    this rank's, connected (the driver's checks pass none and build on the config's: the shapes
+    are the same on every rank). `streams`: the rank's dropout streams, which the TP regions
+    switch and a recompute replays. `compiled`: a rank's build with `train.compile` (the
+    driver's checks never compile: compilation changes no shape)."""
     built = Built(spec.build())
     add_adapters(built, cfg, spec)
     tensor_parallel(built, cfg, spec, (mesh or cfg.mesh()).axis("tp"), streams)
+    if compiled:
+        compile_model_blocks(built, cfg, spec)
     checkpoint_blocks(built, cfg, spec, streams)
     return built
 
@@ -112,6 +119,17 @@ def tensor_parallel(built: Built, cfg: RootConfig, spec: ModelSpec, axis: Axis,
         return
     p = cfg.parallel
     built.tp = spec.parallelize(built.model, axis, p.sequence_parallel, p.vocab_parallel, streams)
+
+
+def compile_model_blocks(built: Built, cfg: RootConfig, spec: ModelSpec) -> None:
+    """`train.compile`: each of the model's blocks (the classes activation checkpointing and
+    the pipeline stages take, `spec.blocks`) compiled with `train.compile_backend`
+    (`workers/compile.py`)."""
+    if not cfg.train.compile:
+        return
+    classes = tuple(cfg.model.checkpoint_blocks) or spec.blocks(built.model)
+    built.compiled = blocks_of(built.model, classes, 1)
+    compile_blocks(built.model, built.compiled, cfg.train.compile_backend)
 
 
 def checkpoint_blocks(built: Built, cfg: RootConfig, spec: ModelSpec, streams: RandomStreams | None = None) -> None:
@@ -189,7 +207,7 @@ def assemble(cfg: RootConfig, spec: ModelSpec, mesh: Mesh, device: torch.device,
     its pipeline stages or None). `frozen`: every parameter frozen (a preference loss's
     reference model): the strategy holds them in the compute dtype, sharded as it shards
     frozen parameters, with no gradient, main copy or optimizer state."""
-    built = build_model(cfg, spec, mesh, streams)
+    built = build_model(cfg, spec, mesh, streams, compiled=True)
     if frozen:
         built.model.requires_grad_(False)
     # Where each parameter's values come from, matched on the whole model: pretrained weights
@@ -214,6 +232,8 @@ def assemble(cfg: RootConfig, spec: ModelSpec, mesh: Mesh, device: torch.device,
                               source=source, device=device, tp=built.tp, tied=tied)
     if built.stages is not None:
         built.stages.set_dtype(strategy.precision.param)
+    if built.compiled:  # every hook is in place now: those inside the compiled blocks run eagerly
+        hooks_stay_eager(model, built.compiled)
     return model, strategy, source, built.stages
 
 

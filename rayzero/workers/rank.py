@@ -26,6 +26,7 @@ from rayzero.models.spec import IGNORE_INDEX
 from rayzero.sharding.comm import wait
 from rayzero.sharding.rng import RandomStreams
 from rayzero.workers.activations import ActivationMeter
+from rayzero.workers.compile import compile_seconds, forget_compiled
 from rayzero.workers.assembly import assemble, identity, make_spec, whole_counts
 from rayzero.workers import pipelined, preference
 from rayzero.workers.disconnect import opened_while
@@ -49,6 +50,7 @@ class Rank(Membership):
         self.mesh = cfg.mesh(world_size, rank) if rank is not None else None
         self.data_path = data_path
         self.device = torch.device("cpu")
+        self._compiled_s: float | None = None  # compile_seconds() as the iteration began (train.compile)
         self._times: dict[str, float] = {}
         self.saver: ShardSaver | None = None
         self.model = self.strategy = self.data = self.val = self.prefs = None  # built by `setup`
@@ -200,6 +202,7 @@ class Rank(Membership):
         parameter all-gather (unless the strategy waits for it inside forward)."""
         t0 = time.perf_counter()
         self.plan = plan
+        self._compiled_s = compile_seconds() if self.cfg.train.compile else None
         # Before the first step, when asked: the validation loss of the initial weights.
         self._baseline = self._validation_loss() if plan.get("evaluate_first") and self.val is not None else None
         self.strategy.begin_step()
@@ -352,8 +355,10 @@ class Rank(Membership):
                       **{"val0_prefs": p for p in self._baseline[2:]}}
         # done_at: when this rank finished the iteration, on its wall clock (the driver sleeps
         # until the next one should be done, counting from here)
-        return {**result, "phase_s": {**result["phase_s"], "evaluate": time.perf_counter() - t0},
-                "done_at": time.time()}
+        phase_s = {**result["phase_s"], "evaluate": time.perf_counter() - t0}
+        if self._compiled_s is not None:  # what `train.compile` spent this iteration (inside its phases)
+            phase_s["torch_compile"] = compile_seconds() - self._compiled_s
+        return {**result, "phase_s": phase_s, "done_at": time.time()}
 
     def _validation_loss(self) -> tuple:
         """(summed loss, valid targets) over this rank's validation rows, forward only; with
@@ -459,3 +464,5 @@ class Rank(Membership):
         if dist.is_initialized():
             dist.barrier()
         self.leave(upload_wait_s=0.0)  # the upload is done: nothing to wait for
+        if self.cfg.train.compile:  # what dynamo compiled holds this run's modules: a kept process lets it go
+            forget_compiled()

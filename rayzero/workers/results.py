@@ -16,8 +16,9 @@ SUMS = ("loss_sum", "tokens", "aux_loss_sum", "val_loss_sum", "val_tokens", "val
 DICT_SUMS = ("prefs", "val_prefs", "val0_prefs")
 # The same on every rank, or rank 0's alone (the step's learning rate, its grad norm, whether it was skipped).
 FIRST = ("rank", "step", "lr", "grad_norm", "skipped", "loss_scale", "checkpointed")
-# Times a rank reports that are part of a phase (gather's), not after it: not added to its work.
-PARTS = ("data",)
+# Times a rank reports that are part of its phases (data: of gather; torch_compile, `train.compile`'s:
+# of forward, backward or evaluate), not after them: not added to its work.
+PARTS = ("data", "torch_compile")
 
 
 def work_s(phase_s: dict[str, float]) -> float:

@@ -371,3 +371,12 @@ def test_model_config_alone_fills_from_preset():
 def test_example_configs_load(path):
     cfg = load_config(path)
     assert cfg.train.steps >= 1 and cfg.grad_accum >= 1
+
+
+def test_compiled_blocks_refuse_selective_recomputation():
+    """`selective` picks the ops it keeps inside a block; a compiled block runs as one op to it."""
+    assert "train.compile: model.activation_checkpointing=selective" in error_of(
+        overrides=["train.compile=true", "model.activation_checkpointing=selective"])
+    for mode in ("full", "every:2", "none"):
+        assert load_config(None, ["train.compile=true", f"model.activation_checkpointing={mode}"]).train.compile
+    assert "train.compile_backend" in error_of(overrides=["train.compile_backend=cudagraphs"])

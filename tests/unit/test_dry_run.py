@@ -165,3 +165,13 @@ def test_warm_spares_are_promised_only_where_they_fit(tmp_path, capsys, monkeypa
     code, out, plan = dry_run(tmp_path, capsys, "failure.spares=1", "cluster.address=127.0.0.1:9")  # nobody there
     assert code == 0 and "1 warm spare, room not measured: 127.0.0.1:9 is not reachable" in out.out, out.out
 
+
+
+def test_the_plan_says_the_blocks_are_compiled_and_with_what(tmp_path, capsys):
+    code, out, plan = dry_run(tmp_path, capsys, "train.compile=true", "train.compile_backend=aot_eager",
+                              f"train.output_dir={tmp_path}")
+    assert code == 0, out.err
+    assert plan["compile"] == "aot_eager"
+    assert "each block compiled (torch.compile, aot_eager) at the first step" in out.out
+    code, out, plan = dry_run(tmp_path, capsys, f"train.output_dir={tmp_path}")
+    assert plan["compile"] is None and "compiled (torch.compile" not in out.out

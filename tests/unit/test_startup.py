@@ -68,3 +68,24 @@ def test_the_placement_line_counts_its_ranks_in_words():
     from rayzero.cluster.states import ranks_words
 
     assert [ranks_words(n) for n in (1, 2, 4)] == ["1 rank", "2 ranks", "4 ranks"]
+
+
+def test_the_first_step_s_compilation_is_a_part_of_its_stage_said_apart(monkeypatch):
+    """`train.compile`: what the first step spent compiling is in the timings as `torch_compile_s`,
+    inside the first step's stage (not added to the total), and the summary's line says so;
+    what the steps after it compile (none, or an evaluation's graph) is not the start-up's."""
+    from rayzero.jobs.cli import _startup_line
+
+    clock = Clock()
+    monkeypatch.setattr("rayzero.cluster.startup.time.monotonic", clock)
+    s = Startup(io.StringIO())
+    for key, seconds in (("checks", 1.0), ("first_step", 22.5)):
+        s.stage(key, f"{key} begins")
+        clock.now += seconds
+    s.part("torch_compile", 20.25)
+    s.first_step()
+    s.part("torch_compile", 3.0)
+    t = s.timings()
+    assert t == {"checks_s": 1.0, "first_step_s": 22.5, "torch_compile_s": 20.25, "total_s": 23.5}
+    assert _startup_line(t) == ("first step done 23.5 s after the start "
+                                "(checks 1.0, first step 22.5 s, of which torch compile 20.2 s)")
