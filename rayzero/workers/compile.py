@@ -76,8 +76,9 @@ def hooks_stay_eager(model: nn.Module, blocks: list[str]) -> int:
 
 def forget_compiled() -> None:
     """Drop what dynamo compiled in this process (its code caches, which hold the compiled
-    modules, and their recompile counts): a run's end in a process that serves another run
-    after it (kept ranks). Inductor's on-disk caches stay: the next run loads from them."""
+    modules, and their recompile counts) when a rank drops its model: a surviving rank leaving
+    its group for a new rendezvous, or a run's end in a kept process. Inductor's on-disk caches
+    stay: the next setup loads from them instead of compiling again."""
     import torch
 
     torch._dynamo.reset()

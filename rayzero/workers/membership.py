@@ -11,6 +11,7 @@ import time
 import torch.distributed as dist
 
 from rayzero.workers.assembly import build_model, make_spec
+from rayzero.workers.compile import forget_compiled
 from rayzero.workers.disconnect import break_group
 
 
@@ -64,6 +65,8 @@ class Membership:
         t0 = time.perf_counter()
         rank = self.mesh.rank if self.mesh is not None else None
         uploads = self._drop(upload_wait_s)
+        if self.cfg.train.compile:  # what dynamo compiled holds the dropped model; the next setup compiles its own
+            forget_compiled()
         if dist.is_initialized():
             # No barrier and nothing sent: with a SIGKILLed peer this takes ~0.2 s on gloo
             # (benchmarks/recovery.py: the "leave" part), most of it the collection below.

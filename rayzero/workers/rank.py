@@ -26,7 +26,7 @@ from rayzero.models.spec import IGNORE_INDEX
 from rayzero.sharding.comm import wait
 from rayzero.sharding.rng import RandomStreams
 from rayzero.workers.activations import ActivationMeter
-from rayzero.workers.compile import compile_seconds, forget_compiled
+from rayzero.workers.compile import compile_seconds
 from rayzero.workers.assembly import assemble, identity, make_spec, whole_counts
 from rayzero.workers import pipelined, preference
 from rayzero.workers.disconnect import opened_while
@@ -464,5 +464,3 @@ class Rank(Membership):
         if dist.is_initialized():
             dist.barrier()
         self.leave(upload_wait_s=0.0)  # the upload is done: nothing to wait for
-        if self.cfg.train.compile:  # what dynamo compiled holds this run's modules: a kept process lets it go
-            forget_compiled()
