@@ -6,7 +6,10 @@ the CLI's tokens/s.
    plain torch without sharding (bf16 autocast over fp32 parameters, fused AdamW), same
    batches, median step time over 30 steps after 10 warmup, in one process, alternating in
    5 rounds; target overhead <= 3 %; also device memory per parameter against the formula;
-3. `rayzero train` on one GPU, for tokens/s and MFU as a user sees them.
+3. `train.compile` (inductor: Triton kernels) against eager, the same ZeRO-3 bf16 configuration,
+   median step time after the warmup (the first step compiles), in 2 rounds alternating; target
+   compiled >= 1.2x faster; also the compile seconds of the first step;
+4. `rayzero train` on one GPU, for tokens/s and MFU as a user sees them.
 
     python benchmarks/gpu_checks.py [--json PATH]
 """
@@ -120,6 +123,16 @@ def main() -> int:
     print(f"device bytes per parameter: {info['device_bytes_per_param']:.2f} (formula {formula:.0f}, "
           f"ledger {info['memory']['total'] / info['num_params']:.2f})")
 
+    compiled_cfg = load_config(None, CONFIG + [f"data.path={data_path}", "train.compile=true"])
+    speedups = []
+    for r in range(2):
+        eager = statistics.median(time_rayzero(cfg, data_path, free_port())[0][WARMUP:])
+        times, _ = time_rayzero(compiled_cfg, data_path, free_port())
+        speedups.append(eager / statistics.median(times[WARMUP:]))
+        print(f"round {r + 1}: eager {eager * 1e3:.1f} ms, compiled {statistics.median(times[WARMUP:]) * 1e3:.1f} ms, "
+              f"speed-up {speedups[-1]:.2f}x")
+    print(f"train.compile speed-up, median of rounds: {statistics.median(speedups):.2f}x (target >= 1.2)")
+
     rayzero = Path(sys.executable).with_name("rayzero")
     rc |= subprocess.call([str(rayzero), "train", "cluster.num_workers=1", "cluster.use_gpu=true",
                            "model.preset=small", "train.steps=50", "train.global_batch_size=32",
@@ -127,7 +140,8 @@ def main() -> int:
                            "--no-progress"], cwd=ROOT)
     if args.json:
         Path(args.json).write_text(json.dumps({"ratio": ratio, "rounds": ratios, "device_bytes_per_param":
-                                               info["device_bytes_per_param"], "formula": formula}, indent=2))
+                                               info["device_bytes_per_param"], "formula": formula,
+                                               "compile_speedups": speedups}, indent=2))
     return rc
 
 

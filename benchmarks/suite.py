@@ -33,6 +33,7 @@ CAPABILITIES = {
         "dist/test_activation_checkpointing", "dist/test_random_streams", "e2e/test_random_streams",
         "unit/test_random_streams"],
     "LoRA": ["dist/test_lora"],
+    "compiled blocks (torch.compile)": ["dist/test_compile"],
     "tensor parallelism": ["dist/test_tensor_parallel", "dist/test_vocab_parallel", "e2e/test_tensor_parallel"],
     "pipeline parallelism": [
         "dist/test_pipeline", "dist/test_pipeline_models", "dist/test_pipeline_checkpoints", "e2e/test_pipeline",
