@@ -8,7 +8,8 @@ ranks as the actors run them (setup, then iterations):
   sequence parallelism under ZeRO-3 with every block recomputed (the recompute calls the
   compiled block again, the dropout streams put back), and through two pipeline stages with
   LoRA on an HF Llama under ZeRO-1 (whose waits for a bucket's all-gather are hooks inside the
-  blocks); both compile at the first step only: hooks whose state changes from call to call
+  blocks), and through interleaved 1F1B (two model chunks a rank) with dropout under ZeRO-2; each
+  compiles at the first step only: hooks whose state changes from call to call
   (those waits, TP's regions) run eagerly rather than being traced, which would recompile.
 `selective` recomputation with compile is refused by the config (tests/unit/test_config.py)."""
 
@@ -80,10 +81,13 @@ def test_aot_eager_blocks_are_bitwise_eager_through_tp_recompute_pipeline_and_lo
           "sharding.strategy=optim_grads_params", "model.activation_checkpointing=full"]
     pp = ["model.kind=hf", f"model.path={llama}", "train.seq_len=32", "parallel.pp=2", "parallel.pp_schedule=1f1b",
           "model.lora.r=4", "model.lora.target_modules=q_proj,v_proj", "sharding.strategy=optim"]
+    chunks = [*GPT, "model.n_layer=4", "model.dropout=0.1", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
+              "parallel.pp_virtual_stages=2", "sharding.strategy=optim_grads"]
     runs = [("tp", config(tp, 2)), ("tp-compiled", config(tp, 2, aot)),
-            ("pp", config(pp, 2)), ("pp-compiled", config(pp, 2, aot))]
+            ("pp", config(pp, 2)), ("pp-compiled", config(pp, 2, aot)),
+            ("chunks", config(chunks, 2)), ("chunks-compiled", config(chunks, 2, aot))]
     out = run(runs, 2, small_dataset)
-    for name in ("tp", "pp"):
+    for name in ("tp", "pp", "chunks"):
         for rank in range(2):
             eager, compiled = out[(name, rank)], out[(f"{name}-compiled", rank)]
             assert compiled["losses"] == eager["losses"], (name, rank)
