@@ -44,20 +44,8 @@ POINTS = {
 STRATEGIES = ("optim", "optim_grads_params")
 
 
-def reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:  # resets VmHWM to the current RSS
-        f.write("5")
-
-
-def peak_rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def _rank(rank: int, runs: list, data: str, steps: int, out) -> None:
+    from peers import peak_mib, reset_peak  # this directory's: VmHWM, reset with the freed heap trimmed
     from rayzero.workers.rank import Rank
 
     torch.set_num_threads(1)
@@ -74,7 +62,7 @@ def _rank(rank: int, runs: list, data: str, steps: int, out) -> None:
             times.append(time.perf_counter() - t0)
             compile_s += res["phase_s"].get("torch_compile", 0.0)
         out[(key, rank)] = {"step_s": statistics.median(times[1:]), "first_s": times[0], "compile_s": compile_s,
-                            "peak": peak_rss()}
+                            "peak": peak_mib()[0]}
         r.close()
         import torch.distributed as dist
 
@@ -130,7 +118,7 @@ def main() -> None:
             line = {"point": point, "strategy": strategy, "eager_ms": e["step_s"] * 1e3,
                     "compiled_ms": c["step_s"] * 1e3, "speedup": e["step_s"] / c["step_s"],
                     "compile_s": c["compile_s"], "warm_compile_s": w["compile_s"],
-                    "peak_eager_mib": e["peak"] / 2**20, "peak_compiled_mib": c["peak"] / 2**20,
+                    "peak_eager_mib": e["peak"], "peak_compiled_mib": c["peak"],
                     "peak_ratio": c["peak"] / e["peak"]}
             result.append(line)
             print(f"{point:6} {strategy:19} {line['eager_ms']:9.1f} {line['compiled_ms']:12.1f} "

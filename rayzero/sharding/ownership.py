@@ -93,18 +93,15 @@ class OwnShard:
             return
         buffer = self.s.buffer
         bucket_of = {id(p): buffer.bucket_of(i) for i, p in enumerate(buffer.params)}
-        holder = {}  # id(module) -> the module whose forward waits for its buckets
-        for module in self.s.model.modules():
-            if getattr(module, "compiled_block", False):
-                for inner in module.modules():
-                    holder.setdefault(id(inner), module)
-        waits: dict[int, tuple[nn.Module, set[int]]] = {}
+        holder: dict[nn.Module, nn.Module] = {}  # a module -> the module whose forward waits for its buckets
+        for block in (m for m in self.s.model.modules() if getattr(m, "compiled_block", False)):
+            holder.update({inner: block for inner in block.modules()})
+        waits: dict[nn.Module, set[int]] = {}
         for module in self.s.model.modules():
             own = {bucket_of[id(p)] for p in module.parameters(recurse=False)}
             if own:
-                at = holder.get(id(module), module)
-                waits.setdefault(id(at), (at, set()))[1].update(own)
-        for at, own in waits.values():
+                waits.setdefault(holder.get(module, module), set()).update(own)
+        for at, own in waits.items():
             at.register_forward_pre_hook(self._wait_for(sorted(own)))
 
     def _wait_for(self, buckets: list[int]):

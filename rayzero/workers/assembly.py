@@ -121,14 +121,19 @@ def tensor_parallel(built: Built, cfg: RootConfig, spec: ModelSpec, axis: Axis,
     built.tp = spec.parallelize(built.model, axis, p.sequence_parallel, p.vocab_parallel, streams)
 
 
+def block_classes(cfg: RootConfig, spec: ModelSpec, model: nn.Module) -> tuple[str, ...]:
+    """The classes of the blocks that are compiled and recomputed: `model.checkpoint_blocks`,
+    else the model's own (`spec.blocks`)."""
+    return tuple(cfg.model.checkpoint_blocks) or spec.blocks(model)
+
+
 def compile_model_blocks(built: Built, cfg: RootConfig, spec: ModelSpec) -> None:
     """`train.compile`: each of the model's blocks (the classes activation checkpointing and
     the pipeline stages take, `spec.blocks`) compiled with `train.compile_backend`
     (`workers/compile.py`)."""
     if not cfg.train.compile:
         return
-    classes = tuple(cfg.model.checkpoint_blocks) or spec.blocks(built.model)
-    built.compiled = blocks_of(built.model, classes, 1)
+    built.compiled = blocks_of(built.model, block_classes(cfg, spec, built.model), 1)
     compile_blocks(built.model, built.compiled, cfg.train.compile_backend)
 
 
@@ -138,8 +143,7 @@ def checkpoint_blocks(built: Built, cfg: RootConfig, spec: ModelSpec, streams: R
     every = cfg.model.checkpoint_every
     if not every:
         return
-    classes = tuple(cfg.model.checkpoint_blocks) or spec.blocks(built.model)
-    blocks = blocks_of(built.model, classes, every)
+    blocks = blocks_of(built.model, block_classes(cfg, spec, built.model), every)
     checkpoint_activations(built.model, blocks, selective=cfg.model.activation_checkpointing == "selective",
                            streams=streams)
 
