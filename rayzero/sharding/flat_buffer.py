@@ -67,12 +67,16 @@ class ParamSource:
         raise NotImplementedError
 
     def fill_pieces(self, pieces: list[Piece]) -> None:
+        # A parameter's pieces come one after another (a row-parallel weight's TP slice is a
+        # run per row): its whole tensor is made once for all of them, and kept no longer.
+        name, whole = None, None
         for p in pieces:
             if p.end - p.start == p.out.numel() == _numel(p.shape):
                 self.fill(p.name, p.out.view(p.shape))
                 continue
-            whole = torch.empty(p.shape, dtype=torch.float32)
-            self.fill(p.name, whole)
+            if p.name != name:
+                name, whole = p.name, torch.empty(p.shape, dtype=torch.float32)
+                self.fill(name, whole)
             p.out.copy_(whole.view(-1)[p.start : p.end])
 
 

@@ -399,3 +399,24 @@ def test_a_step_allocates_no_new_segment_views_for_the_same_gradients():
     assert opt._grad_views is views
     opt.step(split(torch.ones(30), [10]), lr=0.1)  # other memory: cut again
     assert opt._grad_views is not views
+
+
+def test_a_parameter_read_in_many_pieces_is_made_whole_once():
+    """A row-parallel weight's TP slice is a run per row: a seeded source (whole tensors only)
+    makes each parameter once for all its pieces, not once per piece (at tp 2 that was a
+    whole-tensor draw per row: 12 s of an 8-rank start)."""
+    from rayzero.sharding.flat_buffer import FillSource, Piece
+
+    made = []
+
+    def fill(name, out):
+        made.append(name)
+        out.copy_(torch.arange(out.numel(), dtype=torch.float32).view(out.shape) + (100 if name == "b" else 0))
+
+    a, b = torch.zeros(8 * 4), torch.zeros(3 * 5)
+    pieces = [Piece("a", r * 4 + 1, r * 4 + 3, (8, 4), a[r * 2: r * 2 + 2]) for r in range(8)]
+    pieces += [Piece("b", 0, 15, (3, 5), b), Piece("a", 0, 2, (8, 4), a[16:18])]
+    FillSource(fill).fill_pieces(pieces)
+    assert made == ["a", "b"], "once for all of its pieces in a row"
+    assert a[:16].tolist() == [float(r * 4 + k) for r in range(8) for k in (1, 2)] and a[16:18].tolist() == [0.0, 1.0]
+    assert b.tolist() == [100.0 + k for k in range(15)]
