@@ -363,6 +363,22 @@ class _RowGroup:
     end: int
 
 
+def numbers(column: pa.ChunkedArray) -> np.ndarray:
+    """A column of integers without nulls as one read-only numpy array, viewed from its Arrow
+    buffers (one chunk: no copy). What `column.to_numpy()` gives, without its first call's
+    import of pandas: 0.23 s in a rank process, on the first step of every rank, spare and
+    restart (measured)."""
+    arrays = []
+    for chunk in column.chunks:
+        if chunk.null_count or not pa.types.is_integer(chunk.type):
+            raise DataError(f"expected integers without nulls, got a {chunk.type} column with {chunk.null_count} nulls")
+        dtype = np.dtype(str(chunk.type))
+        arrays.append(np.frombuffer(chunk.buffers()[1], dtype=dtype, count=len(chunk), offset=chunk.offset * dtype.itemsize))
+    if len(arrays) == 1:
+        return arrays[0]
+    return np.concatenate(arrays) if arrays else np.zeros(0, np.dtype(str(column.type)))
+
+
 class TokenDataset:
     """Random access to token windows; reads (and caches) only the row groups a window touches."""
 
@@ -412,7 +428,7 @@ class TokenDataset:
         if table is None or "prompt" not in table.column_names:
             raise DataError(f"{self.uri}: {DOCUMENTS} records no prompt lengths (a {self.kind} dataset prepared by an "
                             "older rayzero); prepare it again")
-        return table.column("prompt").to_numpy().astype(np.int64)
+        return numbers(table.column("prompt")).astype(np.int64)
 
     @cached_property
     def document_lengths(self) -> np.ndarray:
@@ -421,7 +437,7 @@ class TokenDataset:
         path = posixpath.join(self._root, DOCUMENTS)
         if self._fs.get_file_info(path).type == pafs.FileType.File:
             with self._fs.open_input_file(path) as f:
-                lengths = pq.read_table(f).column("length").to_numpy().astype(np.int64)
+                lengths = numbers(pq.read_table(f).column("length")).astype(np.int64)
         else:
             eot = self.meta["eot"]
             ends = np.concatenate([np.flatnonzero(self._read_group_uncached(i) == eot) + g.start
@@ -440,8 +456,8 @@ class TokenDataset:
         with self._lock:  # a ParquetFile is not safe to read from two threads at once
             table = self._files[g.shard].read_row_group(g.index, columns=columns)
         if len(columns) == 1:
-            return table.column(0).to_numpy()
-        return np.stack([table.column(0).to_numpy().astype(np.int64), table.column(1).to_numpy().astype(np.int64)])
+            return numbers(table.column(0))
+        return np.stack([numbers(table.column(0)).astype(np.int64), numbers(table.column(1)).astype(np.int64)])
 
     def _gather(self, start: int, length: int, rows: int) -> np.ndarray:
         if start < 0 or length < 0 or start + length > self.num_tokens:

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -446,3 +447,26 @@ def test_prefetched_rows_are_the_rows_of_the_step_asked_for(batch_ds):
         assert torch.equal(torch.cat([x for x, _ in got]), want[:, :-1])
         assert torch.equal(torch.cat([y for _, y in got]), want[:, 1:])
         assert ahead.next_step == step + 1
+
+
+def test_columns_are_read_as_pyarrow_reads_them_without_importing_pandas(prepared):
+    """`numbers` views a column's Arrow buffers: what `to_numpy()` gives, for a sliced array and
+    a column of several chunks, and a fresh process reading a window never imports pandas
+    (`to_numpy`'s first call does: 0.23 s on every rank's first step)."""
+    import pyarrow as pa
+
+    from rayzero.data.tokens import numbers
+
+    values = pa.array(np.arange(1000, dtype=np.uint16))
+    for column in (pa.chunked_array([values]), pa.chunked_array([values.slice(7, 300), values.slice(500, 11)]),
+                   pa.chunked_array([values.slice(3, 0)])):
+        assert np.array_equal(numbers(column), column.to_numpy()) and numbers(column).dtype == np.uint16
+    with pytest.raises(DataError, match="nulls"):
+        numbers(pa.chunked_array([pa.array([1, None], type=pa.int32())]))
+    out, _, expected = prepared
+    probe = (f"import sys; from rayzero.data.tokens import TokenDataset; "
+             f"w = TokenDataset({out!r}).window(0, 50); "
+             f"assert 'pandas' not in sys.modules, 'pandas imported'; print(w.sum())")
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert int(run.stdout) == int(expected[:50].sum())
