@@ -1,6 +1,6 @@
 """Recovery time with and without a warm spare: from a killed rank to the next completed step.
 
-Two training runs of the `small` model (10.8M parameters) at 4 ranks on a local Ray, side by
+Two training runs of the `small` model (10.8M parameters) at 4 ranks (`--ranks`) on a local Ray, side by
 side in this process, with a checkpoint every 10 steps: one with `failure.spares=0` (a lost
 rank restarts the whole group: every actor killed, a new placement group, new processes that
 import torch again), one with `failure.spares=1` (a warm standby actor takes the lost rank's
@@ -13,12 +13,13 @@ each recovery, split into:
     (the restart: backoff, placement, new processes, rendezvous, build; the spare: the
     survivors leaving their process group, the spare put in, rendezvous, build);
   - load: every rank reading the last commit;
-  - first_step: the first iteration after it (the graph compiled again, one step).
+  - first_step: the first iteration after it (the graph compiled again, one step), beside
+    the median of the steps before the kill (the steady step) and each phase's time.
 
 Target: detection + replacement <= 3 s with one spare. With --hang, the 0-spare run also
 freezes a rank once (SIGSTOP, `failure.phase_timeout_s=5`) and reports its detection.
 
-    python benchmarks/recovery.py [--kills 3] [--hang] [--json PATH]
+    python benchmarks/recovery.py [--kills 3] [--hang] [--ranks 4] [--set KEY=VALUE ...] [--json PATH]
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from rayzero.jobs.train import resolve_data  # noqa: E402
 STAGES = ("detection", "replacement", "load", "first_step")
 # the controller's timings (failure.timings) that make up each stage after detection
 PARTS = {"replacement": ("teardown", "leave", "backoff", "placement", "replacement", "rendezvous"),
-         "load": ("load",), "first_step": ("first_step",)}
+         "load": ("load",), "first_step": ("graph", "first_step")}
 HANG_TIMEOUT_S = 5.0
 TARGET_S = 3.0
 
@@ -79,6 +80,9 @@ def strike(controller, errors: list, how: str, i: int, rng: random.Random) -> di
     if errors:
         return None
     time.sleep(rng.uniform(0.0, 1.0))
+    h = controller.history
+    steady = statistics.median(h.step_s[-5:])
+    steady_phase = {k: statistics.median(v[-5:]) for k, v in h.phase_s.items()}
     pid = rng.choice(sorted(controller.pids))
     struck = time.time()
     os.kill(pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
@@ -86,20 +90,26 @@ def strike(controller, errors: list, how: str, i: int, rng: random.Random) -> di
     if errors:
         return None
     f = controller.failures[i]
+    wait_for(lambda: len(h.step_s) > 1 and h.steps[-1] > controller.record.start_step or errors)
+    at = h.steps.index(controller.record.start_step)  # the first step after the recovery
+    first_phase = {k: v[at] for k, v in h.phase_s.items()}
+    print("  phases, first step after / steady: " + ", ".join(
+        f"{k} {first_phase[k]:.2f}/{steady_phase[k]:.2f}" for k in first_phase), flush=True)
     return {"how": how, "rank": f.rank, "kind": f.kind, "at_step": f.step, "decision": f.decision,
-            "timings": dict(f.timings), **stages(f, struck, HANG_TIMEOUT_S if how == "hang" else 0.0)}
+            "steady_step": steady, "timings": dict(f.timings),
+            **stages(f, struck, HANG_TIMEOUT_S if how == "hang" else 0.0)}
 
 
-def measure(spares: int, kills: int, hang: bool, root: Path) -> list[dict]:
+def measure(spares: int, kills: int, hang: bool, root: Path, ranks: int = 4, extra: tuple = ()) -> list[dict]:
     cfg = load_config(None, [
-        "model.preset=small", "cluster.num_workers=4", "cluster.cpus_per_worker=1", "train.steps=100000",
+        "model.preset=small", f"cluster.num_workers={ranks}", "cluster.cpus_per_worker=1", "train.steps=100000",
         "train.global_batch_size=8", "train.micro_batch_size=2", "train.seq_len=128",
         f"checkpoint.dir={root / 'ckpt'}", "checkpoint.every_steps=10", "checkpoint.keep_last=2",
         "failure.max_restarts=-1", f"failure.phase_timeout_s={HANG_TIMEOUT_S}", f"failure.spares={spares}",
-        f"train.output_dir={root}",
+        f"train.output_dir={root}", *extra,
     ])
     data = resolve_data(cfg)
-    ray.init(num_cpus=4 + 1, logging_level="ERROR", include_dashboard=False)  # room for one spare
+    ray.init(num_cpus=ranks + 1, logging_level="ERROR", include_dashboard=False)  # room for one spare
     controller = Controller(cfg, data, str(root), NullTracker(), progress=False, checkpoints=Checkpoints(cfg))
     errors: list = []
 
@@ -120,7 +130,7 @@ def measure(spares: int, kills: int, hang: bool, root: Path) -> list[dict]:
         row["spares"] = spares
         rows.append(row)
         print(f"spares={spares} {how:5s} rank {row['rank']} at step {row['at_step']} -> {row['decision']}: "
-              + "  ".join(f"{k} {row[k]:.2f}" for k in (*STAGES, "total")) + " s ("
+              + "  ".join(f"{k} {row[k]:.2f}" for k in (*STAGES, "total")) + f" s; steady step {row['steady_step']:.2f} s ("
               + ", ".join(f"{k[:-2]} {v:.2f}" for k, v in row["timings"].items()) + ")", flush=True)
     controller.stop()  # ends the run after the iteration in flight (its actors and spares go with it)
     thread.join(timeout=120)
@@ -136,12 +146,14 @@ def main() -> None:
     ap.add_argument("--kills", type=int, default=3)
     ap.add_argument("--hang", action="store_true", help="also freeze a rank once in the 0-spare run")
     ap.add_argument("--only", type=int, choices=(0, 1), help="one run only, with this many spares")
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more overrides, e.g. parallel.tp=2")
     args = ap.parse_args()
 
     rows = []
     for spares in (0, 1) if args.only is None else (args.only,):
         root = Path(tempfile.mkdtemp(prefix=f"rayzero-recovery-{spares}-"))
-        rows += measure(spares, args.kills, args.hang and spares == 0, root)
+        rows += measure(spares, args.kills, args.hang and spares == 0, root, args.ranks, tuple(args.set))
 
     keys = (*STAGES, "total", "detection+replacement")
     med = {s: {k: statistics.median(r[k] for r in rows if r["spares"] == s and r["how"] == "kill") for k in keys}
@@ -149,7 +161,7 @@ def main() -> None:
     if len(med) < 2:
         print(json.dumps(med, indent=2))
         return
-    print(f"\nmedian of {args.kills} kills each, small model, 4 ranks (seconds):")
+    print(f"\nmedian of {args.kills} kills each, small model, {args.ranks} ranks {' '.join(args.set)} (seconds):")
     print("| stage | 0 spares | 1 spare | 1 spare / 0 spares |\n|---|---|---|---|")
     for k in keys:
         print(f"| {k} | {med[0][k]:.2f} | {med[1][k]:.2f} | {med[1][k] / med[0][k]:.2f} |")

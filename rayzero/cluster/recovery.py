@@ -51,6 +51,8 @@ class Recovering(State):
             return Replacing(live, failure)
         if live is not None:
             live.release(kill=True)
+        if run.spares is not None:
+            run.spares.forget_owed()  # their bundles were the killed group's
         run.clock.mark("teardown")
         if failure.kind == PLACEMENT and not rec.failures and not run.history.losses:
             raise exc  # the very first placement: the request itself cannot be met
@@ -119,8 +121,9 @@ class Replacing(State):
     ranks leave their broken process group but keep their processes, each spare is given a lost rank's mesh coordinates, and the same group
     goes back to Building (a fresh rendezvous) and Resuming (the last commit, as a restart
     would: the result stays bitwise that of the unbroken run). The spares are replenished in
-    the lost ranks' bundles. Anything failing here, or in the Building and Resuming after it,
-    is a new failure, and Recovering kills the group and places a fresh one (see there)."""
+    the lost ranks' bundles once the group has trained a step again (`Spares.owe`). Anything
+    failing here, or in the Building and Resuming after it, is a new failure, and Recovering
+    kills the group and places a fresh one (see there)."""
 
     live: Live
     failure: Failure
@@ -147,7 +150,7 @@ class Replacing(State):
             if spare is None:
                 raise RuntimeError(f"no warm spare became ready within {SPARE_WAIT_S:g}s to replace rank {rank}")
             pid = group.take_in(rank, spare, rec.world)
-            run.spares.replenish(group.vacant_bundle())
+            run.spares.owe(group.vacant_bundle())  # started once the group trains again
             rec.replacements.append({"rank": rank, "step": self.failure.step, "pid": pid})
             log.warning("a warm spare (pid %s) takes the place of rank %d", pid, rank)
         live.watchdog = run.make_watchdog(group.actors, on_fire=group.kill)

@@ -268,6 +268,7 @@ class Training(State):
             run.startup.stage("compile", prepare)
         self.live.dispatch = run.dispatcher(self.live.group.actors, cfg.grad_accum_for(cfg.mesh(rec.world)),
                                             timeout_s=cfg.cluster.pg_timeout_s, pipelined=cfg.parallel.pp > 1)
+        run.clock.mark("graph")  # after a failure: the iteration's graph built again, for the new group
         self.train(run)
         dispatch, self.live.dispatch = self.live.dispatch, None
         dispatch.close()
@@ -374,6 +375,8 @@ class Training(State):
             recovered = run.clock.done()
             if recovered is not None:
                 metrics["recovery_s"] = recovered
+            if run.spares is not None:
+                run.spares.settle()  # the spares that replaced lost ranks, replenished now
         run.tracker.log_metrics(step, metrics)
         run.add_row({"step": step, "world_size": rec.world, **metrics})
         return stop

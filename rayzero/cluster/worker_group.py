@@ -351,6 +351,7 @@ class Spares:
         """`actor_args()`: the spare's constructor arguments, its rank None."""
         self.actor_cls, self.bundle, self.actor_args = actor_cls, dict(bundle), actor_args
         self.spares: list[Spare] = []
+        self.owed: list[tuple[Any, int] | None] = []  # homes of spares to start later (`owe`)
 
     @classmethod
     def start(cls, actor_cls, count: int, bundle: dict[str, float], actor_args: Callable[[], tuple[Any, ...]],
@@ -411,6 +412,23 @@ class Spares:
         else:
             self._start(placement_group([dict(self.bundle)]), 0, owns_pg=True)
 
+    def owe(self, home: tuple[Any, int] | None = None) -> None:
+        """`replenish(home)` later, at `settle`: a spare's start (its process importing torch,
+        ~1.5 s of CPU) would otherwise run beside the group's rendezvous, load and first step,
+        on the same cores. (Measured, benchmarks/recovery.py: 4 ranks on 2 cores.)"""
+        self.owed.append(home)
+
+    def settle(self) -> None:
+        """Start the spares owed (`owe`): the group they stood in for trains again."""
+        owed, self.owed = self.owed, []
+        for home in owed:
+            self.replenish(home)
+
+    def forget_owed(self) -> None:
+        """The group whose bundles the spares were owed in is gone (a restart places a fresh
+        one): its vacant bundles with it."""
+        self.owed = []
+
     def _kill(self, spare: Spare) -> None:
         try:
             ray.kill(spare.actor, no_restart=True)
@@ -421,7 +439,7 @@ class Spares:
 
     def kill(self) -> None:
         """Kill every spare and remove the placement groups of their own."""
-        spares, self.spares = self.spares, []
+        spares, self.spares, self.owed = self.spares, [], []
         for spare in spares:
             self._kill(spare)
 

@@ -42,6 +42,8 @@ class Events:
         self.dead: list[int] = []  # ranks of the live group found dead
         self.spares_die = False  # a spare dies as it is put in
         self.joining_fails: list[int] | None = None  # the first group's rendezvous fails, these ranks dead
+        self.last_step: int | None = None  # the last step whose results were read
+        self.load_fails: list[int] | None = None  # these ranks die in the next load_checkpoint
 
 
 class FakeGroup:
@@ -67,6 +69,9 @@ class FakeGroup:
 
     def call(self, name: str, *args) -> list:
         self.calls.append(name)
+        if name == "load_checkpoint" and self.events.load_fails is not None:
+            self.events.dead, self.events.load_fails = self.events.load_fails, None
+            raise ray.exceptions.ActorDiedError()
         if name == "finish_checkpoints":
             return [[] for _ in self.actors]
         return [{} for _ in self.actors]
@@ -120,12 +125,13 @@ class FakeCluster:
         return max(0, self.events.capacity - self.events.placed)
 
     def start_spares(self, actor_cls, count, bundle, actor_args):
-        return FakeSpares(count)
+        return FakeSpares(count, self.events)
 
 
 class FakeSpares:
-    def __init__(self, count):
-        self.ready, self.replenished, self.killed = count, [], False
+    def __init__(self, count, events=None):
+        self.ready, self.replenished, self.owed, self.killed = count, [], [], False
+        self.events = events
 
     def __len__(self):
         return self.ready
@@ -136,8 +142,17 @@ class FakeSpares:
         self.ready -= 1
         return object()
 
-    def replenish(self, home=None):
-        self.replenished.append(home)
+    def owe(self, home=None):
+        self.owed.append(home)
+
+    def settle(self):
+        for home in self.owed:  # in the group's calls, to show when
+            self.events.groups[-1].calls.append(f"replenish {home} after step {self.events.last_step}")
+        self.replenished += self.owed
+        self.owed = []
+
+    def forget_owed(self):
+        self.owed = []
 
     def kill(self):
         self.killed = True
@@ -199,6 +214,7 @@ class FakeDispatch:
             raise fault(self.events) if callable(fault) else fault
         if plan["step"] in self.events.room:
             self.events.capacity = self.events.room.pop(plan["step"])
+        self.events.last_step = plan["step"]
         memory = {"compute_params": 4, "main_params": 0, "optimizer": 8, "grads": 4, "frozen_params": 0,
                   "total": 16, "transient_peak": 0}
         return [{"rank": r, "step": plan["step"], "lr": plan["lr"], "loss_sum": loss_at(plan["step"]) / self.world,
@@ -279,7 +295,7 @@ def test_a_lost_rank_restarts_the_group_from_the_last_commit(tmp_path):
     assert on_disk == list(range(10)), "history.jsonl: one row per step as well"
     assert c.tracker.tags["resumed_from"] == "mem://step-000004"
     assert set(f.timings) >= {"diagnose_s", "teardown_s", "backoff_s", "placement_s", "rendezvous_s", "load_s",
-                              "first_step_s", "total_s"}
+                              "graph_s", "first_step_s", "total_s"}
     assert "recovery_s" in c.tracker.metrics[4]
 
 
@@ -358,6 +374,8 @@ def test_a_warm_spare_takes_a_lost_ranks_place_and_the_other_ranks_stay(tmp_path
     assert group.closed, "the one group, closed politely at the end: never killed"
     assert group.calls[:4] == ["disconnect [1]", "leave [1]", "take_in 1", "load_checkpoint"]
     assert c.spares.replenished == ["vacant"] and c.spares.killed, "replenished in the lost rank's bundle"
+    # once the group has trained its first step again: a spare's start would slow the recovery's
+    assert group.calls[4:6] == ["apply_checkpoint", f"replenish vacant after step {c.record.start_step}"]
     assert summary["replacements"] == [{"rank": 1, "step": 6, "pid": 2001}] and summary["restarts"] == 1
     assert [r["step"] for r in c.history.rows] == list(range(10))
     assert {"teardown_s", "replacement_s", "rendezvous_s", "load_s", "total_s"} <= set(f.timings)
@@ -380,6 +398,23 @@ def test_a_spare_that_dies_as_it_is_put_in_falls_back_to_a_restart(tmp_path):
     assert [f.decision for f in c.failures] == ["replace", "restart"]
     assert c.record.states[4:8] == ["RECOVER", "REPLACE", "RECOVER", "PLACE"]
     assert events.groups[0].killed and len(events.groups) == 2 and c.history.steps[-1] == 9
+
+
+def test_a_group_that_fails_after_a_spare_came_in_restarts_without_the_spare_it_owed(tmp_path):
+    """The spare that replaced rank 1 is replenished only once the group has trained again;
+    the group fails first (rank 0 dies in the load), so a fresh group is placed, and the
+    vacant bundle of the killed group is not used."""
+    def rank_1_lost_then_rank_0_in_the_load(events):
+        events.load_fails = [0]
+        return lost(1)(events)
+
+    events = Events(capacity=3, faults={6: rank_1_lost_then_rank_0_in_the_load})
+    c = run(tmp_path, [*FIXED, "failure.spares=1"], events)
+    c.fit()
+    assert [f.decision for f in c.failures] == ["replace", "restart"]
+    assert c.record.states[4:10] == ["RECOVER", "REPLACE", "BUILD", "RESUME", "RECOVER", "PLACE"]
+    assert events.groups[0].killed and len(events.groups) == 2 and c.history.steps[-1] == 9
+    assert c.spares.replenished == [] and c.spares.owed == []
 
 
 def test_a_rank_lost_while_the_group_joins_is_not_replaced_but_restarted(tmp_path):
