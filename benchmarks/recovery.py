@@ -91,6 +91,8 @@ def strike(controller, errors: list, how: str, i: int, rng: random.Random) -> di
         return None
     f = controller.failures[i]
     wait_for(lambda: len(h.step_s) > 1 and h.steps[-1] > controller.record.start_step or errors)
+    if errors:
+        return None
     at = h.steps.index(controller.record.start_step)  # the first step after the recovery
     first_phase = {k: v[at] for k, v in h.phase_s.items()}
     print("  phases, first step after / steady: " + ", ".join(

@@ -9,9 +9,8 @@ import pytest
 import ray.exceptions
 
 from rayzero.cluster.controller import Controller
-from rayzero.cluster.failure import Failure, FailurePolicy, TrainingFailed
+from rayzero.cluster.failure import TrainingFailed
 from rayzero.cluster.history import PHASES
-from rayzero.cluster.scaling import ScalingPolicy
 from rayzero.cluster.worker_group import PlacementError
 from rayzero.config import load_config
 
@@ -425,80 +424,3 @@ def test_a_rank_lost_while_the_group_joins_is_not_replaced_but_restarted(tmp_pat
     c.fit()
     (f,) = c.failures
     assert (f.lost, f.decision) == ([1], "restart") and len(events.groups) == 2
-
-
-# -- the policies, as tables ------------------------------------------------------------------
-def scaling(*overrides) -> ScalingPolicy:
-    return ScalingPolicy.from_config(load_config(None, [*ELASTIC, *overrides]))
-
-
-@pytest.mark.parametrize("world, capacity, then", [
-    (4, 4, 4),  # room for the same world: the same world
-    (4, 3, 3),  # room for 3: shrink to 3
-    (4, 2, 2),
-    (4, 1, 4),  # room for none of the valid worlds: the same world (placement waits, then shrinks)
-    (3, 4, 4),  # already shrunk and the room is back: the configured world again
-    (2, 3, 3),
-])
-def test_scaling_after_a_failure(world, capacity, then):
-    assert scaling().after_failure(world, capacity) == then
-
-
-@pytest.mark.parametrize("world, free, to", [
-    (4, 2, None),  # at the configured world: never grows
-    (3, 0, None),
-    (3, 1, 4),
-    (2, 1, 3),
-    (2, 2, 4),  # the biggest valid world that fits
-])
-def test_scaling_grows_back_to_the_biggest_world_that_fits(world, free, to):
-    assert scaling().grow_to(world, free) == to
-
-
-def test_scaling_keeps_to_the_valid_worlds():
-    s = scaling("train.global_batch_size=16")  # 16 sequences of 2: 4 and 2 ranks divide them, 3 does not
-    assert s.worlds == [4, 2] and s.to_place(4) == [4, 2] and s.to_place(3) == [2]
-    assert s.after_failure(4, 3) == 2 and s.grow_to(2, 1) is None and s.grow_to(2, 2) == 4
-    fixed = ScalingPolicy.from_config(load_config(None, FIXED))
-    assert not fixed.elastic and fixed.after_failure(2, 1) == 2 and fixed.grow_to(2, 10) is None
-
-
-@pytest.mark.parametrize("kind, restarts, capacity, action, world", [
-    ("rank_died", 0, 4, "restart", 4),
-    ("rank_died", 0, 3, "shrink", 3),
-    ("hang", 0, 2, "shrink", 2),
-    ("storage", 5, 4, "restart", 4),
-    ("rank_died", 10, 4, "give_up", 4),  # failure.max_restarts=10
-    ("error", 0, 4, "give_up", 4),
-])
-def test_failure_policy_table(kind, restarts, capacity, action, world):
-    cfg = load_config(None, [*ELASTIC, "failure.max_restarts=10"])
-    d = FailurePolicy(cfg).decide(Failure(kind, "x"), restarts, 1, world=4, capacity=capacity)
-    assert (d.action, d.world_size) == (action, world)
-
-
-def test_the_failure_policy_asks_the_injected_scaling_policy():
-    class Never(ScalingPolicy):
-        def after_failure(self, world, capacity):
-            return world
-
-    cfg = load_config(None, ELASTIC)
-    d = FailurePolicy(cfg, Never(cfg.world_sizes())).decide(Failure("rank_died", "x"), 0, 1, world=4, capacity=2)
-    assert (d.action, d.world_size) == ("restart", 4)
-
-
-@pytest.mark.parametrize("kind, lost, spares, restarts, replaces", [
-    ("rank_died", [1], 1, 0, True),
-    ("rank_died", [0, 1], 2, 0, True),
-    ("rank_died", [0, 1], 1, 0, False),  # a node with more ranks than spares
-    ("rank_died", [], 1, 0, False),  # no rank found dead (the graph's error alone)
-    ("hang", [1], 1, 0, False),  # the watchdog killed the group
-    ("rank_died", [1], 1, 10, False),  # failure.max_restarts=10 reached
-])
-def test_failure_policy_replaces_only_lost_ranks_that_spares_cover(kind, lost, spares, restarts, replaces):
-    cfg = load_config(None, [*ELASTIC, "failure.max_restarts=10"])
-    d = FailurePolicy(cfg).replaces(Failure(kind, "x", lost=lost), restarts, world=4, spares=spares)
-    assert (d is not None) == replaces
-    if replaces:
-        assert (d.action, d.world_size, d.delay_s) == ("replace", 4, 0.0) and str(lost[-1]) in d.reason
-
