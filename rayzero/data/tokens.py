@@ -363,15 +363,16 @@ class _RowGroup:
     end: int
 
 
-def numbers(column: pa.ChunkedArray) -> np.ndarray:
+def numbers(column: pa.ChunkedArray, where: str = "") -> np.ndarray:
     """A column of integers without nulls as one read-only numpy array, viewed from its Arrow
     buffers (one chunk: no copy). What `column.to_numpy()` gives, without its first call's
     import of pandas: 0.23 s in a rank process, on the first step of every rank, spare and
-    restart (measured)."""
+    restart (measured). `where`: what the column is, for the error if it is not one."""
     arrays = []
     for chunk in column.chunks:
         if chunk.null_count or not pa.types.is_integer(chunk.type):
-            raise DataError(f"expected integers without nulls, got a {chunk.type} column with {chunk.null_count} nulls")
+            raise DataError(f"{where or 'a column'}: expected integers without nulls, got {chunk.type} with "
+                            f"{chunk.null_count} nulls")
         dtype = np.dtype(str(chunk.type))
         arrays.append(np.frombuffer(chunk.buffers()[1], dtype=dtype, count=len(chunk), offset=chunk.offset * dtype.itemsize))
     if len(arrays) == 1:
@@ -428,7 +429,7 @@ class TokenDataset:
         if table is None or "prompt" not in table.column_names:
             raise DataError(f"{self.uri}: {DOCUMENTS} records no prompt lengths (a {self.kind} dataset prepared by an "
                             "older rayzero); prepare it again")
-        return numbers(table.column("prompt")).astype(np.int64)
+        return numbers(table.column("prompt"), f"{self.uri}: {DOCUMENTS} prompt").astype(np.int64)
 
     @cached_property
     def document_lengths(self) -> np.ndarray:
@@ -437,7 +438,7 @@ class TokenDataset:
         path = posixpath.join(self._root, DOCUMENTS)
         if self._fs.get_file_info(path).type == pafs.FileType.File:
             with self._fs.open_input_file(path) as f:
-                lengths = numbers(pq.read_table(f).column("length")).astype(np.int64)
+                lengths = numbers(pq.read_table(f).column("length"), f"{self.uri}: {DOCUMENTS} length").astype(np.int64)
         else:
             eot = self.meta["eot"]
             ends = np.concatenate([np.flatnonzero(self._read_group_uncached(i) == eot) + g.start
@@ -455,9 +456,11 @@ class TokenDataset:
         columns = ["tokens", "mask"] if self.masked else ["tokens"]
         with self._lock:  # a ParquetFile is not safe to read from two threads at once
             table = self._files[g.shard].read_row_group(g.index, columns=columns)
+        where = f"{self.uri}: row group {g.index} of {self.meta['shards'][g.shard]['file']}"
         if len(columns) == 1:
-            return numbers(table.column(0))
-        return np.stack([numbers(table.column(0)).astype(np.int64), numbers(table.column(1)).astype(np.int64)])
+            return numbers(table.column(0), f"{where}, tokens")
+        return np.stack([numbers(table.column(0), f"{where}, tokens").astype(np.int64),
+                         numbers(table.column(1), f"{where}, mask").astype(np.int64)])
 
     def _gather(self, start: int, length: int, rows: int) -> np.ndarray:
         if start < 0 or length < 0 or start + length > self.num_tokens:

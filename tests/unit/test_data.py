@@ -461,8 +461,8 @@ def test_columns_are_read_as_pyarrow_reads_them_without_importing_pandas(prepare
     for column in (pa.chunked_array([values]), pa.chunked_array([values.slice(7, 300), values.slice(500, 11)]),
                    pa.chunked_array([values.slice(3, 0)])):
         assert np.array_equal(numbers(column), column.to_numpy()) and numbers(column).dtype == np.uint16
-    with pytest.raises(DataError, match="nulls"):
-        numbers(pa.chunked_array([pa.array([1, None], type=pa.int32())]))
+    with pytest.raises(DataError, match="shard-0.parquet, tokens: expected integers without nulls, got int32 with 1 nulls"):
+        numbers(pa.chunked_array([pa.array([1, None], type=pa.int32())]), "shard-0.parquet, tokens")
     out, _, expected = prepared
     probe = (f"import sys; from rayzero.data.tokens import TokenDataset; "
              f"w = TokenDataset({out!r}).window(0, 50); "
