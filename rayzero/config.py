@@ -111,6 +111,13 @@ class RunConfig(Frozen):
         "Triton on GPU); `aot_eager` traces forward and backward as inductor does but runs torch's own "
         "kernels (no code generated: for finding whether a model compiles, and quickly).",
     )
+    compile_cache: str | None = Field(
+        default=None,
+        description="Where inductor keeps its on-disk caches with `compile` (compiled graphs, AOT autograd, "
+        "kernels), so that a restart, a warm spare or a resumed run loads what the first step compiled instead "
+        "of compiling again. Unset: the run directory's `compile_cache`. A local path on each node (a rank "
+        "that cannot create it keeps inductor's default, the system's temp directory).",
+    )
     output_dir: str = Field(
         default="runs",
         description="Each run gets a directory below it, named by `tracking.run_name`; a relative "

@@ -116,7 +116,8 @@ class FailureConfig(Frozen):
         description="Watchdog, in seconds: the longest one rank may spend in one phase or checkpoint load "
         "(waiting on its upload: since the upload last moved a block) before the run counts it as hung "
         "and restarts. A rank still starting (its actor's constructor, then `setup`: joining the group, "
-        "building the model, reading its weights) gets at least 60 s.",
+        "building the model, reading its weights) gets at least 60 s, and an iteration that compiles "
+        "(`train.compile`: the first after a start, the first that evaluates) at least 300 s.",
     )
     backoff_s: float = Field(
         default=1.0, ge=0,

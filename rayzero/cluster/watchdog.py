@@ -28,6 +28,10 @@ log = logging.getLogger(__name__)
 # core, or a large model, starting takes longer than a `phase_timeout_s` sized for a step.
 STARTUP_GRACE_S = 60.0
 STARTING = ("setup",)
+# An iteration that compiles (`train.compile`: the first after setup, the first evaluation;
+# `Rank.progress`'s `compiling`) counts as hung only after at least this long: a cold compile
+# of a large model's blocks takes minutes, and a rank torn down in it compiles again.
+COMPILE_GRACE_S = 300.0
 
 
 class Watchdog:
@@ -94,15 +98,18 @@ class Watchdog:
                                  f"{self.timeout_s:g}), last seen in phase {p.get('phase')} of step {p.get('step')}",
                            rank=r, phase=p.get("phase"), step=p.get("step"))
         busy = {r: p for r, p in self.last.items() if p.get("phase") and r not in self._silent_since}
-        if not any(p["elapsed_s"] > self._limit(p["phase"] in STARTING) for p in busy.values()):
+        if not any(p["elapsed_s"] > self._limit(p["phase"] in STARTING, p.get("compiling")) for p in busy.values()):
             return None
         r = min(busy, key=lambda r: (_position(busy[r]), -busy[r]["elapsed_s"]))
         p = busy[r]
+        grace = f"; compiling: at least {COMPILE_GRACE_S:g} s" if p.get("compiling") else ""
         return Failure(HANG, f"rank {r} spent {p['elapsed_s']:.0f}s in phase {p['phase']} of step {p['step']}"
-                             f" (failure.phase_timeout_s={self.timeout_s:g})",
+                             f" (failure.phase_timeout_s={self.timeout_s:g}{grace})",
                        rank=r, phase=p["phase"], step=p["step"])
 
-    def _limit(self, starting: bool) -> float:
+    def _limit(self, starting: bool, compiling: bool = False) -> float:
+        if compiling:
+            return max(self.timeout_s, COMPILE_GRACE_S)
         return max(self.timeout_s, STARTUP_GRACE_S) if starting else self.timeout_s
 
 

@@ -142,8 +142,7 @@ def _print_plan(p: dict) -> None:
            f"formula, before padding and activations)\n" if p["num_params"] else
            f"  model state per rank {mem['bytes_per_param']:.2f} bytes/parameter (Megatron's formula)\n")
         + (f"  {_activations_line(mem)}\n" if mem.get("activations_bytes") is not None else "")
-        + (f"  each block compiled (torch.compile, {p['compile']}) at the first step; the embedding, head, loss "
-           "and sharding hooks eager\n" if p.get("compile") else "")
+        + (f"  {_compile_line(p)}\n" if p.get("compile") else "")
         + (f"  {objective_line(p['objective'])}\n" if p.get("objective") else "")
         + (f"  {_buckets_line(p['buckets'])}\n" if p["buckets"]["numel"] else "")
         + f"  {p['global_batch_size']} sequences per step = {p['dp_size']} "
@@ -203,6 +202,16 @@ def _activations_line(mem: dict) -> str:
              if mem["bytes_per_rank"] else "")
     return (f"activations {act / 2**20:,.1f} MiB a micro-batch (estimated from the model's shape; activation "
             f"checkpointing {mem['activation_checkpointing']}){total}")
+
+
+def _compile_line(p: dict) -> str:
+    """`train.compile`'s line: the backend, what stays eager, where inductor's caches go."""
+    line = (f"each block compiled (torch.compile, {p['compile']}) at the first step; the embedding, head, loss "
+            "and sharding hooks eager")
+    if p["compile"] != "inductor":  # aot_eager generates no code to cache
+        return line
+    where = p.get("compile_cache") or "the run directory's compile_cache"
+    return f"{line}; inductor's caches in {where}"
 
 
 def _buckets_line(b: dict) -> str:

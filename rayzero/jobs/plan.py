@@ -115,6 +115,7 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
                   "architecture": spec_class(record["kind"]).architecture(record),
                   "note": note, "lora": lora},
         "compile": t.compile_backend if t.compile else None,  # torch.compile of each block, its backend
+        "compile_cache": t.compile_cache,  # inductor's caches; None: the run directory's compile_cache
         "global_batch_size": t.global_batch_size,
         "micro_batch_size": t.micro_batch_size,
         "grad_accum": cfg.grad_accum,

@@ -213,6 +213,17 @@ def make_run_dir(cfg: RootConfig) -> Path:
     return run_dir
 
 
+def with_compile_cache(cfg: RootConfig, run_dir: Path) -> RootConfig:
+    """`train.compile`'s caches where the ranks find them: `train.compile_cache` made absolute
+    (ranks do not share the driver's working directory), unset the run directory's
+    `compile_cache`, which a restart, a spare and the resumed run share. The config saved in
+    the run directory keeps what was given."""
+    if not cfg.train.compile or cfg.train.compile_backend != "inductor":
+        return cfg
+    cache = Path(cfg.train.compile_cache).expanduser().resolve() if cfg.train.compile_cache else run_dir / "compile_cache"
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"compile_cache": str(cache)})})
+
+
 def tracking_uri(cfg: RootConfig, run_dir: Path) -> str:
     return cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{run_dir / 'mlflow.db'}"
 
@@ -337,6 +348,7 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None,
     run_dir = resumed_dir or make_run_dir(cfg)
     shown = cfg.model_copy(update={"checkpoint": given_storage})
     (run_dir / "config.json").write_text(shown.model_dump_json(indent=2, by_alias=True))
+    cfg = with_compile_cache(cfg, run_dir)
     quiet_logs()
     started_ray = not ray.is_initialized()
     startup.stage("ray", ray_words(address, started_ray))

@@ -134,7 +134,7 @@ def compile_model_blocks(built: Built, cfg: RootConfig, spec: ModelSpec) -> None
     if not cfg.train.compile:
         return
     built.compiled = blocks_of(built.model, block_classes(cfg, spec, built.model), 1)
-    compile_blocks(built.model, built.compiled, cfg.train.compile_backend)
+    compile_blocks(built.model, built.compiled, cfg.train.compile_backend, cfg.train.compile_cache)
 
 
 def checkpoint_blocks(built: Built, cfg: RootConfig, spec: ModelSpec, streams: RandomStreams | None = None) -> None:

@@ -26,7 +26,7 @@ from rayzero.models.spec import IGNORE_INDEX
 from rayzero.sharding.comm import wait
 from rayzero.sharding.rng import RandomStreams
 from rayzero.workers.activations import ActivationMeter
-from rayzero.workers.compile import compile_seconds
+from rayzero.workers.compile import Compiling
 from rayzero.workers.assembly import assemble, identity, make_spec, whole_counts
 from rayzero.workers import pipelined, preference
 from rayzero.workers.disconnect import opened_while
@@ -50,7 +50,7 @@ class Rank(Membership):
         self.mesh = cfg.mesh(world_size, rank) if rank is not None else None
         self.data_path = data_path
         self.device = torch.device("cpu")
-        self._compiled_s: float | None = None  # compile_seconds() as the iteration began (train.compile)
+        self.compiling = Compiling(cfg.train.compile)  # which iterations compile (train.compile), for how long
         self._times: dict[str, float] = {}
         self.saver: ShardSaver | None = None
         self.model = self.strategy = self.data = self.val = self.prefs = None  # built by `setup`
@@ -68,7 +68,7 @@ class Rank(Membership):
             # Waiting on its checkpoint upload: slow is not stuck while bytes still move.
             elapsed = min(elapsed, now - saver.moved_at)
         return {"rank": self.mesh.rank if self.mesh is not None else None, "step": self.plan.get("step"),
-                "phase": current[0] if current else None, "elapsed_s": elapsed}
+                "phase": current[0] if current else None, "elapsed_s": elapsed, "compiling": self.compiling.now}
 
     # -- setup -------------------------------------------------------------------------
     @staticmethod
@@ -109,6 +109,7 @@ class Rank(Membership):
         if self.model is not None or dist.is_initialized():
             self.leave()
         cfg = self.cfg
+        self.compiling = Compiling(cfg.train.compile)  # a rank set up again compiles again (`forget_compiled`)
         backend = cfg.cluster.backend
         if backend == "auto":
             backend = "nccl" if cfg.cluster.use_gpu else "gloo"
@@ -202,7 +203,7 @@ class Rank(Membership):
         parameter all-gather (unless the strategy waits for it inside forward)."""
         t0 = time.perf_counter()
         self.plan = plan
-        self._compiled_s = compile_seconds() if self.cfg.train.compile else None
+        self.compiling.begin(plan)
         # Before the first step, when asked: the validation loss of the initial weights.
         self._baseline = self._validation_loss() if plan.get("evaluate_first") and self.val is not None else None
         self.strategy.begin_step()
@@ -356,8 +357,8 @@ class Rank(Membership):
         # done_at: when this rank finished the iteration, on its wall clock (the driver sleeps
         # until the next one should be done, counting from here)
         phase_s = {**result["phase_s"], "evaluate": time.perf_counter() - t0}
-        if self._compiled_s is not None:  # what `train.compile` spent this iteration (inside its phases)
-            phase_s["torch_compile"] = compile_seconds() - self._compiled_s
+        if (compiled_s := self.compiling.end(self.plan)) is not None:  # what `train.compile` spent, in its phases
+            phase_s["torch_compile"] = compiled_s
         return {**result, "phase_s": phase_s, "done_at": time.time()}
 
     def _validation_loss(self) -> tuple:

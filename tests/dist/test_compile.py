@@ -59,10 +59,15 @@ def llama(tmp_path_factory):
     return save_hf_model("llama", tmp_path_factory.mktemp("compile") / "llama", num_hidden_layers=2)
 
 
-def test_inductor_blocks_under_zero3_train_as_eager_does(small_dataset):
+def test_inductor_blocks_under_zero3_train_as_eager_does(small_dataset, tmp_path):
     zero3 = ["sharding.strategy=optim_grads_params"]
-    runs = [("eager", config(GPT, 2, zero3)), ("inductor", config(GPT, 2, [*zero3, "train.compile=true"]))]
+    cache = tmp_path / "compile_cache"
+    runs = [("eager", config(GPT, 2, zero3)),
+            ("inductor", config(GPT, 2, [*zero3, "train.compile=true", f"train.compile_cache={cache}"]))]
     out = run(runs, 2, small_dataset)
+    # inductor's caches went where train.compile_cache says: the compiled graphs, forward and backward
+    assert [p.name for p in (cache / "fxgraph").glob("*/*")], sorted(p.name for p in cache.iterdir())
+    assert [p.name for p in (cache / "aotautograd").glob("*")], sorted(p.name for p in cache.iterdir())
     for rank in range(2):
         eager, compiled = out[("eager", rank)], out[("inductor", rank)]
         assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-5)

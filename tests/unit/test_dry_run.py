@@ -173,5 +173,12 @@ def test_the_plan_says_the_blocks_are_compiled_and_with_what(tmp_path, capsys):
     assert code == 0, out.err
     assert plan["compile"] == "aot_eager"
     assert "each block compiled (torch.compile, aot_eager) at the first step" in out.out
+    assert "inductor's caches" not in out.out, "aot_eager generates no code to cache"
+    code, out, plan = dry_run(tmp_path, capsys, "train.compile=true", f"train.output_dir={tmp_path}")
+    assert code == 0 and plan["compile"] == "inductor" and plan["compile_cache"] is None
+    assert "and sharding hooks eager; inductor's caches in the run directory's compile_cache\n" in out.out
+    code, out, plan = dry_run(tmp_path, capsys, "train.compile=true", f"train.compile_cache={tmp_path / 'cc'}",
+                              f"train.output_dir={tmp_path}")
+    assert f"; inductor's caches in {tmp_path / 'cc'}\n" in out.out
     code, out, plan = dry_run(tmp_path, capsys, f"train.output_dir={tmp_path}")
     assert plan["compile"] is None and "compiled (torch.compile" not in out.out

@@ -193,7 +193,7 @@ def test_a_rank_waiting_on_an_upload_that_still_moves_is_not_stuck():
     from rayzero.workers.rank import Rank
 
     rank = Rank(load_config(None, []), 0, 1, "unused")
-    assert rank.progress() == {"rank": 0, "step": None, "phase": None, "elapsed_s": 0.0}
+    assert rank.progress() == {"rank": 0, "step": None, "phase": None, "elapsed_s": 0.0, "compiling": False}
     rank._current = ("step", time.monotonic() - 100)
 
     class Saver:
@@ -363,3 +363,55 @@ def test_failure_policy_replaces_only_lost_ranks_that_spares_cover(kind, lost, s
     if replaces:
         assert (d.action, d.world_size, d.delay_s) == ("replace", 4, 0.0) and str(lost[-1]) in d.reason
 
+
+
+def test_an_iteration_that_compiles_gets_the_compile_grace():
+    """`train.compile`: a rank's first iteration after setup, and its first that evaluates,
+    compile (`Compiling`); the watchdog counts them hung only after COMPILE_GRACE_S, where a
+    cold compile of a large model's blocks would otherwise read as a hang at every restart."""
+    from rayzero.cluster.watchdog import COMPILE_GRACE_S
+    from rayzero.workers.compile import Compiling
+
+    c, seen = Compiling(True), []
+    for plan in ({"step": 0}, {"step": 1}, {"step": 2, "evaluate": True}, {"step": 3, "evaluate": True}):
+        c.begin(plan)
+        seen.append(c.now)
+        assert c.end(plan) == 0.0  # nothing compiled in this process
+    assert seen == [True, False, True, False] and not c.now
+    off = Compiling(False)
+    off.begin({"step": 0})
+    assert not off.now and off.end({"step": 0}) is None
+
+    compiling = {0: {"step": 0, "phase": "forward", "elapsed_s": COMPILE_GRACE_S - 1, "compiling": True}}
+    assert verdict(compiling) is None
+    compiling[0]["elapsed_s"] = COMPILE_GRACE_S + 1
+    f = verdict(compiling)
+    assert f.rank == 0 and f"(failure.phase_timeout_s=10; compiling: at least {COMPILE_GRACE_S:g} s)" in f.message
+    assert verdict({0: {"step": 1, "phase": "forward", "elapsed_s": 11.0, "compiling": False}}).rank == 0
+
+
+def test_a_kernel_left_cut_short_is_deleted_so_that_the_restart_compiles_it(tmp_path):
+    """A rank killed while inductor's C++ compiler wrote a kernel leaves a truncated library that
+    every later process would load as it is (a crash, or "file too short"); a rank pointing
+    inductor at the cache deletes it first, and only it."""
+    import _json
+    import ctypes
+    import shutil
+
+    from rayzero.workers.compile import use_cache_dir
+
+    cache = tmp_path / "compile_cache"
+    (cache / "ab").mkdir(parents=True)
+    whole = cache / "ab" / "cwhole.main.so"
+    shutil.copy(_json.__file__, whole)  # a real library, whole
+    data = whole.read_bytes()
+    (cache / "ab" / "ccut.main.so").write_bytes(data[: len(data) // 2])  # its header intact, its tables gone
+    (cache / "ab" / "cstub.o").write_bytes(data[:10])  # cut before its header
+    (cache / "ab" / "cnotes.py").write_bytes(data[:10])  # not a kernel's binary
+    try:
+        ctypes.CDLL(str(cache / "ab" / "cstub.o"))
+    except OSError as e:
+        assert "file too short" in str(e)
+    assert use_cache_dir(str(cache)) == str(cache)
+    assert sorted(p.name for p in (cache / "ab").iterdir()) == ["cnotes.py", "cwhole.main.so"]
+    ctypes.CDLL(str(whole))  # the whole one still loads
