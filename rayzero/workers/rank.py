@@ -51,6 +51,7 @@ class Rank(Membership):
         self.data_path = data_path
         self.device = torch.device("cpu")
         self.compiling = Compiling(cfg.train.compile)  # which iterations compile (train.compile), for how long
+        self._finished: int | None = None  # the last step whose iteration this rank finished (`progress`)
         self._times: dict[str, float] = {}
         self.saver: ShardSaver | None = None
         self.model = self.strategy = self.data = self.val = self.prefs = None  # built by `setup`
@@ -68,7 +69,8 @@ class Rank(Membership):
             # Waiting on its checkpoint upload: slow is not stuck while bytes still move.
             elapsed = min(elapsed, now - saver.moved_at)
         return {"rank": self.mesh.rank if self.mesh is not None else None, "step": self.plan.get("step"),
-                "phase": current[0] if current else None, "elapsed_s": elapsed, "compiling": self.compiling.now}
+                "phase": current[0] if current else None, "elapsed_s": elapsed, "compiling": self.compiling.now,
+                "finished": self._finished}
 
     # -- setup -------------------------------------------------------------------------
     @staticmethod
@@ -97,7 +99,7 @@ class Rank(Membership):
         self.model = self.strategy = self.data = self.val = None
         self.streams = self.vocab = self.meter = None
         self._micro = self._loss = self._staged = self._valid_work = None
-        self.plan, self._current = {}, None
+        self.plan, self._current, self._finished = {}, None, None
         return uploads
 
     @watched
@@ -359,6 +361,7 @@ class Rank(Membership):
         phase_s = {**result["phase_s"], "evaluate": time.perf_counter() - t0}
         if (compiled_s := self.compiling.end(self.plan)) is not None:  # what `train.compile` spent, in its phases
             phase_s["torch_compile"] = compiled_s
+        self._finished = self.plan["step"]
         return {**result, "phase_s": phase_s, "done_at": time.time()}
 
     def _validation_loss(self) -> tuple:

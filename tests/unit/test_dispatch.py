@@ -2,7 +2,7 @@
 
 import pytest
 
-from rayzero.cluster.dispatch import NAP_MIN_S, Nap, _work_s
+from rayzero.cluster.dispatch import LAST_SHARE, NAP_MIN_S, Nap, _work_s
 
 
 def result(*phases: float, done_at: float | None = None) -> dict:
@@ -89,6 +89,16 @@ def test_a_slow_first_iteration_does_not_set_the_pace():
     assert nap.wake_at(submitted=105.0, now=105.1) is None  # nothing known yet of an ordinary one
     nap.observe([result(0.5, done_at=105.6)], submitted=105.0, woke=105.1, done=105.6)
     assert nap.wake_at(submitted=105.5, now=105.6) == pytest.approx(105.6 + 0.5)
+
+
+def test_with_nothing_queued_behind_it_the_driver_wakes_before_the_expected_end():
+    """The last iteration, or one whose evaluation may end the run: a late wake would hold up
+    what comes next, so the nap ends at LAST_SHARE of the expected time (it spun through the
+    whole iteration before: on 2 cores beside 2 ranks, their step took 2.0x as long)."""
+    nap = compiled()
+    nap.observe([result(1.0, done_at=11.0)], submitted=10.0, woke=10.0, done=11.0)
+    assert nap.wake_at(submitted=11.0, now=11.0, queued=False) == pytest.approx(11.0 + LAST_SHARE * 1.0)
+    assert nap.wake_at(submitted=11.0, now=11.0, queued=True) == pytest.approx(11.0 + 1.0)
 
 
 def test_without_phase_times_an_overlong_nap_is_halved_not_slowly_decayed():

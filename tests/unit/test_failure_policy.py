@@ -193,7 +193,8 @@ def test_a_rank_waiting_on_an_upload_that_still_moves_is_not_stuck():
     from rayzero.workers.rank import Rank
 
     rank = Rank(load_config(None, []), 0, 1, "unused")
-    assert rank.progress() == {"rank": 0, "step": None, "phase": None, "elapsed_s": 0.0, "compiling": False}
+    assert rank.progress() == {"rank": 0, "step": None, "phase": None, "elapsed_s": 0.0, "compiling": False,
+                               "finished": None}
     rank._current = ("step", time.monotonic() - 100)
 
     class Saver:
