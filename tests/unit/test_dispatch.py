@@ -112,3 +112,41 @@ def test_without_phase_times_an_overlong_nap_is_halved_not_slowly_decayed():
     assert nap.wake_at(submitted=7.0, now=8.0) == pytest.approx(7.0 + 1.0)
     nap.observe([{"rank": 0}], submitted=7.0, woke=8.0, done=8.0)
     assert nap.wake_at(submitted=7.5, now=8.0) == pytest.approx(7.5 + 0.5)
+
+
+def test_an_unguessed_iteration_is_waited_for_by_asking_the_ranks(monkeypatch):
+    """The first two iterations: the driver asks each rank's `progress` (no spinning) until every
+    rank has finished the step, and stops asking when the ranks that have not are in that step
+    in no phase, twice running (one raised; the channel's read reports it)."""
+    from types import SimpleNamespace
+
+    from rayzero.cluster import dispatch as d
+
+    monkeypatch.setattr(d.ray, "get", lambda answers, timeout=None: list(answers))
+    monkeypatch.setattr(d.time, "sleep", lambda s: None)
+
+    def ranks(*timelines):  # each rank's answers, one per poll (the last repeats)
+        polls = [iter(t) for t in timelines]
+        seen = [[] for _ in timelines]
+
+        def answer(k):
+            def read():
+                seen[k].append(next(polls[k], seen[k][-1] if seen[k] else None))
+                return seen[k][-1]
+            return read
+        return [SimpleNamespace(progress=SimpleNamespace(remote=answer(k))) for k in range(len(timelines))], seen
+
+    def wait(actors):
+        cd = object.__new__(d.CompiledDispatch)
+        cd.actors, cd.timeout_s = actors, 60.0
+        cd._until_finished(step=4)
+
+    before = {"step": 3, "phase": None, "finished": 3}  # not yet in step 4
+    forward, done = {"step": 4, "phase": "forward", "finished": 3}, {"step": 4, "phase": None, "finished": 4}
+    actors, seen = ranks([before, before, forward, forward, done], [forward, done])
+    wait(actors)
+    assert len(seen[0]) == 5, "asked until both had finished step 4, a rank not yet in it waited for"
+    raised = {"step": 4, "phase": None, "finished": 3}
+    actors, seen = ranks([forward, raised], [forward, done])
+    wait(actors)
+    assert len(seen[0]) == 3, "rank 0 raised in step 4: seen idle twice, then left to the channel"
