@@ -24,7 +24,7 @@ from ray.dag import InputNode, MultiOutputNode
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rayzero.workers.phases import iteration
-from rayzero.workers.results import PARTS, merge, work_s
+from rayzero.workers.results import merge, work_s
 
 # Waiting on a compiled graph's output spins a core in the driver (measured: ~100% of one
 # core for the whole iteration), and on a machine with few cores that core is taken from the
