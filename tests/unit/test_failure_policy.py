@@ -416,3 +416,18 @@ def test_a_kernel_left_cut_short_is_deleted_so_that_the_restart_compiles_it(tmp_
     assert use_cache_dir(str(cache)) == str(cache)
     assert sorted(p.name for p in (cache / "ab").iterdir()) == ["cnotes.py", "cwhole.main.so"]
     ctypes.CDLL(str(whole))  # the whole one still loads
+
+
+def test_a_spare_of_a_compiled_run_loads_the_compiler_while_it_waits(monkeypatch):
+    """With `train.compile` a spare imports dynamo and inductor in `warm` (1.6 s in a fresh
+    process), not in the `setup` the group waits for after a rank is lost."""
+    from rayzero.workers import membership
+    from rayzero.workers.rank import Rank
+
+    warmed = []
+    monkeypatch.setattr(membership, "warm_compiler", warmed.append)
+    for extra, want in (([], []), (["train.compile=true"], ["inductor"]),
+                        (["train.compile=true", "train.compile_backend=aot_eager"], ["aot_eager"])):
+        warmed.clear()
+        Rank(load_config(None, extra), None, 2, "unused").warm()
+        assert warmed == want, (extra, warmed)
