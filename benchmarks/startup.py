@@ -112,31 +112,30 @@ def rayzero_round(overrides: list[str], env: dict) -> dict:
             "exit_s": out[-1][0] if out else None, "stages": stages, "lines": [line for _, line in status]}
 
 
-def torchrun_round(overrides: list[str], env: dict) -> dict:
-    cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={WORLD}", str(HERE / "torchrun_first_step.py"),
-           *overrides]
+# What a baseline's stamps mark the end of, where its stage is named otherwise
+STAGE_NAMES = {"began": "launcher", "imported": "imports", "loop_began": "ray_and_workers"}
+
+
+def baseline_round(label: str, cmd: list[str], env: dict) -> dict:
+    """A baseline script's run: it prints one JSON line of wall-clock stamps, in order, each the
+    end of a stage (the first, `began`, the end of the launcher's); each stage's seconds."""
     launch, out, code = lines_of(cmd, HERE, {**env, "OMP_NUM_THREADS": "1"})
     found = [json.loads(line) for _, line in out if line.startswith("{")]
     if code != 0 or not found:
-        raise Failed("torchrun failed:\n" + "\n".join(line for _, line in out[-30:]))
-    s = found[0]["stamps"]
-    stages = {"launcher_s": s["began"] - launch, "imports_s": s["imported"] - s["began"],
-              "process_group_s": s["process_group"] - s["imported"], "model_s": s["model"] - s["process_group"],
-              "first_step_s": s["first_step"] - s["model"]}
-    return {"first_step_s": s["first_step"] - launch, "stages": stages}
+        raise Failed(f"{label} failed:\n" + "\n".join(line for _, line in out[-30:]))
+    stamps, before, stages = found[0]["stamps"], launch, {}
+    for key, at in stamps.items():
+        stages[f"{STAGE_NAMES.get(key, key)}_s"], before = at - before, at
+    return {"first_step_s": stamps["first_step"] - launch, "stages": stages}
+
+
+def torchrun_round(overrides: list[str], env: dict) -> dict:
+    return baseline_round("torchrun", [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={WORLD}",
+                                       str(HERE / "torchrun_first_step.py"), *overrides], env)
 
 
 def raytrain_round(overrides: list[str], env: dict) -> dict:
-    launch, out, code = lines_of([sys.executable, str(HERE / "raytrain_first_step.py"), *overrides], HERE,
-                                 {**env, "OMP_NUM_THREADS": "1"})
-    found = [json.loads(line) for _, line in out if line.startswith("{")]
-    if code != 0 or not found:
-        raise Failed("Ray Train failed:\n" + "\n".join(line for _, line in out[-30:]))
-    s = found[0]["stamps"]
-    stages = {"launcher_s": s["began"] - launch, "imports_s": s["imported"] - s["began"],
-              "ray_and_workers_s": s["loop_began"] - s["imported"], "model_s": s["model"] - s["loop_began"],
-              "first_step_s": s["first_step"] - s["model"]}
-    return {"first_step_s": s["first_step"] - launch, "stages": stages}
+    return baseline_round("Ray Train", [sys.executable, str(HERE / "raytrain_first_step.py"), *overrides], env)
 
 
 def seconds(cmd: list[str], env: dict) -> float:
