@@ -14,7 +14,7 @@ from rayzero.config import ConfigError, RootConfig
 from rayzero.jobs.preflight import check_local_capacity, nothing_to_train, quiet_logs, resume_preview, starts_local_ray
 from rayzero.jobs.train import (
     ModelUnreachable, _check_reachable, absolute_data_paths, absolute_model_path, adapter_start, check_model,
-    resolve_factory, vocab_note,
+    given_compile_cache, resolve_factory, vocab_note,
 )
 from rayzero.models import ModelSpec, spec_class
 from rayzero.storage import StorageError
@@ -115,7 +115,8 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
                   "architecture": spec_class(record["kind"]).architecture(record),
                   "note": note, "lora": lora},
         "compile": t.compile_backend if t.compile else None,  # torch.compile of each block, its backend
-        "compile_cache": t.compile_cache,  # inductor's caches; None: the run directory's compile_cache
+        # inductor's caches, as the ranks get them; None: the run directory's compile_cache
+        "compile_cache": str(cache) if (cache := given_compile_cache(cfg)) else None,
         "global_batch_size": t.global_batch_size,
         "micro_batch_size": t.micro_batch_size,
         "grad_accum": cfg.grad_accum,

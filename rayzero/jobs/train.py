@@ -213,14 +213,19 @@ def make_run_dir(cfg: RootConfig) -> Path:
     return run_dir
 
 
+def given_compile_cache(cfg: RootConfig) -> Path | None:
+    """`train.compile_cache` made absolute (ranks do not share the driver's working directory);
+    None where it is not given."""
+    return Path(cfg.train.compile_cache).expanduser().resolve() if cfg.train.compile_cache else None
+
+
 def with_compile_cache(cfg: RootConfig, run_dir: Path) -> RootConfig:
-    """`train.compile`'s caches where the ranks find them: `train.compile_cache` made absolute
-    (ranks do not share the driver's working directory), unset the run directory's
-    `compile_cache`, which a restart, a spare and the resumed run share. The config saved in
-    the run directory keeps what was given."""
+    """`train.compile`'s caches where the ranks find them: `given_compile_cache`, else the run
+    directory's `compile_cache`, which a restart, a spare and the resumed run share. The config
+    saved in the run directory keeps what was given."""
     if not cfg.train.compile or cfg.train.compile_backend != "inductor":
         return cfg
-    cache = Path(cfg.train.compile_cache).expanduser().resolve() if cfg.train.compile_cache else run_dir / "compile_cache"
+    cache = given_compile_cache(cfg) or run_dir / "compile_cache"
     return cfg.model_copy(update={"train": cfg.train.model_copy(update={"compile_cache": str(cache)})})
 
 

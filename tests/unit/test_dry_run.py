@@ -167,7 +167,7 @@ def test_warm_spares_are_promised_only_where_they_fit(tmp_path, capsys, monkeypa
 
 
 
-def test_the_plan_says_the_blocks_are_compiled_and_with_what(tmp_path, capsys):
+def test_the_plan_says_the_blocks_are_compiled_and_with_what(tmp_path, capsys, monkeypatch):
     code, out, plan = dry_run(tmp_path, capsys, "train.compile=true", "train.compile_backend=aot_eager",
                               f"train.output_dir={tmp_path}")
     assert code == 0, out.err
@@ -180,5 +180,22 @@ def test_the_plan_says_the_blocks_are_compiled_and_with_what(tmp_path, capsys):
     code, out, plan = dry_run(tmp_path, capsys, "train.compile=true", f"train.compile_cache={tmp_path / 'cc'}",
                               f"train.output_dir={tmp_path}")
     assert f"; inductor's caches in {tmp_path / 'cc'}\n" in out.out
+    monkeypatch.chdir(tmp_path)  # a relative path: said, and given to the ranks, made absolute
+    code, out, plan = dry_run(tmp_path, capsys, "train.compile=true", "train.compile_cache=cc",
+                              f"train.output_dir={tmp_path}")
+    assert plan["compile_cache"] == str(tmp_path.resolve() / "cc")
     code, out, plan = dry_run(tmp_path, capsys, f"train.output_dir={tmp_path}")
     assert plan["compile"] is None and "compiled (torch.compile" not in out.out
+
+
+def test_the_ranks_get_inductor_s_caches_in_the_run_directory_unless_given_elsewhere(tmp_path, monkeypatch):
+    from rayzero.config import load_config
+    from rayzero.jobs.train import with_compile_cache
+
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "runs" / "r1"
+    for extra, want in ((["train.compile=true"], str(run / "compile_cache")),
+                        (["train.compile=true", "train.compile_cache=cc"], str(tmp_path.resolve() / "cc")),
+                        (["train.compile=true", "train.compile_backend=aot_eager"], None),  # no code to cache
+                        ([], None)):
+        assert with_compile_cache(load_config(None, extra), run).train.compile_cache == want, extra
