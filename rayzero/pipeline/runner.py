@@ -64,7 +64,7 @@ class Totals:
 
     loss_sum: torch.Tensor
     aux_sum: torch.Tensor
-    tokens: int = 0
+    tokens: int | torch.Tensor = 0  # a count on the device, read once the step is done
     times: dict[str, float] = field(default_factory=lambda: {"forward": 0.0, "backward": 0.0, "wait": 0.0})
     activations_peak: int = 0  # the most one chunk's forward left saved
     in_flight_peak: int = 0  # the most all forwards not yet backward held at once
@@ -196,7 +196,7 @@ class PipelineRun:
         hidden = received[0] if received else None
         if self.routers is not None:
             self.routers.recording = []
-        with self.meter:
+        with self.meter.sampled((a.chunk, tuple(x.shape))):
             if last and self.objective is not None:
                 out = self.runner.run(a.chunk, hidden, lambda m: self.objective(m, x, y, not self.checked, a.micro))
             elif last:
@@ -223,7 +223,7 @@ class PipelineRun:
                 loss = loss + self.spec.aux_coef * aux / micro_per_step
                 totals.aux_sum += aux.detach().double()
             totals.loss_sum += loss_sum.detach().double()
-            totals.tokens += int(count)
+            totals.tokens += count.detach() if isinstance(count, torch.Tensor) else count  # no wait for the device
             out = [loss]
         self._outputs[a.micro, a.chunk] = out
         totals.times["wait"] += self._wait_s

@@ -11,11 +11,14 @@ rest, torch's selective checkpoint policy as torchtitan's op-level mode uses it.
 
 `ActivationMeter` counts the bytes a forward leaves saved for backward: every tensor autograd
 saves, each storage once, parameters excluded, and what checkpointing holds instead (each
-recomputed block's inputs; the outputs `selective` keeps).
+recomputed block's inputs; the outputs `selective` keeps). It costs a Python call per saved
+tensor, so a rank measures a sample (`sampled`): the first forwards of each kind (input shape,
+pipeline chunk) and then one in `EVERY`; what a forward saves follows from its shapes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from typing import Callable
@@ -43,6 +46,7 @@ class ActivationMeter:
     counted once; `exclude()` gives the storages not to count (the parameters')."""
 
     _current = threading.local()
+    FIRST, EVERY = 2, 16  # `sampled`: each kind's first forwards measured, then one in EVERY
 
     def __init__(self, exclude: Callable[[], set[int]] = set):
         """`exclude()`: the data pointers of storages not to count (asked when a storage is first
@@ -51,6 +55,21 @@ class ActivationMeter:
         self.bytes = 0
         self._seen: set[int] = set()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._forwards: dict = {}  # kind -> forwards run of it
+        self._last: dict = {}  # kind -> bytes its last measured forward left
+        self._kind = None
+
+    def sampled(self, kind) -> "ActivationMeter | contextlib.nullcontext":
+        """The meter to run a forward of `kind` under (what makes forwards alike: the input
+        shape, the pipeline chunk) for the first `FIRST` forwards of each kind and then one in
+        `EVERY`; otherwise nothing is measured and `bytes` is what the last measured forward
+        of `kind` left."""
+        n = self._forwards[kind] = self._forwards.get(kind, -1) + 1
+        if n < self.FIRST or n % self.EVERY == 0:
+            self._kind = kind
+            return self
+        self.bytes = self._last[kind]
+        return contextlib.nullcontext()
 
     def __enter__(self) -> "ActivationMeter":
         self.bytes, self._seen = 0, set()
@@ -61,6 +80,7 @@ class ActivationMeter:
     def __exit__(self, *exc) -> None:
         ActivationMeter._current.meter = None
         self._hooks.__exit__(*exc)
+        self._last[self._kind] = self.bytes
 
     @classmethod
     def current(cls) -> "ActivationMeter | None":

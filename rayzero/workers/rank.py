@@ -210,10 +210,8 @@ class Rank(Membership):
         self._baseline = self._validation_loss() if plan.get("evaluate_first") and self.val is not None else None
         self.strategy.begin_step()
         t_data = time.perf_counter()
-        self._micro = [
-            (x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
-            for x, y in self.data.microbatches(plan["step"])
-        ]
+        rows = list(self.data.microbatches(plan["step"]))
+        self._micro = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in rows]
         t_data = time.perf_counter() - t_data
         self._next_micro = 0
         # where this rank's micro-batches sit among the step's (the same rows at any world size)
@@ -225,20 +223,21 @@ class Rank(Membership):
             self._valid, self._valid_work = 1.0, None
             self.prefs.begin(self._micro, plan["step"])
         else:
-            self._count_valid()
+            self._count_valid(rows)
         # "data": the part of gather spent on this step's rows (read a step ahead, in a thread)
         self._times = {"gather": time.perf_counter() - t0, "data": t_data, "forward": 0.0, "backward": 0.0}
         return {}
 
-    def _count_valid(self) -> None:
+    def _count_valid(self, rows: list) -> None:
         """The step's global count of valid targets (not IGNORE_INDEX), which every rank's loss
-        is divided by: known up front for plain text, else summed across ranks by an
-        all-reduce started here and waited for after the first forward (queued behind any
-        parameter all-gather in flight, so it costs no overlap)."""
+        is divided by: known up front for plain text, else counted in this rank's `rows` (on the
+        host: nothing waits for the device) and summed across ranks by an all-reduce started
+        here and waited for after the first forward (queued behind any parameter all-gather in
+        flight, so it costs no overlap)."""
         self._valid_work = None
         self._valid: float | torch.Tensor = float(self.data.tokens_per_step)
         if self.data.masks_labels:
-            local = sum(int((y != IGNORE_INDEX).sum()) for _, y in self._micro)
+            local = sum(int((y != IGNORE_INDEX).sum()) for _, y in rows)
             self._valid = torch.tensor([float(local)], dtype=torch.float64, device=self.device)
             self._valid_work = self.mesh.axis("dp").start_all_reduce(self._valid)
 
@@ -247,7 +246,7 @@ class Rank(Membership):
         t0 = time.perf_counter()
         x, y = self._micro[self._next_micro]
         self.streams.begin(self.plan["step"], self._first_micro + self._next_micro)
-        with self.meter:  # what this micro-batch's forward leaves saved for its backward
+        with self.meter.sampled(tuple(x.shape)):  # what this micro-batch's forward leaves saved for its backward
             if self.prefs is not None:  # its part of the step's mean loss over pairs
                 loss, aux = self.prefs.forward(x, y, not self._checked, self._next_micro)
             else:
@@ -265,7 +264,7 @@ class Rank(Membership):
             # global batch, whatever the world size and however the masked targets fall.
             loss = loss_sum / self._valid
             self._loss_sum += loss_sum.detach()
-            self._tokens += int(valid)
+            self._tokens += valid.detach() if isinstance(valid, torch.Tensor) else valid  # no wait for the device
         self._loss = loss
         if aux is not None:
             # The router's loss is one per micro-batch: its mean over the step's micro-batches
@@ -332,7 +331,7 @@ class Rank(Membership):
             "lr": self.plan["lr"],
             # The ranks of a tensor-parallel group computed one loss on one micro-batch: it counts once.
             "loss_sum": float(self._loss_sum) if self._counts else 0.0,
-            "tokens": self._tokens if self._counts else 0,
+            "tokens": int(self._tokens) if self._counts else 0,
             "aux_loss_sum": (float(self._aux_sum) if self._counts else 0.0) if self.spec.aux_coef else None,
             "grad_norm": grad_norm,
             "skipped": self.strategy.last_step_skipped,
