@@ -40,7 +40,7 @@ def main() -> None:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if world != cfg.mesh().size("dp"):
+    if world != cfg.mesh().size("batch"):
         raise SystemExit(f"torchrun started {world} ranks but the config's data-parallel ranks are {cfg.mesh().size('dp')}")
     trainer = PlainTrainer(cfg, data_path, fsdp2=args.fsdp2)
     step_s, losses = trainer.run(cfg.train.steps)

@@ -68,7 +68,7 @@ class Counter:
 
     def __init__(self, mesh):
         self.names = {}
-        for name in ("world", "dp", "shard", "replicate", "tp"):  # later names win for shared groups
+        for name in ("world", "grad_reduce", "grad_shard", "grad_replicate", "tp"):  # later names win for shared groups
             axis = mesh.axis(name)
             if axis is not None and axis.size > 1:
                 self.names[id(axis.group)] = "tp" if name == "tp" else "dp" if name != "world" else "world"

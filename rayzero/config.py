@@ -155,19 +155,10 @@ class RootConfig(Frozen):
     @model_validator(mode="after")
     def _check(self):
         try:
-            dp = self.mesh().size("dp")
+            self.mesh().validate(self)
         except MeshError as e:
             raise ValueError(str(e)) from None
         t, tp = self.train, self.parallel.tp
-        if self.parallel.sequence_parallel and t.seq_len % tp:
-            raise ValueError(f"train.seq_len: {t.seq_len} is not divisible by parallel.tp ({tp}), over which "
-                             "parallel.sequence_parallel splits the sequence")
-        if t.global_batch_size % (t.micro_batch_size * dp):
-            raise ValueError(
-                f"train.global_batch_size: {t.global_batch_size} is not divisible by "
-                f"train.micro_batch_size ({t.micro_batch_size}) x data-parallel size ({dp}) "
-                f"= {t.micro_batch_size * dp}"
-            )
         low = self.cluster.min_workers
         if low is not None and low > self.cluster.num_workers:
             raise ValueError(
@@ -225,8 +216,8 @@ class RootConfig(Frozen):
                     replicate=self.sharding.dp_outer, tp=self.parallel.tp)
 
     def grad_accum_for(self, mesh: Mesh) -> int:
-        """Micro-batches per rank per step on `mesh`: global batch / (micro batch x dp size)."""
-        return self.train.global_batch_size // (self.train.micro_batch_size * mesh.size("dp"))
+        """Micro-batches per rank per step on `mesh`: global batch / (micro batch x batch-role size)."""
+        return self.train.global_batch_size // (self.train.micro_batch_size * mesh.size("batch"))
 
     @property
     def grad_accum(self) -> int:
@@ -242,7 +233,7 @@ class RootConfig(Frozen):
         low = c.min_workers or c.num_workers
         return [w for w in range(c.num_workers, low - 1, -1)
                 if w == c.num_workers or (fits(w, pp=self.parallel.pp, replicate=self.sharding.dp_outer, tp=tp)
-                                          and t.global_batch_size % (t.micro_batch_size * self.mesh(w).size("dp")) == 0)]
+                                          and t.global_batch_size % (t.micro_batch_size * self.mesh(w).size("batch")) == 0)]
 
     @property
     def block_size(self) -> int:

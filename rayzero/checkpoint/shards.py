@@ -50,7 +50,7 @@ def layout_record(strategy: Strategy) -> dict:
     return {
         "strategy": strategy.name,
         "world_size": strategy.mesh.world_size,
-        "dp_outer": strategy.mesh.size("replicate"),
+        "dp_outer": strategy.mesh.size("grad_replicate"),
         "outer_strategy": strategy.cfg.outer_strategy,
         "buckets": [[b.world.start, b.world.end] for b in lay.buckets],
         "param_order": list(strategy.buffer.names),

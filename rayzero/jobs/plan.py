@@ -68,10 +68,10 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
         shape = stages = None
     sh, t, c = cfg.sharding, cfg.train, cfg.cluster
     mesh = cfg.mesh()
-    d = mesh.size("shard")  # ranks a shard is split over
+    d = mesh.size("grad_shard")  # ranks a shard is split over
     param_bytes = DTYPES[sh.param_dtype].itemsize
     grad_bytes = DTYPES[sh.grad_dtype].itemsize
-    d_optim = mesh.size("dp") if sh.dp_outer > 1 and sh.outer_strategy == "optim" else d
+    d_optim = mesh.size("grad_reduce") if sh.dp_outer > 1 and sh.outer_strategy == "optim" else d
     per_param = formula_bytes_per_param(sh.strategy, d, param_bytes, grad_bytes, d_optim)
     # Frozen parameters hold only their compute copy (sharded under ZeRO-3).
     frozen_per_param = param_bytes / (d if sh.strategy == "optim_grads_params" else 1)
@@ -120,7 +120,7 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
         "global_batch_size": t.global_batch_size,
         "micro_batch_size": t.micro_batch_size,
         "grad_accum": cfg.grad_accum,
-        "dp_size": mesh.size("dp"),  # the ranks the global batch is split over (not tp, not pp)
+        "dp_size": mesh.size("batch"),  # the ranks the global batch is split over (not tp, not pp)
         "tokens_per_step": t.global_batch_size * t.seq_len,
         "steps": t.steps,
         "schedule": describe_schedule(t.steps, cfg.optim),

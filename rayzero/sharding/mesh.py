@@ -5,22 +5,43 @@ A `Mesh` holds the axis sizes, this rank's coordinate on each axis and (on a ran
 the layout, the strategies, tensor parallelism and checkpoints all read it; nothing else
 works out a size, a coordinate or a group. An elastic resize builds a new mesh.
 
-The axes, outermost first (`ORDER`); their product is the world size:
+The axes, outermost first (`AXES`, one row each: the config key that sets its size and what
+it is); their product is the world size:
 
-    axis        size                             what runs over it
-    pp          parallel.pp                      pipeline stages: outermost, so a stage is a run of
-                                                 consecutive ranks (its TP groups on its nodes) and
-                                                 consecutive stages sit on neighbouring nodes
-    replicate   sharding.dp_outer                hybrid sharding's outer reduction (HSDP / Hybrid-FSDP)
-    shard       what the others leave            ZeRO sharding inside a replica
-    tp          parallel.tp                      tensor parallelism: innermost, so a TP group is a
-                                                 run of consecutive ranks (one node's GPUs)
+    axis        size                             what it splits
+    pp          parallel.pp                      the model's layers into pipeline stages: outermost,
+                                                 so a stage is a run of consecutive ranks (its TP
+                                                 groups on its nodes) and consecutive stages sit
+                                                 on neighbouring nodes
+    replicate   sharding.dp_outer                the data-parallel ranks into replicas (HSDP /
+                                                 Hybrid-FSDP's outer reduction)
+    shard       what the others leave            a replica's data-parallel ranks (ZeRO's shards)
+    tp          parallel.tp                      each layer's matrices: innermost, so a TP group is
+                                                 a run of consecutive ranks (one node's GPUs)
 
-and the flattened axes (`FLAT`), groups over several of them:
+Code outside this module asks for a **role** (`ROLES`), never an axis: what a group is for, so
+that a new axis changes the roles' table, not the code that uses them:
 
-    dp          replicate x shard                the batch splits over it (a TP group shares one part)
-    stage       replicate x shard x tp           one pipeline stage's ranks (its norms and sums)
-    world       every axis                       the global norm's and the loss's sums
+    role            axes                          what runs over it
+    batch           replicate x shard             the global batch splits over it (a TP group and
+                                                  a pipeline's stages share one part)
+    loss            replicate x shard             the valid-token counts and the losses are summed
+    grad_reduce     replicate x shard             every gradient is reduced; the buffer is padded
+                                                  to its size
+    grad_shard      shard                         ZeRO shards gradients, optimizer state and
+                                                  parameters (inside a replica)
+    grad_replicate  replicate                     hybrid sharding's outer reduction
+    expert_dp       replicate x shard             ranks holding the same experts (all of them,
+                                                  until experts are split)
+    tp              tp                            tensor parallelism's collectives
+    pp              pp                            a pipeline's sends, stage to stage
+    stage           replicate x shard x tp        one pipeline stage's ranks (its norms and sums)
+    world           every axis                    the global norm's and the loss's sums
+
+Context parallelism will add a `cp` axis between `shard` and `tp` and join it to `loss`,
+`grad_reduce` and `grad_shard` (the sequence splits over it, every rank of a cp group holds the
+same weights); expert parallelism will split `expert_dp` by an `ep` axis folded into the
+data-parallel ranks. The code asking for those roles does not change.
 
 A rank's global number is its coordinates read row-major, outermost first:
 
@@ -30,16 +51,16 @@ A rank's global number is its coordinates read row-major, outermost first:
         shard      0  0  1  1  0  0  1  1
         tp         0  1  0  1  0  1  0  1
         pp groups         [0, 4] [1, 5] [2, 6] [3, 7]     (a stage's neighbours: the sends)
-        shard groups      [0, 2] [1, 3] [4, 6] [5, 7]     (= dp: each stage shards on its own)
+        shard groups      [0, 2] [1, 3] [4, 6] [5, 7]     (= batch: each stage shards on its own)
         tp groups         [0, 1] [2, 3] [4, 5] [6, 7]
 
     world 8, dp_outer 2, tp 2:   rank = (replicate * 2 + shard) * 2 + tp
         replicate groups  [0, 4] [1, 5] [2, 6] [3, 7]
-        dp groups         [0, 2, 4, 6] [1, 3, 5, 7]
+        batch groups      [0, 2, 4, 6] [1, 3, 5, 7]
 
-Adding an axis is a change here and in the code that uses it, nowhere else: the coordinates,
-the groups, their creation on every rank, the divisibility check and its message, `describe`
-and the plan all follow from `ORDER`.
+Adding an axis is a row of `AXES`, its roles in `ROLES`, and the code of what it splits; the
+coordinates, the groups, their creation on every rank, the divisibility check and its
+message (`validate`), `describe` and the plan follow from the tables.
 """
 
 from __future__ import annotations
@@ -47,15 +68,37 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:  # torch is imported only where groups are made: reading a config builds a mesh
     from rayzero.sharding.comm import Axis
 
-ORDER = ("pp", "replicate", "shard", "tp")  # outermost first
-FILLS = "shard"  # the axis whose size is what the others leave of the world
-FLAT = {"dp": ("replicate", "shard"), "stage": ("replicate", "shard", "tp"), "world": ORDER}  # groups over several axes
-KEYS = {"pp": "parallel.pp", "replicate": "sharding.dp_outer", "tp": "parallel.tp"}  # the config key that sets each set axis
+
+class AxisRow(NamedTuple):
+    key: str | None  # the config key that sets the size (None: the axis takes what the others leave)
+    what: str  # what it splits, for the plan
+
+
+AXES: dict[str, AxisRow] = {  # outermost first
+    "pp": AxisRow("parallel.pp", "pipeline stages"),
+    "replicate": AxisRow("sharding.dp_outer", "replicas (hybrid sharding)"),
+    "shard": AxisRow(None, "data-parallel shards"),
+    "tp": AxisRow("parallel.tp", "tensor-parallel ranks"),
+}
+ORDER = tuple(AXES)
+KEYS = {a: row.key for a, row in AXES.items() if row.key}  # the config key that sets each set axis
+ROLES: dict[str, tuple[str, ...]] = {
+    "batch": ("replicate", "shard"),
+    "loss": ("replicate", "shard"),
+    "grad_reduce": ("replicate", "shard"),
+    "grad_shard": ("shard",),
+    "grad_replicate": ("replicate",),
+    "expert_dp": ("replicate", "shard"),
+    "tp": ("tp",),
+    "pp": ("pp",),
+    "stage": ("replicate", "shard", "tp"),
+    "world": ORDER,
+}
 
 
 class MeshError(ValueError):
@@ -85,16 +128,17 @@ def fits(world_size: int, **sizes: int) -> bool:
 
 @dataclass(frozen=True)
 class Mesh:
-    """A rank's place on the named axes: `size(axis)`, `coord(axis)` (its index in its group
-    along the axis) and, on a connected rank, `axis(name)` (the group and its collectives).
-    The driver builds one for rank 0 with no groups, for its checks and plans."""
+    """A rank's place on the named axes, asked for by role (`ROLES`): `size(role)`,
+    `coord(role)` (its index in its group) and, on a connected rank, `axis(role)` (the group
+    and its collectives). The driver builds one for rank 0 with no groups, for its checks and
+    plans. (Inside this module an axis's name is taken too.)"""
 
     world_size: int
     rank: int = 0
     replicate: int = 1  # the size of each axis in KEYS (`shard` fills the rest)
     tp: int = 1
     pp: int = 1
-    groups_by_axis: dict[str, Axis] = field(default_factory=dict, compare=False, repr=False)
+    groups_by_role: dict[str, Axis] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
         error = _set_sizes_error(self.world_size, self._set_sizes)
@@ -111,17 +155,33 @@ class Mesh:
         rest = self.world_size // math.prod(set_sizes.values())
         return {a: set_sizes.get(a, rest) for a in ORDER}
 
-    def size(self, axis: str) -> int:
+    def size(self, role: str) -> int:
         shape = self.shape
-        return math.prod(shape[a] for a in self._parts(axis))
+        return math.prod(shape[a] for a in self._parts(role))
 
-    def coord(self, axis: str) -> int:
-        """This rank's index in its group along `axis` (a flat axis: row-major over its parts)."""
+    def coord(self, role: str) -> int:
+        """This rank's index in its group of `role` (row-major over the role's axes)."""
         coords = self.coords(self.rank)
         index = 0
-        for a in self._parts(axis):
+        for a in self._parts(role):
             index = index * self.shape[a] + coords[a]
         return index
+
+    def validate(self, cfg) -> None:
+        """The checks the axes put on the run's shapes (`cfg`: its config), each a ValueError
+        naming the key to change; the config's own validation runs them, so `--dry-run`, the
+        driver and every rank refuse the same run in the same words."""
+        t, tp = cfg.train, self.size("tp")
+        if cfg.parallel.sequence_parallel and t.seq_len % tp:
+            raise ValueError(f"train.seq_len: {t.seq_len} is not divisible by parallel.tp ({tp}), over which "
+                             "parallel.sequence_parallel splits the sequence")
+        batch = self.size("batch")
+        if t.global_batch_size % (t.micro_batch_size * batch):
+            raise ValueError(
+                f"train.global_batch_size: {t.global_batch_size} is not divisible by "
+                f"train.micro_batch_size ({t.micro_batch_size}) x data-parallel size ({batch}) "
+                f"= {t.micro_batch_size * batch}"
+            )
 
     def coords(self, rank: int) -> dict[str, int]:
         """`rank`'s coordinate on each axis."""
@@ -137,10 +197,10 @@ class Mesh:
         return rank
 
     # -- groups ----------------------------------------------------------------------------
-    def groups(self, axis: str) -> list[list[int]]:
-        """The global ranks of every group along `axis`, in the order every rank creates them
+    def groups(self, role: str) -> list[list[int]]:
+        """The global ranks of every group of `role`, in the order every rank creates them
         (torch.distributed asks all ranks to create every group, in the same order)."""
-        parts = self._parts(axis)
+        parts = self._parts(role)
         shape = self.shape
         others = [a for a in ORDER if a not in parts]
         out = []
@@ -149,18 +209,20 @@ class Mesh:
                         for along in itertools.product(*(range(shape[a]) for a in parts))])
         return out
 
-    def my_group(self, axis: str) -> list[int]:
-        return next(g for g in self.groups(axis) if self.rank in g)
+    def my_group(self, role: str) -> list[int]:
+        return next(g for g in self.groups(role) if self.rank in g)
 
-    def axis(self, name: str) -> Axis:
-        """The group along `name` and its collectives; on the driver (not connected), the
-        axis's shape only, whose collectives must not be called."""
+    def axis(self, role: str) -> Axis:
+        """The group of `role` and its collectives; on the driver (not connected), its shape
+        only, whose collectives must not be called."""
         from rayzero.sharding.comm import Axis
 
-        return self.groups_by_axis.get(name) or Axis(None, self.size(name), self.coord(name))
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}; roles are {', '.join(ROLES)}")
+        return self.groups_by_role.get(role) or Axis(None, self.size(role), self.coord(role))
 
     def connect(self) -> "Mesh":
-        """This mesh with a process group for every axis (after `init_process_group`): an axis
+        """This mesh with a process group for every role (after `init_process_group`): a role
         of one rank has none, one that spans the world is the world's, one whose groups are
         another's shares them. Every rank creates every other group, in the same order."""
         import torch.distributed as dist
@@ -169,7 +231,7 @@ class Mesh:
 
         made: dict[str, Axis] = {}
         by_ranks: dict[tuple, Axis] = {}
-        for name in (*ORDER, *FLAT):
+        for name in ROLES:
             size = self.size(name)
             mine = tuple(self.my_group(name))
             if size == 1:
@@ -183,31 +245,39 @@ class Mesh:
                     group = dist.new_group(ranks)
                     if self.rank in ranks:
                         made[name] = by_ranks[mine] = Axis(group, size, self.coord(name))
-        return Mesh(self.world_size, self.rank, **self._set_sizes, groups_by_axis=made)
+        return Mesh(self.world_size, self.rank, **self._set_sizes, groups_by_role=made)
 
     # -- in words --------------------------------------------------------------------------
     def describe(self) -> list[str]:
-        """The mesh in words: each axis of more than one rank and the global ranks of its groups
-        (a flat axis only where its groups are not one axis's or the whole world)."""
+        """The mesh in words: each axis of more than one rank and the global ranks of its groups,
+        then the roles over several axes whose groups are no axis's and not the whole world
+        (the roles with the same groups on one line)."""
         shape = self.shape
         shown = {a: n for a, n in shape.items() if a != "pp" or n > 1}  # no pipeline: as before there was one
         lines = ["mesh: " + " x ".join(f"{a} {n}" for a, n in shown.items()) + f" = {self.world_size} ranks"]
-        for name in (*ORDER, *FLAT):
+        for name in ORDER:
+            if shape[name] > 1:
+                lines.append(f"  {name:<9} groups {self._in_words(name)}")
+        by_groups: dict[str, list[str]] = {}
+        for name, axes in ROLES.items():
             size = self.size(name)
-            same = name in FLAT and (size == self.world_size or size in (shape[a] for a in FLAT[name]))
-            if size > 1 and not same:
-                groups = " ".join("[" + ", ".join(map(str, g)) + "]" for g in self.groups(name))
-                lines.append(f"  {name:<9} groups {groups}")
+            if len(axes) > 1 and size > 1 and size != self.world_size and size not in (shape[a] for a in axes):
+                by_groups.setdefault(self._in_words(name), []).append(name)
+        for groups, names in by_groups.items():
+            lines.append(f"  {', '.join(names):<9} groups {groups}")
         return lines
+
+    def _in_words(self, name: str) -> str:
+        return " ".join("[" + ", ".join(map(str, g)) + "]" for g in self.groups(name))
 
     @property
     def _set_sizes(self) -> dict[str, int]:
         return {a: getattr(self, a) for a in KEYS}
 
     @staticmethod
-    def _parts(axis: str) -> tuple[str, ...]:
-        if axis in ORDER:
-            return (axis,)
-        if axis in FLAT:
-            return FLAT[axis]
-        raise ValueError(f"unknown axis {axis!r}; axes are {ORDER + tuple(FLAT)}")
+    def _parts(name: str) -> tuple[str, ...]:
+        if name in ROLES:
+            return ROLES[name]
+        if name in AXES:
+            return (name,)
+        raise ValueError(f"unknown role {name!r}; roles are {', '.join(ROLES)}")

@@ -47,7 +47,7 @@ class OwnAll:
 
     @property
     def saves_shard(self) -> bool:
-        return self.s.mesh.coord("dp") == 0  # the other ranks hold the same copy
+        return self.s.mesh.coord("grad_reduce") == 0  # the other ranks hold the same copy
 
     def attach(self) -> None:
         """Nothing to wait for in forward."""
@@ -146,7 +146,7 @@ class OwnShardAcrossReplicas:
 
     @property
     def axis(self) -> Axis:
-        return self.s.mesh.axis("dp")
+        return self.s.mesh.axis("grad_reduce")
 
     def owned(self, b: Bucket) -> Range:
         inner = self.s.inner(b)

@@ -123,8 +123,8 @@ class Strategy:
         self.mesh = mesh
         self.cfg = sharding
         self.optim_cfg = optim
-        self.shard_axis = mesh.axis("shard")
-        self.replicate_axis = mesh.axis("replicate")
+        self.shard_axis = mesh.axis("grad_shard")
+        self.replicate_axis = mesh.axis("grad_replicate")
         self.tp = tp if tp is not None and tp.size > 1 else None
         self.tied = tied if tied is not None and tied.names else None
         self.pp_axis = mesh.axis("pp")
@@ -139,7 +139,7 @@ class Strategy:
         owner = HYBRID_OWNERSHIP[sharding.outer_strategy] if sharding.dp_outer > 1 else row.owner
         self.owner = owner(self)
 
-        named, layout = self.layout(model, sharding, mesh.size("dp"), self.tied.names if self.tied else frozenset())
+        named, layout = self.layout(model, sharding, mesh.size("grad_reduce"), self.tied.names if self.tied else frozenset())
         self.buffer = FlatBuffer(model, named, layout, self.precision.param, torch.device(device))
         if source is None:
             values = {n: p.detach() for n, p in named}

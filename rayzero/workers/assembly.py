@@ -246,7 +246,7 @@ def assemble(cfg: RootConfig, spec: ModelSpec, mesh: Mesh, device: torch.device,
 def bucket_layout(cfg: RootConfig, spec: ModelSpec, model: nn.Module) -> Layout:
     """The buckets the ranks will build for `model` (on the meta device is enough)."""
     sharding = resolved_sharding(cfg, spec, model)
-    return Strategy.layout(model, sharding, cfg.mesh().size("dp"))[1]
+    return Strategy.layout(model, sharding, cfg.mesh().size("grad_reduce"))[1]
 
 
 def check_buildable(cfg: RootConfig, device: torch.device | None, spec: ModelSpec | None = None,

@@ -145,7 +145,7 @@ def precompute(reference, pipe, mesh, device, splits: dict, micro_rows: int) -> 
     from rayzero.data.preferences import EMPTY
 
     per = micro_rows // 2
-    dp, me = mesh.size("dp"), mesh.coord("dp")
+    dp, me = mesh.size("batch"), mesh.coord("batch")
     tables = {}
     for name, (pairs, count) in splits.items():
         table = torch.zeros(count, 2, dtype=torch.float64, device=device)
@@ -166,7 +166,7 @@ def precompute(reference, pipe, mesh, device, splits: dict, micro_rows: int) -> 
                 if chunk:
                     index = torch.as_tensor(chunk, dtype=torch.long, device=device)
                     table[index] = lp.double().view(-1, 2)[: len(chunk)]
-        wait(mesh.axis("dp").start_all_reduce(table))
+        wait(mesh.axis("batch").start_all_reduce(table))
         tables[name] = table
     return Precomputed(tables)
 
@@ -199,7 +199,7 @@ class PreferenceStep:
         waited for at the first forward) and clear the sums; in a pipeline, the reference's
         pass through the stages."""
         self._divisors = torch.stack([counts(y) for _, y in micro]).sum(0)
-        self._work = self.mesh.axis("dp").start_all_reduce(self._divisors)
+        self._work = self.mesh.axis("loss").start_all_reduce(self._divisors)
         self.sums = {}
         self._ids = step_ids(self.data, step) if self._precomputed else None
         ids = self._ids

@@ -141,7 +141,7 @@ class Rank(Membership):
         dataset, val = validation_split(cfg, TokenDataset(self.data_path, storage_cfg=cfg.checkpoint))
         self.val = None if val is None else ValidationRows(
             val, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch_size,
-            micro_batch=cfg.train.micro_batch_size, dp_rank=self.mesh.coord("dp"), dp_size=self.mesh.size("dp"),
+            micro_batch=cfg.train.micro_batch_size, dp_rank=self.mesh.coord("batch"), dp_size=self.mesh.size("batch"),
             max_batches=cfg.train.eval_batches)
         self.data = batches_for(dataset)(
             dataset,
@@ -149,8 +149,8 @@ class Rank(Membership):
             global_batch=cfg.train.global_batch_size,
             micro_batch=cfg.train.micro_batch_size,
             seq_len=cfg.train.seq_len,
-            dp_rank=self.mesh.coord("dp"),
-            dp_size=self.mesh.size("dp"),
+            dp_rank=self.mesh.coord("batch"),
+            dp_size=self.mesh.size("batch"),
         )
         self._checked = False
         self._baseline = None
@@ -215,7 +215,7 @@ class Rank(Membership):
         t_data = time.perf_counter() - t_data
         self._next_micro = 0
         # where this rank's micro-batches sit among the step's (the same rows at any world size)
-        self._first_micro = self.mesh.coord("dp") * len(self._micro)
+        self._first_micro = self.mesh.coord("batch") * len(self._micro)
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._aux_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._tokens = 0
@@ -239,7 +239,7 @@ class Rank(Membership):
         if self.data.masks_labels:
             local = sum(int((y != IGNORE_INDEX).sum()) for _, y in rows)
             self._valid = torch.tensor([float(local)], dtype=torch.float64, device=self.device)
-            self._valid_work = self.mesh.axis("dp").start_all_reduce(self._valid)
+            self._valid_work = self.mesh.axis("loss").start_all_reduce(self._valid)
 
     @watched
     def forward(self, _prev: dict) -> dict:

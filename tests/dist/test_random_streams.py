@@ -46,7 +46,7 @@ def _draws(rank: int, cfg, data_path: str, port: int, out: dict):
         prev = r.forward({})
         spy.phase = "backward"
         r.backward(prev)
-    out[rank] = {"forward": spy.forward, "backward": spy.backward, "tp_rank": r.mesh.coord("tp"), "dp_rank": r.mesh.coord("dp")}
+    out[rank] = {"forward": spy.forward, "backward": spy.backward, "tp_rank": r.mesh.coord("tp"), "dp_rank": r.mesh.coord("batch")}
     r.close()
 
 

@@ -152,7 +152,7 @@ def test_grad_accum_is_global_over_micro_times_workers(global_bs, micro, workers
             f"cluster.num_workers={workers}",
         ],
     )
-    assert cfg.mesh().size("dp") == workers
+    assert cfg.mesh().size("batch") == workers
     assert cfg.grad_accum == accum
     assert cfg.grad_accum * micro * workers == global_bs
 

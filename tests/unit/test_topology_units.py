@@ -41,19 +41,23 @@ def test_impossible_topologies_are_refused(world, rank, outer):
                                               (2, 2, 1)])
 def test_the_mesh_has_every_rank_once_per_axis_and_tp_groups_are_consecutive(world, outer, tp):
     t0 = Mesh(world, 0, outer, tp)
-    for axis, size in (("shard", world // (outer * tp)), ("replicate", outer), ("tp", tp), ("dp", world // tp)):
+    for axis, size in (("shard", world // (outer * tp)), ("replicate", outer), ("tp", tp), ("batch", world // tp)):
         groups = t0.groups(axis)
         assert sorted(r for g in groups for r in g) == list(range(world)), axis
         assert all(len(g) == size for g in groups), axis
     assert all(g == list(range(g[0], g[0] + tp)) for g in t0.groups("tp"))
     for rank in range(world):
         t = Mesh(world, rank, outer, tp)
-        for axis in ("shard", "replicate", "tp", "dp"):
+        for axis in ("shard", "replicate", "tp", "batch"):
             assert t.my_group(axis)[t.coord(axis)] == rank, axis
-        assert set(t.my_group("tp")) & set(t.my_group("dp")) == {rank}
-        # a data-parallel rank's TP group sees one part of the batch: dp rank is the group's index
-        assert {Mesh(world, r, outer, tp).coord("dp") for r in t.my_group("tp")} == {t.coord("dp")}
-        assert t.coord("dp") == t.coord("replicate") * t.size("shard") + t.coord("shard")
+        assert set(t.my_group("tp")) & set(t.my_group("batch")) == {rank}
+        # a data-parallel rank's TP group sees one part of the batch: its batch rank is the group's index
+        assert {Mesh(world, r, outer, tp).coord("batch") for r in t.my_group("tp")} == {t.coord("batch")}
+        assert t.coord("batch") == t.coord("replicate") * t.size("shard") + t.coord("shard")
+        # the roles over the data-parallel ranks are today's two axes, and ZeRO's are each one of them
+        for role in ("loss", "grad_reduce", "expert_dp"):
+            assert t.my_group(role) == t.my_group("batch"), role
+        assert t.my_group("grad_shard") == t.my_group("shard") and t.my_group("grad_replicate") == t.my_group("replicate")
 
 
 def test_the_mesh_in_words_and_a_wrong_product_named():
@@ -62,7 +66,9 @@ def test_the_mesh_in_words_and_a_wrong_product_named():
         "  replicate groups [0, 4] [1, 5] [2, 6] [3, 7]",
         "  shard     groups [0, 2] [1, 3] [4, 6] [5, 7]",
         "  tp        groups [0, 1] [2, 3] [4, 5] [6, 7]",
-        "  dp        groups [0, 2, 4, 6] [1, 3, 5, 7]"]
+        "  batch, loss, grad_reduce, expert_dp groups [0, 2, 4, 6] [1, 3, 5, 7]"]
+    with pytest.raises(ValueError, match="unknown role 'shard'; roles are batch, loss"):
+        Mesh(8, 0, 2, 2).axis("shard")  # outside the mesh, code asks for roles
     with pytest.raises(MeshError, match=r"sharding.dp_outer x parallel.tp: 2 x 4 = 8 does not divide cluster.num_workers \(4\)"):
         Mesh(4, 0, 2, 4)
 
