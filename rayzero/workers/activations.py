@@ -10,8 +10,9 @@ keeps the outputs of the block's matrix multiplications (and attention) and reco
 rest, torch's selective checkpoint policy as torchtitan's op-level mode uses it.
 
 `ActivationMeter` counts the bytes a forward leaves saved for backward: every tensor autograd
-saves, each storage once, parameters excluded, and what checkpointing holds instead (each
-recomputed block's inputs; the outputs `selective` keeps). It costs a Python call per saved
+saves whose storage is still alive when the forward ends, each storage once, parameters
+excluded, and what checkpointing holds instead (each recomputed block's inputs; the outputs
+`selective` keeps). It costs a Python call per saved
 tensor, so a rank measures a sample (`sampled`): the first forwards of each kind (input shape,
 pipeline chunk) and then one in `EVERY`; what a forward saves follows from its shapes.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import weakref
 from typing import Callable
 
 import torch
@@ -43,7 +45,10 @@ for _name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_effici
 
 class ActivationMeter:
     """Saved-for-backward bytes of the forwards run under it (`with meter:`), each storage
-    counted once; `exclude()` gives the storages not to count (the parameters')."""
+    counted once, if it is still alive when the forward ends (a part of the graph that nothing
+    uses is freed during the forward, and its address taken by a later tensor: counted by
+    address alone, the sum would depend on the allocator); `exclude()` gives the storages not
+    to count (the parameters')."""
 
     _current = threading.local()
     FIRST, EVERY = 2, 16  # `sampled`: each kind's first forwards measured, then one in EVERY
@@ -53,7 +58,8 @@ class ActivationMeter:
         seen: a ZeRO-3 unit's parameters get their storage when it is gathered)."""
         self.exclude = exclude
         self.bytes = 0
-        self._seen: set[int] = set()
+        self._held: dict[int, tuple[list[weakref.ref], int]] = {}  # address -> (saved views, bytes)
+        self._extra = 0  # bytes counted without a tensor (what `selective` keeps)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._forwards: dict = {}  # kind -> forwards run of it
         self._last: dict = {}  # kind -> bytes its last measured forward left
@@ -72,7 +78,7 @@ class ActivationMeter:
         return contextlib.nullcontext()
 
     def __enter__(self) -> "ActivationMeter":
-        self.bytes, self._seen = 0, set()
+        self.bytes, self._held, self._extra = 0, {}, 0
         self._hooks.__enter__()
         ActivationMeter._current.meter = self
         return self
@@ -80,6 +86,8 @@ class ActivationMeter:
     def __exit__(self, *exc) -> None:
         ActivationMeter._current.meter = None
         self._hooks.__exit__(*exc)
+        self.bytes = self._extra + sum(n for views, n in self._held.values() if _alive(views))
+        self._held = {}
         self._last[self._kind] = self.bytes
 
     @classmethod
@@ -87,11 +95,16 @@ class ActivationMeter:
         return getattr(cls._current, "meter", None)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        """Count `t` and keep a detached alias: for an op's output, autograd hands the hook the
+        output itself, which holds the op's node, which would hold what the hook returns: a
+        cycle in autograd's C++ state that no garbage collection frees, so a part of the graph
+        that nothing uses would never be freed."""
+        t = t.detach()
         self.add(t)
         return t
 
     def add(self, t) -> None:
-        """Count `t`'s storage, if it is a tensor not counted yet and not excluded."""
+        """Count `t`'s storage (if it is a tensor, not excluded, and alive when the forward ends)."""
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return
         try:
@@ -101,13 +114,20 @@ class ActivationMeter:
         ptr = st.data_ptr()
         # A parameter's storage is not remembered: a ZeRO-3 unit released after its forward
         # leaves its address free for an activation allocated later.
-        if not ptr or ptr in self._seen or ptr in self.exclude():
+        if not ptr or ptr in self.exclude():
             return
-        self._seen.add(ptr)
-        self.bytes += st.nbytes()
+        held = self._held.get(ptr)
+        if held is not None and _alive(held[0]):
+            held[0].append(weakref.ref(t))  # another view of a storage already counted
+        else:  # new, or at the address of one freed since
+            self._held[ptr] = ([weakref.ref(t)], st.nbytes())
 
     def add_bytes(self, n: int) -> None:
-        self.bytes += n
+        self._extra += n
+
+
+def _alive(views: list[weakref.ref]) -> bool:
+    return any(v() is not None for v in views)
 
 
 def _keep_matmuls(ctx, op, *args, **kwargs):
