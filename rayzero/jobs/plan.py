@@ -13,12 +13,12 @@ from rayzero.cluster.checkpoints import Checkpoints
 from rayzero.config import ConfigError, RootConfig
 from rayzero.jobs.preflight import check_local_capacity, nothing_to_train, quiet_logs, resume_preview, starts_local_ray
 from rayzero.jobs.train import (
-    ModelUnreachable, _check_reachable, absolute_data_paths, absolute_model_path, adapter_start, check_model,
+    ModelUnreachable, _check_reachable, absolute_data_paths, absolute_model_path, adapter_start, prepare_model,
     given_compile_cache, resolve_factory, vocab_note,
 )
 from rayzero.models import ModelSpec, spec_class
 from rayzero.storage import StorageError
-from rayzero.workers.assembly import bucket_layout, build_model, whole_counts
+from rayzero.workers.assembly import bucket_layout, whole_counts
 
 
 def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | None = None, job: bool = False) -> dict:
@@ -45,8 +45,8 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
         if not read_model:
             raise ModelUnreachable(f"model.path {cfg.model.path} is on the cluster's machines")
         cfg = adapter_start(cfg)
-        spec, note = check_model(cfg, resolve_factory(cfg, factory)), None
-        built = build_model(cfg, spec)  # what the ranks will shard (one TP rank's share)
+        prepared, note = prepare_model(cfg, resolve_factory(cfg, factory)), None
+        spec, built = prepared.spec, prepared.built  # what the ranks will shard (one TP rank's share)
         model = built.model
         num_params, trainable = spec.num_params(model)  # per TP rank
         whole_params, whole_trainable = whole_counts(model, built.tp)  # the whole model's
@@ -65,7 +65,7 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
         whole_params = whole_trainable = None
         lora, vocab = None, {"parallel": cfg.parallel.tp > 1 and cfg.parallel.vocab_parallel, "note": None}
         record = {"kind": cfg.model.kind, "source": cfg.model.path, "init": cfg.model.init}
-        shape = stages = None
+        shape = stages = built = None
     sh, t, c = cfg.sharding, cfg.train, cfg.cluster
     mesh = cfg.mesh()
     d = mesh.size("grad_shard")  # ranks a shard is split over
@@ -91,7 +91,7 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
         num_params = max(r["params"] for r in pipeline["ranks"])
     # Where the run would start: read as the run reads it (the same refusals), unless the
     # checkpoints are the cluster's to read (a job's plan) or the model is not read here.
-    resume = resume_plan(cfg, spec) if spec is not None and cfg.checkpoint.dir and not job else None
+    resume = resume_plan(cfg, spec, built) if spec is not None and cfg.checkpoint.dir and not job else None
     return {
         "objective": objective_plan(cfg, num_params, frozen_per_param, sh.param_dtype),
         "pipeline": pipeline,
@@ -142,7 +142,7 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
     }
 
 
-def resume_plan(cfg: RootConfig, spec: ModelSpec) -> dict:
+def resume_plan(cfg: RootConfig, spec: ModelSpec, built=None) -> dict:
     """Where a run of `cfg` starts, found as the run finds it (`resume_preview`: a checkpoint of
     another model or objective is refused here too, ConfigError): {"from": the commit's URI or
     None, "step", "of": train.steps, "nothing_to_train"}; with checkpoints this process cannot
@@ -154,7 +154,7 @@ def resume_plan(cfg: RootConfig, spec: ModelSpec) -> dict:
     try:
         checkpoints = Checkpoints(cfg)
         checkpoints.root.list_dirs()  # readable from here at all
-        resume = resume_preview(checkpoints, spec)
+        resume = resume_preview(checkpoints, spec, built)
     except (StorageError, CheckpointsUnreadable) as e:
         return {"from": None, "step": None, "of": cfg.train.steps, "nothing_to_train": False,
                 "note": f"not read from here: {str(e).removeprefix('checkpoint.dir: ')}"}

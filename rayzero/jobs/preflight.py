@@ -117,11 +117,13 @@ class CheckpointsUnreadable(ConfigError):
     """checkpoint.dir names storage this process cannot read (unreachable, refused)."""
 
 
-def resume_preview(checkpoints: Checkpoints, spec: ModelSpec):
+def resume_preview(checkpoints: Checkpoints, spec: ModelSpec, built=None):
     """The commit the run will resume from (None: it starts from scratch), chosen as the
     controller will choose it, before anything starts: a directory holding only another
-    model's checkpoints is refused here, in one line, not after the cluster is up."""
-    built = build_model(checkpoints.cfg, spec)  # what the ranks will build: one TP rank's share of it
+    model's checkpoints is refused here, in one line, not after the cluster is up. `built`:
+    the driver's build of the model (one TP rank's share of it, as the ranks build it), if
+    it has one already."""
+    built = built if built is not None else build_model(checkpoints.cfg, spec)
     now = identity(built.model, built.tp, spec)  # as the ranks report it: whole shapes, whatever the TP size
     try:
         found = checkpoints.resume_target(now["params"], now["frozen"], now["model"])

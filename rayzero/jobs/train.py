@@ -33,7 +33,7 @@ from rayzero.jobs.preflight import (
 )
 from rayzero.version import __version__
 from rayzero.workers.assembly import (
-    build_model, check_buildable, initial_values, make_spec,
+    Built, build_model, check_buildable, initial_values, make_spec,
 )
 
 
@@ -100,31 +100,56 @@ def resolve_factory(cfg: RootConfig, factory=None):
     return factory
 
 
-def check_model(cfg: RootConfig, factory=None, data_vocab: int | None = None) -> ModelSpec:
+class Prepared:
+    """The model as the driver checks and plans it: its spec, and `built`, the model built on
+    the meta device the first time a check, the plan or the resume preview needs it and then
+    kept, so that a `rayzero train` or a `--dry-run` builds it once however many read it (what
+    they read is its shapes and names; none of them changes it)."""
+
+    def __init__(self, cfg: RootConfig, spec: ModelSpec):
+        self.cfg, self.spec = cfg, spec
+        self._built: Built | None = None
+
+    @property
+    def built(self) -> Built:
+        if self._built is None:
+            self._built = build_model(self.cfg, self.spec)
+        return self._built
+
+
+def prepare_model(cfg: RootConfig, factory=None, data_vocab: int | None = None) -> Prepared:
     """Everything about the model that can be checked before a cluster starts: that it builds
     (config.json, the factory), that pretrained weights match it, that it fits the sequence
-    length and the data's vocabulary, the FSDP units, the dtypes. A ConfigError naming the
-    culprit; else the model's spec."""
+    length and the data's vocabulary, the FSDP units, the dtypes, the pipeline's split. A
+    ConfigError naming the culprit (ModelUnreachable where the model is not readable from
+    here); else the model, prepared."""
     try:
-        spec = make_spec(cfg, factory)
+        prepared = Prepared(cfg, make_spec(cfg, factory))
+        spec = prepared.spec
         spec.check(cfg.train.seq_len, data_vocab)
-        check_buildable(cfg, None if cfg.cluster.use_gpu else torch.device("cpu"), spec)
+        check_buildable(cfg, None if cfg.cluster.use_gpu else torch.device("cpu"), spec,
+                        build=lambda: prepared.built.model)
         if cfg.parallel.pp > 1:
             from rayzero.jobs.pipeline_plan import check_pipeline
 
-            check_pipeline(cfg, spec, build_model(cfg, spec).model)
+            check_pipeline(cfg, spec, prepared.built.model)
         if cfg.model.adapter:  # onto the model it was trained on, every adapter in its file
             from rayzero.models.lora import check_adapter_base, read_adapter
 
             check_adapter_base(read_adapter(cfg.model.adapter, cfg.checkpoint), spec.record(), cfg.model.path)
-            initial_values(spec, build_model(cfg, spec))
+            initial_values(spec, prepared.built)
     except ModelUnavailable as e:
         raise ModelUnreachable(str(e)) from None
     except ModelError as e:
         raise ConfigError(str(e)) from None
     except ValueError as e:  # unit classes, dtypes
         raise ConfigError(str(e)) from None
-    return spec
+    return prepared
+
+
+def check_model(cfg: RootConfig, factory=None, data_vocab: int | None = None) -> ModelSpec:
+    """`prepare_model`'s checks; the model's spec."""
+    return prepare_model(cfg, factory, data_vocab).spec
 
 
 def adapter_start(cfg: RootConfig) -> RootConfig:
@@ -327,8 +352,9 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None,
     check_validation(cfg, meta, dataset)
     note_cut_examples(cfg, meta, dataset)
     cfg = limit_to_epochs(cfg, dataset)
-    spec = check_model(cfg, factory, data_vocab=meta["vocab_size"])
-    note = vocab_note(cfg, build_model(cfg, spec)) if cfg.parallel.tp > 1 and cfg.parallel.vocab_parallel else None
+    prepared = prepare_model(cfg, factory, data_vocab=meta["vocab_size"])
+    spec = prepared.spec
+    note = vocab_note(cfg, prepared.built) if cfg.parallel.tp > 1 and cfg.parallel.vocab_parallel else None
     if note:
         print(f"rayzero: note: {note}", file=sys.stderr)
     if cfg.train.save_final:
@@ -344,7 +370,7 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None,
             checkpoints.probe()
         except StorageError as e:
             raise ConfigError(f"checkpoint.dir: cannot write checkpoints there: {e}") from None
-        resume = resume_preview(checkpoints, spec)
+        resume = resume_preview(checkpoints, spec, prepared.built)
     if resume is not None and (done := nothing_to_train(cfg, resume)) is not None:
         return done
     if resume is not None:

@@ -250,15 +250,16 @@ def bucket_layout(cfg: RootConfig, spec: ModelSpec, model: nn.Module) -> Layout:
 
 
 def check_buildable(cfg: RootConfig, device: torch.device | None, spec: ModelSpec | None = None,
-                    model: nn.Module | None = None) -> None:
+                    model: nn.Module | None = None, build: Callable[[], nn.Module] | None = None) -> None:
     """Raise a ValueError for a model/sharding combination that cannot train on `device`:
     FSDP unit classes or checkpointed blocks that match no module, a dtype the device cannot
-    compute in (not checked with `device=None`: the driver of a GPU job may have no GPU)."""
+    compute in (not checked with `device=None`: the driver of a GPU job may have no GPU).
+    The model is built only where a check needs it (`build`: how, if the caller keeps one)."""
     sh = cfg.sharding
     if model is None and (sh.strategy == "optim_grads_params" or cfg.model.checkpoint_every or cfg.model.lora
                           or cfg.parallel.tp > 1):
         spec = spec if spec is not None else make_spec(cfg)
-        model = build_model(cfg, spec).model
+        model = build() if build is not None else build_model(cfg, spec).model
     if sh.strategy == "optim_grads_params":
         find_units(model, fsdp_units(cfg, spec, model))
     for key in ("param_dtype", "grad_dtype", "comm_dtype"):
