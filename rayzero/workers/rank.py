@@ -22,8 +22,6 @@ from rayzero.config import RootConfig
 from rayzero.data.kinds import batches_for
 from rayzero.data.tokens import TokenDataset
 from rayzero.data.validation import ValidationRows, validation_split
-from rayzero.models.spec import IGNORE_INDEX
-from rayzero.sharding.comm import wait
 from rayzero.sharding.rng import RandomStreams
 from rayzero.workers.activations import ActivationMeter
 from rayzero.workers.compile import Compiling
@@ -33,6 +31,7 @@ from rayzero.workers.disconnect import opened_while
 from rayzero.workers.membership import Membership
 from rayzero.workers.rendezvous import rendezvous_port
 from rayzero.workers.phases import watched
+from rayzero.workers.steps import runner_for
 
 
 class Rank(Membership):
@@ -93,12 +92,11 @@ class Rank(Membership):
         self.saver = None
         self._pipe = None  # this rank's pipeline stages and schedule, with parallel.pp > 1
         self.prefs = None  # preference tuning's reference model (or table) goes with the model
-        self._in_flight_peak = 0
         if self.data is not None:
             self.data.close()
         self.model = self.strategy = self.data = self.val = None
         self.streams = self.vocab = self.meter = None
-        self._micro = self._loss = self._staged = self._valid_work = None
+        self.steps = self._staged = None
         self.plan, self._current, self._finished = {}, None, None
         return uploads
 
@@ -152,11 +150,9 @@ class Rank(Membership):
             dp_rank=self.mesh.coord("batch"),
             dp_size=self.mesh.size("batch"),
         )
-        self._checked = False
         self._baseline = None
         self.meter = ActivationMeter(self.strategy.buffer.storage_ptrs)
-        self._activations_peak = 0
-        self._micro_per_step = cfg.train.global_batch_size // cfg.train.micro_batch_size
+        self.micro_per_step = cfg.train.global_batch_size // cfg.train.micro_batch_size
         self._pipe = None if stages is None else pipelined.start_pipeline(
             cfg, self.spec, self.model, self.strategy, stages, self.mesh, self.device, self.streams, self.meter,
             self.vocab)
@@ -166,7 +162,7 @@ class Rank(Membership):
         self.prefs = None if cfg.train.objective != "dpo" else preference.start(
             cfg, self.spec, self.model, self.strategy, self.mesh, self.device, self.streams, self.vocab, self._pipe,
             self.data, self.val)
-        self._in_flight_peak = 0
+        self.steps = runner_for(self)  # the step's micro-batches: plain or pipelined, language model or pairs
         num_params, trainable = self.spec.num_params(self.model)  # this rank's: its TP share
         whole = tp.split_numel() if tp is not None else 0  # what the other TP ranks add
         return {
@@ -194,9 +190,8 @@ class Rank(Membership):
 
     def _memory(self) -> dict[str, int]:
         """The ledger, and the peak bytes a micro-batch's forward has left saved for backward."""
-        pipe = {"activations_in_flight": self._in_flight_peak} if self._pipe is not None else {}
         ref = self.prefs.reference.memory() if self.prefs is not None and self.prefs.reference is not None else {}
-        return {**self.strategy.memory(), "activations_peak": self._activations_peak, **pipe, **ref}
+        return {**self.strategy.memory(), **self.steps.memory(), **ref}
 
     # -- phases --------------------------------------------------------------------------
     @watched
@@ -211,66 +206,18 @@ class Rank(Membership):
         self.strategy.begin_step()
         t_data = time.perf_counter()
         rows = list(self.data.microbatches(plan["step"]))
-        self._micro = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in rows]
+        micro = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in rows]
         t_data = time.perf_counter() - t_data
-        self._next_micro = 0
         # where this rank's micro-batches sit among the step's (the same rows at any world size)
-        self._first_micro = self.mesh.coord("batch") * len(self._micro)
-        self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        self._aux_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        self._tokens = 0
-        if self.prefs is not None:  # the loss divides itself: by the step's pairs
-            self._valid, self._valid_work = 1.0, None
-            self.prefs.begin(self._micro, plan["step"])
-        else:
-            self._count_valid(rows)
+        self.steps.begin(micro, rows, plan["step"], first_micro=self.mesh.coord("batch") * len(micro))
         # "data": the part of gather spent on this step's rows (read a step ahead, in a thread)
         self._times = {"gather": time.perf_counter() - t0, "data": t_data, "forward": 0.0, "backward": 0.0}
         return {}
 
-    def _count_valid(self, rows: list) -> None:
-        """The step's global count of valid targets (not IGNORE_INDEX), which every rank's loss
-        is divided by: known up front for plain text, else counted in this rank's `rows` (on the
-        host: nothing waits for the device) and summed across ranks by an all-reduce started
-        here and waited for after the first forward (queued behind any parameter all-gather in
-        flight, so it costs no overlap)."""
-        self._valid_work = None
-        self._valid: float | torch.Tensor = float(self.data.tokens_per_step)
-        if self.data.masks_labels:
-            local = sum(int((y != IGNORE_INDEX).sum()) for _, y in rows)
-            self._valid = torch.tensor([float(local)], dtype=torch.float64, device=self.device)
-            self._valid_work = self.mesh.axis("loss").start_all_reduce(self._valid)
-
     @watched
     def forward(self, _prev: dict) -> dict:
         t0 = time.perf_counter()
-        x, y = self._micro[self._next_micro]
-        self.streams.begin(self.plan["step"], self._first_micro + self._next_micro)
-        with self.meter.sampled(tuple(x.shape)):  # what this micro-batch's forward leaves saved for its backward
-            if self.prefs is not None:  # its part of the step's mean loss over pairs
-                loss, aux = self.prefs.forward(x, y, not self._checked, self._next_micro)
-            else:
-                loss_sum, valid, aux = self.spec.loss(self.model, x, y, check=not self._checked, vocab=self.vocab)
-        self._activations_peak = max(self._activations_peak, self.meter.bytes)
-        self._checked = True
-        if self.prefs is None:
-            if self._valid_work is not None:
-                wait(self._valid_work)
-                self._valid_work = None
-            if isinstance(self._valid, torch.Tensor):
-                self._valid = max(float(self._valid.item()), 1.0)
-            # Sum over this rank's valid targets / valid targets in the global batch: summed over
-            # micro-batches and ranks, the gradient is that of the mean loss over the whole
-            # global batch, whatever the world size and however the masked targets fall.
-            loss = loss_sum / self._valid
-            self._loss_sum += loss_sum.detach()
-            self._tokens += valid.detach() if isinstance(valid, torch.Tensor) else valid  # no wait for the device
-        self._loss = loss
-        if aux is not None:
-            # The router's loss is one per micro-batch: its mean over the step's micro-batches
-            # (the same micro-batches at any world size) joins the loss, weighted by its coefficient.
-            self._loss = self._loss + self.spec.aux_coef * aux / self._micro_per_step
-            self._aux_sum += aux.detach().double()
+        self.steps.forward()
         self._times["forward"] += time.perf_counter() - t0
         return {}
 
@@ -278,39 +225,20 @@ class Rank(Membership):
     def pipeline(self, _prev: dict) -> dict:
         """Every micro-batch's forward and backward through this rank's stages, in the order its
         schedule gives (`pipeline/runner.py`), in place of the forward and backward phases."""
-        if self._valid_work is not None:
-            wait(self._valid_work)
-            self._valid_work = None
-        if isinstance(self._valid, torch.Tensor):
-            self._valid = max(float(self._valid.item()), 1.0)
-        totals = self._pipe.iteration(self._micro, self.plan["step"], self._first_micro, self._valid,
-                                      self._micro_per_step)
-        self._loss_sum += totals.loss_sum
-        self._aux_sum += totals.aux_sum
-        self._tokens += totals.tokens
-        for k in ("forward", "backward"):
-            self._times[k] += totals.times[k]
-        self._times["pipeline_wait"] = totals.times["wait"]  # waiting on the other stages: the bubble
-        self._activations_peak = max(self._activations_peak, totals.activations_peak)
-        self._in_flight_peak = max(self._in_flight_peak, totals.in_flight_peak)
-        self._next_micro = len(self._micro)
+        self.steps.run(self._times)
         return {}
 
     @watched
     def backward(self, _prev: dict) -> dict:
         t0 = time.perf_counter()
-        last = self._next_micro == len(self._micro) - 1
-        self.strategy.backward(self._loss, last_microbatch=last)
-        self._loss = None
-        self._next_micro += 1
+        self.steps.backward()
         self._times["backward"] += time.perf_counter() - t0
         return {}
 
     @watched
     def reduce_scatter(self, _prev: dict) -> dict:
         t0 = time.perf_counter()
-        if self._next_micro != len(self._micro):
-            raise RuntimeError(f"ran {self._next_micro} of {len(self._micro)} micro-batches")
+        self.steps.check_done()
         self.strategy.finish_grad_sync()
         self._times["reduce_scatter"] = time.perf_counter() - t0
         return {}
@@ -320,19 +248,14 @@ class Rank(Membership):
         t0 = time.perf_counter()
         grad_norm = self.strategy.step(self.plan["lr"])
         self._times["step"] = time.perf_counter() - t0
-        prefs = self.prefs.totals() if self.prefs is not None else None
-        if prefs is not None:  # the loss summed per pair, over the pairs: the mean
-            self._loss_sum.fill_(prefs.get("loss", 0.0))
-            self._tokens = int(prefs.get("pairs", 0))
+        totals = self.steps.end()
         self._times["checkpoint"] = self._checkpoint(self.plan.get("checkpoint"))
         return {
             "rank": self.mesh.rank,
             "step": self.plan["step"],
             "lr": self.plan["lr"],
             # The ranks of a tensor-parallel group computed one loss on one micro-batch: it counts once.
-            "loss_sum": float(self._loss_sum) if self._counts else 0.0,
-            "tokens": int(self._tokens) if self._counts else 0,
-            "aux_loss_sum": (float(self._aux_sum) if self._counts else 0.0) if self.spec.aux_coef else None,
+            **totals.report(self._counts, with_aux=bool(self.spec.aux_coef)),
             "grad_norm": grad_norm,
             "skipped": self.strategy.last_step_skipped,
             "loss_scale": self.strategy.scaler.scale if self.strategy.scaler is not None else None,
@@ -340,7 +263,6 @@ class Rank(Membership):
             "phase_s": dict(self._times),
             "uploads": self.saver.reports() if self.saver is not None else [],
             "checkpointed": bool(self.plan.get("checkpoint")),
-            **({"prefs": prefs if self._counts else {}} if prefs is not None else {}),
         }
 
     @watched
@@ -367,27 +289,14 @@ class Rank(Membership):
         """(summed loss, valid targets) over this rank's validation rows, forward only; with
         preference tuning (loss summed per pair, pairs, the metrics' sums)."""
         self.strategy.finish_param_sync()  # an all-gather started by the step may still be writing
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        count, prefs = 0, None
         self.model.eval()
         try:
             with torch.no_grad():
-                if self.prefs is not None:
-                    prefs = self.prefs.evaluate()
-                    loss_sum, count = prefs.get("loss", 0.0), int(prefs.get("pairs", 0))
-                elif self._pipe is not None:
-                    loss_sum, count = pipelined.validation_loss(self._pipe, self.val, self.device)
-                else:
-                    for batch in range(self.val.num_batches):
-                        for x, y in self.val.microbatches(batch):
-                            part, valid, _ = self.spec.loss(self.model, x.to(self.device), y.to(self.device),
-                                                            vocab=self.vocab)
-                            loss_sum += part.double()
-                            count += int(valid)
+                loss_sum, count, *prefs = self.steps.objective.validation_loss(self.val)
         finally:
             self.model.train()
             self.strategy.after_forward_only()
-        extra = () if prefs is None else (prefs if self._counts else {},)
+        extra = () if not prefs else (prefs[0] if self._counts else {},)
         if not self._counts:  # counted once per tensor-parallel group
             return 0.0, 0, *extra
         return float(loss_sum), count, *extra
@@ -404,7 +313,7 @@ class Rank(Membership):
         out = self.gather(plan)
         if self._pipe is not None:
             out = self.pipeline(out)
-        for _ in range(len(self._micro) if self._pipe is None else 0):
+        for _ in range(len(self.steps.micro) if "forward" in self.steps.phases else 0):
             out = self.backward(self.forward(out))
         return self.evaluate(self.step(self.reduce_scatter(out)))
 

@@ -1,0 +1,236 @@
+"""A step's micro-batches on one rank: one runner per kind of step, chosen at setup.
+
+    runner      phases of the iteration graph       what runs the micro-batches
+    Plain       forward, backward (per micro-batch)  the model, one micro-batch at a time
+    Pipelined   pipeline                             this rank's stages, in its schedule's order
+                                                     (`pipeline/runner.py`)
+
+and, inside either, the objective, which gives each micro-batch's loss and the step's sums:
+
+    objective       a micro-batch's loss                      divided by
+    LanguageModel   cross-entropy summed over valid targets   the step's valid targets, over the
+                                                              `loss` role's ranks
+    Preference      the pair loss over its pairs              the step's pairs (its own divisors,
+                    (`workers/preference.py`)                 also over the `loss` role)
+
+The runner owns the step's `StepTotals` (the loss and router-loss sums, the valid targets or
+pairs, the preference metrics), kept on the device until the step ends and read once there.
+Normalisation happens once, in the objective: summed over micro-batches and ranks, the gradient
+is the mean loss's over the global batch, whatever the world size and however the masked targets
+fall. Context parallelism will widen the `loss` role (the sums then run over cp ranks too) and
+hand the runner the rank's slice of each sequence; nothing else here changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from rayzero.models.spec import IGNORE_INDEX
+from rayzero.sharding.comm import wait
+
+if TYPE_CHECKING:
+    from rayzero.workers.rank import Rank
+
+Micro = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class StepTotals:
+    """One step's sums on this rank (device tensors until `report`)."""
+
+    loss_sum: torch.Tensor
+    aux_sum: torch.Tensor
+    tokens: int | torch.Tensor = 0  # valid targets (or pairs)
+    prefs: dict | None = None  # preference tuning's metrics' sums
+
+    @classmethod
+    def zeros(cls, device: torch.device) -> "StepTotals":
+        return cls(torch.zeros((), dtype=torch.float64, device=device),
+                   torch.zeros((), dtype=torch.float64, device=device))
+
+    def report(self, counts: bool, with_aux: bool) -> dict:
+        """What the step's result carries (`counts`: whether this rank's sums count: one rank per
+        tensor-parallel group, in the last stage; the others report zeros)."""
+        out = {"loss_sum": float(self.loss_sum) if counts else 0.0,
+               "tokens": int(self.tokens) if counts else 0,
+               "aux_loss_sum": (float(self.aux_sum) if counts else 0.0) if with_aux else None}
+        if self.prefs is not None:
+            out["prefs"] = self.prefs if counts else {}
+        return out
+
+
+# -- objectives ----------------------------------------------------------------------------------
+class LanguageModel:
+    """Cross-entropy over the valid targets (not IGNORE_INDEX), divided by the step's count of
+    them: known up front for plain text, else counted in this rank's rows on the host (nothing
+    waits for the device) and summed over the `loss` role by an all-reduce started at the
+    step's start and waited for at the first forward (queued behind any parameter all-gather in
+    flight, so it costs no overlap)."""
+
+    def __init__(self, rank: Rank):
+        self.r = rank
+        self._divisor: float | torch.Tensor = 1.0
+        self._work = None
+
+    def begin(self, micro: Micro, rows: Micro, step: int) -> None:
+        r = self.r
+        self._work, self._divisor = None, float(r.data.tokens_per_step)
+        if r.data.masks_labels:
+            local = sum(int((y != IGNORE_INDEX).sum()) for _, y in rows)
+            self._divisor = torch.tensor([float(local)], dtype=torch.float64, device=r.device)
+            self._work = r.mesh.axis("loss").start_all_reduce(self._divisor)
+
+    def divisor(self) -> float:
+        if self._work is not None:
+            wait(self._work)
+            self._work = None
+        if isinstance(self._divisor, torch.Tensor):
+            self._divisor = max(float(self._divisor.item()), 1.0)
+        return self._divisor
+
+    def loss(self, x, y, check: bool, index: int, totals: StepTotals):
+        """(micro-batch `index`'s part of the step's mean loss, the model's auxiliary loss or None)."""
+        r = self.r
+        loss_sum, valid, aux = r.spec.loss(r.model, x, y, check=check, vocab=r.vocab)
+        totals.loss_sum += loss_sum.detach()
+        totals.tokens += valid.detach() if isinstance(valid, torch.Tensor) else valid  # no wait for the device
+        return loss_sum / self.divisor(), aux
+
+    def end(self, totals: StepTotals) -> None:
+        """Nothing to add: the sums are in place."""
+
+    def validation_loss(self, val) -> tuple:
+        """(summed loss, valid targets) over this rank's validation rows, forward only."""
+        r = self.r
+        if r._pipe is not None:
+            from rayzero.workers import pipelined
+
+            return pipelined.validation_loss(r._pipe, val, r.device)
+        loss_sum, count = torch.zeros((), dtype=torch.float64, device=r.device), 0
+        for batch in range(val.num_batches):
+            for x, y in val.microbatches(batch):
+                part, valid, _ = r.spec.loss(r.model, x.to(r.device), y.to(r.device), vocab=r.vocab)
+                loss_sum += part.double()
+                count += int(valid)
+        return loss_sum, count
+
+
+class Preference:
+    """The pair loss (`workers/preference.py`'s step): it divides itself by the step's pairs, and
+    its sums (the loss per pair, the pairs, the metrics) replace the language model's at the end."""
+
+    def __init__(self, rank: Rank):
+        self.r = rank
+
+    def begin(self, micro: Micro, rows: Micro, step: int) -> None:
+        self.r.prefs.begin(micro, step)
+
+    def divisor(self) -> float:
+        return 1.0
+
+    def loss(self, x, y, check: bool, index: int, totals: StepTotals):
+        return self.r.prefs.forward(x, y, check, index)
+
+    def end(self, totals: StepTotals) -> None:
+        prefs = self.r.prefs.totals()
+        totals.loss_sum.fill_(prefs.get("loss", 0.0))  # the loss summed per pair, over the pairs: the mean
+        totals.tokens = int(prefs.get("pairs", 0))
+        totals.prefs = prefs
+
+    def validation_loss(self, val) -> tuple:
+        prefs = self.r.prefs.evaluate()
+        return prefs.get("loss", 0.0), int(prefs.get("pairs", 0)), prefs
+
+
+# -- runners -------------------------------------------------------------------------------------
+class Plain:
+    """Micro-batch by micro-batch: the iteration graph's forward and backward phases."""
+
+    phases = ("forward", "backward")
+
+    def __init__(self, rank: Rank, objective):
+        self.r, self.objective = rank, objective
+        self.micro: Micro = []
+        self.next = 0
+        self.checked = False  # the first forward checks the model's output
+        self.activations_peak = 0
+        self.totals: StepTotals | None = None
+        self._loss = None
+
+    def begin(self, micro: Micro, rows: Micro, step: int, first_micro: int) -> None:
+        """Step `step` on this rank's `micro` (on the device; `rows`: the same on the host),
+        the step's micro-batches from `first_micro` on."""
+        self.micro, self.next, self.step, self.first = micro, 0, step, first_micro
+        self.totals = StepTotals.zeros(self.r.device)
+        self.objective.begin(micro, rows, step)
+
+    def forward(self) -> None:
+        r = self.r
+        x, y = self.micro[self.next]
+        r.streams.begin(self.step, self.first + self.next)
+        with r.meter.sampled(tuple(x.shape)):  # what this micro-batch's forward leaves saved for its backward
+            loss, aux = self.objective.loss(x, y, not self.checked, self.next, self.totals)
+        self.activations_peak = max(self.activations_peak, r.meter.bytes)
+        self.checked = True
+        if aux is not None:
+            # The router's loss is one per micro-batch: its mean over the step's micro-batches
+            # (the same micro-batches at any world size) joins the loss, weighted by its coefficient.
+            loss = loss + r.spec.aux_coef * aux / r.micro_per_step
+            self.totals.aux_sum += aux.detach().double()
+        self._loss = loss
+
+    def backward(self) -> None:
+        last = self.next == len(self.micro) - 1
+        self.r.strategy.backward(self._loss, last_microbatch=last)
+        self._loss = None
+        self.next += 1
+
+    def check_done(self) -> None:
+        """A RuntimeError unless every micro-batch has run (before the gradients are reduced)."""
+        if self.next != len(self.micro):
+            raise RuntimeError(f"ran {self.next} of {len(self.micro)} micro-batches")
+
+    def end(self) -> StepTotals:
+        """The step's sums, after its update."""
+        self.objective.end(self.totals)
+        return self.totals
+
+    def memory(self) -> dict[str, int]:
+        return {"activations_peak": self.activations_peak}
+
+
+class Pipelined(Plain):
+    """Every micro-batch's forward and backward through this rank's stages, in the order its
+    schedule gives (`pipeline/runner.py`): the iteration graph's pipeline phase."""
+
+    phases = ("pipeline",)
+
+    def __init__(self, rank: Rank, objective):
+        super().__init__(rank, objective)
+        self.in_flight_peak = 0
+
+    def run(self, times: dict[str, float]) -> None:
+        r = self.r
+        done = r._pipe.iteration(self.micro, self.step, self.first, self.objective.divisor(), r.micro_per_step)
+        t = self.totals
+        t.loss_sum += done.loss_sum
+        t.aux_sum += done.aux_sum
+        t.tokens += done.tokens
+        for k in ("forward", "backward"):
+            times[k] += done.times[k]
+        times["pipeline_wait"] = done.times["wait"]  # waiting on the other stages: the bubble
+        self.activations_peak = max(self.activations_peak, done.activations_peak)
+        self.in_flight_peak = max(self.in_flight_peak, done.in_flight_peak)
+        self.next = len(self.micro)
+
+    def memory(self) -> dict[str, int]:
+        return {"activations_peak": self.activations_peak, "activations_in_flight": self.in_flight_peak}
+
+
+def runner_for(rank: Rank) -> Plain:
+    """The rank's runner: pipelined with stages, plain otherwise; the objective the run trains."""
+    objective = Preference(rank) if rank.prefs is not None else LanguageModel(rank)
+    return (Pipelined if rank._pipe is not None else Plain)(rank, objective)
