@@ -110,6 +110,37 @@ class Rank(Membership):
             self.leave()
         cfg = self.cfg
         self.compiling = Compiling(cfg.train.compile)  # a rank set up again compiles again (`forget_compiled`)
+        backend = self._join(master_addr, master_port)
+        self.spec = make_spec(cfg, self.factory)
+        # Dropout's streams, seeded afresh at each micro-batch's forward (`sharding/rng.py`):
+        # nothing drawn in setup, evaluation or a restart shifts what training draws.
+        self.streams = RandomStreams(cfg.train.seed, self.mesh.coord("tp"), self.device)
+        # Built on the meta device, in assembly's fixed order: the strategy materializes its
+        # buckets (ZeRO-3: one unit at a time, keeping only the shard), so no rank ever holds
+        # more than it must.
+        self.model, self.strategy, source, stages = assemble(cfg, self.spec, self.mesh, self.device, self.streams)
+        tp = self.strategy.tp
+        self.vocab = tp.vocab if tp is not None else None  # the head split over the vocabulary: the loss on shards
+        self._open_data()
+        self._baseline = None
+        self.meter = ActivationMeter(self.strategy.buffer.storage_ptrs)
+        self.micro_per_step = cfg.train.global_batch_size // cfg.train.micro_batch_size
+        self._pipe = None if stages is None else pipelined.start_pipeline(
+            cfg, self.spec, self.model, self.strategy, stages, self.mesh, self.device, self.streams, self.meter,
+            self.vocab)
+        if self._pipe is not None:  # the watchdog's clock restarts at each of the schedule's actions
+            self._pipe.progress = lambda: setattr(self, "_current", ("pipeline", time.monotonic()))
+        # Preference tuning: the loss over pairs, and its reference model (built here: sharded the same way).
+        self.prefs = None if cfg.train.objective != "dpo" else preference.start(
+            cfg, self.spec, self.model, self.strategy, self.mesh, self.device, self.streams, self.vocab, self._pipe,
+            self.data, self.val)
+        self.steps = runner_for(self)  # the step's micro-batches: plain or pipelined, language model or pairs
+        return self._setup_report(backend, source, stages)
+
+    def _join(self, master_addr: str, master_port: int) -> str:
+        """Join the process group (its sockets recorded for `disconnect`) and connect the mesh's
+        roles; the backend."""
+        cfg = self.cfg
         backend = cfg.cluster.backend
         if backend == "auto":
             backend = "nccl" if cfg.cluster.use_gpu else "gloo"
@@ -126,16 +157,11 @@ class Rank(Membership):
                 timeout=timedelta(seconds=cfg.cluster.pg_timeout_s),
             )
             self.mesh = self.mesh.connect()
-        self.spec = make_spec(cfg, self.factory)
-        # Dropout's streams, seeded afresh at each micro-batch's forward (`sharding/rng.py`):
-        # nothing drawn in setup, evaluation or a restart shifts what training draws.
-        self.streams = RandomStreams(cfg.train.seed, self.mesh.coord("tp"), self.device)
-        # Built on the meta device, in assembly's fixed order: the strategy materializes its
-        # buckets (ZeRO-3: one unit at a time, keeping only the shard), so no rank ever holds
-        # more than it must.
-        self.model, self.strategy, source, stages = assemble(cfg, self.spec, self.mesh, self.device, self.streams)
-        tp = self.strategy.tp
-        self.vocab = tp.vocab if tp is not None else None  # the head split over the vocabulary: the loss on shards
+        return backend
+
+    def _open_data(self) -> None:
+        """This rank's training batches and validation rows: its part of the `batch` role's split."""
+        cfg = self.cfg
         dataset, val = validation_split(cfg, TokenDataset(self.data_path, storage_cfg=cfg.checkpoint))
         self.val = None if val is None else ValidationRows(
             val, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch_size,
@@ -150,19 +176,11 @@ class Rank(Membership):
             dp_rank=self.mesh.coord("batch"),
             dp_size=self.mesh.size("batch"),
         )
-        self._baseline = None
-        self.meter = ActivationMeter(self.strategy.buffer.storage_ptrs)
-        self.micro_per_step = cfg.train.global_batch_size // cfg.train.micro_batch_size
-        self._pipe = None if stages is None else pipelined.start_pipeline(
-            cfg, self.spec, self.model, self.strategy, stages, self.mesh, self.device, self.streams, self.meter,
-            self.vocab)
-        if self._pipe is not None:  # the watchdog's clock restarts at each of the schedule's actions
-            self._pipe.progress = lambda: setattr(self, "_current", ("pipeline", time.monotonic()))
-        # Preference tuning: the loss over pairs, and its reference model (built here: sharded the same way).
-        self.prefs = None if cfg.train.objective != "dpo" else preference.start(
-            cfg, self.spec, self.model, self.strategy, self.mesh, self.device, self.streams, self.vocab, self._pipe,
-            self.data, self.val)
-        self.steps = runner_for(self)  # the step's micro-batches: plain or pipelined, language model or pairs
+
+    def _setup_report(self, backend: str, source, stages) -> dict:
+        """What `setup` tells the driver: the device, the model's counts and identity, the layout,
+        the memory, the stages."""
+        tp = self.strategy.tp
         num_params, trainable = self.spec.num_params(self.model)  # this rank's: its TP share
         whole = tp.split_numel() if tp is not None else 0  # what the other TP ranks add
         return {
@@ -172,7 +190,7 @@ class Rank(Membership):
             "device": str(self.device),
             "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
             # the whole model's (6 per parameter a TP rank does not hold, too): tokens count once per TP group
-            "flops_per_token": self.spec.flops_per_token(self.model, cfg.train.seq_len) + 6.0 * whole,
+            "flops_per_token": self.spec.flops_per_token(self.model, self.cfg.train.seq_len) + 6.0 * whole,
             **dict(zip(("num_params", "trainable_params"), whole_counts(self.model, tp))),  # the whole model's
             "params_per_rank": num_params,
             "tp": tp.record() if tp is not None else None,
@@ -185,7 +203,7 @@ class Rank(Membership):
             **identity(self.model, tp, self.spec),  # what checkpoints record: params whole, at any TP size
             "pp_rank": self.mesh.coord("pp"),
             "pp": self.mesh.size("pp"),
-            **(pipelined.stage_report(self.spec, self.model, stages, cfg.train.seq_len) if stages else {}),
+            **(pipelined.stage_report(self.spec, self.model, stages, self.cfg.train.seq_len) if stages else {}),
         }
 
     def _memory(self) -> dict[str, int]:
