@@ -70,19 +70,41 @@ class Totals:
     in_flight_peak: int = 0  # the most all forwards not yet backward held at once
 
 
-class PipelineRun:
-    """A rank's pipeline: runs its actions for each iteration's micro-batches."""
+@dataclass(frozen=True)
+class PipeContext:
+    """What a rank's pipeline runs with: its model and the model seam, the strategy its backward
+    goes through, its stages, the link to its peers and its schedule's actions, the boundary's
+    shape and dtype (`workers/pipelined.py` makes them from the mesh and the model seam), and the
+    rank's dropout streams, activation meter and vocabulary shard."""
 
-    def __init__(self, model, spec, strategy, stages: Stages, link: Link, actions: list[Action],
-                 shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, streams, meter, vocab=None,
-                 routers=None):
-        self.model, self.spec, self.strategy = model, spec, strategy
-        self.stages, self.link, self.actions = stages, link, actions
-        self.shape, self.dtype, self.device = shape, dtype, device
-        self.routers = routers  # a mixture of experts' router logits, passed on with the activations
+    model: torch.nn.Module
+    spec: object
+    strategy: object
+    stages: Stages
+    link: Link
+    actions: list[Action]
+    shape: tuple[int, ...]  # what crosses a boundary: (micro-batch, sequence (its TP shard with SP), hidden)
+    dtype: torch.dtype
+    device: torch.device
+    streams: object
+    meter: object
+    vocab: object = None
+    routers: object = None  # a mixture of experts' router logits, passed on with the activations
+
+
+class PipelineRun:
+    """A rank's pipeline: runs its actions for each iteration's micro-batches (`iteration`), and
+    micro-batches forward only through its stages for evaluation (`forward_only`)."""
+
+    def __init__(self, ctx: PipeContext):
+        self.ctx = ctx
+        self.model, self.spec, self.strategy = ctx.model, ctx.spec, ctx.strategy
+        self.stages, self.link, self.actions = ctx.stages, ctx.link, ctx.actions
+        self.shape, self.dtype, self.device = ctx.shape, ctx.dtype, ctx.device
+        self.routers = ctx.routers
         self.progress = lambda: None  # called at each action: a rank's watchdog sees a long schedule move
-        self.streams, self.meter, self.vocab = streams, meter, vocab
-        self.runner = StageRunner(model, stages)
+        self.streams, self.meter, self.vocab = ctx.streams, ctx.meter, ctx.vocab
+        self.runner = StageRunner(ctx.model, ctx.stages)
         # The last stage's loss in place of the model seam's: `objective(model, x, y, check, micro)`
         # gives (this micro-batch's part of the step's loss, 0, the auxiliary loss or None), the
         # loss divided already (preference tuning: `workers/preference.py`). None: `spec.loss`.
@@ -94,8 +116,8 @@ class PipelineRun:
         # The action after which no more weight gradients land on this rank: the strategy may
         # start its last reductions there. (The first stage has no input gradient to split off:
         # its I is the whole backward and its W nothing, as torch's pipelining does.)
-        self._full_at_i = stages.first
-        landing = [i for i, a in enumerate(actions)
+        self._full_at_i = ctx.stages.first
+        landing = [i for i, a in enumerate(ctx.actions)
                    if a.op == "B" or a.op == ("I" if self._full_at_i else "W")]
         self._last_backward = landing[-1]
 
@@ -146,6 +168,31 @@ class PipelineRun:
                 work.wait()
         totals.times["wait"] += time.perf_counter() - t0
         return totals
+
+    # -- forward only ----------------------------------------------------------------------
+    def forward_only(self, micro, last, runner: StageRunner | None = None) -> list:
+        """Each micro-batch of `micro` ((x, y) pairs) forward only through this rank's chunks of
+        `runner`'s model (the pipeline's own by default, or a reference model split the same
+        way), in stage order, receiving from the stage before and sending to the one after: what
+        `last(model, x, y)` gives for each micro-batch on the last stage, in order (nothing
+        elsewhere). Evaluation and preference tuning's reference pass use it."""
+        runner = runner or self.runner
+        stages, link = self.stages, self.link
+        out = []
+        for index, (x, y) in enumerate(micro):
+            for c, s in enumerate(stages.chunks):
+                received = None
+                if not stages.is_first(c):
+                    received = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                    for work in link.recv([received], s - 1, s - 1, index, False):
+                        work.wait()
+                if stages.is_last(c):
+                    out.append(runner.run(c, received, lambda m: last(m, x, y)))
+                else:
+                    hidden = runner.run(c, received, lambda m: self.spec.logits(m, x))
+                    for work in link.send([hidden], s + 1, s, index, False):
+                        work.wait()
+        return out
 
     def _post(self, a: Action | None) -> bool:
         """Post the receive of RECV action `a` (None: there is none left)."""

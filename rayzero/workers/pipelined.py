@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rayzero.pipeline.runner import Link, PipelineRun
+from rayzero.pipeline.runner import Link, PipeContext, PipelineRun
 from rayzero.pipeline.schedules import place_of, schedule
 from rayzero.pipeline.stages import Stages
 
@@ -19,18 +19,20 @@ def start_pipeline(cfg, spec, model, strategy, stages: Stages, mesh, device, str
     actions = schedule(cfg.parallel.pp_schedule, p, m, v)[mesh.coord("pp")]
     coords = mesh.coords(mesh.rank)
     peers = [mesh.rank_at({**coords, "pp": place_of(s, p)[0]}) for s in range(stages.plan.num_stages)]
-    return PipelineRun(model, spec, strategy, stages, Link(stages, peers, cfg.train.seq_len), actions,
-                       boundary_shape(cfg, stages), strategy.precision.param, device, streams, meter, vocab,
-                       stages.routers)
+    return PipelineRun(PipeContext(
+        model, spec, strategy, stages, Link(stages, peers, cfg.train.seq_len), actions,
+        shape=boundary_shape(cfg, stages, mesh), dtype=strategy.precision.param, device=device, streams=streams,
+        meter=meter, vocab=vocab, routers=stages.routers))
 
 
-def boundary_shape(cfg, stages: Stages) -> tuple[int, int, int]:
-    """What passes between stages: (micro-batch, sequence, hidden): the sequence's TP shard with
-    sequence parallelism, whose activations are split along it between the blocks."""
+def boundary_shape(cfg, stages: Stages, mesh) -> tuple[int, int, int]:
+    """What passes between stages: (micro-batch, sequence, hidden): the sequence's shard over
+    the `tp` role with sequence parallelism, whose activations are split along it between the
+    blocks; the hidden width from the model's input embedding (the model seam's stage plan)."""
     if not stages.absent:
         raise ValueError("parallel.pp: the model has no input embedding before its first block, so the width "
                          "of the activations passed between stages is unknown")
-    seq = cfg.train.seq_len // (cfg.parallel.tp if cfg.parallel.sequence_parallel else 1)
+    seq = cfg.train.seq_len // (mesh.size("tp") if cfg.parallel.sequence_parallel else 1)
     return cfg.train.micro_batch_size, seq, stages.absent[0].dim
 
 
@@ -40,34 +42,10 @@ def validation_loss(pipe: PipelineRun, val, device) -> tuple[torch.Tensor, int]:
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     count = 0
     micro = [(x.to(device), y.to(device)) for batch in range(val.num_batches) for x, y in val.microbatches(batch)]
-    for part, valid, _ in forward_only(pipe, pipe.runner, micro, lambda m, x, y: pipe.spec.loss(m, x, y,
-                                                                                                vocab=pipe.vocab)):
+    for part, valid, _ in pipe.forward_only(micro, lambda m, x, y: pipe.spec.loss(m, x, y, vocab=pipe.vocab)):
         loss_sum += part.double()
         count += int(valid)
     return loss_sum, count
-
-
-def forward_only(pipe: PipelineRun, runner, micro, last) -> list:
-    """Each micro-batch of `micro` ((x, y) pairs) forward only through this rank's chunks of
-    `runner`'s model (the pipeline's own, or a reference model split the same way), in stage
-    order, receiving from the stage before and sending to the one after: what `last(model, x,
-    y)` gives for each micro-batch on the last stage, in order (nothing elsewhere)."""
-    stages, link = pipe.stages, pipe.link
-    out = []
-    for index, (x, y) in enumerate(micro):
-        for c, s in enumerate(stages.chunks):
-            received = None
-            if not stages.is_first(c):
-                received = torch.empty(pipe.shape, dtype=pipe.dtype, device=pipe.device)
-                for work in link.recv([received], s - 1, s - 1, index, False):
-                    work.wait()
-            if stages.is_last(c):
-                out.append(runner.run(c, received, lambda m: last(m, x, y)))
-            else:
-                hidden = runner.run(c, received, lambda m: pipe.spec.logits(m, x))
-                for work in link.send([hidden], s + 1, s, index, False):
-                    work.wait()
-    return out
 
 
 def whole_state_dict(state: dict | None, mesh) -> dict | None:

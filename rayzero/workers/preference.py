@@ -62,10 +62,8 @@ class FrozenCopy:
 
     def stage_logps(self, pipe, micro, ids=None) -> list[torch.Tensor]:
         """Through the pipeline, forward only: each micro-batch's on the last stage."""
-        from rayzero.workers.pipelined import forward_only
-
         with evaluating(self.model):
-            out = forward_only(pipe, self.runner, micro, _logps(self.spec, self.vocab))
+            out = pipe.forward_only(micro, _logps(self.spec, self.vocab), self.runner)
         self.strategy.after_forward_only()
         return out
 
@@ -99,10 +97,8 @@ class AdaptersOff:
         return sequence_logps(per_token)
 
     def stage_logps(self, pipe, micro, ids=None) -> list[torch.Tensor]:
-        from rayzero.workers.pipelined import forward_only
-
         with self._off(), evaluating(self.model):
-            out = forward_only(pipe, pipe.runner, micro, _logps(self.spec, self.vocab))
+            out = pipe.forward_only(micro, _logps(self.spec, self.vocab))
         self.strategy.after_forward_only()
         return out
 
@@ -254,12 +250,10 @@ class PreferenceStep:
             return self.loss(per_token, y, ref, (n[0], n[1]))[1]
 
         if self.pipe is not None:
-            from rayzero.workers.pipelined import forward_only
-
             refs = self.references(micro, ids)
             queue = iter(refs)
             with evaluating(self.model):
-                for sums in forward_only(self.pipe, self.pipe.runner, micro, lambda m, x, y: last(m, x, y, next(queue))):
+                for sums in self.pipe.forward_only(micro, lambda m, x, y: last(m, x, y, next(queue))):
                     add_sums(total, sums)
             return as_floats(total)
         with evaluating(self.model):
