@@ -32,8 +32,14 @@ one iteration:
     begin_step()                 gather: zero gradients; wait for the parameter all-gather
                                  (or, overlapped, let forward wait bucket by bucket)
     backward(loss, last)         backward: gradient reductions start as buckets complete
-    finish_grad_sync()           reduce_scatter: finish them, then the outer (hybrid) reduction
+    finish_grad_sync()           reduce_scatter: finish them, then the outer (hybrid) reduction,
+                                 then the finalizers
     step(lr) -> grad_norm        step: clip by the global norm, AdamW, start the all-gather
+
+The finalizers are the model's gradient fix-ups after the reduction (Megatron's
+`finalize_model_grads`), each a small class chosen at build where it applies, not a branch in
+the step: `TiedSum` (a pipeline's weight held by two stages: its gradient summed over them) and
+`TPPartialSum` (a replicated parameter whose gradient each tensor-parallel rank holds a part of).
 """
 
 from __future__ import annotations
@@ -282,9 +288,19 @@ class Strategy:
             self.grad_sync.start(b)
         self.grad_sync.finish()
         self.owner.reduce_outer([self.grad_sync.inner_grad(b) for b in self.trainable_buckets()])
-        if self.tied is not None:  # the same shard of the same bucket on both stages: summed
-            for b in self._tied_buckets:
-                dist.all_reduce(self.main_grads[b], group=self.tied.axis.group)
+        for finalize in self.finalizers:
+            finalize(self.main_grads)
+
+    @functools.cached_property
+    def finalizers(self) -> list[Callable[[list[torch.Tensor]], None]]:
+        """The gradient fix-ups this model needs after the reduction, in order."""
+        out = []
+        if self.tied is not None:
+            out.append(TiedSum(self.tied.axis, self._tied_buckets))
+        if self.tp is not None and self.tp.partial:
+            out.append(TPPartialSum(self.mesh.axis("tp"), [(b, cut) for b, cut, name in self._owned_params
+                                                            if name in self.tp.partial]))
+        return out
 
     @functools.cached_property
     def _tied_buckets(self) -> list[int]:
@@ -295,7 +311,6 @@ class Strategy:
         """Clip to the global gradient norm, update the owned shard, start the all-gather.
         With loss scaling, a step whose gradients are not finite is skipped."""
         self.owner.finish()  # the update must not race a gather still writing the buffer
-        self._sum_partial_grads_over_tp()
         scale = self.scaler.scale if self.scaler is not None else 1.0
         norm = self.grad_norm() / scale
         if self.scaler is not None:
@@ -363,15 +378,6 @@ class Strategy:
                     out.append((b.index, cut.shift(-own.start).slice(), self.buffer.names[i]))
         return out
 
-    def _sum_partial_grads_over_tp(self) -> None:
-        """Replicated parameters whose gradient each TP rank holds a part of (key/value heads
-        fewer than the TP ranks): the parts summed, on the reduced shards."""
-        if self.tp is None or not self.tp.partial:
-            return
-        for b, cut, name in self._owned_params:
-            if name in self.tp.partial:
-                dist.all_reduce(self.main_grads[b][cut], group=self.mesh.axis("tp").group)
-
     # -- outside the iteration -------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The fp32 main parameters, whole, on CPU, by `model.state_dict()` names. Every rank
@@ -428,3 +434,29 @@ class Strategy:
         self._write_back()
         self.owner.start()
         self.owner.finish()
+
+
+# -- finalizers: the model's gradient fix-ups after the reduction ---------------------------------
+class TiedSum:
+    """A pipeline's tied weight (the input embedding reused as the head, on the first and the
+    last stage): the same shard of the same bucket on both stages, summed over them (Megatron's
+    embedding group)."""
+
+    def __init__(self, axis, buckets: list[int]):
+        self.axis, self.buckets = axis, buckets
+
+    def __call__(self, main_grads: list[torch.Tensor]) -> None:
+        for b in self.buckets:
+            dist.all_reduce(main_grads[b], group=self.axis.group)
+
+
+class TPPartialSum:
+    """Replicated parameters whose gradient each tensor-parallel rank holds a part of (key/value
+    heads fewer than the TP ranks): the parts summed over the `tp` role, on the reduced shards."""
+
+    def __init__(self, axis, pieces: list[tuple[int, slice]]):
+        self.axis, self.pieces = axis, pieces
+
+    def __call__(self, main_grads: list[torch.Tensor]) -> None:
+        for b, cut in self.pieces:
+            dist.all_reduce(main_grads[b][cut], group=self.axis.group)
