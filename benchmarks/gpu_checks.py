@@ -5,7 +5,10 @@ the CLI's tokens/s.
 2. world size 1, NCCL, bf16: rayzero `optim_grads_params` against the same GPT trained by
    plain torch without sharding (bf16 autocast over fp32 parameters, fused AdamW), same
    batches, median step time over 30 steps after 10 warmup, in one process, alternating in
-   5 rounds; target overhead <= 3 %; also device memory per parameter against the formula;
+   5 rounds; target overhead <= 3 %; also device memory per parameter against the formula, and,
+   from `torch.profiler` over 5 more steps of each (last round), the GPU's busy time a step
+   against the step's wall time and the host's reads of device values a step: a step whose GPU
+   is busy for much less than its wall time is bound by the host (launches and waits);
 3. `train.compile` (inductor: Triton kernels) against eager, the same ZeRO-3 bf16 configuration,
    median step time after the warmup (the first step compiles), in 2 rounds alternating; target
    compiled >= 1.2x faster; also the compile seconds of the first step;
@@ -51,11 +54,28 @@ def time_rayzero(cfg, data_path: str, port: int) -> tuple[list[float], dict]:
     info["device_bytes_per_param"] = torch.cuda.memory_allocated() / info["num_params"]
     # host seconds per phase (kernels are launched, not waited for): where a CPU-bound step goes
     info["phase_ms"] = {k: 1e3 * statistics.median(p.get(k, 0.0) for p in phases[WARMUP:]) for k in phases[-1]}
+    info["busy"] = gpu_busy(lambda k: rank.iteration({"step": k, "lr": 1e-4}), STEPS)
     rank.close()
     return times, info
 
 
-def time_plain(cfg, data_path: str) -> tuple[list[float], list[float]]:
+def gpu_busy(step, first: int, n: int = 5) -> dict:
+    """`step(k)` for k = first .. first + n - 1 under torch.profiler: per step, the GPU's busy
+    time (every kernel's own device time, summed) and the host's reads of a device value
+    (`aten::_local_scalar_dense`: `.item()`, `float()`, `int()` of a GPU tensor)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for k in range(first, first + n):
+            step(k)
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    return {"gpu_busy_ms": sum(e.self_device_time_total for e in events) / n / 1e3,
+            "device_reads": sum(e.count for e in events if e.key == "aten::_local_scalar_dense") / n}
+
+
+def time_plain(cfg, data_path: str) -> tuple[list[float], list[float], dict]:
     from rayzero.data.batches import RankBatches
     from rayzero.data.tokens import TokenDataset
     from rayzero.models.gpt import build_model
@@ -64,10 +84,7 @@ def time_plain(cfg, data_path: str) -> tuple[list[float], list[float]]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     data = RankBatches(TokenDataset(data_path), seed=cfg.train.seed, global_batch=cfg.train.global_batch_size,
                        micro_batch=cfg.train.micro_batch_size, seq_len=cfg.train.seq_len, dp_rank=0, dp_size=1)
-    times, host = [], []
-    for k in range(STEPS):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
+    def step(k: int) -> None:
         for x, y in data.microbatches(k):
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 logits = model(x.cuda(non_blocking=True))
@@ -76,12 +93,19 @@ def time_plain(cfg, data_path: str) -> tuple[list[float], list[float]]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+    times, host = [], []
+    for k in range(STEPS):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step(k)
         host.append(time.perf_counter() - t0)  # launched, not yet done
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    del model, opt
+    busy = gpu_busy(step, STEPS)
+    step = model = opt = None  # freed before rayzero's run: the closure held them
     torch.cuda.empty_cache()
-    return times, host
+    return times, host, busy
 
 
 def main() -> int:
@@ -108,7 +132,7 @@ def main() -> int:
     resolve_data(cfg)
     ratios, info = [], {}
     for r in range(ROUNDS):
-        plain_times, plain_host = time_plain(cfg, data_path)
+        plain_times, plain_host, plain_busy = time_plain(cfg, data_path)
         plain = statistics.median(plain_times[WARMUP:])
         times, info = time_rayzero(cfg, data_path, free_port())
         ours = statistics.median(times[WARMUP:])
@@ -118,6 +142,10 @@ def main() -> int:
               f"{statistics.median(plain_host[WARMUP:]) * 1e3:.1f}, rayzero host ms by phase: "
               + "  ".join(f"{k} {v:.1f}" for k, v in info["phase_ms"].items()))
     ratio = statistics.median(ratios)
+    ours_busy = info["busy"]
+    print(f"GPU busy a step (torch.profiler, 5 steps, last round): plain torch {plain_busy['gpu_busy_ms']:.1f} ms "
+          f"of its {plain * 1e3:.1f} ms step ({plain_busy['device_reads']:g} device reads a step), rayzero ZeRO-3 "
+          f"{ours_busy['gpu_busy_ms']:.1f} ms of its {ours * 1e3:.1f} ms ({ours_busy['device_reads']:g} device reads)")
     formula = formula_bytes_per_param("optim_grads_params", 1, param_bytes=2)
     print(f"ZeRO-3 / plain torch median step time: {ratio:.3f} (target <= 1.03)")
     print(f"device bytes per parameter: {info['device_bytes_per_param']:.2f} (formula {formula:.0f}, "
@@ -141,6 +169,7 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"ratio": ratio, "rounds": ratios, "device_bytes_per_param":
                                                info["device_bytes_per_param"], "formula": formula,
+                                               "gpu_busy": {"plain": plain_busy, "rayzero": ours_busy},
                                                "compile_speedups": speedups}, indent=2))
     return rc
 
