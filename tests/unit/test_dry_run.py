@@ -199,3 +199,20 @@ def test_the_ranks_get_inductor_s_caches_in_the_run_directory_unless_given_elsew
                         (["train.compile=true", "train.compile_backend=aot_eager"], None),  # no code to cache
                         ([], None)):
         assert with_compile_cache(load_config(None, extra), run).train.compile_cache == want, extra
+
+
+def test_the_dry_run_builds_the_model_on_meta_once(tmp_path, capsys, monkeypatch):
+    """Every check (units, recompute, LoRA, TP, the pipeline's split), the vocabulary note, the
+    plan and the resume preview read one build of the model."""
+    from rayzero.models.gpt import GPTSpec
+
+    builds = []
+    build = GPTSpec.build
+    monkeypatch.setattr(GPTSpec, "build", lambda self, *a, **k: builds.append(1) or build(self, *a, **k))
+    code, out, plan = dry_run(tmp_path, capsys, "cluster.num_workers=8", "cluster.cpus_per_worker=0.25",
+                              "parallel.tp=2", "parallel.pp=2", "model.n_layer=4", "sharding.strategy=optim_grads_params",
+                              "model.lora.r=4", "model.lora.target_modules=qkv,fc", "train.global_batch_size=16",
+                              "train.micro_batch_size=2", f"checkpoint.dir={tmp_path / 'ck'}", f"train.output_dir={tmp_path}")
+    assert code == 0, out.err
+    assert plan["checkpoint"]["start"]["from"] is None and plan["dp_size"] == 2
+    assert len(builds) == 1
