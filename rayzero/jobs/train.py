@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
@@ -108,13 +109,10 @@ class Prepared:
 
     def __init__(self, cfg: RootConfig, spec: ModelSpec):
         self.cfg, self.spec = cfg, spec
-        self._built: Built | None = None
 
-    @property
+    @functools.cached_property
     def built(self) -> Built:
-        if self._built is None:
-            self._built = build_model(self.cfg, self.spec)
-        return self._built
+        return build_model(self.cfg, self.spec)
 
 
 def prepare_model(cfg: RootConfig, factory=None, data_vocab: int | None = None) -> Prepared:

@@ -5,8 +5,8 @@ A `Mesh` holds the axis sizes, this rank's coordinate on each axis and (on a ran
 the layout, the strategies, tensor parallelism and checkpoints all read it; nothing else
 works out a size, a coordinate or a group. An elastic resize builds a new mesh.
 
-The axes, outermost first (`AXES`, one row each: the config key that sets its size and what
-it is); their product is the world size:
+The axes, outermost first (`AXES`: each with the config key that sets its size); their product
+is the world size:
 
     axis        size                             what it splits
     pp          parallel.pp                      the model's layers into pipeline stages: outermost,
@@ -68,25 +68,17 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch is imported only where groups are made: reading a config builds a mesh
     from rayzero.sharding.comm import Axis
 
 
-class AxisRow(NamedTuple):
-    key: str | None  # the config key that sets the size (None: the axis takes what the others leave)
-    what: str  # what it splits, for the plan
-
-
-AXES: dict[str, AxisRow] = {  # outermost first
-    "pp": AxisRow("parallel.pp", "pipeline stages"),
-    "replicate": AxisRow("sharding.dp_outer", "replicas (hybrid sharding)"),
-    "shard": AxisRow(None, "data-parallel shards"),
-    "tp": AxisRow("parallel.tp", "tensor-parallel ranks"),
-}
+# Each axis, outermost first, and the config key that sets its size (None: it takes what the others leave).
+AXES: dict[str, str | None] = {"pp": "parallel.pp", "replicate": "sharding.dp_outer", "shard": None,
+                               "tp": "parallel.tp"}
 ORDER = tuple(AXES)
-KEYS = {a: row.key for a, row in AXES.items() if row.key}  # the config key that sets each set axis
+KEYS = {a: key for a, key in AXES.items() if key}  # the axes a config key sets
 ROLES: dict[str, tuple[str, ...]] = {
     "batch": ("replicate", "shard"),
     "loss": ("replicate", "shard"),

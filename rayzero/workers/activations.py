@@ -12,9 +12,9 @@ rest, torch's selective checkpoint policy as torchtitan's op-level mode uses it.
 `ActivationMeter` counts the bytes a forward leaves saved for backward: every tensor autograd
 saves whose storage is still alive when the forward ends, each storage once, parameters
 excluded, and what checkpointing holds instead (each recomputed block's inputs; the outputs
-`selective` keeps). It costs a Python call per saved
-tensor, so a rank measures a sample (`sampled`): the first forwards of each kind (input shape,
-pipeline chunk) and then one in `EVERY`; what a forward saves follows from its shapes.
+`selective` keeps). It costs a Python call per saved tensor, so a rank measures a sample
+(`sampled`): the first forwards of each kind (input shape, pipeline chunk) and then one in
+`EVERY`; what a forward saves follows from its shapes.
 """
 
 from __future__ import annotations

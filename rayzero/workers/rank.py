@@ -329,10 +329,11 @@ class Rank(Membership):
         """Every phase of one iteration, in order, in this process: what the controller's
         graph runs on each rank, for use without Ray."""
         out = self.gather(plan)
-        if self._pipe is not None:
+        if "pipeline" in self.steps.phases:
             out = self.pipeline(out)
-        for _ in range(len(self.steps.micro) if "forward" in self.steps.phases else 0):
-            out = self.backward(self.forward(out))
+        else:
+            for _ in self.steps.micro:
+                out = self.backward(self.forward(out))
         return self.evaluate(self.step(self.reduce_scatter(out)))
 
     # -- checkpoints ------------------------------------------------------------------
