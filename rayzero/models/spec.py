@@ -219,6 +219,14 @@ class ModelSpec:
         """ZeRO-3 unit classes when `sharding.fsdp_units` is left empty."""
         raise NotImplementedError
 
+    def experts(self, model: nn.Module) -> frozenset[str]:
+        """The parameters of a mixture of experts' experts (by `named_parameters` name): the
+        strategy gives them a bucket group of their own, which expert parallelism reduces and
+        shards over the ranks holding the same experts. Those inside a module named `experts`
+        (transformers' MoE families keep each layer's routed experts there; a shared expert,
+        which every token uses, and the router are dense)."""
+        return frozenset(n for n, _ in model.named_parameters() if "experts" in n.split(".")[:-1])
+
     def blocks(self, model: nn.Module) -> tuple[str, ...]:
         """The classes of the model's repeated blocks (its transformer layers): what
         activation checkpointing recomputes when `model.checkpoint_blocks` is left empty."""

@@ -15,6 +15,9 @@ module that uses another unit's parameter (a tied output head) gathers that unit
 
 So at most two units are whole at once (the running one and the one being prefetched), and
 at most two units' full gradients (the one filling and the one being reduced).
+
+It acts on one bucket group (group.py): where a model's experts are a group of their own, each
+group's placement hooks the same units and gathers only its own buckets of them.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from rayzero.sharding.layout import Bucket, Layout, Range, build_layout
 from rayzero.sharding.memory import nbytes
 
 if TYPE_CHECKING:
-    from rayzero.sharding.strategies import Strategy
+    from rayzero.sharding.group import BucketGroup
 
 ROOT = -1  # the unit id of parameters outside every unit
 
@@ -93,65 +96,71 @@ class ShardedUnits:
 
     whole_at_rest = False
 
-    def __init__(self, s: Strategy):
-        self.s = s
-        self.units = find_units(s.model, tuple(s.cfg.fsdp_units))
-        self._shards: list[torch.Tensor] = []
+    def __init__(self, g: BucketGroup, model: nn.Module, grad_sync, units: tuple[str, ...]):
+        """`grad_sync`: the group's gradient policy, whose landing buckets a unit's backward
+        accumulates into in place; `units`: `sharding.fsdp_units`."""
+        self.g, self.model, self.grad_sync = g, model, grad_sync
+        self.units = find_units(model, units)
+        self._shards: dict[int, torch.Tensor] = {}
         self._gathering: dict[int, object] = {}  # bucket index -> pending all-gather work
         self._resident: set[int] = set()
         self._fwd_order: list[str] = []
         self._last_fwd_order: list[str] = list(self.units.users)
         self._bwd_seen: set[str] = set()
         self._recomputed: set[int] = set()  # units a recompute gathered, their backward not run yet
+        self._hook()
 
     @staticmethod
     def layout(model: nn.Module, sharding: ShardingConfig, dp_size: int,
-               alone: frozenset[str] = frozenset()) -> tuple[list, Layout]:
+               alone: frozenset[str] = frozenset(), experts: frozenset[str] = frozenset()) -> tuple[list, Layout]:
         """One bucket per unit, in forward order: ROOT (-1) first, then units in module order, each
         unit's frozen parameters after its trainable ones (a stable sort keeps the order within
-        each), and `alone` ones (a pipeline's tied) in a bucket of their own. A unit is one
-        bucket whatever its size: it is gathered whole anyway."""
+        each), and `alone` ones (a pipeline's tied) in a bucket of their own; a unit's `experts`
+        (the expert group's) in a bucket after its dense ones. A unit is one bucket per kind
+        whatever its size: it is gathered whole anyway."""
         owner = find_units(model, tuple(sharding.fsdp_units)).owner
-        key = {n: (owner[n], not p.requires_grad, n in alone) for n, p in model.named_parameters()}
+        key = {n: (owner[n], n in experts, not p.requires_grad, n in alone) for n, p in model.named_parameters()}
         named = sorted(model.named_parameters(), key=lambda item: key[item[0]])
         return named, build_layout([p.numel() for _, p in named], dp_size, 2**62, sharding.shard_align,
                                    [key[n] for n, _ in named])
 
-    def attach(self) -> None:
-        """Once the buffer is built: which buckets each unit has, and the module hooks."""
-        buffer = self.s.buffer
-        self._unit_buckets: dict[int, list[int]] = {}  # unit -> its buckets (trainable, then frozen)
+    def _hook(self) -> None:
+        """Which of the group's buckets each unit has, and the module hooks."""
+        buffer = self.g.buffer
+        mine = {b.index for b in self.g.buckets}
+        # this group's buckets of each unit (trainable, then frozen), and the unit of each
+        self._unit_buckets: dict[int, list[int]] = {u: [] for u in (ROOT, *range(len(self.units.modules)))}
         self._bucket_unit: dict[int, int] = {}
         for i, n in enumerate(buffer.names):
             unit, b = self.units.owner[n], buffer.bucket_of(i)
-            if b not in self._bucket_unit:
+            if b in mine and b not in self._bucket_unit:
                 self._bucket_unit[b] = unit
                 self._unit_buckets.setdefault(unit, []).append(b)
-        self._root = self._unit_buckets.get(ROOT, [])
+        self._root = self._unit_buckets[ROOT]
         self._partly_frozen = {u for u, bs in self._unit_buckets.items()
                                if len({buffer.trainable(buffer.buckets[b]) for b in bs}) > 1}
         self._unit_index = {name: k for k, name in enumerate(self.units.modules)}
-        modules = dict(self.s.model.named_modules())
-        self.s.model.register_forward_pre_hook(lambda _m, _a: self._pre_model_forward())
+        modules = dict(self.model.named_modules())
+        self.model.register_forward_pre_hook(lambda _m, _a: self._pre_model_forward())
         for name in self.units.users:
             modules[name].register_forward_pre_hook(self._make_pre_forward(name))
             modules[name].register_forward_hook(self._make_post_forward(name))
 
     # -- storage: the shard at rest ------------------------------------------------------
     def hold(self, b: Bucket, category: str) -> None:
-        s = self.s
-        shard = s.buffer.data[b.index][b.local(s.inner(b))].clone()
-        s.ledger.hold(category, nbytes(shard))
-        self._shards.append(shard)
-        s.buffer.release(b)  # materialized one unit at a time: the model is never whole
+        g = self.g
+        shard = g.buffer.data[b.index][b.local(g.inner(b))].clone()
+        g.ledger.hold(category, nbytes(shard))
+        self._shards[b.index] = shard
+        g.buffer.release(b)  # materialized one unit at a time: the model is never whole
 
     def view(self, b: Bucket, r: Range) -> torch.Tensor:
-        return self._shards[b.index][r.shift(-self.s.inner(b).start).slice()]
+        return self._shards[b.index][r.shift(-self.g.inner(b).start).slice()]
 
     def whole(self, b: Bucket) -> torch.Tensor:
         """Every rank must call it: the bucket is all-gathered into a new tensor."""
-        full = torch.empty(b.world.size, dtype=self._shards[b.index].dtype, device=self.s.buffer.device)
-        wait(self.s.shard_axis.start_all_gather(full, self._shards[b.index]))
+        full = torch.empty(b.world.size, dtype=self._shards[b.index].dtype, device=self.g.buffer.device)
+        wait(self.g.axis.start_all_gather(full, self._shards[b.index]))
         return full
 
     # -- gather and release -------------------------------------------------------------
@@ -159,15 +168,15 @@ class ShardedUnits:
         return [i for u in units for i in self._unit_buckets[u]]
 
     def _start_gather(self, units) -> None:
-        buffer = self.s.buffer
+        buffer = self.g.buffer
         for i in self._buckets_of(units):
             if i in self._resident:
                 continue
             b = buffer.buckets[i]
             buffer.restore(b)
-            self.s.ledger.grow(buffer.nbytes(b))
+            self.g.ledger.grow(buffer.nbytes(b))
             self._resident.add(i)
-            self._gathering[i] = self.s.shard_axis.start_all_gather(buffer.data[i], self._shards[i])
+            self._gathering[i] = self.g.axis.start_all_gather(buffer.data[i], self._shards[i])
 
     def _finish_gather(self, units) -> None:
         self._start_gather(units)
@@ -177,14 +186,14 @@ class ShardedUnits:
 
     def _release(self, units, root: bool = False) -> None:
         """Free the gathered parameters of `units` (the root unit's only with `root`)."""
-        buffer = self.s.buffer
+        buffer = self.g.buffer
         for i in self._buckets_of(units):
             if i not in self._resident or (i in self._root and not root):
                 continue
             if i in self._gathering:
                 wait(self._gathering.pop(i))
             buffer.release(buffer.buckets[i])
-            self.s.ledger.shrink(buffer.nbytes(buffer.buckets[i]))
+            self.g.ledger.shrink(buffer.nbytes(buffer.buckets[i]))
             self._resident.discard(i)
 
     def _units_of_resident(self) -> set[int]:
@@ -218,7 +227,7 @@ class ShardedUnits:
                 return
             self._fwd_order.append(name)
             self._finish_gather(needs)
-            if self.s.cfg.overlap_param_gather:
+            if self.g.overlap_param_gather:
                 self._start_gather(self._neighbour(name, +1))
 
         return hook
@@ -227,7 +236,7 @@ class ShardedUnits:
         def hook(_module, _args, output):
             if _in_backward():  # a recompute: its backward comes next and releases the unit after
                 return
-            keep = self._neighbour(name, +1) if self.s.cfg.overlap_param_gather else frozenset()
+            keep = self._neighbour(name, +1) if self.g.overlap_param_gather else frozenset()
             self._release(self.units.users[name] - keep)
             if torch.is_grad_enabled():
                 for t in _tensors(output):
@@ -245,7 +254,7 @@ class ShardedUnits:
             return
         self._bwd_seen.add(name)
         needs = self.units.users[name]
-        ahead = self._neighbour(name, -1) if self.s.cfg.overlap_param_gather else frozenset()
+        ahead = self._neighbour(name, -1) if self.g.overlap_param_gather else frozenset()
         self._recomputed -= needs
         # Units gathered for modules whose backward has run are done with (not those a
         # recompute gathered for a backward still to come).
@@ -261,25 +270,25 @@ class ShardedUnits:
         allocating a gradient per parameter first (when gradients are kept in the parameters'
         dtype). A unit's own parameters only: a weight it borrows (a tied head) gets its
         gradient when the owner's backward comes."""
-        s = self.s
-        if s.precision.grad != s.precision.param:
+        g = self.g
+        if g.precision.grad != g.precision.param:
             return
-        for i in self._unit_buckets.get(unit, []):
-            b = s.buffer.buckets[i]
-            if not s.buffer.trainable(b) or i in s.grad_sync.reduced:
+        for i in self._unit_buckets[unit]:
+            b = g.buffer.buckets[i]
+            if not g.buffer.trainable(b) or i in self.grad_sync.reduced:
                 continue
-            full = s.grad_sync.landing(b)
+            full = self.grad_sync.landing(b)
             for j in b.params:
-                p = s.buffer.params[j]
+                p = g.buffer.params[j]
                 if p.grad is None:
-                    p.grad = full[b.local(s.buffer.layout.params[j].world)].view(p.shape)
+                    p.grad = full[b.local(g.buffer.layout.params[j].world)].view(p.shape)
 
     def on_grad(self, i: int, b: Bucket) -> None:
         # The unit's backward is over once its last gradient is in, unless it also holds frozen
         # weights (a LoRA base): the backward to its input may still need them, so it goes when
         # the next unit's backward starts (or the backward ends).
-        unit = self.units.owner[self.s.buffer.names[i]]
-        if self.s.buffer.pending(b) == 0 and unit not in self._partly_frozen:
+        unit = self.units.owner[self.g.buffer.names[i]]
+        if self.g.buffer.pending(b) == 0 and unit not in self._partly_frozen:
             self._release([unit])
 
     def begin_backward(self) -> None:

@@ -11,6 +11,8 @@ per backward), `finish()` waits for all in flight and puts their sums in place. 
 of a step the strategy starts what backward did not and finishes everything; the outer
 (hybrid) reduction across the replicas then works on `inner_grad(bucket)`, this rank's
 reduced shard of each bucket.
+
+A policy acts on one bucket group (group.py): its buckets, its axis, its gradient storage.
 """
 
 from __future__ import annotations
@@ -22,11 +24,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from rayzero.sharding.comm import wait
-from rayzero.sharding.layout import Bucket
+from rayzero.sharding.layout import Bucket, Range
 from rayzero.sharding.memory import nbytes
 
 if TYPE_CHECKING:
-    from rayzero.sharding.strategies import Strategy
+    from rayzero.sharding.group import BucketGroup
 
 
 class InFlight:
@@ -45,23 +47,23 @@ class InFlight:
             then()
 
 
-def to_comm(s: Strategy, t: torch.Tensor) -> torch.Tensor:
+def to_comm(g: BucketGroup, t: torch.Tensor) -> torch.Tensor:
     """`t` in the communication dtype: a transient copy when that differs."""
-    if t.dtype == s.precision.comm or s.shard_axis.size == 1:
+    if t.dtype == g.precision.comm or g.axis.size == 1:
         return t
-    c = t.to(s.precision.comm)
-    s.ledger.grow(nbytes(c))
+    c = t.to(g.precision.comm)
+    g.ledger.grow(nbytes(c))
     return c
 
 
-def free_comm(s: Strategy, comm: torch.Tensor, t: torch.Tensor) -> None:
+def free_comm(g: BucketGroup, comm: torch.Tensor, t: torch.Tensor) -> None:
     if comm is not t:
-        s.ledger.shrink(nbytes(comm))
+        g.ledger.shrink(nbytes(comm))
 
 
-def accumulate(s: Strategy, landing: torch.Tensor, i: int, b: Bucket, param: nn.Parameter) -> None:
+def accumulate(g: BucketGroup, landing: torch.Tensor, i: int, b: Bucket, param: nn.Parameter) -> None:
     """Add parameter `i`'s gradient into its place in `landing` (a full bucket) and drop it."""
-    into = landing[b.local(s.buffer.layout.params[i].world)]
+    into = landing[b.local(g.buffer.layout.params[i].world)]
     if param.grad.data_ptr() != into.data_ptr():  # else autograd accumulated in place
         into.add_(param.grad.view(-1))
     param.grad = None
@@ -75,57 +77,57 @@ class AllReduceAtEnd:
 
     every_microbatch = False
 
-    def __init__(self, s: Strategy):
-        self.s = s
+    def __init__(self, g: BucketGroup):
+        self.g = g
         self.inflight = InFlight()
         self.reduced: set[int] = set()  # buckets whose reduction started in this backward
         self.in_backward = False
-        self._views = s.precision.grad == s.precision.param
+        self._views = g.precision.grad == g.precision.param
 
-    def allocate(self, b: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
+    def allocate(self, b: Bucket, owned: Range) -> tuple[torch.Tensor, torch.Tensor]:
         """The bucket's gradient storage, and its part over what this rank owns (the optimizer's)."""
-        s = self.s
-        grad = torch.zeros(b.world.size, dtype=s.precision.grad, device=s.buffer.device)
-        s.ledger.hold("grads", nbytes(grad))
+        g = self.g
+        grad = torch.zeros(b.world.size, dtype=g.precision.grad, device=g.buffer.device)
+        g.ledger.hold("grads", nbytes(grad))
         if self._views:
             for i in b.params:  # autograd accumulates straight into the bucket
-                p = s.buffer.params[i]
-                p.grad = grad[b.local(s.buffer.layout.params[i].world)].view(p.shape)
-        return grad, grad[b.local(s.owned(b))]
+                p = g.buffer.params[i]
+                p.grad = grad[b.local(g.buffer.layout.params[i].world)].view(p.shape)
+        return grad, grad[b.local(owned)]
 
     def landing(self, b: Bucket) -> torch.Tensor:
         """The full-bucket tensor a parameter's gradient is added into."""
-        return self.s.grads[b.index]
+        return self.g.grads[b.index]
 
     def inner_grad(self, b: Bucket) -> torch.Tensor:
         """This rank's reduced shard of `b`'s gradient."""
-        return self.s.grads[b.index][b.local(self.s.inner(b))]
+        return self.g.grads[b.index][b.local(self.g.inner(b))]
 
     def begin_backward(self, last_microbatch: bool) -> None:
-        self.in_backward = self.s.cfg.overlap_grad_reduce and last_microbatch
+        self.in_backward = self.g.overlap_grad_reduce and last_microbatch
         self.reduced = set()
 
     def on_grad(self, i: int, b: Bucket, param: nn.Parameter) -> None:
         if param.grad is not None and not self._views:
-            accumulate(self.s, self.landing(b), i, b, param)
-        if self.in_backward and self.s.buffer.pending(b) == 0:
+            accumulate(self.g, self.landing(b), i, b, param)
+        if self.in_backward and self.g.buffer.pending(b) == 0:
             self.start(b)
 
     def after_backward(self, last_microbatch: bool) -> None:
         """Gradients stay in the full buckets until the last micro-batch."""
 
     def start(self, b: Bucket) -> None:
-        if b.index in self.reduced or not self.s.buffer.trainable(b):
+        if b.index in self.reduced or not self.g.buffer.trainable(b):
             return
         self.reduced.add(b.index)
-        grad = self.s.grads[b.index]
-        comm = to_comm(self.s, grad)
+        grad = self.g.grads[b.index]
+        comm = to_comm(self.g, grad)
         work = self._collective(comm)
 
         def then():
             if comm is not grad:
                 self._keep(b, grad, comm)
-            free_comm(self.s, comm, grad)
+            free_comm(self.g, comm, grad)
 
         self.inflight.add(b.index, work, then)
 
@@ -134,7 +136,7 @@ class AllReduceAtEnd:
         self.reduced = set()
 
     def _collective(self, comm: torch.Tensor) -> dist.Work | None:
-        return self.s.shard_axis.start_all_reduce(comm)
+        return self.g.axis.start_all_reduce(comm)
 
     def _keep(self, b: Bucket, grad: torch.Tensor, comm: torch.Tensor) -> None:
         """Copy the sums back from a communication copy of another dtype."""
@@ -146,10 +148,10 @@ class ReduceScatterAtEnd(AllReduceAtEnd):
     sums of this rank's shard land in its place in the bucket (the rest is scratch)."""
 
     def _collective(self, comm: torch.Tensor) -> dist.Work | None:
-        return self.s.shard_axis.start_reduce_scatter(comm)
+        return self.g.axis.start_reduce_scatter(comm)
 
     def _keep(self, b: Bucket, grad: torch.Tensor, comm: torch.Tensor) -> None:
-        grad[b.local(self.s.inner(b))].copy_(self.s.shard_axis.chunk(comm))
+        grad[b.local(self.g.inner(b))].copy_(self.g.axis.chunk(comm))
 
 
 class ReduceScatterPerBucket:
@@ -160,41 +162,41 @@ class ReduceScatterPerBucket:
 
     every_microbatch = True
 
-    def __init__(self, s: Strategy):
-        self.s = s
+    def __init__(self, g: BucketGroup):
+        self.g = g
         self.inflight = InFlight()
         self.reduced: set[int] = set()
         self.in_backward = False
         self._landing: dict[int, torch.Tensor] = {}
 
-    def allocate(self, b: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
-        s, inner = self.s, self.s.inner(b)
-        grad = torch.zeros(inner.size, dtype=s.precision.grad, device=s.buffer.device)
-        s.ledger.hold("grads", nbytes(grad))
-        return grad, grad[s.owned(b).shift(-inner.start).slice()]
+    def allocate(self, b: Bucket, owned: Range) -> tuple[torch.Tensor, torch.Tensor]:
+        g, inner = self.g, self.g.inner(b)
+        grad = torch.zeros(inner.size, dtype=g.precision.grad, device=g.buffer.device)
+        g.ledger.hold("grads", nbytes(grad))
+        return grad, grad[owned.shift(-inner.start).slice()]
 
     def landing(self, b: Bucket) -> torch.Tensor:
         if b.index not in self._landing:
-            full = torch.zeros(b.world.size, dtype=self.s.precision.grad, device=self.s.buffer.device)
-            self.s.ledger.grow(nbytes(full))
+            full = torch.zeros(b.world.size, dtype=self.g.precision.grad, device=self.g.buffer.device)
+            self.g.ledger.grow(nbytes(full))
             self._landing[b.index] = full
         return self._landing[b.index]
 
     def inner_grad(self, b: Bucket) -> torch.Tensor:
-        return self.s.grads[b.index]
+        return self.g.grads[b.index]
 
     def begin_backward(self, last_microbatch: bool) -> None:
-        self.in_backward = self.s.cfg.overlap_grad_reduce
+        self.in_backward = self.g.overlap_grad_reduce
         self.reduced = set()
 
     def on_grad(self, i: int, b: Bucket, param: nn.Parameter) -> None:
         if param.grad is not None:
-            accumulate(self.s, self.landing(b), i, b, param)
-        if self.in_backward and self.s.buffer.pending(b) == 0:
+            accumulate(self.g, self.landing(b), i, b, param)
+        if self.in_backward and self.g.buffer.pending(b) == 0:
             self.start(b)
 
     def after_backward(self, last_microbatch: bool) -> None:
-        for b in self.s.buffer.buckets:  # parameters that got no gradient: reduce zeros
+        for b in self.g.buckets:  # parameters that got no gradient: reduce zeros
             self.start(b)
         if not last_microbatch:
             self.finish()
@@ -203,19 +205,19 @@ class ReduceScatterPerBucket:
         if b.index in self.reduced:
             return
         self.inflight.finish()  # the previous bucket's, so that two full buckets at most are alive
-        if not self.s.buffer.trainable(b):
+        if not self.g.buffer.trainable(b):
             return
         self.reduced.add(b.index)
-        s, full = self.s, self.landing(b)
+        g, full = self.g, self.landing(b)
         for i in b.params:  # no view of the landing outlives it (a parameter that got no gradient)
-            s.buffer.params[i].grad = None
-        comm = to_comm(s, full)
-        work = s.shard_axis.start_reduce_scatter(comm)
+            g.buffer.params[i].grad = None
+        comm = to_comm(g, full)
+        work = g.axis.start_reduce_scatter(comm)
 
         def then():
-            s.grads[b.index].add_(s.shard_axis.chunk(comm))
-            free_comm(s, comm, full)
-            s.ledger.shrink(nbytes(self._landing.pop(b.index)))
+            g.grads[b.index].add_(g.axis.chunk(comm))
+            free_comm(g, comm, full)
+            g.ledger.shrink(nbytes(self._landing.pop(b.index)))
 
         self.inflight.add(b.index, work, then)
 

@@ -32,7 +32,10 @@ that a new axis changes the roles' table, not the code that uses them:
                                                   parameters (inside a replica)
     grad_replicate  replicate                     hybrid sharding's outer reduction
     expert_dp       replicate x shard             ranks holding the same experts (all of them,
-                                                  until experts are split)
+                                                  until experts are split): the expert bucket
+                                                  group's gradients are reduced over it
+    expert_shard    shard                         ZeRO shards the expert group over it
+    expert_replicate replicate                    the expert group's hybrid replicas
     tp              tp                            tensor parallelism's collectives
     pp              pp                            a pipeline's sends, stage to stage
     stage           replicate x shard x tp        one pipeline stage's ranks (its norms and sums)
@@ -40,8 +43,9 @@ that a new axis changes the roles' table, not the code that uses them:
 
 Context parallelism will add a `cp` axis between `shard` and `tp` and join it to `loss`,
 `grad_reduce` and `grad_shard` (the sequence splits over it, every rank of a cp group holds the
-same weights); expert parallelism will split `expert_dp` by an `ep` axis folded into the
-data-parallel ranks. The code asking for those roles does not change.
+same weights); expert parallelism will split `expert_dp` and `expert_shard` by an `ep` axis
+folded into the data-parallel ranks. The code asking for those roles does not change: the
+strategy's bucket groups (group.py) take their axes from them.
 
 A rank's global number is its coordinates read row-major, outermost first:
 
@@ -86,6 +90,8 @@ ROLES: dict[str, tuple[str, ...]] = {
     "grad_shard": ("shard",),
     "grad_replicate": ("replicate",),
     "expert_dp": ("replicate", "shard"),
+    "expert_shard": ("shard",),
+    "expert_replicate": ("replicate",),
     "tp": ("tp",),
     "pp": ("pp",),
     "stage": ("replicate", "shard", "tp"),

@@ -11,6 +11,9 @@ step, `finish(buckets)` before they are read (the next forward waits per bucket 
 `overlap_param_gather` lets it). And each says what happens across the replicas of hybrid
 sharding at the end of gradient sync (`reduce_outer`): a rank must end with the sum over every
 data-parallel rank of the gradients it owns.
+
+An ownership acts on one bucket group (group.py) and is handed the group's placement (whether
+parameters are whole at rest, and its views of them).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from rayzero.sharding.comm import Axis, wait
 from rayzero.sharding.layout import Bucket, Range
 
 if TYPE_CHECKING:
-    from rayzero.sharding.strategies import Strategy
+    from rayzero.sharding.group import BucketGroup
 
 
 def _wait_all(works: list[dist.Work | None]) -> None:
@@ -39,18 +42,15 @@ class OwnAll:
     axis: Axis | None = None  # owned ranges tile the buffer on every rank: nothing to sum across
     in_forward = False
 
-    def __init__(self, s: Strategy):
-        self.s = s
+    def __init__(self, g: BucketGroup, placement, model: nn.Module):
+        self.g = g
 
     def owned(self, b: Bucket) -> Range:
         return b.world
 
     @property
     def saves_shard(self) -> bool:
-        return self.s.mesh.coord("grad_reduce") == 0  # the other ranks hold the same copy
-
-    def attach(self) -> None:
-        """Nothing to wait for in forward."""
+        return self.g.reduce.rank == 0  # the other ranks hold the same copy
 
     def reduce_outer(self, grads: list[torch.Tensor]) -> None:
         """No replicas: DDP is never hybrid."""
@@ -66,39 +66,41 @@ class OwnShard:
     """Each rank owns its shard of every bucket (the part its shard group assigns it). HSDP
     replicas own the same shards: their gradients are all-reduced across the replicas."""
 
-    def __init__(self, s: Strategy):
-        self.s = s
+    def __init__(self, g: BucketGroup, placement, model: nn.Module):
+        self.g, self.placement, self.model = g, placement, model
         self._work: dict[int, dist.Work | None] = {}  # bucket -> its pending all-gather
         # Forward waits bucket by bucket for the all-gather instead of all at once before it.
-        self.in_forward = s.cfg.overlap_param_gather and s.placement.whole_at_rest
+        self.in_forward = g.overlap_param_gather and placement.whole_at_rest
+        self._hook()
 
     @property
     def axis(self) -> Axis:
-        """The ranks across which owned ranges tile the buffer exactly once (grad norm, export)."""
-        return self.s.shard_axis
+        """The ranks across which owned ranges tile the group exactly once (grad norm, export)."""
+        return self.g.axis
 
     def owned(self, b: Bucket) -> Range:
-        return self.s.inner(b)
+        return self.g.inner(b)
 
     @property
     def saves_shard(self) -> bool:
-        return self.s.replicate_axis.rank == 0  # other replicas hold the same shards
+        return self.g.outer.rank == 0  # other replicas hold the same shards
 
-    def attach(self) -> None:
+    def _hook(self) -> None:
         """With `in_forward`, each module's forward first waits for its buckets' all-gather; a
         module inside a compiled block (`train.compile`: the block marked `compiled_block`) waits
         at the block's entry instead, outside the compiled code, for all of the block's buckets
         (a wait inside it would split the block's graph at every layer)."""
         if not self.in_forward:
             return
-        buffer = self.s.buffer
+        buffer = self.g.buffer
+        mine = {b.index for b in self.g.buckets}
         bucket_of = {id(p): buffer.bucket_of(i) for i, p in enumerate(buffer.params)}
         holder: dict[nn.Module, nn.Module] = {}  # a module -> the module whose forward waits for its buckets
-        for block in (m for m in self.s.model.modules() if getattr(m, "compiled_block", False)):
+        for block in (m for m in self.model.modules() if getattr(m, "compiled_block", False)):
             holder.update({inner: block for inner in block.modules()})
         waits: dict[nn.Module, set[int]] = {}
-        for module in self.s.model.modules():
-            own = {bucket_of[id(p)] for p in module.parameters(recurse=False)}
+        for module in self.model.modules():
+            own = {bucket_of[id(p)] for p in module.parameters(recurse=False)} & mine
             if own:
                 waits.setdefault(holder.get(module, module), set()).update(own)
         for at, own in waits.items():
@@ -111,20 +113,20 @@ class OwnShard:
         return hook
 
     def reduce_outer(self, grads: list[torch.Tensor]) -> None:
-        axis = self.s.replicate_axis
+        axis = self.g.outer
         if axis.size > 1:
-            _wait_all([axis.start_all_reduce(g) for g in grads])
+            _wait_all([axis.start_all_reduce(t) for t in grads])
 
     def start(self) -> None:
-        s = self.s
-        if s.shard_axis.size == 1 or not s.placement.whole_at_rest:
+        g = self.g
+        if g.axis.size == 1 or not self.placement.whole_at_rest:
             return
         # Forward order: the buffer holds parameters last layer first, so the last bucket is
         # the one the next forward needs first. In place: each rank's shard already sits at
         # its place in the bucket (NCCL and gloo both accept that aliasing).
-        for b in reversed(s.trainable_buckets()):  # frozen buckets never change
-            full = s.buffer.data[b.index]
-            self._work[b.index] = s.shard_axis.start_all_gather(full, s.shard_axis.chunk(full))
+        for b in reversed(g.trainable):  # frozen buckets never change
+            full = g.buffer.data[b.index]
+            self._work[b.index] = g.axis.start_all_gather(full, g.axis.chunk(full))
 
     def finish(self, buckets: list[int] | None = None) -> None:
         for i in list(self._work) if buckets is None else buckets:
@@ -139,32 +141,29 @@ class OwnShardAcrossReplicas:
 
     saves_shard = True  # every rank owns a distinct piece
 
-    def __init__(self, s: Strategy):
-        self.s = s
-        self.within = OwnShard(s)  # the shard group's part, as without replicas
+    def __init__(self, g: BucketGroup, placement, model: nn.Module):
+        self.g, self.placement = g, placement
+        self.within = OwnShard(g, placement, model)  # the shard group's part, as without replicas
         self.in_forward = self.within.in_forward
 
     @property
     def axis(self) -> Axis:
-        return self.s.mesh.axis("grad_reduce")
+        return self.g.reduce
 
     def owned(self, b: Bucket) -> Range:
-        inner = self.s.inner(b)
-        n = inner.size // self.s.replicate_axis.size
-        start = inner.start + self.s.replicate_axis.rank * n
+        inner = self.g.inner(b)
+        n = inner.size // self.g.outer.size
+        start = inner.start + self.g.outer.rank * n
         return Range(start, start + n)
 
-    def attach(self) -> None:
-        self.within.attach()
-
     def reduce_outer(self, grads: list[torch.Tensor]) -> None:
-        axis = self.s.replicate_axis
-        _wait_all([axis.start_reduce_scatter(g) for g in grads])
+        axis = self.g.outer
+        _wait_all([axis.start_reduce_scatter(t) for t in grads])
 
     def start(self) -> None:
-        s, view = self.s, self.s.placement.view
-        _wait_all([s.replicate_axis.start_all_gather(view(b, s.inner(b)), view(b, s.owned(b)).clone())
-                   for b in s.trainable_buckets()])
+        g, view = self.g, self.placement.view
+        _wait_all([g.outer.start_all_gather(view(b, g.inner(b)), view(b, self.owned(b)).clone())
+                   for b in g.trainable])
         self.within.start()
 
     def finish(self, buckets: list[int] | None = None) -> None:

@@ -8,7 +8,8 @@
 A placement lays out the buffer (which parameters share a bucket, in which order), keeps the
 compute parameters (`hold`), hands out views of what it keeps (`view`) or the whole bucket
 (`whole`), and is told of backward's progress (`on_grad`, `after_backward`,
-`after_forward_only`) so that it can release what is no longer needed.
+`after_forward_only`) so that it can release what is no longer needed. A placement acts on
+one bucket group (group.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from rayzero.sharding.config import ShardingConfig
 from rayzero.sharding.layout import Bucket, Layout, Range, auto_bucket_numel, build_layout
 
 if TYPE_CHECKING:
-    from rayzero.sharding.strategies import Strategy
+    from rayzero.sharding.group import BucketGroup
 
 
 class WholeParams:
@@ -31,18 +32,21 @@ class WholeParams:
 
     whole_at_rest = True
 
-    def __init__(self, s: Strategy):
-        self.s = s
+    def __init__(self, g: BucketGroup, model: nn.Module, grad_sync, units: tuple[str, ...]):
+        """As every placement is built (ShardedUnits reads the model, the gradient policy and the
+        units); whole parameters need only the group."""
+        self.g = g
 
     @staticmethod
     def layout(model: nn.Module, sharding: ShardingConfig, dp_size: int,
-               alone: frozenset[str] = frozenset()) -> tuple[list, Layout]:
+               alone: frozenset[str] = frozenset(), experts: frozenset[str] = frozenset()) -> tuple[list, Layout]:
         # Reverse order: backward produces the last layers' gradients first, so the first
         # bucket fills first and its reduction can start while backward goes on. Frozen
-        # parameters go last, in buckets of their own; so do `alone` ones (a pipeline's tied).
-        named = sorted(reversed(list(model.named_parameters())),
-                       key=lambda item: (not item[1].requires_grad, item[0] in alone))
-        groups = [2 * (not p.requires_grad) + (n in alone) for n, p in named]
+        # parameters go last, in buckets of their own; so do `alone` ones (a pipeline's tied),
+        # and a model's `experts` (a bucket group of their own) go after the dense ones.
+        key = {n: (n in experts, not p.requires_grad, n in alone) for n, p in model.named_parameters()}
+        named = sorted(reversed(list(model.named_parameters())), key=lambda item: key[item[0]])
+        groups = [4 * e + 2 * f + a for e, f, a in (key[n] for n, _ in named)]
         trainable = sum(p.numel() for _, p in named if p.requires_grad)
         numel = sharding.bucket_numel
         if numel == "auto":
@@ -52,18 +56,15 @@ class WholeParams:
 
     def hold(self, b: Bucket, category: str) -> None:
         """Keep the bucket's compute parameters (all of them: they stay in the buffer)."""
-        self.s.ledger.hold(category, self.s.buffer.nbytes(b))
+        self.g.ledger.hold(category, self.g.buffer.nbytes(b))
 
     def view(self, b: Bucket, r: Range) -> torch.Tensor:
         """The compute parameters of `b` over `r`, a view of the resident storage."""
-        return self.s.buffer.data[b.index][b.local(r)]
+        return self.g.buffer.data[b.index][b.local(r)]
 
     def whole(self, b: Bucket) -> torch.Tensor:
         """The bucket's compute parameters, whole."""
-        return self.s.buffer.data[b.index]
-
-    def attach(self) -> None:
-        """No hooks: nothing to gather around forward and backward."""
+        return self.g.buffer.data[b.index]
 
     def on_grad(self, i: int, b: Bucket) -> None:
         """Nothing to release as gradients come in."""

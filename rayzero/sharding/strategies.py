@@ -24,6 +24,11 @@ whose gradient shards are all-reduced across the "replicate" axis; `optim` (Hybr
 OwnShardAcrossReplicas, which splits each shard across the replicas too (reduce-scatter across
 them, then an all-gather across them after the step).
 
+The policies act on a bucket group (group.py: buckets reduced and sharded over one set of
+ranks, keyed by dtype and dense or expert), one set of the row's policies per group; a model
+whose experts the caller names (`experts`) gets an expert group beside the dense one, with the
+mesh's expert roles as its axes. The strategy runs each phase over its groups.
+
 Each policy has a start/finish pair: a bucket's gradient reduction (`grad_sync.start(bucket)`,
 `grad_sync.finish()`), a unit's parameter all-gather (ShardedUnits), the all-gather of the
 updated parameters after the step (`owner.start()`, `owner.finish(buckets)`). The phases of
@@ -54,11 +59,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from rayzero.sharding.adamw import AdamWHyper, FlatAdamW, merge_runs
-from rayzero.sharding.comm import Axis, wait
+from rayzero.sharding.comm import wait
 from rayzero.sharding.config import OptimConfig, ShardingConfig
+from rayzero.sharding.finalize import TiedSum, TPPartialSum, Tied
 from rayzero.sharding.flat_buffer import Fill, FlatBuffer, ParamSource, as_source
 from rayzero.sharding.fsdp import ShardedUnits
 from rayzero.sharding.grad_sync import AllReduceAtEnd, ReduceScatterAtEnd, ReduceScatterPerBucket
+from rayzero.sharding.group import ROLES, BucketGroup, GroupKey
 from rayzero.sharding.layout import Bucket, Layout, Range
 from rayzero.sharding.memory import MemoryLedger, nbytes
 from rayzero.sharding.ownership import OwnAll, OwnShard, OwnShardAcrossReplicas
@@ -66,18 +73,6 @@ from rayzero.sharding.placement import WholeParams
 from rayzero.sharding.precision import Precision, build_loss_scaler
 from rayzero.sharding.tensor_parallel import TPLayout, gather_global
 from rayzero.sharding.mesh import Mesh
-
-
-@dataclass(frozen=True)
-class Tied:
-    """Parameters a pipeline stage shares with another (a tied embedding on the first and last
-    stages): each in a bucket of its own, sharded alike on both, whose reduced gradients are
-    summed over `axis` (Megatron's embedding group) before the step, so both copies take the same
-    update; `counts` on one of them only, for the global norm."""
-
-    names: frozenset[str]
-    axis: Axis
-    counts: bool
 
 
 @dataclass(frozen=True)
@@ -100,9 +95,28 @@ STRATEGIES: dict[str, Row] = {
 HYBRID_OWNERSHIP: dict[str, type] = {"no_shard": OwnShard, "optim": OwnShardAcrossReplicas}
 
 
+@dataclass
+class Sharded:
+    """A bucket group and the row's policies built for it."""
+
+    group: BucketGroup
+    grad_sync: object
+    placement: object
+    owner: object
+
+    @classmethod
+    def build(cls, group: BucketGroup, model: nn.Module, sharding: ShardingConfig) -> "Sharded":
+        row = STRATEGIES[sharding.strategy]
+        grad_sync = row.grads(group)
+        placement = row.params(group, model, grad_sync, tuple(sharding.fsdp_units))
+        owner = HYBRID_OWNERSHIP[sharding.outer_strategy] if sharding.dp_outer > 1 else row.owner
+        return cls(group, grad_sync, placement, owner(group, placement, model))
+
+
 class Strategy:
     """The flat buffers (parameters, gradients, fp32 main copy, AdamW state) and the phases of an
-    iteration; what is sharded and when it is communicated is the policies' (the table above)."""
+    iteration over its bucket groups; what is sharded and when it is communicated is the
+    policies' (the table above)."""
 
     def __init__(
         self,
@@ -115,6 +129,7 @@ class Strategy:
         device: torch.device | str = "cpu",
         tp: TPLayout | None = None,
         tied: Tied | None = None,
+        experts: frozenset[str] = frozenset(),
     ):
         """The strategy `sharding.strategy` names. `model` may be on the meta device when `source`
         gives each parameter's initial fp32 values (a `ParamSource`, or a `fill(name, out)`
@@ -123,14 +138,12 @@ class Strategy:
         copy or optimizer state. `tp`: what tensor parallelism split (the model's parameters are
         then this rank's local shards). `mesh`: a connected one (its groups) on a rank; its shape
         alone builds on the meta device. `tied`: a pipeline stage's parameters shared with
-        another stage."""
+        another stage. `experts`: a model's expert parameters, a bucket group of their own."""
         self.name = sharding.strategy
         self.model = model
         self.mesh = mesh
         self.cfg = sharding
         self.optim_cfg = optim
-        self.shard_axis = mesh.axis("grad_shard")
-        self.replicate_axis = mesh.axis("grad_replicate")
         self.tp = tp if tp is not None and tp.size > 1 else None
         self.tied = tied if tied is not None and tied.names else None
         self.pp_axis = mesh.axis("pp")
@@ -139,14 +152,11 @@ class Strategy:
         self.ledger = MemoryLedger()
         self.last_step_skipped = False
 
-        row = STRATEGIES[sharding.strategy]
-        self.placement = row.params(self)
-        self.grad_sync = row.grads(self)
-        owner = HYBRID_OWNERSHIP[sharding.outer_strategy] if sharding.dp_outer > 1 else row.owner
-        self.owner = owner(self)
-
-        named, layout = self.layout(model, sharding, mesh.size("grad_reduce"), self.tied.names if self.tied else frozenset())
+        alone = self.tied.names if self.tied else frozenset()
+        named, layout = self.layout(model, sharding, mesh.size("grad_reduce"), alone, experts)
         self.buffer = FlatBuffer(model, named, layout, self.precision.param, torch.device(device))
+        self.groups = [Sharded.build(g, model, sharding) for g in self._bucket_groups(experts)]
+        self._of = {b.index: part for part in self.groups for b in part.group.buckets}
         if source is None:
             values = {n: p.detach() for n, p in named}
             source = lambda name, out: out.copy_(values[name])  # noqa: E731
@@ -160,59 +170,69 @@ class Strategy:
         hyper = AdamWHyper(optim.beta1, optim.beta2, optim.eps, optim.weight_decay)
         self.optimizer = FlatAdamW(self.main_params, hyper, self._decay_runs(decaying))
         self.ledger.hold("optimizer", 2 * nbytes(self.optimizer.exp_avg))
-        self.placement.attach()
-        self.owner.attach()
 
     @staticmethod
     def layout(model: nn.Module, sharding: ShardingConfig, dp_size: int,
-               alone: frozenset[str] = frozenset()) -> tuple[list, Layout]:
+               alone: frozenset[str] = frozenset(), experts: frozenset[str] = frozenset()) -> tuple[list, Layout]:
         """The parameters in buffer order and the buckets they fall in: what the strategy
         builds (the dry run asks it of a model on the meta device). `alone`: parameters each in
-        a bucket of its own (a pipeline's tied ones)."""
-        return STRATEGIES[sharding.strategy].params.layout(model, sharding, dp_size, alone)
+        a bucket of their own (a pipeline's tied ones); `experts`: in buckets apart from the rest."""
+        return STRATEGIES[sharding.strategy].params.layout(model, sharding, dp_size, alone, experts)
+
+    def _bucket_groups(self, experts: frozenset[str]) -> list[BucketGroup]:
+        """The buffer's buckets by group key (no bucket mixes keys), each group with its axes."""
+        by_key: dict[GroupKey, list[Bucket]] = {}
+        for b in self.buffer.buckets:
+            key = GroupKey(self.precision.param, self.buffer.names[b.params[0]] in experts)
+            by_key.setdefault(key, []).append(b)
+        return [BucketGroup(key, self.buffer, tuple(buckets), *(self.mesh.axis(r) for r in ROLES[key.expert]),
+                            precision=self.precision, ledger=self.ledger,
+                            overlap_grad_reduce=self.cfg.overlap_grad_reduce,
+                            overlap_param_gather=self.cfg.overlap_param_gather)
+                for key, buckets in by_key.items()]
 
     def _initial_values(self, b: Bucket, source: ParamSource) -> torch.Tensor:
         """The bucket's fp32 values. From a partial source (weights in storage) each rank reads
         only its shard; the shards are all-gathered where parameters are whole at rest."""
         if not source.partial:
             return self.buffer.initial_values(b, source)
-        full32 = self.buffer.initial_values(b, source, only=self.inner(b))
-        if self.placement.whole_at_rest:
-            wait(self.shard_axis.start_all_gather(full32, self.shard_axis.chunk(full32)))
+        part = self._of[b.index]
+        full32 = self.buffer.initial_values(b, source, only=part.group.inner(b))
+        if part.placement.whole_at_rest:
+            wait(part.group.axis.start_all_gather(full32, part.group.axis.chunk(full32)))
         return full32
 
     # -- ownership ---------------------------------------------------------------------------
-    def inner(self, b: Bucket) -> Range:
-        """The part of `b` this rank's shard group assigns to it (world coordinates)."""
-        return b.shard(self.shard_axis.rank, self.shard_axis.size)
-
     def owned(self, b: Bucket) -> Range:
         """The part of `b` whose optimizer update this rank runs (none of a frozen bucket)."""
         if not self.buffer.trainable(b):
             return Range(b.world.start, b.world.start)
-        return self.owner.owned(b)
+        return self._of[b.index].owner.owned(b)
 
     def trainable_buckets(self) -> list[Bucket]:
         return [b for b in self.buffer.buckets if self.buffer.trainable(b)]
 
     # -- storage -------------------------------------------------------------------------
     def _build_bucket(self, b: Bucket, full32: torch.Tensor) -> None:
+        part = self._of[b.index]
         if not self.buffer.trainable(b):
-            self.placement.hold(b, "frozen_params")
+            part.placement.hold(b, "frozen_params")
             empty = torch.zeros(0, device=self.buffer.device)
             self.grads.append(empty.to(self.precision.grad))
             self.main_params.append(empty)
             self.main_grads.append(empty)
+            part.group.grads[b.index] = self.grads[-1]
             return
-        self.placement.hold(b, "compute_params")
+        part.placement.hold(b, "compute_params")
         own = self.owned(b)
         if self.precision.main_is_param:
-            self.main_params.append(self.placement.view(b, own))
+            self.main_params.append(part.placement.view(b, own))
         else:
             main = full32[b.local(own)].clone()
             self.ledger.hold("main_params", nbytes(main))
             self.main_params.append(main)
-        grad, main_grad = self.grad_sync.allocate(b)
+        grad, main_grad = part.grad_sync.allocate(b, own)
+        part.group.grads[b.index] = grad
         self.grads.append(grad)
         self.main_grads.append(main_grad)
 
@@ -230,8 +250,9 @@ class Strategy:
 
     # -- phases --------------------------------------------------------------------------
     def begin_step(self) -> None:
-        if not self.owner.in_forward:
-            self.owner.finish()
+        for part in self.groups:
+            if not part.owner.in_forward:
+                part.owner.finish()
         for g in self.grads:
             g.zero_()
 
@@ -252,11 +273,13 @@ class Strategy:
     def backward_inputs(self, run: Callable):
         """A pipeline stage's input-gradient half of a backward (`run()`; zero_bubble's I): no
         weight gradient lands, ZeRO-3 gathers as for a backward. Returns what `run` returns."""
-        self.placement.begin_backward()
+        for part in self.groups:
+            part.placement.begin_backward()
         try:
             return run()
         finally:
-            self.placement.after_backward()
+            for part in self.groups:
+                part.placement.after_backward()
 
     def backward_weights(self, run: Callable, params: list, last_microbatch: bool) -> None:
         """The weight-gradient half (zero_bubble's W): `run()` writes `.grad`s without autograd's
@@ -270,24 +293,29 @@ class Strategy:
         self._run_backward(weights, last_microbatch)
 
     def _run_backward(self, run: Callable, last_microbatch: bool) -> None:
-        self.grad_sync.begin_backward(last_microbatch)
-        self.placement.begin_backward()
+        for part in self.groups:
+            part.grad_sync.begin_backward(last_microbatch)
+            part.placement.begin_backward()
         self.buffer.arm(self._on_grad)
         run()
-        self.placement.after_backward()
+        for part in self.groups:
+            part.placement.after_backward()
         self.buffer.disarm()
-        self.grad_sync.after_backward(last_microbatch)
+        for part in self.groups:
+            part.grad_sync.after_backward(last_microbatch)
 
     def _on_grad(self, i: int, param: nn.Parameter) -> None:
         b = self.buffer.buckets[self.buffer.bucket_of(i)]
-        self.grad_sync.on_grad(i, b, param)
-        self.placement.on_grad(i, b)
+        part = self._of[b.index]
+        part.grad_sync.on_grad(i, b, param)
+        part.placement.on_grad(i, b)
 
     def finish_grad_sync(self) -> None:
-        for b in self.buffer.buckets:
-            self.grad_sync.start(b)
-        self.grad_sync.finish()
-        self.owner.reduce_outer([self.grad_sync.inner_grad(b) for b in self.trainable_buckets()])
+        for part in self.groups:
+            for b in part.group.buckets:
+                part.grad_sync.start(b)
+            part.grad_sync.finish()
+            part.owner.reduce_outer([part.grad_sync.inner_grad(b) for b in part.group.trainable])
         for finalize in self.finalizers:
             finalize(self.main_grads)
 
@@ -310,7 +338,7 @@ class Strategy:
     def step(self, lr: float) -> float:
         """Clip to the global gradient norm, update the owned shard, start the all-gather.
         With loss scaling, a step whose gradients are not finite is skipped."""
-        self.owner.finish()  # the update must not race a gather still writing the buffer
+        self.finish_param_sync()  # the update must not race a gather still writing the buffer
         scale = self.scaler.scale if self.scaler is not None else 1.0
         norm = self.grad_norm() / scale
         if self.scaler is not None:
@@ -324,7 +352,8 @@ class Strategy:
             coef *= min(clip / (norm + 1e-6), 1.0)  # as torch.nn.utils.clip_grad_norm_
         self.optimizer.step(self.main_grads, lr, grad_scale=coef)
         self._write_back()
-        self.owner.start()
+        for part in self.groups:
+            part.owner.start()
         return norm
 
     def _write_back(self) -> None:
@@ -333,38 +362,51 @@ class Strategy:
             return
         for b, main in zip(self.buffer.buckets, self.main_params):
             if self.buffer.trainable(b):
-                self.placement.view(b, self.owned(b)).copy_(main)
+                self._of[b.index].placement.view(b, self.owned(b)).copy_(main)
 
     def finish_param_sync(self, buckets: list[int] | None = None) -> None:
         """Wait until every rank holds the updated parameters of `buckets` (default: all)."""
-        self.owner.finish(buckets)
+        for part in self.groups:
+            part.owner.finish(buckets)
 
     def after_forward_only(self) -> None:
         """After forwards without backward (evaluation): nothing is left gathered."""
-        self.placement.after_forward_only()
+        for part in self.groups:
+            part.placement.after_forward_only()
 
     def grad_norm(self) -> float:
         """The L2 norm of the full gradient; each element counted once across the group: with
         tensor parallelism, a split parameter's shards summed over the TP ranks, a replicated
-        one (the same on each) counted once."""
-        sq = torch.zeros((), dtype=torch.float64, device=self.buffer.device)
+        one (the same on each) counted once. Each bucket group's squares are summed over the
+        ranks its owned ranges tile (groups over the same ranks in one sum)."""
         skip = set(self._tied_buckets) if self.tied is not None and not self.tied.counts else set()
+        sums: dict[int, tuple] = {}  # id of the axis a group's owned ranges tile -> (axis, squares)
+
+        def add(b: int, sq: torch.Tensor) -> None:
+            axis = self._of[b].owner.axis
+            key = id(axis) if axis is not None and axis.size > 1 else 0
+            prev = sums.get(key, (axis, torch.zeros((), dtype=torch.float64, device=self.buffer.device)))
+            sums[key] = (prev[0], prev[1] + sq)
+
         if self.tp is None:
             for b, g in enumerate(self.main_grads):
                 if b not in skip:
-                    sq += torch.linalg.vector_norm(g.float()).double() ** 2
+                    add(b, torch.linalg.vector_norm(g.float()).double() ** 2)
         else:
             for b, cut, name in self._owned_params:
                 weight = 1.0 if name in self.tp.split else 1.0 / self.tp.size
                 if b not in skip:
-                    sq += weight * torch.linalg.vector_norm(self.main_grads[b][cut].float()).double() ** 2
-        if self.owner.axis is not None and self.owner.axis.size > 1:
-            dist.all_reduce(sq, group=self.owner.axis.group)
+                    add(b, weight * torch.linalg.vector_norm(self.main_grads[b][cut].float()).double() ** 2)
+        total = torch.zeros((), dtype=torch.float64, device=self.buffer.device)
+        for key, (axis, sq) in sums.items():
+            if key:
+                dist.all_reduce(sq, group=axis.group)
+            total += sq
         if self.tp is not None:
-            dist.all_reduce(sq, group=self.mesh.axis("tp").group)
+            dist.all_reduce(total, group=self.mesh.axis("tp").group)
         if self.pp_axis.size > 1:  # every stage's part of the model
-            dist.all_reduce(sq, group=self.pp_axis.group)
-        return float(sq.sqrt())
+            dist.all_reduce(total, group=self.pp_axis.group)
+        return float(total.sqrt())
 
     @functools.cached_property
     def _owned_params(self) -> list[tuple[int, slice, str]]:
@@ -389,10 +431,11 @@ class Strategy:
             if self.buffer.trainable(b):
                 full = torch.zeros(b.world.size, dtype=torch.float32, device=self.buffer.device)
                 full[b.local(self.owned(b))] = main
-                if self.owner.axis is not None:
-                    wait(self.owner.axis.start_all_reduce(full))
+                axis = self._of[b.index].owner.axis
+                if axis is not None:
+                    wait(axis.start_all_reduce(full))
             else:  # frozen: no main copy, the compute parameters are the values
-                full = self.placement.whole(b).float()
+                full = self._of[b.index].placement.whole(b).float()
             for i in b.params:
                 span = self.buffer.layout.params[i].world
                 by_name[self.buffer.names[i]] = full[b.local(span)].view(
@@ -413,6 +456,12 @@ class Strategy:
             used.add(name)
         return out
 
+    def group_record(self) -> dict[str, dict]:
+        """Each bucket group: its parameters and the size of the ranks that shard and reduce it."""
+        return {part.group.key.name: {"params": [self.buffer.names[i] for b in part.group.buckets for i in b.params],
+                                      "shard": part.group.axis.size, "reduce": part.group.reduce.size}
+                for part in self.groups}
+
     def memory(self) -> dict[str, int]:
         return self.ledger.report()
 
@@ -425,38 +474,15 @@ class Strategy:
     @property
     def saves_shard(self) -> bool:
         """Whether this rank writes a checkpoint shard: one copy of every element is written,
-        so replicas (DDP ranks, HSDP replicas) other than the first leave it to that one."""
-        return self.owner.saves_shard
+        so replicas (DDP ranks, HSDP replicas) other than the first leave it to that one. (Every
+        bucket group spans the same data-parallel ranks today; once experts are split over
+        their own ranks, a rank will save each group's pieces where that group says so.)"""
+        return all(part.owner.saves_shard for part in self.groups)
 
     def after_load(self) -> None:
         """Main parameters were just written: round them into the compute parameters and make
         them whole where the strategy keeps them whole."""
         self._write_back()
-        self.owner.start()
-        self.owner.finish()
-
-
-# -- finalizers: the model's gradient fix-ups after the reduction ---------------------------------
-class TiedSum:
-    """A pipeline's tied weight (the input embedding reused as the head, on the first and the
-    last stage): the same shard of the same bucket on both stages, summed over them (Megatron's
-    embedding group)."""
-
-    def __init__(self, axis, buckets: list[int]):
-        self.axis, self.buckets = axis, buckets
-
-    def __call__(self, main_grads: list[torch.Tensor]) -> None:
-        for b in self.buckets:
-            dist.all_reduce(main_grads[b], group=self.axis.group)
-
-
-class TPPartialSum:
-    """Replicated parameters whose gradient each tensor-parallel rank holds a part of (key/value
-    heads fewer than the TP ranks): the parts summed over the `tp` role, on the reduced shards."""
-
-    def __init__(self, axis, pieces: list[tuple[int, slice]]):
-        self.axis, self.pieces = axis, pieces
-
-    def __call__(self, main_grads: list[torch.Tensor]) -> None:
-        for b, cut in self.pieces:
-            dist.all_reduce(main_grads[b][cut], group=self.axis.group)
+        for part in self.groups:
+            part.owner.start()
+        self.finish_param_sync()

@@ -28,7 +28,7 @@ from rayzero.models import ModelSpec, model_spec
 from rayzero.pipeline.stages import StagePlan, Stages, plan_stages, split, tied_axis
 from rayzero.sharding import Layout, Mesh, ShardingConfig, Strategy, build_strategy
 from rayzero.sharding.comm import Axis
-from rayzero.sharding.strategies import Tied
+from rayzero.sharding.finalize import Tied
 from rayzero.sharding.flat_buffer import ParamSource, PerName
 from rayzero.sharding.fsdp import class_names, find_units
 from rayzero.sharding.tensor_parallel import TPLayout, TPSlices
@@ -233,7 +233,7 @@ def assemble(cfg: RootConfig, spec: ModelSpec, mesh: Mesh, device: torch.device,
         axis = tied_axis(mesh, built.stages)  # a collective: every rank makes every group
         tied = Tied(built.stages.tied, axis, counts=built.stages.first) if built.stages.tied else None
     strategy = build_strategy(sharding.strategy, model, mesh, sharding, cfg.optim, decays=spec.decays,
-                              source=source, device=device, tp=built.tp, tied=tied)
+                              source=source, device=device, tp=built.tp, tied=tied, experts=spec.experts(model))
     if built.stages is not None:
         built.stages.set_dtype(strategy.precision.param)
     if built.compiled:  # every hook is in place now: those inside the compiled blocks run eagerly
@@ -246,7 +246,7 @@ def assemble(cfg: RootConfig, spec: ModelSpec, mesh: Mesh, device: torch.device,
 def bucket_layout(cfg: RootConfig, spec: ModelSpec, model: nn.Module) -> Layout:
     """The buckets the ranks will build for `model` (on the meta device is enough)."""
     sharding = resolved_sharding(cfg, spec, model)
-    return Strategy.layout(model, sharding, cfg.mesh().size("grad_reduce"))[1]
+    return Strategy.layout(model, sharding, cfg.mesh().size("grad_reduce"), experts=spec.experts(model))[1]
 
 
 def check_buildable(cfg: RootConfig, device: torch.device | None, spec: ModelSpec | None = None,

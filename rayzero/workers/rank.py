@@ -200,6 +200,7 @@ class Rank(Membership):
             "memory": self._memory(),
             "saves_shard": self.strategy.saves_shard,
             "layout": layout_record(self.strategy),
+            "bucket_groups": self.strategy.group_record(),
             **identity(self.model, tp, self.spec),  # what checkpoints record: params whole, at any TP size
             "pp_rank": self.mesh.coord("pp"),
             "pp": self.mesh.size("pp"),

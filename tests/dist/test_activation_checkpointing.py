@@ -94,7 +94,7 @@ def _schedule(rank: int, runs, ports, data_path: str, out: dict):
     for (label, cfg), port in zip(runs, ports):
         r = Rank(cfg, rank, WORLD, data_path)
         r.setup("127.0.0.1", port)
-        s, gathers = r.strategy.placement, []  # ZeRO-3's ShardedUnits
+        s, gathers = r.strategy.groups[0].placement, []  # ZeRO-3's ShardedUnits (the one group)
         start = s._start_gather
 
         def counting(units, start=start, s=s):

@@ -332,6 +332,12 @@ def test_a_configuration_equals_its_oracle(c, combo_setup, tmp_path):
         assert first_prefs["rewards/chosen"] == pytest.approx(0.0, abs=REWARD_ABS)
     if combos.MODELS[c["model"]].get("moe"):
         assert sum(ranks[r]["steps"][0]["aux_loss_sum"] or 0.0 for r in ranks) > 0, "the router loss is reported"
+        for r in ranks:  # the routed experts a bucket group of their own, over the same ranks as the rest today
+            (dense, expert), experts = sorted(ranks[r]["info"]["bucket_groups"].items()), {
+                n for n in ranks[r]["info"]["layout"]["param_order"] if ".experts." in n}
+            assert dense[0].startswith("dense/") and expert[0].startswith("expert/"), r
+            assert experts and set(expert[1]["params"]) == experts and not experts & set(dense[1]["params"]), r
+            assert (expert[1]["shard"], expert[1]["reduce"]) == (dense[1]["shard"], dense[1]["reduce"]), r
     if c["strategy"] == "optim_grads_params" and combos.MODELS[c["model"]]["kind"] == "hf" and c["pp"] == "1":
         full = sum(v.numel() for v in want["state"].values()) * 4  # each rank read about its shard of the weights
         assert all(ranks[r]["info"]["source_bytes_read"] < 1.6 * full / c["dp"] for r in ranks)

@@ -34,7 +34,7 @@ def _zero3(rank: int, port: int, data_path: str, out: dict):
     r = Rank(load_config(None, BASE + ["sharding.strategy=optim_grads_params"]), rank, WORLD, data_path)
     r.setup("127.0.0.1", port)
     initial = r.full_state_dict()  # materialized shard by shard from the meta device
-    s, buf = r.strategy.placement, r.strategy.buffer  # ZeRO-3's ShardedUnits
+    s, buf = r.strategy.groups[0].placement, r.strategy.buffer  # ZeRO-3's ShardedUnits (the one group)
     events, resident_counts = [], []
     unit_of_bucket = dict(s._bucket_unit)
     start, restore = s._start_gather, buf.restore
