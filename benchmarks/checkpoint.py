@@ -68,7 +68,7 @@ def throughput(server: SeaweedS3, data_path: str, preset: str) -> dict:
         ours_save = time.perf_counter() - t0
         manifest = {"layout": {"param_order": s.buffer.names,
                                "param_world": [[p.world.start, p.world.end] for p in s.buffer.layout.params]},
-                    "shards": [{"file": f"shard-{k}.safetensors", "pieces": [[o.start, o.end] for o in s.owned_pieces()],
+                    "shards": [{"file": f"shard-{k}.safetensors", "pieces": [[o.start, o.end] for o, _ in s.pieces()],
                                 **entry}]}
         t0 = time.perf_counter()
         with fs.open_input_file(f"{base}/raw-{k}.bin") as f:

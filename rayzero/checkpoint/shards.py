@@ -86,16 +86,17 @@ class ShardSaver:
         self.wait()
         s = self.strategy
         opt = s.optimizer
+        saved = s.pieces(saved=True)
         snapshot = {
-            "main": torch.cat([m.detach().reshape(-1) for m in s.main_params]).to("cpu", torch.float32),
-            "exp_avg": opt.exp_avg.detach().to("cpu", copy=True),
-            "exp_avg_sq": opt.exp_avg_sq.detach().to("cpu", copy=True),
+            "main": _pick(torch.cat([m.detach().reshape(-1) for m in s.main_params]), saved).to("cpu", torch.float32),
+            "exp_avg": _pick(opt.exp_avg.detach(), saved).to("cpu", copy=True),
+            "exp_avg_sq": _pick(opt.exp_avg_sq.detach(), saved).to("cpu", copy=True),
         }
         rank, world = s.mesh.rank, s.mesh.world_size
         pp_rank = _pp(s.mesh)[0]  # the stage whose layout the pieces are in
         key = shard_name(rank, world)
         meta = {"step": str(step), "rank": str(rank)}
-        pieces = [[r.start, r.end] for r in s.owned_pieces()]
+        pieces = [[r.start, r.end] for r, _ in saved]
         adam_steps = opt.step_count  # steps skipped by loss scaling do not count
 
         def upload():
@@ -193,8 +194,7 @@ def read_shard(strategy: Strategy, storage: Storage, manifest: dict) -> dict[str
                "exp_avg_sq": torch.zeros_like(opt.exp_avg_sq, device="cpu")}
     layout, names, tp = strategy.buffer.layout, strategy.buffer.names, strategy.tp
     copies = []  # (file, offset in the file's tensors, length, offset in this rank's shard)
-    local = 0
-    for own in strategy.owned_pieces():
+    for own, local in strategy.pieces():
         for span in layout.params:
             cut = span.world.intersect(own)
             if cut is None:
@@ -205,7 +205,6 @@ def read_shard(strategy: Strategy, storage: Storage, manifest: dict) -> dict[str
             shape = tp.global_shape.get(name) if tp is not None else None
             for g, n, d in global_runs(split, shape, tp.size if tp else 1, tp.rank if tp else 0, lo, lo + cut.size):
                 copies += index.locate(name, g, g + n, dst + d)
-        local += own.size
     # Parallel ranged reads of at most READ_CHUNK each: object stores serve several GETs at
     # once faster than one long one, and hashing (which releases the GIL) overlaps them.
     jobs = []
@@ -227,6 +226,13 @@ def read_shard(strategy: Strategy, storage: Storage, manifest: dict) -> dict[str
     with ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
         list(pool.map(run, jobs))
     return targets
+
+
+def _pick(flat: torch.Tensor, pieces: list[tuple[Range, int]]) -> torch.Tensor:
+    """The elements of a rank's flat shard that `pieces` (range, offset) cover, in order."""
+    if sum(r.size for r, _ in pieces) == flat.numel():
+        return flat  # every piece: the shard as it is
+    return torch.cat([flat[offset : offset + r.size] for r, offset in pieces]) if pieces else flat[:0]
 
 
 def global_runs(split: Split | None, shape, tp: int, tp_rank: int, lo: int, hi: int) -> list[tuple[int, int, int]]:

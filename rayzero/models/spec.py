@@ -219,7 +219,8 @@ class ModelSpec:
         """ZeRO-3 unit classes when `sharding.fsdp_units` is left empty."""
         raise NotImplementedError
 
-    def experts(self, model: nn.Module) -> frozenset[str]:
+    @staticmethod
+    def experts(model: nn.Module) -> frozenset[str]:
         """The parameters of a mixture of experts' experts (by `named_parameters` name): the
         strategy gives them a bucket group of their own, which expert parallelism reduces and
         shards over the ranks holding the same experts. Those inside a module named `experts`

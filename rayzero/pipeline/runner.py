@@ -122,9 +122,10 @@ class PipelineRun:
         self._last_backward = landing[-1]
 
     # -- one iteration -------------------------------------------------------------------
-    def iteration(self, micro, step: int, first_micro: int, valid, micro_per_step: int) -> Totals:
-        """Every action of this rank's schedule over `micro` ((x, y) per micro-batch); `valid`:
-        the step's global count of valid targets (the loss's divisor)."""
+    def iteration(self, micro, step: int, first_micro: int, mean) -> Totals:
+        """Every action of this rank's schedule over `micro` ((x, y) per micro-batch); `mean`: a
+        micro-batch's part of the step's mean loss from its loss sum and auxiliary loss (the
+        step runner's `StepMean`, the one normalisation)."""
         totals = Totals(torch.zeros((), dtype=torch.float64, device=self.device),
                         torch.zeros((), dtype=torch.float64, device=self.device))
         self._inputs: dict = {}  # (micro, chunk) -> received activations (the leaf whose grad goes back)
@@ -152,7 +153,7 @@ class PipelineRun:
                          for t in self._inputs.pop((a.micro, a.chunk))]
                 sends.append((grads, self.link.send(grads, s - 1, s - 1, a.micro, True)))
             elif a.op == "F":
-                self._forward(a, micro, step, first_micro, valid, micro_per_step, totals)
+                self._forward(a, micro, step, first_micro, mean, totals)
                 self._record(a, t0)
                 totals.times["forward"] += time.perf_counter() - t0
                 continue
@@ -229,7 +230,7 @@ class PipelineRun:
         self._wait_s += time.perf_counter() - t0
         return bufs
 
-    def _forward(self, a: Action, micro, step, first_micro, valid, micro_per_step, totals: Totals) -> None:
+    def _forward(self, a: Action, micro, step, first_micro, mean, totals: Totals) -> None:
         x, y = micro[a.micro]
         self._wait_s = 0.0
         received = []
@@ -265,9 +266,8 @@ class PipelineRun:
         totals.in_flight_peak = max(totals.in_flight_peak, sum(self._saved.values()))
         if last:
             loss_sum, count, aux = out
-            loss = loss_sum / valid
+            loss = mean(loss_sum, aux)
             if aux is not None:
-                loss = loss + self.spec.aux_coef * aux / micro_per_step
                 totals.aux_sum += aux.detach().double()
             totals.loss_sum += loss_sum.detach().double()
             totals.tokens += count.detach() if isinstance(count, torch.Tensor) else count  # no wait for the device

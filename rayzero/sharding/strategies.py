@@ -466,18 +466,25 @@ class Strategy:
         return self.ledger.report()
 
     # -- checkpoints -----------------------------------------------------------------------
-    def owned_pieces(self) -> list[Range]:
-        """The world ranges of `main_params`, in order: this rank's part of a checkpoint
-        (frozen parameters never change, so no checkpoint holds them)."""
-        return [r for r in map(self.owned, self.buffer.buckets) if r.size]
+    def pieces(self, saved: bool = False) -> list[tuple[Range, int]]:
+        """This rank's part of a checkpoint, as each bucket group's public view gives it: the
+        world ranges it owns, in order, each with its offset in the rank's flat shard (its main
+        parameters and AdamW state, concatenated). Frozen parameters never change, so no
+        checkpoint holds them. With `saved`, only the groups this rank writes: one copy of
+        every element is written, so a group's replicas (DDP ranks, HSDP replicas) other than
+        the first leave its pieces to that one; a rank loads every piece it owns."""
+        out, offset = [], 0
+        for b in self.buffer.buckets:
+            own = self.owned(b)
+            if own.size and (not saved or self._of[b.index].owner.saves_shard):
+                out.append((own, offset))
+            offset += own.size
+        return out
 
     @property
     def saves_shard(self) -> bool:
-        """Whether this rank writes a checkpoint shard: one copy of every element is written,
-        so replicas (DDP ranks, HSDP replicas) other than the first leave it to that one. (Every
-        bucket group spans the same data-parallel ranks today; once experts are split over
-        their own ranks, a rank will save each group's pieces where that group says so.)"""
-        return all(part.owner.saves_shard for part in self.groups)
+        """Whether this rank writes a checkpoint shard (some group's pieces)."""
+        return any(part.owner.saves_shard for part in self.groups)
 
     def after_load(self) -> None:
         """Main parameters were just written: round them into the compute parameters and make

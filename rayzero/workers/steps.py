@@ -15,7 +15,8 @@ and, inside either, the objective, which gives each micro-batch's loss and the s
 
 The runner owns the step's `StepTotals` (the loss and router-loss sums, the valid targets or
 pairs, the preference metrics), kept on the device until the step ends and read once there.
-Normalisation happens once, in the objective: summed over micro-batches and ranks, the gradient
+Normalisation is written once (`StepMean`, which both runners apply to each micro-batch's loss,
+with the objective's divisor): summed over micro-batches and ranks, the gradient
 is the mean loss's over the global batch, whatever the world size and however the masked targets
 fall. Context parallelism will widen the `loss` role (the sums then run over cp ranks too) and
 hand the runner the rank's slice of each sequence; nothing else here changes.
@@ -24,7 +25,7 @@ hand the runner the rank's slice of each sequence; nothing else here changes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -62,6 +63,22 @@ class StepTotals:
         return out
 
 
+@dataclass(frozen=True)
+class StepMean:
+    """A micro-batch's part of the step's mean loss: its loss over the objective's divisor (the
+    step's valid targets summed over the `loss` role; 1 for a loss that divides itself), plus the
+    model's auxiliary loss (a router's, one per micro-batch) averaged over the step's micro-batches
+    (the same at any world size) and weighted by its coefficient."""
+
+    divisor: Callable[[], float]  # waited for at the first use: the count's all-reduce overlaps
+    aux_coef: float
+    micro_per_step: int
+
+    def __call__(self, loss: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
+        loss = loss / self.divisor()
+        return loss if aux is None else loss + self.aux_coef * aux / self.micro_per_step
+
+
 # -- objectives ----------------------------------------------------------------------------------
 class LanguageModel:
     """Cross-entropy over the valid targets (not IGNORE_INDEX), divided by the step's count of
@@ -92,12 +109,12 @@ class LanguageModel:
         return self._divisor
 
     def loss(self, x, y, check: bool, index: int, totals: StepTotals):
-        """(micro-batch `index`'s part of the step's mean loss, the model's auxiliary loss or None)."""
+        """(micro-batch `index`'s loss summed over its valid targets, the model's auxiliary loss or None)."""
         r = self.r
         loss_sum, valid, aux = r.spec.loss(r.model, x, y, check=check, vocab=r.vocab)
         totals.loss_sum += loss_sum.detach()
         totals.tokens += valid.detach() if isinstance(valid, torch.Tensor) else valid  # no wait for the device
-        return loss_sum / self.divisor(), aux
+        return loss_sum, aux
 
     def end(self, totals: StepTotals) -> None:
         """Nothing to add: the sums are in place."""
@@ -159,6 +176,7 @@ class Plain:
         self.activations_peak = 0
         self.totals: StepTotals | None = None
         self._loss = None
+        self.mean = StepMean(objective.divisor, rank.spec.aux_coef, rank.micro_per_step)
 
     def begin(self, micro: Micro, rows: Micro, step: int, first_micro: int) -> None:
         """Step `step` on this rank's `micro` (on the device; `rows`: the same on the host),
@@ -176,11 +194,8 @@ class Plain:
         self.activations_peak = max(self.activations_peak, r.meter.bytes)
         self.checked = True
         if aux is not None:
-            # The router's loss is one per micro-batch: its mean over the step's micro-batches
-            # (the same micro-batches at any world size) joins the loss, weighted by its coefficient.
-            loss = loss + r.spec.aux_coef * aux / r.micro_per_step
             self.totals.aux_sum += aux.detach().double()
-        self._loss = loss
+        self._loss = self.mean(loss, aux)
 
     def backward(self) -> None:
         last = self.next == len(self.micro) - 1
@@ -214,7 +229,8 @@ class Pipelined(Plain):
 
     def run(self, times: dict[str, float]) -> None:
         r = self.r
-        done = r._pipe.iteration(self.micro, self.step, self.first, self.objective.divisor(), r.micro_per_step)
+        self.objective.divisor()  # every stage waits for the count's all-reduce, which only the last uses
+        done = r._pipe.iteration(self.micro, self.step, self.first, self.mean)
         t = self.totals
         t.loss_sum += done.loss_sum
         t.aux_sum += done.aux_sum

@@ -73,8 +73,7 @@ def flat(s, truth: dict[str, dict[str, torch.Tensor]], key: str) -> torch.Tensor
     (padding: zeros)."""
     lay, names = s.buffer.layout, s.buffer.names
     out = torch.zeros(sum(m.numel() for m in s.main_params))
-    local = 0
-    for own in s.owned_pieces():
+    for own, local in s.pieces():
         for span in lay.params:
             cut = span.world.intersect(own)
             if cut is None or not cut.size:
@@ -82,7 +81,6 @@ def flat(s, truth: dict[str, dict[str, torch.Tensor]], key: str) -> torch.Tensor
             lo = cut.start - span.world.start
             dst = local + cut.start - own.start
             out[dst : dst + cut.size] = truth[names[span.index]][key].reshape(-1)[lo : lo + cut.size]
-        local += own.size
     return out
 
 
