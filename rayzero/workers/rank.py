@@ -54,6 +54,11 @@ class Rank(Membership):
         self._times: dict[str, float] = {}
         self.saver: ShardSaver | None = None
         self.model = self.strategy = self.data = self.val = self.prefs = None  # built by `setup`
+        self.spec = self._pipe = self.streams = self.vocab = self.meter = self.steps = None  # and these
+        self.micro_per_step = 0
+        self._staged: tuple | None = None  # a checkpoint read by `load_checkpoint`, installed by `apply_checkpoint`
+        self._baseline: tuple | None = None  # the validation loss before the first step, when asked for
+        self._group_sockets: set[int] = set()  # the process groups' sockets (what `disconnect` cuts)
         self.plan: dict = {}
         self._current: tuple[str, float] | None = None  # (phase, monotonic start) while in one
 
@@ -147,7 +152,7 @@ class Rank(Membership):
         if cfg.cluster.use_gpu:
             self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
-        self._group_sockets: set[int] = set()
+        self._group_sockets = set()
         with opened_while(self._group_sockets):  # what `disconnect` cuts (see workers/disconnect.py)
             dist.init_process_group(
                 backend,
