@@ -205,15 +205,39 @@ class RootConfig(Frozen):
         if t.compile and self.model.activation_checkpointing == "selective":
             raise ValueError("train.compile: model.activation_checkpointing=selective picks the ops to keep inside a "
                              "block, and a compiled block runs as one op to it; use full or every:N with compile")
+        self._check_cp()
         if self.optim.min_lr is not None and self.optim.min_lr > self.optim.lr:
             raise ValueError(f"optim.min_lr: {self.optim.min_lr} exceeds optim.lr ({self.optim.lr})")
         return self
+
+    def _check_cp(self) -> None:
+        """What context parallelism does not compose with yet, one line each."""
+        p = self.parallel
+        if p.cp == 1:
+            return
+        from rayzero.models import spec_class
+
+        refused = [
+            (not spec_class(self.model.kind).splits_sequence,
+             f"model.kind={self.model.kind}: attention across a split sequence reaches the built-in GPT today "
+             "(model.kind=gpt)"),
+            (p.tp > 1, "parallel.tp: tensor parallelism with context parallelism is not supported yet"),
+            (p.pp > 1, "parallel.pp: pipeline parallelism with context parallelism is not supported yet"),
+            (self.train.objective != "lm", f"train.objective={self.train.objective}: preference pairs are not split "
+                                           "over cp ranks yet"),
+            (self.model.dropout > 0, f"model.dropout: {self.model.dropout:g}; the attention's dropout is not split "
+                                     "over cp ranks yet (set it to 0)"),
+            (self.train.compile, "train.compile: compiled blocks with context parallelism are not supported yet"),
+        ]
+        for bad, why in refused:
+            if bad:
+                raise ValueError(f"parallel.cp {p.cp} with {why}")
 
     def mesh(self, world_size: int | None = None, rank: int = 0) -> Mesh:
         """The mesh of `world_size` ranks (`cluster.num_workers` unless an elastic resize says
         otherwise), as `rank` sees it; its process groups come when a rank connects it."""
         return Mesh(world_size or self.cluster.num_workers, rank, pp=self.parallel.pp,
-                    replicate=self.sharding.dp_outer, tp=self.parallel.tp)
+                    replicate=self.sharding.dp_outer, cp=self.parallel.cp, tp=self.parallel.tp)
 
     def grad_accum_for(self, mesh: Mesh) -> int:
         """Micro-batches per rank per step on `mesh`: global batch / (micro batch x batch-role size)."""

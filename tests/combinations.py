@@ -5,7 +5,7 @@ the product refuses some of its pairs): the generator finds the configurations t
 pairs, instead of a new product of tests.
 
 Each configuration trains `STEPS` steps of a global batch of `GLOBAL_BATCH` rows on
-`world = dp x tp x pp` ranks (at most 4) and is held to its oracle (tests/dist/test_combinations.py):
+`world = dp x cp x tp x pp` ranks (at most 4) and is held to its oracle (tests/dist/test_combinations.py):
 plain single-process torch for the language-model loss (PEFT for LoRA), the same run at world 1
 for the preference losses; bf16 follows the fp32 oracle's curve.
 """
@@ -41,6 +41,7 @@ AXES = {
     "strategy": ["no_shard", "optim", "optim_grads", "optim_grads_params", "hsdp", "hfsdp"],
     "dp": [2, 1],
     "tp": ["1", "2", "2sp", "4"],
+    "cp": ["1", "ring", "ulysses"],  # context parallelism at 2, attention across the split each way
     "pp": ["1", "gpipe", "1f1b", "interleaved", "zb"],
     "recompute": ["none", "full", "selective", "every:2"],
     "trainable": ["all", "lora", "frozen"],
@@ -60,6 +61,10 @@ def pp_size(pp: str) -> int:
     return 1 if pp == "1" else 2
 
 
+def cp_size(cp: str) -> int:
+    return 1 if cp == "1" else 2
+
+
 def micro_batches(c: dict) -> int:
     """Micro-batches per data-parallel rank per step."""
     return GLOBAL_BATCH // (c["dp"] * c["micro"])
@@ -75,8 +80,18 @@ def _schedule_ok(pp: str, dp: int, micro: int) -> bool:
 
 
 RULES = Rules()
-RULES.rule("at most 4 ranks, at least 2", ["dp", "tp", "pp"], lambda dp, tp, pp: 2 <= dp * tp_size(tp) * pp_size(pp) <= 4)
-RULES.rule("a strategy shards over data-parallel ranks", ["strategy", "dp"], lambda strategy, dp: dp > 1 or strategy == "no_shard")
+RULES.rule("at most 4 ranks, at least 2", ["dp", "tp", "pp", "cp"],
+           lambda dp, tp, pp, cp: 2 <= dp * tp_size(tp) * pp_size(pp) * cp_size(cp) <= 4)
+RULES.rule("a strategy shards over data-parallel x cp ranks", ["strategy", "dp", "cp"],
+           lambda strategy, dp, cp: dp * cp_size(cp) > 1 or strategy == "no_shard")
+RULES.rule("hybrid sharding's replicas are data-parallel ranks", ["strategy", "dp"],
+           lambda strategy, dp: strategy not in HYBRID or dp > 1)
+RULES.rule("context parallelism reaches the built-in GPT's attention", ["model", "cp"],
+           lambda model, cp: cp == "1" or MODELS[model]["kind"] == "gpt")
+RULES.rule("context parallelism alone of the model-parallel axes", ["cp", "tp", "pp"],
+           lambda cp, tp, pp: cp == "1" or (tp == "1" and pp == "1"))
+RULES.rule("context parallelism splits language-model rows", ["cp", "objective"],
+           lambda cp, objective: cp == "1" or objective == "lm")
 RULES.rule("whole micro-batches", ["dp", "micro"], lambda dp, micro: GLOBAL_BATCH % (dp * micro) == 0)
 RULES.rule("tensor parallelism needs a plan", ["model", "tp"], lambda model, tp: tp == "1" or MODELS[model].get("tp", False))
 RULES.rule("sequence parallelism needs a final norm", ["model", "tp"],
@@ -104,12 +119,13 @@ NAMED = [
 ]
 
 def world(c: dict) -> int:
-    return c["dp"] * tp_size(c["tp"]) * pp_size(c["pp"])
+    return c["dp"] * tp_size(c["tp"]) * pp_size(c["pp"]) * cp_size(c["cp"])
 
 
 def cost(c: dict) -> float:
     """What a (partial) configuration costs to run, roughly: its ranks, half again when resumed."""
-    return c.get("dp", 1) * tp_size(c.get("tp", "1")) * pp_size(c.get("pp", "1")) * (1.5 if c.get("resume") else 1)
+    return (c.get("dp", 1) * tp_size(c.get("tp", "1")) * pp_size(c.get("pp", "1")) * cp_size(c.get("cp", "1"))
+            * (1.5 if c.get("resume") else 1))
 
 
 CONFIGS = all_pairs(AXES, RULES, NAMED, cost=cost)
@@ -121,6 +137,7 @@ def label(c: dict) -> str:
     parts = [c["model"], c["strategy"], f"dp{c['dp']}"]
     parts += [f"tp{c['tp'].replace('sp', '+sp')}"] if c["tp"] != "1" else []
     parts += [f"pp2-{c['pp']}"] if c["pp"] != "1" else []
+    parts += [f"cp2-{c['cp']}"] if c["cp"] != "1" else []
     parts += [c["recompute"].replace(":", "")] if c["recompute"] != "none" else []
     parts += [c["trainable"]] if c["trainable"] != "all" else []
     parts += [c["objective"]] if c["objective"] != "lm" else []
@@ -147,6 +164,8 @@ def overrides(c: dict, model_keys: list[str], data_kind: str = "text") -> list[s
     if c["tp"] != "1":
         keys.append(f"parallel.tp={tp_size(c['tp'])}")
         keys += ["parallel.sequence_parallel=true"] if c["tp"].endswith("sp") else []
+    if c["cp"] != "1":
+        keys += ["parallel.cp=2", f"parallel.cp_mode={c['cp']}"]
     if c["pp"] != "1":
         keys += ["parallel.pp=2", f"parallel.pp_schedule={SCHEDULE[c['pp']]}"]
         keys += ["parallel.pp_virtual_stages=2"] if c["pp"] == "interleaved" else []

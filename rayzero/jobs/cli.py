@@ -127,7 +127,10 @@ def _print_plan(p: dict) -> None:
         f"plan (dry run: nothing started)\n"
         f"  {p['world_size']} ranks{elastic} of {bundle} each, on {p['cluster']}\n"
         f"  strategy {p['strategy']}{hybrid}; params {p['param_dtype']}, grads {p['grad_dtype']}\n"
-        + ("".join(f"  {line}\n" for line in p["mesh"]) if p["tp"] > 1 or p.get("pipeline") else "")
+        + ("".join(f"  {line}\n" for line in p["mesh"]) if p["tp"] > 1 or p.get("cp", 1) > 1 or p.get("pipeline") else "")
+        + (f"  context parallel {p['cp']} ({p['cp_mode']}): each rank holds 1/{p['cp']} of every sequence's tokens "
+           f"(chunks i and {2 * p['cp'] - 1}-i of {2 * p['cp']}), attention across them; gradients reduced over "
+           f"data-parallel x cp\n" if p.get("cp", 1) > 1 else "")
         + ("".join(f"  {line}\n" for line in pipeline_lines(p["pipeline"])) if p.get("pipeline") else "")
         + ("  sequence parallel: norms and residuals on 1/tp of the sequence\n" if p["sequence_parallel"] else "")
         + ("  vocabulary parallel: embedding, head and logits split over the tp ranks, the loss on the shards\n"

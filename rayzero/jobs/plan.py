@@ -78,8 +78,8 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
     # Per rank: its tensor-parallel share of the parameters (split ones / tp, replicated whole).
     bytes_per_rank = (int(per_param * trainable + frozen_per_param * (num_params - trainable))
                       if num_params else None)
-    act = activation_bytes(
-        shape, t.seq_len, t.micro_batch_size, param_bytes, cfg.model.checkpoint_every,
+    act = activation_bytes(  # a cp rank holds its 1/cp of each sequence
+        shape, t.seq_len // cfg.parallel.cp, t.micro_batch_size, param_bytes, cfg.model.checkpoint_every,
         cfg.model.activation_checkpointing == "selective", cfg.parallel.tp,
         cfg.parallel.sequence_parallel, vocab["parallel"]) if shape is not None else None
     pipeline = None
@@ -97,6 +97,8 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
         "pipeline": pipeline,
         "world_size": c.num_workers,
         "tp": cfg.parallel.tp,
+        "cp": cfg.parallel.cp,
+        "cp_mode": cfg.parallel.cp_mode,
         "sequence_parallel": cfg.parallel.sequence_parallel,
         "vocab_parallel": vocab["parallel"],
         "vocab_note": vocab["note"],

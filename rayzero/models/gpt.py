@@ -22,7 +22,14 @@ from rayzero.sharding.flat_buffer import FillSource, ParamSource
 __all__ = ["GPT", "GPTSpec", "ModelConfig", "PRESETS", "build_model"]
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """Causal attention over the whole sequence on this rank."""
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+
+
 class CausalSelfAttention(nn.Module):
+    attend = staticmethod(causal_attention)  # (q, k, v, dropout_p) -> y; the model seam may swap it
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.head_dim = cfg.n_embd // cfg.n_head
@@ -37,7 +44,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).chunk(3, dim=2)
         q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
         drop = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)
+        y = self.attend(q, k, v, drop)
         return self.proj(y.transpose(1, 2).contiguous().view(b, t, -1))
 
 
@@ -100,12 +107,16 @@ class GPT(nn.Module):
             for name, p in self.named_parameters():
                 self.init_parameter(name, p, seed)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Logits of shape (batch, time, vocab)."""
-        t = idx.shape[1]
+    def positions(self, t: int, device) -> torch.Tensor:
+        """The positions of the `t` tokens of `idx` (the model seam may give others: a part of a
+        longer sequence)."""
         if t > self.block_size:
             raise ValueError(f"sequence of {t} tokens exceeds block_size {self.block_size}")
-        pos = torch.arange(t, device=idx.device)
+        return torch.arange(t, device=device)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits of shape (batch, time, vocab)."""
+        pos = self.positions(idx.shape[1], idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)
@@ -187,6 +198,18 @@ class GPTSpec(ModelSpec):
                 "blocks.*.attn.proj": Style("row"),
                 "blocks.*.mlp.fc": Style("column"),
                 "blocks.*.mlp.proj": Style("row")}
+
+    splits_sequence = True
+
+    def context_parallel(self, model, cp) -> None:
+        """Every block's attention across the split, and the tokens' global positions (the learned
+        position embedding takes them); a tensor-parallel rank's heads are its share."""
+        cp.check_heads(self.cfg.n_head, self.cfg.n_head)
+        for m in model.modules():
+            if isinstance(m, CausalSelfAttention):
+                m.attend = cp.attend
+        gpt = next(m for m in model.modules() if isinstance(m, GPT))
+        gpt.positions = cp.local_positions
 
     def attention_shape(self, model) -> tuple[int, int]:
         return self.cfg.n_layer, self.cfg.n_embd

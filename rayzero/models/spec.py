@@ -270,6 +270,15 @@ class ModelSpec:
         return parallelize(model, self.tp_plan(model), axis, self.sequence_ends(model) if sequence_parallel else None,
                            vocab=self.vocab_ends(model) if vocab_parallel else None, streams=streams)
 
+    splits_sequence = False  # whether `context_parallel` can reach the model's attention
+
+    def context_parallel(self, model: nn.Module, cp) -> None:
+        """Make `model` run on a rank's part of each sequence (`cp`: a `ContextParallel`): its
+        attention across the split (`cp.attend`), its positions the tokens' global ones
+        (`cp.positions()`). A ModelError where the seam cannot reach the attention."""
+        raise ModelError(f"parallel.cp: model.kind={self.kind} cannot run attention across a split sequence yet "
+                         "(the built-in GPT can: model.kind=gpt)")
+
     @staticmethod
     def decays(name: str, param: torch.Tensor) -> bool:
         """Matrices decay; biases and norm gains do not (nanoGPT's and Megatron's rule)."""

@@ -135,6 +135,24 @@ class ParallelConfig(Frozen):
         "plain layer (said before the run starts): replicated on every TP rank, with the full logits on each.",
     )
 
+    cp: int = Field(
+        default=1, ge=1,
+        description="Context-parallel size: each sequence split over this many ranks, for sequences whose "
+        "activations one rank cannot hold. The sequence is cut into 2 x `cp` chunks and rank i of a cp group holds "
+        "chunks i and 2 x cp - 1 - i (even causal-attention work), with the tokens' global positions; attention runs "
+        "across the split as `cp_mode` says. The ranks of a cp group take the same rows and hold the same weights: "
+        "gradients are reduced (and sharded by the strategy) over data-parallel x cp ranks, and the loss is summed "
+        "over them. The world is `pp` x `sharding.dp_outer` x shards x `cp` x `tp`; `train.seq_len` must divide by "
+        "2 x cp. Today: the built-in GPT, without tensor or pipeline parallelism, preference tuning, attention "
+        "dropout or `train.compile`. 1 = none.",
+    )
+    cp_mode: Literal["ring", "ulysses"] = Field(
+        default="ring",
+        description="How attention runs across the cp split: `ring` passes each rank's key/value block round the "
+        "cp group point to point while every rank computes on the block it holds, merging by log-sum-exp and "
+        "skipping the blocks the causal mask hides (any head count); `ulysses` exchanges by all-to-all to a head "
+        "split, attends over the whole sequence, and exchanges back (heads and key/value heads divisible by cp).",
+    )
     pp: int = Field(
         default=1, ge=1,
         description="Pipeline-parallel size: the model's blocks split into this many stages, in order (the "

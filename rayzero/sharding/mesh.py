@@ -16,6 +16,9 @@ is the world size:
     replicate   sharding.dp_outer                the data-parallel ranks into replicas (HSDP /
                                                  Hybrid-FSDP's outer reduction)
     shard       what the others leave            a replica's data-parallel ranks (ZeRO's shards)
+    cp          parallel.cp                      each sequence (context parallelism): the ranks of a
+                                                 cp group take the same rows, each its part of
+                                                 every sequence, and hold the same weights
     tp          parallel.tp                      each layer's matrices: innermost, so a TP group is
                                                  a run of consecutive ranks (one node's GPUs)
 
@@ -23,29 +26,32 @@ Code outside this module asks for a **role** (`ROLES`), never an axis: what a gr
 that a new axis changes the roles' table, not the code that uses them:
 
     role            axes                          what runs over it
-    batch           replicate x shard             the global batch splits over it (a TP group and
-                                                  a pipeline's stages share one part)
-    loss            replicate x shard             the valid-token counts and the losses are summed
-    grad_reduce     replicate x shard             every gradient is reduced; the buffer is padded
+    batch           replicate x shard             the global batch splits over it (a TP group, a
+                                                  cp group and a pipeline's stages share one part)
+    loss            replicate x shard x cp        the valid-token counts and the losses are summed
+    grad_reduce     replicate x shard x cp        every gradient is reduced; the buffer is padded
                                                   to its size
-    grad_shard      shard                         ZeRO shards gradients, optimizer state and
+    grad_shard      shard x cp                    ZeRO shards gradients, optimizer state and
                                                   parameters (inside a replica)
     grad_replicate  replicate                     hybrid sharding's outer reduction
-    expert_dp       replicate x shard             ranks holding the same experts (all of them,
+    expert_dp       replicate x shard x cp        ranks holding the same experts (all of them,
                                                   until experts are split): the expert bucket
                                                   group's gradients are reduced over it
-    expert_shard    shard                         ZeRO shards the expert group over it
+    expert_shard    shard x cp                    ZeRO shards the expert group over it
     expert_replicate replicate                    the expert group's hybrid replicas
+    cp              cp                            context parallelism's ring or all-to-all
     tp              tp                            tensor parallelism's collectives
     pp              pp                            a pipeline's sends, stage to stage
-    stage           replicate x shard x tp        one pipeline stage's ranks (its norms and sums)
+    stage           replicate x shard x cp x tp   one pipeline stage's ranks (its norms and sums)
     world           every axis                    the global norm's and the loss's sums
 
-Context parallelism will add a `cp` axis between `shard` and `tp` and join it to `loss`,
-`grad_reduce` and `grad_shard` (the sequence splits over it, every rank of a cp group holds the
-same weights); expert parallelism will split `expert_dp` and `expert_shard` by an `ep` axis
-folded into the data-parallel ranks. The code asking for those roles does not change: the
-strategy's bucket groups (group.py) take their axes from them.
+Context parallelism's `cp` axis sits between `shard` and `tp` (Megatron's order: tp innermost,
+then cp, then the data-parallel axes, then pp) and joins `loss`, `grad_reduce` and `grad_shard`:
+the sequence splits over it and every rank of a cp group holds the same weights, so gradients
+are reduced and sharded over data-parallel x cp, while `batch` leaves it out. Expert
+parallelism will split `expert_dp` and `expert_shard` by an `ep` axis folded into the
+data-parallel ranks. The code asking for those roles does not change: the strategy's bucket
+groups (group.py) take their axes from them.
 
 A rank's global number is its coordinates read row-major, outermost first:
 
@@ -80,21 +86,22 @@ if TYPE_CHECKING:  # torch is imported only where groups are made: reading a con
 
 # Each axis, outermost first, and the config key that sets its size (None: it takes what the others leave).
 AXES: dict[str, str | None] = {"pp": "parallel.pp", "replicate": "sharding.dp_outer", "shard": None,
-                               "tp": "parallel.tp"}
+                               "cp": "parallel.cp", "tp": "parallel.tp"}
 ORDER = tuple(AXES)
 KEYS = {a: key for a, key in AXES.items() if key}  # the axes a config key sets
 ROLES: dict[str, tuple[str, ...]] = {
     "batch": ("replicate", "shard"),
-    "loss": ("replicate", "shard"),
-    "grad_reduce": ("replicate", "shard"),
-    "grad_shard": ("shard",),
+    "loss": ("replicate", "shard", "cp"),
+    "grad_reduce": ("replicate", "shard", "cp"),
+    "grad_shard": ("shard", "cp"),
     "grad_replicate": ("replicate",),
-    "expert_dp": ("replicate", "shard"),
-    "expert_shard": ("shard",),
+    "expert_dp": ("replicate", "shard", "cp"),
+    "expert_shard": ("shard", "cp"),
     "expert_replicate": ("replicate",),
+    "cp": ("cp",),
     "tp": ("tp",),
     "pp": ("pp",),
-    "stage": ("replicate", "shard", "tp"),
+    "stage": ("replicate", "shard", "cp", "tp"),
     "world": ORDER,
 }
 
@@ -136,6 +143,7 @@ class Mesh:
     replicate: int = 1  # the size of each axis in KEYS (`shard` fills the rest)
     tp: int = 1
     pp: int = 1
+    cp: int = 1
     groups_by_role: dict[str, Axis] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
@@ -169,7 +177,11 @@ class Mesh:
         """The checks the axes put on the run's shapes (`cfg`: its config), each a ValueError
         naming the key to change; the config's own validation runs them, so `--dry-run`, the
         driver and every rank refuse the same run in the same words."""
-        t, tp = cfg.train, self.size("tp")
+        t, tp, cp = cfg.train, self.size("tp"), self.size("cp")
+        if cp > 1 and t.seq_len % (2 * cp):
+            fit = [n for n in range(t.seq_len - 2 * cp, t.seq_len + 4 * cp + 1) if n > 0 and n % (2 * cp) == 0][:3]
+            raise ValueError(f"train.seq_len: {t.seq_len} does not split into 2 x parallel.cp = {2 * cp} equal chunks "
+                             f"(each cp rank holds two, for even causal work); e.g. {', '.join(map(str, fit))} would")
         if cfg.parallel.sequence_parallel and t.seq_len % tp:
             raise ValueError(f"train.seq_len: {t.seq_len} is not divisible by parallel.tp ({tp}), over which "
                              "parallel.sequence_parallel splits the sequence")
@@ -251,7 +263,7 @@ class Mesh:
         then the roles over several axes whose groups are no axis's and not the whole world
         (the roles with the same groups on one line)."""
         shape = self.shape
-        shown = {a: n for a, n in shape.items() if a != "pp" or n > 1}  # no pipeline: as before there was one
+        shown = {a: n for a, n in shape.items() if a not in ("pp", "cp") or n > 1}  # as before there were these
         lines = ["mesh: " + " x ".join(f"{a} {n}" for a, n in shown.items()) + f" = {self.world_size} ranks"]
         for name in ORDER:
             if shape[name] > 1:

@@ -1,6 +1,6 @@
 """How a rank assembles its model: one place, one fixed order.
 
-    build on meta → adapters → tensor parallel → compiled blocks (on the ranks)
+    build on meta → adapters → tensor parallel → context parallel → compiled blocks (on the ranks)
                   → activation checkpointing
                   → pipeline stage (the blocks and ends of this rank's stages; the rest stand-ins)
                   → sharding strategy (over whatever the steps before left local)
@@ -60,7 +60,7 @@ class Built:
 
 def build_model(cfg: RootConfig, spec: ModelSpec, mesh: Mesh | None = None,
                 streams: RandomStreams | None = None, compiled: bool = False) -> Built:
-    """Build on meta → adapters → tensor parallel → (`compiled`) compiled blocks → activation
+    """Build on meta → adapters → tensor parallel → context parallel → (`compiled`) compiled blocks → activation
     checkpointing: the model a strategy shards (parameters still on the meta device). `mesh`:
     this rank's, connected (the driver's checks pass none and build on the config's: the shapes
     are the same on every rank). `streams`: the rank's dropout streams, which the TP regions
@@ -69,6 +69,7 @@ def build_model(cfg: RootConfig, spec: ModelSpec, mesh: Mesh | None = None,
     built = Built(spec.build())
     add_adapters(built, cfg, spec)
     tensor_parallel(built, cfg, spec, (mesh or cfg.mesh()).axis("tp"), streams)
+    context_parallel(built, cfg, spec, mesh or cfg.mesh())
     if compiled:
         compile_model_blocks(built, cfg, spec)
     checkpoint_blocks(built, cfg, spec, streams)
@@ -119,6 +120,25 @@ def tensor_parallel(built: Built, cfg: RootConfig, spec: ModelSpec, axis: Axis,
         return
     p = cfg.parallel
     built.tp = spec.parallelize(built.model, axis, p.sequence_parallel, p.vocab_parallel, streams)
+
+
+def context_parallel(built: Built, cfg: RootConfig, spec: ModelSpec, mesh: Mesh) -> None:
+    """`parallel.cp`: the model's attention runs across the sequence split and its positions are
+    the tokens' global ones (`spec.context_parallel`, `sharding/context_parallel.py`). ModelError
+    for a model whose attention the seam cannot reach, ValueError for heads `ulysses` cannot split."""
+    cp = context_of(cfg, mesh)
+    if cp is not None:
+        spec.context_parallel(built.model, cp)
+
+
+def context_of(cfg: RootConfig, mesh: Mesh):
+    """This rank's place in its cp group (None without context parallelism): what splits its
+    sequences and runs attention across them."""
+    if cfg.parallel.cp == 1:
+        return None
+    from rayzero.sharding.context_parallel import ContextParallel
+
+    return ContextParallel(mesh.axis("cp"), cfg.parallel.cp_mode, cfg.train.seq_len)
 
 
 def block_classes(cfg: RootConfig, spec: ModelSpec, model: nn.Module) -> tuple[str, ...]:

@@ -18,8 +18,8 @@ pairs, the preference metrics), kept on the device until the step ends and read 
 Normalisation is written once (`StepMean`, which both runners apply to each micro-batch's loss,
 with the objective's divisor): summed over micro-batches and ranks, the gradient
 is the mean loss's over the global batch, whatever the world size and however the masked targets
-fall. Context parallelism will widen the `loss` role (the sums then run over cp ranks too) and
-hand the runner the rank's slice of each sequence; nothing else here changes.
+fall. With context parallelism (`parallel.cp`) the `loss` role spans the cp ranks too, and the
+runner keeps this rank's tokens of each row (`ContextParallel.split`) before anything counts them.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import torch
 
 from rayzero.models.spec import IGNORE_INDEX
 from rayzero.sharding.comm import wait
+from rayzero.workers.assembly import context_of
 
 if TYPE_CHECKING:
     from rayzero.workers.rank import Rank
@@ -127,8 +128,11 @@ class LanguageModel:
 
             return pipelined.validation_loss(r._pipe, val, r.device)
         loss_sum, count = torch.zeros((), dtype=torch.float64, device=r.device), 0
+        cp = context_of(r.cfg, r.mesh)
         for batch in range(val.num_batches):
             for x, y in val.microbatches(batch):
+                if cp is not None:
+                    x, y = cp.split(x), cp.split(y)
                 part, valid, _ = r.spec.loss(r.model, x.to(r.device), y.to(r.device), vocab=r.vocab)
                 loss_sum += part.double()
                 count += int(valid)
@@ -177,10 +181,13 @@ class Plain:
         self.totals: StepTotals | None = None
         self._loss = None
         self.mean = StepMean(objective.divisor, rank.spec.aux_coef, rank.micro_per_step)
+        self.cp = context_of(rank.cfg, rank.mesh)  # this rank's part of each sequence, with parallel.cp
 
     def begin(self, micro: Micro, rows: Micro, step: int, first_micro: int) -> None:
         """Step `step` on this rank's `micro` (on the device; `rows`: the same on the host),
         the step's micro-batches from `first_micro` on."""
+        if self.cp is not None:  # the cp group's ranks took the same rows: each keeps its tokens of them
+            micro, rows = ([(self.cp.split(x), self.cp.split(y)) for x, y in m] for m in (micro, rows))
         self.micro, self.next, self.step, self.first = micro, 0, step, first_micro
         self.totals = StepTotals.zeros(self.r.device)
         self.objective.begin(micro, rows, step)

@@ -1,5 +1,5 @@
 """Sharded training equals its oracle, for every configuration `tests/combinations.py` generates:
-every pair of values of model x strategy x dp x tp x pp schedule x recompute x trainable x
+every pair of values of model x strategy x dp x tp x cp x pp schedule x recompute x trainable x
 objective x precision x micro-batch x resume meets in at least one run, and the named triples
 where an interaction is known run too. Each run trains 3 steps on real gloo groups (world 2 or 4),
 as the actors run a rank: setup, then iterations, nothing reseeded in between.
@@ -171,7 +171,7 @@ def oracle(c: dict, setup: dict, precision: str = "fp32", fresh: bool = False) -
     moe = combos.MODELS[c["model"]].get("moe")
     key = (c["model"], c["trainable"], c["objective"], c["micro"] if moe or precision == "bf16" else None, precision)
     if key not in _oracles or fresh:  # fresh: computed again, not cached
-        plain = {**c, "strategy": "no_shard", "dp": 1, "tp": "1", "pp": "1", "recompute": "none",
+        plain = {**c, "strategy": "no_shard", "dp": 1, "tp": "1", "pp": "1", "cp": "1", "recompute": "none",
                  "precision": precision, "overlap": True, "resume": False}
         torch_plain = c["objective"] == "lm" and precision == "fp32"
         made = torch_oracle(plain, setup) if torch_plain else world1_oracle(plain, setup)

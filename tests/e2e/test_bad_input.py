@@ -31,6 +31,16 @@ from tests.models import save_hf_model
      "train.seq_len: 33 is not divisible by parallel.tp (2), over which parallel.sequence_parallel splits"),
     (["data.path=DATA", "cluster.num_workers=8", "cluster.cpus_per_worker=0.25", "parallel.tp=8",
       "train.global_batch_size=8"], "blocks.0.attn.qkv: parallel.tp=8 does not divide its 4 attention heads"),
+    # context parallelism: the split, the heads ulysses needs, the world, what it does not reach yet
+    (["cluster.num_workers=2", "parallel.cp=2", "train.seq_len=30"],
+     "train.seq_len: 30 does not split into 2 x parallel.cp = 4 equal chunks (each cp rank holds two, for even causal "
+     "work); e.g. 28, 32, 36 would"),
+    (["data.path=DATA", "cluster.num_workers=2", "parallel.cp=2", "parallel.cp_mode=ulysses", "model.n_head=3",
+      "model.n_embd=96"], "parallel.cp_mode: ulysses splits the attention heads over parallel.cp (2), and 3 heads / 3 "
+                          "key/value heads do not divide by it; use parallel.cp_mode=ring"),
+    (["cluster.num_workers=2", "parallel.cp=4"], "parallel.cp: 4 does not divide cluster.num_workers (2)"),
+    (["cluster.num_workers=2", "parallel.cp=2", "model.kind=module", "model.factory=tests.models:TinyLM"],
+     "parallel.cp 2 with model.kind=module: attention across a split sequence reaches the built-in GPT today"),
     (["--config", "/nonexistent.yaml"], "config file /nonexistent.yaml does not exist"),
     (["data.path=/nonexistent/data"], "no dataset at /nonexistent/data"),
     (["cluster.address=127.0.0.1:1", "data.path=DATA"], "cluster.address: cannot connect"),

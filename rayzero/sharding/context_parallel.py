@@ -1,0 +1,368 @@
+"""Context parallelism's sequence split and its attention: a sequence longer than one rank can
+hold is split over the ranks of a cp group, and attention, the one place where tokens meet
+tokens, runs across the split in one of two ways.
+
+The split, balanced for causal attention (Megatron-Core's): a sequence of S tokens is cut into
+2·cp chunks of S/(2·cp) tokens; rank i holds chunks i and 2·cp−1−i, so that every rank has as
+many early (cheap) as late (expensive) queries and does the same attention work:
+
+    cp 2, S 8 (chunks of 2):   rank 0 holds tokens 0 1 | 6 7     rank 1 holds tokens 2 3 | 4 5
+
+A rank's tokens keep their global positions (`positions`): rotary and learned positions, the
+causal mask and the documents of packed sequences all follow the tokens, not their local index.
+
+Attention across the split (`q`, `k`, `v`: [batch, heads, local tokens, head dim]; grouped-query
+attention has fewer key/value heads, each serving heads/kv_heads query heads as transformers'
+`repeat_kv` expands them):
+
+- `ring_attention` (Megatron's ring exchange): the key/value blocks go round the cp group point to
+  point (only the key/value heads travel), while each rank computes its queries against the block
+  it holds; the partial results are merged by their log-sum-exp. Chunk pairs the causal mask hides
+  entirely are skipped, and pairs it leaves whole are computed without a mask. Backward sends
+  the blocks round again, with their gradients accumulating as they go, and one last send brings
+  each block's dK/dV home.
+- `ulysses_attention` (DeepSpeed-Ulysses): an all-to-all turns the sequence split into a head
+  split (each rank all tokens of heads/cp heads, and kv_heads/cp key/value heads), attention runs
+  on the whole sequence, and the reverse all-to-all returns the rank's tokens of every head.
+
+Masks: causal over global positions; `seg` (one id per token, optional): a query attends only to
+keys of its own segment (the documents of a packed row) and never to a key whose id is negative
+(padding). A query with no key to attend gets zeros. The arithmetic is float32 whatever the
+inputs' dtype.
+
+Pure torch, no Ray: the cp group is an `Axis` (`comm.py`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+NEG = float("-inf")
+
+
+# -- the split -------------------------------------------------------------------------------------
+def positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
+    """The global positions of the tokens rank `rank` of `cp` holds, in its local order."""
+    if seq_len % (2 * cp):
+        raise ValueError(f"a sequence of {seq_len} tokens does not split into 2 x cp = {2 * cp} equal chunks")
+    c = seq_len // (2 * cp)
+    first = torch.arange(rank * c, (rank + 1) * c, device=device)
+    last = torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c, device=device)
+    return torch.cat([first, last])
+
+
+def split(t: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """This rank's tokens of `t` (the whole sequence along `dim`)."""
+    if cp == 1:
+        return t
+    return t.index_select(dim, positions(t.shape[dim], cp, rank, t.device))
+
+
+def unsplit(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """The whole sequence from every rank's tokens (`parts[i]`: rank i's), in global order."""
+    cp = len(parts)
+    whole = torch.cat(parts, dim)
+    order = torch.cat([positions(whole.shape[dim], cp, r, whole.device) for r in range(cp)])
+    return whole.index_select(dim, torch.argsort(order))
+
+
+# -- one block of attention ---------------------------------------------------------------------
+def _runs(pos: torch.Tensor, chunk: int) -> list[tuple[slice, int, int]]:
+    """A rank's chunks of `chunk` consecutive positions: (local slice, first position, last
+    position). Two chunks that happen to be neighbours stay two (the causal skip is per chunk)."""
+    p = pos.tolist()
+    return [(slice(i, i + chunk), p[i], p[i + chunk - 1]) for i in range(0, len(p), chunk)]
+
+
+def _allowed(q_pos, k_pos, q_seg, k_seg, causal: bool):
+    """Which keys each query may attend ([batch or 1, 1, Lq, Lk]), or None for all of them."""
+    allowed = None
+    if causal:
+        allowed = (q_pos[:, None] >= k_pos[None, :])[None, None]
+    if q_seg is not None:
+        same = (q_seg[:, :, None] == k_seg[:, None, :]) & (k_seg[:, None, :] >= 0)
+        allowed = same[:, None] if allowed is None else allowed & same[:, None]
+    return allowed
+
+
+def _pairs(q_pos, k_pos, q_seg, k_seg, causal: bool, chunk: int):
+    """The (query chunk, key chunk, mask) pairs with something to attend: pairs the causal mask
+    hides entirely are left out; a pair it leaves whole has no mask unless segments need one."""
+    out = []
+    for qs, q_lo, q_hi in _runs(q_pos, chunk):
+        for ks, k_lo, k_hi in _runs(k_pos, chunk):
+            if causal and k_lo > q_hi:
+                continue
+            whole = not causal or k_hi <= q_lo
+            if whole and q_seg is None:
+                out.append((qs, ks, None))
+            else:
+                out.append((qs, ks, _allowed(q_pos[qs], k_pos[ks], None if q_seg is None else q_seg[:, qs],
+                                             None if k_seg is None else k_seg[:, ks], causal and not whole)))
+    return out
+
+
+def _scores(q, k, scale, allowed):
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    return s if allowed is None else s.masked_fill(~allowed, NEG)
+
+
+def _probs(s, lse):
+    """exp(s − lse), 0 where a query attends nothing (lse −inf)."""
+    p = torch.exp(s - lse[..., None])
+    return torch.nan_to_num(p, nan=0.0) if torch.isinf(lse).any() else p
+
+
+def _block_forward(q, k, v, scale, allowed):
+    """(out, lse) of float32 queries against one block of float32 keys and values."""
+    s = _scores(q, k, scale, allowed)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(_probs(s, lse), v), lse
+
+
+def _merge(out, lse, part, part_lse):
+    """Two partial attentions of the same queries, merged by their log-sum-exp (in place)."""
+    new = torch.logaddexp(lse, part_lse)
+    finite = torch.isfinite(new)
+    a = torch.where(finite, torch.exp(lse - new), torch.zeros_like(new))
+    b = torch.where(finite, torch.exp(part_lse - new), torch.zeros_like(new))
+    out.mul_(a[..., None]).add_(part * b[..., None])
+    lse.copy_(new)
+
+
+def _block_backward(q, k, v, scale, allowed, lse, dout, delta):
+    """(dq, dk, dv) of one block, from the whole attention's lse and delta = rowsum(dout · out)."""
+    p = _probs(_scores(q, k, scale, allowed), lse)
+    dv = torch.matmul(p.transpose(-1, -2), dout)
+    ds = p * (torch.matmul(dout, v.transpose(-1, -2)) - delta[..., None])
+    return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale, dv
+
+
+def _expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
+    """Key/value heads repeated for the query heads each serves (transformers' `repeat_kv`)."""
+    return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)
+
+
+def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """A gradient over the expanded heads, summed back onto the key/value heads."""
+    if groups == 1:
+        return grad
+    b, h, n, d = grad.shape
+    return grad.view(b, h // groups, groups, n, d).sum(2)
+
+
+def attention(q, k, v, q_pos, k_pos, q_seg=None, k_seg=None, causal: bool = True, scale: float | None = None):
+    """Attention of `q` against `k`, `v` on one rank (a whole sequence, or Ulysses' head split),
+    with the masks described above; differentiable by autograd. The reference the split ones
+    equal."""
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    groups = q.shape[1] // k.shape[1]
+    qf, kf, vf = q.float(), _expand(k, groups).float(), _expand(v, groups).float()
+    s = _scores(qf, kf, scale, _allowed(q_pos, k_pos, q_seg, k_seg, causal) if causal or q_seg is not None else None)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(_probs(s, lse), vf).to(q.dtype)
+
+
+# -- the ring ------------------------------------------------------------------------------------
+class _Ring:
+    """Neighbours on the cp group: each step sends to the next rank and receives from the previous."""
+
+    def __init__(self, axis):
+        self.axis = axis
+        ranks = dist.get_process_group_ranks(axis.group)
+        self.next, self.prev = ranks[(axis.rank + 1) % axis.size], ranks[(axis.rank - 1) % axis.size]
+
+    def start(self, tensors: list[torch.Tensor]):
+        """Send `tensors` on, receive the previous rank's into new tensors: (received, works)."""
+        got = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.axis.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, g, self.prev, self.axis.group) for g in got]
+        return got, dist.batch_isend_irecv(ops)
+
+    @staticmethod
+    def finish(works) -> None:
+        for w in works:
+            w.wait()
+
+
+def _traveling(k, v, seg):
+    """What goes round the ring: the key/value block (its own heads only), and its segments."""
+    kv = torch.stack([k, v]).contiguous()
+    return [kv] if seg is None else [kv, seg.contiguous()]
+
+
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, q_seg, k_seg, axis, seq_len: int, causal: bool, scale: float):
+        cp, rank, ring = axis.size, axis.rank, _Ring(axis)
+        groups = q.shape[1] // k.shape[1]
+        q_pos = positions(seq_len, cp, rank, q.device)
+        qf = q.float()
+        out = torch.zeros(qf.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(qf.shape[:-1], NEG, dtype=torch.float32, device=q.device)
+        cur = _traveling(k, v, k_seg)
+        for step in range(cp):
+            if step + 1 < cp:
+                got, works = ring.start(cur)
+            src = (rank - step) % cp
+            k_pos = positions(seq_len, cp, src, q.device)
+            kf, vf = (_expand(t, groups).float() for t in cur[0])
+            seg = cur[1] if k_seg is not None else None
+            for qs, ks, allowed in _pairs(q_pos, k_pos, q_seg, seg, causal, seq_len // (2 * cp)):
+                part, part_lse = _block_forward(qf[:, :, qs], kf[:, :, ks], vf[:, :, ks], scale, allowed)
+                _merge(out[:, :, qs], lse[:, :, qs], part, part_lse)
+            if step + 1 < cp:
+                ring.finish(works)
+                cur = got
+        ctx.save_for_backward(q, k, v, out, lse, q_seg, k_seg)
+        ctx.axis, ctx.seq_len, ctx.causal, ctx.scale = axis, seq_len, causal, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, q_seg, k_seg = ctx.saved_tensors
+        axis, seq_len, causal, scale = ctx.axis, ctx.seq_len, ctx.causal, ctx.scale
+        cp, rank, ring = axis.size, axis.rank, _Ring(axis)
+        groups = q.shape[1] // k.shape[1]
+        q_pos = positions(seq_len, cp, rank, q.device)
+        qf, dout = q.float(), dout.float()
+        delta = (dout * out).sum(-1)
+        dq = torch.zeros_like(qf)
+        cur = _traveling(k, v, k_seg)
+        dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)  # the held block's, so far
+        for step in range(cp):
+            if step + 1 < cp:
+                got, works = ring.start(cur)
+            src = (rank - step) % cp
+            k_pos = positions(seq_len, cp, src, q.device)
+            kf, vf = (_expand(t, groups).float() for t in cur[0])
+            seg = cur[1] if k_seg is not None else None
+            dk = torch.zeros_like(kf)
+            dv = torch.zeros_like(vf)
+            for qs, ks, allowed in _pairs(q_pos, k_pos, q_seg, seg, causal, seq_len // (2 * cp)):
+                a, b, c = _block_backward(qf[:, :, qs], kf[:, :, ks], vf[:, :, ks], scale, allowed,
+                                          lse[:, :, qs], dout[:, :, qs], delta[:, :, qs])
+                dq[:, :, qs] += a
+                dk[:, :, ks] += b
+                dv[:, :, ks] += c
+            dkv[0] += _fold(dk, groups)
+            dkv[1] += _fold(dv, groups)
+            (got_dkv,), grad_works = ring.start([dkv])  # on with its block; at the end, each block's comes home
+            if step + 1 < cp:
+                ring.finish(works)
+                cur = got
+            ring.finish(grad_works)
+            dkv = got_dkv
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
+
+
+def ring_attention(q, k, v, axis, seq_len: int, seg=None, causal: bool = True, scale: float | None = None):
+    """Attention of this rank's queries against the whole sequence's keys and values, the blocks
+    passed round the cp group `axis` (an `Axis`); `q`, `k`, `v` hold this rank's tokens of a
+    sequence of `seq_len` (`positions`); `seg`: this rank's tokens' segment ids, or None."""
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if axis.size == 1:
+        pos = torch.arange(seq_len, device=q.device)
+        return attention(q, k, v, pos, pos, seg, seg, causal, scale)
+    return RingAttention.apply(q, k, v, seg, seg, axis, seq_len, causal, scale)
+
+
+# -- Ulysses -------------------------------------------------------------------------------------
+class _AllToAll(torch.autograd.Function):
+    """[batch, heads, local tokens, d] -> [batch, heads/cp, cp x local tokens, d] (rank order of
+    the tokens), or back with `back`; its gradient is the other direction."""
+
+    @staticmethod
+    def forward(ctx, x, axis, back: bool):
+        ctx.axis, ctx.back = axis, back
+        return _all_to_all(x, axis, back)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad.contiguous(), ctx.axis, not ctx.back), None, None
+
+
+def _all_to_all(x: torch.Tensor, axis, back: bool) -> torch.Tensor:
+    cp = axis.size
+    if not back:  # send head group j to rank j; receive every rank's tokens of this rank's heads
+        b, h, n, d = x.shape
+        send = x.reshape(b, cp, h // cp, n, d).permute(1, 0, 2, 3, 4).contiguous()
+        got = torch.empty_like(send)
+        dist.all_to_all_single(got, send, group=axis.group)
+        return got.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * n, d)
+    b, h, s, d = x.shape  # the reverse: every rank its tokens, of every head group
+    n = s // cp
+    send = x.reshape(b, h, cp, n, d).permute(2, 0, 1, 3, 4).contiguous()
+    got = torch.empty_like(send)
+    dist.all_to_all_single(got, send, group=axis.group)
+    return got.permute(1, 0, 2, 3, 4).reshape(b, cp * h, n, d)
+
+
+def ulysses_attention(q, k, v, axis, seq_len: int, seg=None, causal: bool = True, scale: float | None = None):
+    """Attention of this rank's tokens through a head split: an all-to-all gives each rank every
+    token of heads/cp query heads and kv_heads/cp key/value heads (both divisible by cp), plain
+    attention runs on them, and the reverse all-to-all brings back this rank's tokens."""
+    cp = axis.size
+    if cp == 1:
+        return ring_attention(q, k, v, axis, seq_len, seg, causal, scale)
+    if q.shape[1] % cp or k.shape[1] % cp:
+        raise ValueError(f"ulysses splits heads over cp {cp}: {q.shape[1]} heads and {k.shape[1]} key/value "
+                         f"heads must both divide by it (ring splits any)")
+    pos = torch.cat([positions(seq_len, cp, r, q.device) for r in range(cp)])  # the tokens' order after the exchange
+    natural = torch.argsort(pos)
+    qh, kh, vh = (_AllToAll.apply(t, axis, False).index_select(2, natural) for t in (q, k, v))
+    if seg is None:  # in the sequence's own order: the fused kernel's causal attention, no scores kept
+        groups = qh.shape[1] // kh.shape[1]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qh, _expand(kh, groups), _expand(vh, groups), is_causal=causal, scale=scale)
+    else:
+        parts = [torch.empty_like(seg) for _ in range(cp)]
+        dist.all_gather(parts, seg.contiguous(), group=axis.group)
+        whole = torch.cat(parts, dim=1).index_select(1, natural)
+        order = torch.arange(seq_len, device=q.device)
+        out = attention(qh, kh, vh, order, order, whole, whole, causal, scale)
+    return _AllToAll.apply(out.index_select(2, pos), axis, True)
+
+
+# -- a rank's place in its cp group ----------------------------------------------------------------
+@dataclass(frozen=True)
+class ContextParallel:
+    """What the model seam installs and the step runner uses: this rank's tokens of each sequence
+    (`split`, `positions`) and attention across the split (`attend`) over the cp group `axis`."""
+
+    axis: object  # the mesh's `cp` role (an `Axis`)
+    mode: str  # "ring" or "ulysses"
+    seq_len: int
+
+    def positions(self, device=None) -> torch.Tensor:
+        return positions(self.seq_len, self.axis.size, self.axis.rank, device)
+
+    def local_positions(self, t: int, device=None) -> torch.Tensor:
+        """The global positions of a rank's `t` tokens, which must be its part of a whole sequence."""
+        if t * self.axis.size != self.seq_len:
+            raise ValueError(f"{t} tokens on a cp rank: its part of a sequence of {self.seq_len} over "
+                             f"{self.axis.size} ranks is {self.seq_len // self.axis.size}")
+        return self.positions(device)
+
+    def split(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        return split(t, self.axis.size, self.axis.rank, dim)
+
+    def check_heads(self, heads: int, kv_heads: int) -> None:
+        """A ValueError for head counts `ulysses` cannot split over the cp group."""
+        cp = self.axis.size
+        if self.mode == "ulysses" and (heads % cp or kv_heads % cp):
+            raise ValueError(f"parallel.cp_mode: ulysses splits the attention heads over parallel.cp ({cp}), and "
+                             f"{heads} heads / {kv_heads} key/value heads do not divide by it; use "
+                             "parallel.cp_mode=ring, which splits any")
+
+    def attend(self, q, k, v, dropout_p: float = 0.0, causal: bool = True, scale: float | None = None, seg=None):
+        """Attention of this rank's tokens (`q`, `k`, `v`: [batch, heads, local tokens, head dim])
+        against the whole sequence."""
+        if dropout_p:
+            raise ValueError("attention dropout across the context-parallel split is not supported")
+        fn = ring_attention if self.mode == "ring" else ulysses_attention
+        return fn(q, k, v, self.axis, self.seq_len, seg, causal, scale)
