@@ -219,8 +219,8 @@ class RootConfig(Frozen):
 
         refused = [
             (not spec_class(self.model.kind).splits_sequence,
-             f"model.kind={self.model.kind}: attention across a split sequence reaches the built-in GPT today "
-             "(model.kind=gpt)"),
+             f"model.kind={self.model.kind}: attention across a split sequence reaches the built-in GPT's and "
+             "transformers' (model.kind=gpt or hf)"),
             (p.tp > 1, "parallel.tp: tensor parallelism with context parallelism is not supported yet"),
             (p.pp > 1, "parallel.pp: pipeline parallelism with context parallelism is not supported yet"),
             (self.train.objective != "lm", f"train.objective={self.train.objective}: preference pairs are not split "

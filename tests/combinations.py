@@ -30,7 +30,7 @@ MODELS = {
     "qwen2": dict(kind="hf", arch="qwen2", tp=True, freeze="model.layers.0.mlp.*"),  # biases on q/k/v
     "gpt2": dict(kind="hf", arch="gpt2", tied=True, freeze="transformer.h.0.*"),  # Conv1D, learned positions
     "module": dict(kind="module", tied=True, lora="fc,proj", freeze="layers.0.*"),  # a user's nn.Module
-    "mixtral": dict(kind="hf", arch="mixtral", moe=True, freeze="model.layers.0.*"),
+    "mixtral": dict(kind="hf", arch="mixtral", moe=True, lora="q_proj,v_proj", freeze="model.layers.0.*"),
     "qwen2_moe": dict(kind="hf", arch="qwen2_moe", moe=True, lora="q_proj,v_proj", freeze="model.layers.0.*"),
 }
 HYBRID = {"hsdp": "no_shard", "hfsdp": "optim"}  # ZeRO-3 in each replica; the optimizer state across replicas too
@@ -86,8 +86,10 @@ RULES.rule("a strategy shards over data-parallel x cp ranks", ["strategy", "dp",
            lambda strategy, dp, cp: dp * cp_size(cp) > 1 or strategy == "no_shard")
 RULES.rule("hybrid sharding's replicas are data-parallel ranks", ["strategy", "dp"],
            lambda strategy, dp: strategy not in HYBRID or dp > 1)
-RULES.rule("context parallelism reaches the built-in GPT's attention", ["model", "cp"],
-           lambda model, cp: cp == "1" or MODELS[model]["kind"] == "gpt")
+RULES.rule("context parallelism reaches the GPT's and transformers' attention (not yet a router loss)", ["model", "cp"],
+           lambda model, cp: cp == "1" or (MODELS[model]["kind"] != "module" and not MODELS[model].get("moe")))
+RULES.rule("ulysses splits the key/value heads", ["model", "cp"],
+           lambda model, cp: cp != "ulysses" or MODELS[model].get("num_key_value_heads", 2) % 2 == 0)
 RULES.rule("context parallelism alone of the model-parallel axes", ["cp", "tp", "pp"],
            lambda cp, tp, pp: cp == "1" or (tp == "1" and pp == "1"))
 RULES.rule("context parallelism splits language-model rows", ["cp", "objective"],

@@ -327,7 +327,8 @@ def test_a_configuration_equals_its_oracle(c, combo_setup, tmp_path):
         assert_trainable(c, combo_setup, ranks)
     if c["objective"] != "lm" and c["precision"] == "fp32":  # the policy is its reference at the first step
         first_prefs = step_prefs(ranks)[0]
-        assert step_losses(ranks)[0] == pytest.approx(math.log(2), rel=1e-6)
+        # -log sigmoid(margin) = ln 2 - margin / 2 + ...: the margin's rounding (REWARD_ABS) bounds it
+        assert step_losses(ranks)[0] == pytest.approx(math.log(2), abs=REWARD_ABS)
         assert first_prefs["rewards/margins"] == pytest.approx(0.0, abs=REWARD_ABS)
         assert first_prefs["rewards/chosen"] == pytest.approx(0.0, abs=REWARD_ABS)
     if combos.MODELS[c["model"]].get("moe"):
@@ -340,7 +341,8 @@ def test_a_configuration_equals_its_oracle(c, combo_setup, tmp_path):
             assert (expert[1]["shard"], expert[1]["reduce"]) == (dense[1]["shard"], dense[1]["reduce"]), r
     if c["strategy"] == "optim_grads_params" and combos.MODELS[c["model"]]["kind"] == "hf" and c["pp"] == "1":
         full = sum(v.numel() for v in want["state"].values()) * 4  # each rank read about its shard of the weights
-        assert all(ranks[r]["info"]["source_bytes_read"] < 1.6 * full / c["dp"] for r in ranks)
+        copies = 1 if c["objective"] == "lm" else 2  # preference tuning: the reference's shard too, read alike
+        assert all(ranks[r]["info"]["source_bytes_read"] < 1.6 * copies * full / c["dp"] for r in ranks)
 
 
 def assert_state(got: dict, want: dict, tol: float) -> None:

@@ -40,7 +40,8 @@ from tests.models import save_hf_model
                           "key/value heads do not divide by it; use parallel.cp_mode=ring"),
     (["cluster.num_workers=2", "parallel.cp=4"], "parallel.cp: 4 does not divide cluster.num_workers (2)"),
     (["cluster.num_workers=2", "parallel.cp=2", "model.kind=module", "model.factory=tests.models:TinyLM"],
-     "parallel.cp 2 with model.kind=module: attention across a split sequence reaches the built-in GPT today"),
+     "parallel.cp 2 with model.kind=module: attention across a split sequence reaches the built-in GPT's and "
+     "transformers'"),
     (["--config", "/nonexistent.yaml"], "config file /nonexistent.yaml does not exist"),
     (["data.path=/nonexistent/data"], "no dataset at /nonexistent/data"),
     (["cluster.address=127.0.0.1:1", "data.path=DATA"], "cluster.address: cannot connect"),
