@@ -44,6 +44,17 @@ import torch.distributed as dist
 NEG = float("-inf")
 
 
+class Traffic:
+    """Bytes this process has sent to the other ranks of its cp group (the ring's blocks and
+    gradients, the all-to-alls' shares for other ranks): what `benchmarks/long_context.py` holds
+    against the formula."""
+
+    sent = 0
+
+
+traffic = Traffic()
+
+
 # -- the split -------------------------------------------------------------------------------------
 def positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
     """The global positions of the tokens rank `rank` of `cp` holds, in its local order."""
@@ -90,20 +101,39 @@ def _allowed(q_pos, k_pos, q_seg, k_seg, causal: bool):
 
 
 def _pairs(q_pos, k_pos, q_seg, k_seg, causal: bool, chunk: int):
-    """The (query chunk, key chunk, mask) pairs with something to attend: pairs the causal mask
-    hides entirely are left out; a pair it leaves whole has no mask unless segments need one."""
+    """The (query chunk, key chunk, how) pairs with something to attend: pairs the causal mask
+    hides entirely are left out; `how` is "full" for a pair it leaves whole, "diagonal" for a
+    chunk against itself (causal within it), else the mask (segments, or chunks that overlap)."""
     out = []
     for qs, q_lo, q_hi in _runs(q_pos, chunk):
         for ks, k_lo, k_hi in _runs(k_pos, chunk):
             if causal and k_lo > q_hi:
                 continue
             whole = not causal or k_hi <= q_lo
-            if whole and q_seg is None:
-                out.append((qs, ks, None))
+            if q_seg is None and whole:
+                out.append((qs, ks, "full"))
+            elif q_seg is None and (q_lo, q_hi) == (k_lo, k_hi):
+                out.append((qs, ks, "diagonal"))
             else:
                 out.append((qs, ks, _allowed(q_pos[qs], k_pos[ks], None if q_seg is None else q_seg[:, qs],
                                              None if k_seg is None else k_seg[:, ks], causal and not whole)))
     return out
+
+
+def _fused(q: torch.Tensor, how) -> bool:
+    """Whether a pair runs in torch's fused CPU kernel (which also gives the log-sum-exp): a
+    whole or diagonal pair of float32 tensors on the CPU; the rest (masks, other devices) in
+    plain tensor operations."""
+    return isinstance(how, str) and q.device.type == "cpu"
+
+
+def _mask(how, q_pos, k_pos):
+    """`how` as a boolean mask (or None) for the plain path."""
+    if how == "full":
+        return None
+    if how == "diagonal":
+        return _allowed(q_pos, k_pos, None, None, True)
+    return how
 
 
 def _scores(q, k, scale, allowed):
@@ -117,9 +147,12 @@ def _probs(s, lse):
     return torch.nan_to_num(p, nan=0.0) if torch.isinf(lse).any() else p
 
 
-def _block_forward(q, k, v, scale, allowed):
+def _block_forward(q, k, v, scale, how, q_pos, k_pos):
     """(out, lse) of float32 queries against one block of float32 keys and values."""
-    s = _scores(q, k, scale, allowed)
+    if _fused(q, how):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, how == "diagonal", scale=scale)
+    s = _scores(q, k, scale, _mask(how, q_pos, k_pos))
     lse = torch.logsumexp(s, dim=-1)
     return torch.matmul(_probs(s, lse), v), lse
 
@@ -134,9 +167,14 @@ def _merge(out, lse, part, part_lse):
     lse.copy_(new)
 
 
-def _block_backward(q, k, v, scale, allowed, lse, dout, delta):
-    """(dq, dk, dv) of one block, from the whole attention's lse and delta = rowsum(dout · out)."""
-    p = _probs(_scores(q, k, scale, allowed), lse)
+def _block_backward(q, k, v, scale, how, q_pos, k_pos, out, lse, dout, delta):
+    """(dq, dk, dv) of one block, from the whole attention's out, lse and delta = rowsum(dout · out)
+    (the block's probabilities are exp(s − lse) of the whole row)."""
+    if _fused(q, how):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(),
+            0.0, how == "diagonal", scale=scale)
+    p = _probs(_scores(q, k, scale, _mask(how, q_pos, k_pos)), lse)
     dv = torch.matmul(p.transpose(-1, -2), dout)
     ds = p * (torch.matmul(dout, v.transpose(-1, -2)) - delta[..., None])
     return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale, dv
@@ -179,6 +217,7 @@ class _Ring:
     def start(self, tensors: list[torch.Tensor]):
         """Send `tensors` on, receive the previous rank's into new tensors: (received, works)."""
         got = [torch.empty_like(t) for t in tensors]
+        traffic.sent += sum(t.numel() * t.element_size() for t in tensors)
         ops = [dist.P2POp(dist.isend, t, self.next, self.axis.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, g, self.prev, self.axis.group) for g in got]
         return got, dist.batch_isend_irecv(ops)
@@ -212,8 +251,9 @@ class RingAttention(torch.autograd.Function):
             k_pos = positions(seq_len, cp, src, q.device)
             kf, vf = (_expand(t, groups).float() for t in cur[0])
             seg = cur[1] if k_seg is not None else None
-            for qs, ks, allowed in _pairs(q_pos, k_pos, q_seg, seg, causal, seq_len // (2 * cp)):
-                part, part_lse = _block_forward(qf[:, :, qs], kf[:, :, ks], vf[:, :, ks], scale, allowed)
+            for qs, ks, how in _pairs(q_pos, k_pos, q_seg, seg, causal, seq_len // (2 * cp)):
+                part, part_lse = _block_forward(qf[:, :, qs], kf[:, :, ks], vf[:, :, ks], scale, how,
+                                                q_pos[qs], k_pos[ks])
                 _merge(out[:, :, qs], lse[:, :, qs], part, part_lse)
             if step + 1 < cp:
                 ring.finish(works)
@@ -243,9 +283,9 @@ class RingAttention(torch.autograd.Function):
             seg = cur[1] if k_seg is not None else None
             dk = torch.zeros_like(kf)
             dv = torch.zeros_like(vf)
-            for qs, ks, allowed in _pairs(q_pos, k_pos, q_seg, seg, causal, seq_len // (2 * cp)):
-                a, b, c = _block_backward(qf[:, :, qs], kf[:, :, ks], vf[:, :, ks], scale, allowed,
-                                          lse[:, :, qs], dout[:, :, qs], delta[:, :, qs])
+            for qs, ks, how in _pairs(q_pos, k_pos, q_seg, seg, causal, seq_len // (2 * cp)):
+                a, b, c = _block_backward(qf[:, :, qs], kf[:, :, ks], vf[:, :, ks], scale, how, q_pos[qs], k_pos[ks],
+                                          out[:, :, qs], lse[:, :, qs], dout[:, :, qs], delta[:, :, qs])
                 dq[:, :, qs] += a
                 dk[:, :, ks] += b
                 dv[:, :, ks] += c
@@ -288,6 +328,7 @@ class _AllToAll(torch.autograd.Function):
 
 def _all_to_all(x: torch.Tensor, axis, back: bool) -> torch.Tensor:
     cp = axis.size
+    traffic.sent += x.numel() * x.element_size() * (cp - 1) // cp  # its own share stays
     if not back:  # send head group j to rank j; receive every rank's tokens of this rank's heads
         b, h, n, d = x.shape
         send = x.reshape(b, cp, h // cp, n, d).permute(1, 0, 2, 3, 4).contiguous()
