@@ -24,7 +24,7 @@ CAPABILITIES = {
     "sharding and its equality (every axis, pairwise)": [
         "dist/test_combinations", "dist/test_matches_reference", "dist/test_models", "dist/test_fsdp_behaviour",
         "dist/test_instructions", "unit/test_allpairs", "unit/test_flat_buffer", "unit/test_layout",
-        "unit/test_topology_units", "unit/test_precision", "unit/test_schedule"],
+        "unit/test_topology_units", "unit/test_precision", "unit/test_schedule", "unit/test_bucket_groups"],
     "memory formulas and caps": ["dist/test_memory", "dist/test_zero3_fits", "unit/test_strategy_table"],
     "models behind the seam (HF, conversions, MoE, modules)": [
         "dist/test_conversions", "dist/test_pretrained", "e2e/test_models", "unit/test_models", "unit/test_model_seam",
@@ -35,6 +35,7 @@ CAPABILITIES = {
     "LoRA": ["dist/test_lora"],
     "compiled blocks (torch.compile)": ["dist/test_compile"],
     "tensor parallelism": ["dist/test_tensor_parallel", "dist/test_vocab_parallel", "e2e/test_tensor_parallel"],
+    "context parallelism": ["dist/test_context_parallel", "e2e/test_context_parallel", "unit/test_cp_split"],
     "pipeline parallelism": [
         "dist/test_pipeline", "dist/test_pipeline_models", "dist/test_pipeline_checkpoints", "e2e/test_pipeline",
         "unit/test_pipeline_schedules", "unit/test_pipeline_stages"],
