@@ -221,8 +221,6 @@ class RootConfig(Frozen):
             (not spec_class(self.model.kind).splits_sequence,
              f"model.kind={self.model.kind}: attention across a split sequence reaches the built-in GPT's and "
              "transformers' (model.kind=gpt or hf)"),
-            (p.tp > 1, "parallel.tp: tensor parallelism with context parallelism is not supported yet"),
-            (p.pp > 1, "parallel.pp: pipeline parallelism with context parallelism is not supported yet"),
             (self.train.objective != "lm", f"train.objective={self.train.objective}: preference pairs are not split "
                                            "over cp ranks yet"),
             (self.model.dropout > 0, f"model.dropout: {self.model.dropout:g}; the attention's dropout is not split "

@@ -65,6 +65,13 @@ def cp_size(cp: str) -> int:
     return 1 if cp == "1" else 2
 
 
+def kv_heads(model: str) -> int:
+    """Key/value heads of the tests' models: the GPT's and GPT-2's 4 (one per head), the HF
+    decoders' 2 (tests/models.py) unless set."""
+    m = MODELS[model]
+    return m.get("num_key_value_heads", 4 if m["kind"] == "gpt" or m.get("arch") == "gpt2" else 2)
+
+
 def micro_batches(c: dict) -> int:
     """Micro-batches per data-parallel rank per step."""
     return GLOBAL_BATCH // (c["dp"] * c["micro"])
@@ -88,10 +95,8 @@ RULES.rule("hybrid sharding's replicas are data-parallel ranks", ["strategy", "d
            lambda strategy, dp: strategy not in HYBRID or dp > 1)
 RULES.rule("context parallelism reaches the GPT's and transformers' attention (not yet a router loss)", ["model", "cp"],
            lambda model, cp: cp == "1" or (MODELS[model]["kind"] != "module" and not MODELS[model].get("moe")))
-RULES.rule("ulysses splits the key/value heads", ["model", "cp"],
-           lambda model, cp: cp != "ulysses" or MODELS[model].get("num_key_value_heads", 2) % 2 == 0)
-RULES.rule("context parallelism alone of the model-parallel axes", ["cp", "tp", "pp"],
-           lambda cp, tp, pp: cp == "1" or (tp == "1" and pp == "1"))
+RULES.rule("ulysses splits a tensor-parallel rank's key/value heads", ["model", "cp", "tp"],
+           lambda model, cp, tp: cp != "ulysses" or max(kv_heads(model) // tp_size(tp), 1) % 2 == 0)
 RULES.rule("context parallelism splits language-model rows", ["cp", "objective"],
            lambda cp, objective: cp == "1" or objective == "lm")
 RULES.rule("whole micro-batches", ["dp", "micro"], lambda dp, micro: GLOBAL_BATCH % (dp * micro) == 0)

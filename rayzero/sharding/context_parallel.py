@@ -378,6 +378,7 @@ class ContextParallel:
     axis: object  # the mesh's `cp` role (an `Axis`)
     mode: str  # "ring" or "ulysses"
     seq_len: int
+    tp: int = 1  # the tensor-parallel size: a rank attends with its share of the heads
 
     def positions(self, device=None) -> torch.Tensor:
         return positions(self.seq_len, self.axis.size, self.axis.rank, device)
@@ -393,12 +394,16 @@ class ContextParallel:
         return split(t, self.axis.size, self.axis.rank, dim)
 
     def check_heads(self, heads: int, kv_heads: int) -> None:
-        """A ValueError for head counts `ulysses` cannot split over the cp group."""
-        cp = self.axis.size
-        if self.mode == "ulysses" and (heads % cp or kv_heads % cp):
-            raise ValueError(f"parallel.cp_mode: ulysses splits the attention heads over parallel.cp ({cp}), and "
-                             f"{heads} heads / {kv_heads} key/value heads do not divide by it; use "
-                             "parallel.cp_mode=ring, which splits any")
+        """A ValueError for head counts `ulysses` cannot split over the cp group (a tensor-parallel
+        rank's share of them: its heads, and its key/value heads or the one it keeps when there
+        are fewer than tp)."""
+        cp, tp = self.axis.size, self.tp
+        local, local_kv = heads // tp, max(kv_heads // tp, 1)
+        if self.mode == "ulysses" and (local % cp or local_kv % cp):
+            where = f" a tensor-parallel rank's {local} heads / {local_kv} key/value heads" if tp > 1 else \
+                f" {heads} heads / {kv_heads} key/value heads"
+            raise ValueError(f"parallel.cp_mode: ulysses splits the attention heads over parallel.cp ({cp}), and"
+                             f"{where} do not divide by it; use parallel.cp_mode=ring, which splits any")
 
     def attend(self, q, k, v, dropout_p: float = 0.0, causal: bool = True, scale: float | None = None, seg=None):
         """Attention of this rank's tokens (`q`, `k`, `v`: [batch, heads, local tokens, head dim])

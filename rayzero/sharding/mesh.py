@@ -182,9 +182,10 @@ class Mesh:
             fit = [n for n in range(t.seq_len - 2 * cp, t.seq_len + 4 * cp + 1) if n > 0 and n % (2 * cp) == 0][:3]
             raise ValueError(f"train.seq_len: {t.seq_len} does not split into 2 x parallel.cp = {2 * cp} equal chunks "
                              f"(each cp rank holds two, for even causal work); e.g. {', '.join(map(str, fit))} would")
-        if cfg.parallel.sequence_parallel and t.seq_len % tp:
-            raise ValueError(f"train.seq_len: {t.seq_len} is not divisible by parallel.tp ({tp}), over which "
-                             "parallel.sequence_parallel splits the sequence")
+        if cfg.parallel.sequence_parallel and (t.seq_len // cp) % tp:
+            raise ValueError(f"train.seq_len: {t.seq_len} is not divisible by parallel.tp ({tp})"
+                             + (f" x parallel.cp ({cp})" if cp > 1 else "")
+                             + ", over which parallel.sequence_parallel splits the sequence")
         batch = self.size("batch")
         if t.global_batch_size % (t.micro_batch_size * batch):
             raise ValueError(

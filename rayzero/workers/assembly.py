@@ -138,7 +138,7 @@ def context_of(cfg: RootConfig, mesh: Mesh):
         return None
     from rayzero.sharding.context_parallel import ContextParallel
 
-    return ContextParallel(mesh.axis("cp"), cfg.parallel.cp_mode, cfg.train.seq_len)
+    return ContextParallel(mesh.axis("cp"), cfg.parallel.cp_mode, cfg.train.seq_len, mesh.size("tp"))
 
 
 def block_classes(cfg: RootConfig, spec: ModelSpec, model: nn.Module) -> tuple[str, ...]:

@@ -26,22 +26,24 @@ def start_pipeline(cfg, spec, model, strategy, stages: Stages, mesh, device, str
 
 
 def boundary_shape(cfg, stages: Stages, mesh) -> tuple[int, int, int]:
-    """What passes between stages: (micro-batch, sequence, hidden): the sequence's shard over
-    the `tp` role with sequence parallelism, whose activations are split along it between the
+    """What passes between stages: (micro-batch, sequence, hidden): a cp rank's part of the
+    sequence, and its shard over the `tp` role with sequence parallelism, whose activations are split along it between the
     blocks; the hidden width from the model's input embedding (the model seam's stage plan)."""
     if not stages.absent:
         raise ValueError("parallel.pp: the model has no input embedding before its first block, so the width "
                          "of the activations passed between stages is unknown")
-    seq = cfg.train.seq_len // (mesh.size("tp") if cfg.parallel.sequence_parallel else 1)
+    seq = cfg.train.seq_len // mesh.size("cp") // (mesh.size("tp") if cfg.parallel.sequence_parallel else 1)
     return cfg.train.micro_batch_size, seq, stages.absent[0].dim
 
 
-def validation_loss(pipe: PipelineRun, val, device) -> tuple[torch.Tensor, int]:
-    """(summed loss, valid targets) over this rank's validation rows, forward only through the
-    stages; the last stage sums the loss."""
+def validation_loss(pipe: PipelineRun, val, device, cp=None) -> tuple[torch.Tensor, int]:
+    """(summed loss, valid targets) over this rank's validation rows (its tokens of them with
+    `cp`), forward only through the stages; the last stage sums the loss."""
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     count = 0
-    micro = [(x.to(device), y.to(device)) for batch in range(val.num_batches) for x, y in val.microbatches(batch)]
+    keep = (lambda t: t) if cp is None else cp.split
+    micro = [(keep(x).to(device), keep(y).to(device)) for batch in range(val.num_batches)
+             for x, y in val.microbatches(batch)]
     for part, valid, _ in pipe.forward_only(micro, lambda m, x, y: pipe.spec.loss(m, x, y, vocab=pipe.vocab)):
         loss_sum += part.double()
         count += int(valid)

@@ -126,7 +126,7 @@ class LanguageModel:
         if r._pipe is not None:
             from rayzero.workers import pipelined
 
-            return pipelined.validation_loss(r._pipe, val, r.device)
+            return pipelined.validation_loss(r._pipe, val, r.device, context_of(r.cfg, r.mesh))
         loss_sum, count = torch.zeros((), dtype=torch.float64, device=r.device), 0
         cp = context_of(r.cfg, r.mesh)
         for batch in range(val.num_batches):
