@@ -44,20 +44,6 @@ def _transformers():
     return transformers
 
 
-CP_ATTENTION = "rayzero_context_parallel"  # the attention implementation `context_parallel` registers
-
-
-def _cp_attention(cp, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """An attention function of transformers' registry: this rank's queries against the whole
-    sequence across the cp group; [batch, tokens, heads, head dim] as transformers' own return."""
-    if dropout:
-        raise ValueError("attention dropout across the context-parallel split is not supported")
-    if kwargs.get("sliding_window") or kwargs.get("s_aux") is not None:
-        raise ValueError(f"{type(module).__name__}: sliding-window or sink attention across the context-parallel "
-                         "split is not supported")
-    return cp.attend(query, key, value, scale=scaling).transpose(1, 2).contiguous(), None
-
-
 class HFSpec(ModelSpec):
     kind = "hf"
 
@@ -234,14 +220,9 @@ class HFSpec(ModelSpec):
     splits_sequence = True
 
     def context_parallel(self, model: nn.Module, cp) -> None:
-        """Through transformers' attention-function registry (`AttentionInterface`), no model code
-        edited: every attention layer calls `cp.attend` (the key/value heads as the layer has them,
-        before `repeat_kv`), and the model is given the tokens' global `position_ids`, which the
-        rotary or learned positions take. An implementation name with no mask function of its own
-        makes transformers build no mask: causality is over the global positions in `cp.attend`."""
-        import functools
-
-        from transformers import AttentionInterface, PreTrainedModel
+        """Through transformers' attention-function registry (`hf_context.py`); refused for a
+        mixture of experts (its router loss) and for attention dropout."""
+        from rayzero.models.hf_context import attend_across
 
         c = self.text_config
         heads = getattr(c, "num_attention_heads", None) or getattr(c, "n_head", None)
@@ -253,15 +234,7 @@ class HFSpec(ModelSpec):
         if dropout:
             raise ModelError(f"parallel.cp: the model's attention dropout ({dropout:g}, in {self.path}/{CONFIG}) is "
                              "not split over cp ranks yet")
-        AttentionInterface.register(CP_ATTENTION, functools.partial(_cp_attention, cp))
-        pretrained = next(m for m in model.modules() if isinstance(m, PreTrainedModel))
-        pretrained.set_attn_implementation(CP_ATTENTION)
-
-        def positions(_module, args, kwargs):
-            ids = kwargs.get("input_ids", args[0] if args else None)
-            return args, {**kwargs, "position_ids": cp.local_positions(ids.shape[1], ids.device)[None]}
-
-        model.register_forward_pre_hook(positions, with_kwargs=True)
+        attend_across(model, cp)
 
     def attention_shape(self, model: nn.Module) -> tuple[int, int] | None:
         c = self.text_config

@@ -95,15 +95,17 @@ def _allowed(q_pos, k_pos, q_seg, k_seg, causal: bool):
     if causal:
         allowed = (q_pos[:, None] >= k_pos[None, :])[None, None]
     if q_seg is not None:
+        allowed = None if allowed is None else allowed.to(q_seg.device)
         same = (q_seg[:, :, None] == k_seg[:, None, :]) & (k_seg[:, None, :] >= 0)
         allowed = same[:, None] if allowed is None else allowed & same[:, None]
     return allowed
 
 
-def _pairs(q_pos, k_pos, q_seg, k_seg, causal: bool, chunk: int):
+def _pairs(q_pos, k_pos, q_seg, k_seg, causal: bool, chunk: int, device=None):
     """The (query chunk, key chunk, how) pairs with something to attend: pairs the causal mask
     hides entirely are left out; `how` is "full" for a pair it leaves whole, "diagonal" for a
-    chunk against itself (causal within it), else the mask (segments, or chunks that overlap)."""
+    chunk against itself (causal within it), else the mask (segments, or chunks that overlap) on
+    `device`. `q_pos`, `k_pos`: on the host (their chunks' bounds are read without a device sync)."""
     out = []
     for qs, q_lo, q_hi in _runs(q_pos, chunk):
         for ks, k_lo, k_hi in _runs(k_pos, chunk):
@@ -116,7 +118,7 @@ def _pairs(q_pos, k_pos, q_seg, k_seg, causal: bool, chunk: int):
                 out.append((qs, ks, "diagonal"))
             else:
                 out.append((qs, ks, _allowed(q_pos[qs], k_pos[ks], None if q_seg is None else q_seg[:, qs],
-                                             None if k_seg is None else k_seg[:, ks], causal and not whole)))
+                                             None if k_seg is None else k_seg[:, ks], causal and not whole).to(device)))
     return out
 
 
@@ -127,12 +129,12 @@ def _fused(q: torch.Tensor, how) -> bool:
     return isinstance(how, str) and q.device.type == "cpu"
 
 
-def _mask(how, q_pos, k_pos):
-    """`how` as a boolean mask (or None) for the plain path."""
+def _mask(how, q_pos, k_pos, device):
+    """`how` as a boolean mask on `device` (or None) for the plain path."""
     if how == "full":
         return None
     if how == "diagonal":
-        return _allowed(q_pos, k_pos, None, None, True)
+        return _allowed(q_pos, k_pos, None, None, True).to(device)
     return how
 
 
@@ -152,7 +154,7 @@ def _block_forward(q, k, v, scale, how, q_pos, k_pos):
     if _fused(q, how):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q.contiguous(), k.contiguous(), v.contiguous(), 0.0, how == "diagonal", scale=scale)
-    s = _scores(q, k, scale, _mask(how, q_pos, k_pos))
+    s = _scores(q, k, scale, _mask(how, q_pos, k_pos, q.device))
     lse = torch.logsumexp(s, dim=-1)
     return torch.matmul(_probs(s, lse), v), lse
 
@@ -174,7 +176,7 @@ def _block_backward(q, k, v, scale, how, q_pos, k_pos, out, lse, dout, delta):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(),
             0.0, how == "diagonal", scale=scale)
-    p = _probs(_scores(q, k, scale, _mask(how, q_pos, k_pos)), lse)
+    p = _probs(_scores(q, k, scale, _mask(how, q_pos, k_pos, q.device)), lse)
     dv = torch.matmul(p.transpose(-1, -2), dout)
     ds = p * (torch.matmul(dout, v.transpose(-1, -2)) - delta[..., None])
     return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale, dv
@@ -234,30 +236,36 @@ def _traveling(k, v, seg):
     return [kv] if seg is None else [kv, seg.contiguous()]
 
 
+def _ring_steps(axis, k, v, seg, seq_len: int, groups: int):
+    """The blocks a rank holds in turn, one a step: (their positions, on the host; keys and values expanded to
+    the query heads in float32, their segments or None). The next block's exchange runs while
+    the caller computes on this one, and is waited for when the caller asks for the next."""
+    cp, rank, ring = axis.size, axis.rank, _Ring(axis)
+    cur = _traveling(k, v, seg)
+    for step in range(cp):
+        works = None
+        if step + 1 < cp:
+            got, works = ring.start(cur)
+        kf, vf = (_expand(t, groups).float() for t in cur[0])
+        yield positions(seq_len, cp, (rank - step) % cp), kf, vf, cur[1] if seg is not None else None
+        if works is not None:
+            ring.finish(works)
+            cur = got
+
+
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, q_seg, k_seg, axis, seq_len: int, causal: bool, scale: float):
-        cp, rank, ring = axis.size, axis.rank, _Ring(axis)
-        groups = q.shape[1] // k.shape[1]
-        q_pos = positions(seq_len, cp, rank, q.device)
+        cp, groups, chunk = axis.size, q.shape[1] // k.shape[1], seq_len // (2 * axis.size)
+        q_pos = positions(seq_len, cp, axis.rank)  # on the host: the chunks' bounds, no device sync
         qf = q.float()
         out = torch.zeros(qf.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(qf.shape[:-1], NEG, dtype=torch.float32, device=q.device)
-        cur = _traveling(k, v, k_seg)
-        for step in range(cp):
-            if step + 1 < cp:
-                got, works = ring.start(cur)
-            src = (rank - step) % cp
-            k_pos = positions(seq_len, cp, src, q.device)
-            kf, vf = (_expand(t, groups).float() for t in cur[0])
-            seg = cur[1] if k_seg is not None else None
-            for qs, ks, how in _pairs(q_pos, k_pos, q_seg, seg, causal, seq_len // (2 * cp)):
+        for k_pos, kf, vf, seg in _ring_steps(axis, k, v, k_seg, seq_len, groups):
+            for qs, ks, how in _pairs(q_pos, k_pos, q_seg, seg, causal, chunk, q.device):
                 part, part_lse = _block_forward(qf[:, :, qs], kf[:, :, ks], vf[:, :, ks], scale, how,
                                                 q_pos[qs], k_pos[ks])
                 _merge(out[:, :, qs], lse[:, :, qs], part, part_lse)
-            if step + 1 < cp:
-                ring.finish(works)
-                cur = got
         ctx.save_for_backward(q, k, v, out, lse, q_seg, k_seg)
         ctx.axis, ctx.seq_len, ctx.causal, ctx.scale = axis, seq_len, causal, scale
         return out.to(q.dtype)
@@ -266,24 +274,19 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, q_seg, k_seg = ctx.saved_tensors
         axis, seq_len, causal, scale = ctx.axis, ctx.seq_len, ctx.causal, ctx.scale
-        cp, rank, ring = axis.size, axis.rank, _Ring(axis)
-        groups = q.shape[1] // k.shape[1]
-        q_pos = positions(seq_len, cp, rank, q.device)
+        cp, groups, chunk, ring = axis.size, q.shape[1] // k.shape[1], seq_len // (2 * axis.size), _Ring(axis)
+        q_pos = positions(seq_len, cp, axis.rank)
         qf, dout = q.float(), dout.float()
         delta = (dout * out).sum(-1)
         dq = torch.zeros_like(qf)
-        cur = _traveling(k, v, k_seg)
         dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)  # the held block's, so far
-        for step in range(cp):
-            if step + 1 < cp:
-                got, works = ring.start(cur)
-            src = (rank - step) % cp
-            k_pos = positions(seq_len, cp, src, q.device)
-            kf, vf = (_expand(t, groups).float() for t in cur[0])
-            seg = cur[1] if k_seg is not None else None
-            dk = torch.zeros_like(kf)
-            dv = torch.zeros_like(vf)
-            for qs, ks, how in _pairs(q_pos, k_pos, q_seg, seg, causal, seq_len // (2 * cp)):
+        sending = None  # the previous step's dK/dV on its way on, and the next block's coming in
+        for k_pos, kf, vf, seg in _ring_steps(axis, k, v, k_seg, seq_len, groups):
+            if sending is not None:
+                ring.finish(sending[1])
+                dkv = sending[0]
+            dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
+            for qs, ks, how in _pairs(q_pos, k_pos, q_seg, seg, causal, chunk, q.device):
                 a, b, c = _block_backward(qf[:, :, qs], kf[:, :, ks], vf[:, :, ks], scale, how, q_pos[qs], k_pos[ks],
                                           out[:, :, qs], lse[:, :, qs], dout[:, :, qs], delta[:, :, qs])
                 dq[:, :, qs] += a
@@ -291,12 +294,10 @@ class RingAttention(torch.autograd.Function):
                 dv[:, :, ks] += c
             dkv[0] += _fold(dk, groups)
             dkv[1] += _fold(dv, groups)
-            (got_dkv,), grad_works = ring.start([dkv])  # on with its block; at the end, each block's comes home
-            if step + 1 < cp:
-                ring.finish(works)
-                cur = got
-            ring.finish(grad_works)
-            dkv = got_dkv
+            (got,), works = ring.start([dkv])  # on with its block; after the last step, each block's comes home
+            sending = (got, works, dkv)  # the sent tensor kept alive until its send is done
+        ring.finish(sending[1])
+        dkv = sending[0]
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
 
 

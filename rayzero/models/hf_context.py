@@ -1,0 +1,41 @@
+"""Context parallelism for Hugging Face decoders through transformers' attention-function
+registry (`AttentionInterface`), with no model code edited: every attention layer calls
+`cp.attend` (with the key/value heads as the layer has them, before `repeat_kv`), and the model
+is given the tokens' global `position_ids`, which the rotary or learned positions take. An
+implementation name with no mask function of its own makes transformers build no mask:
+causality is over the global positions, in `cp.attend`."""
+
+from __future__ import annotations
+
+import functools
+
+import torch.nn as nn
+
+CP_ATTENTION = "rayzero_context_parallel"  # the attention implementation `attend_across` registers
+
+
+def _cp_attention(cp, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """An attention function of transformers' registry: this rank's queries against the whole
+    sequence across the cp group; [batch, tokens, heads, head dim] as transformers' own return."""
+    if dropout:
+        raise ValueError("attention dropout across the context-parallel split is not supported")
+    if kwargs.get("sliding_window") or kwargs.get("s_aux") is not None:
+        raise ValueError(f"{type(module).__name__}: sliding-window or sink attention across the context-parallel "
+                         "split is not supported")
+    return cp.attend(query, key, value, scale=scaling).transpose(1, 2).contiguous(), None
+
+
+def attend_across(model: nn.Module, cp) -> None:
+    """Make `model` (a transformers model, possibly with adapters) attend across the split of `cp`
+    (a `ContextParallel`) and take its tokens' global positions."""
+    from transformers import AttentionInterface, PreTrainedModel
+
+    AttentionInterface.register(CP_ATTENTION, functools.partial(_cp_attention, cp))
+    pretrained = next(m for m in model.modules() if isinstance(m, PreTrainedModel))
+    pretrained.set_attn_implementation(CP_ATTENTION)
+
+    def positions(_module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        return args, {**kwargs, "position_ids": cp.local_positions(ids.shape[1], ids.device)[None]}
+
+    model.register_forward_pre_hook(positions, with_kwargs=True)
