@@ -221,11 +221,6 @@ class RootConfig(Frozen):
             (not spec_class(self.model.kind).splits_sequence,
              f"model.kind={self.model.kind}: attention across a split sequence reaches the built-in GPT's and "
              "transformers' (model.kind=gpt or hf)"),
-            (self.train.objective != "lm", f"train.objective={self.train.objective}: preference pairs are not split "
-                                           "over cp ranks yet"),
-            (self.model.dropout > 0, f"model.dropout: {self.model.dropout:g}; the attention's dropout is not split "
-                                     "over cp ranks yet (set it to 0)"),
-            (self.train.compile, "train.compile: compiled blocks with context parallelism are not supported yet"),
         ]
         for bad, why in refused:
             if bad:

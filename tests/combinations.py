@@ -66,10 +66,10 @@ def cp_size(cp: str) -> int:
 
 
 def kv_heads(model: str) -> int:
-    """Key/value heads of the tests' models: the GPT's and GPT-2's 4 (one per head), the HF
-    decoders' 2 (tests/models.py) unless set."""
+    """Key/value heads of the tests' models: the GPT's, GPT-2's and the module's 4 (one per head),
+    the HF decoders' 2 (tests/models.py) unless set."""
     m = MODELS[model]
-    return m.get("num_key_value_heads", 4 if m["kind"] == "gpt" or m.get("arch") == "gpt2" else 2)
+    return m.get("num_key_value_heads", 4 if m["kind"] in ("gpt", "module") or m.get("arch") == "gpt2" else 2)
 
 
 def micro_batches(c: dict) -> int:
@@ -93,12 +93,8 @@ RULES.rule("a strategy shards over data-parallel x cp ranks", ["strategy", "dp",
            lambda strategy, dp, cp: dp * cp_size(cp) > 1 or strategy == "no_shard")
 RULES.rule("hybrid sharding's replicas are data-parallel ranks", ["strategy", "dp"],
            lambda strategy, dp: strategy not in HYBRID or dp > 1)
-RULES.rule("context parallelism reaches the GPT's and transformers' attention (not yet a router loss)", ["model", "cp"],
-           lambda model, cp: cp == "1" or (MODELS[model]["kind"] != "module" and not MODELS[model].get("moe")))
 RULES.rule("ulysses splits a tensor-parallel rank's key/value heads", ["model", "cp", "tp"],
            lambda model, cp, tp: cp != "ulysses" or max(kv_heads(model) // tp_size(tp), 1) % 2 == 0)
-RULES.rule("context parallelism splits language-model rows", ["cp", "objective"],
-           lambda cp, objective: cp == "1" or objective == "lm")
 RULES.rule("whole micro-batches", ["dp", "micro"], lambda dp, micro: GLOBAL_BATCH % (dp * micro) == 0)
 RULES.rule("tensor parallelism needs a plan", ["model", "tp"], lambda model, tp: tp == "1" or MODELS[model].get("tp", False))
 RULES.rule("sequence parallelism needs a final norm", ["model", "tp"],

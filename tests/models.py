@@ -97,7 +97,16 @@ def save_chat_model(path: str | Path, texts: list[str], arch: str = "qwen2") -> 
     return path
 
 
+def causal_attention(q, k, v, dropout_p: float = 0.0):
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+
+
 class Block(nn.Module):
+    """A pre-norm block whose attention's weights are torch's `nn.MultiheadAttention`'s, its
+    heads' attention `attend` (causal SDPA; `TinyLM.context_parallel` swaps it). Not MHA's own
+    forward: in eval mode without gradients that takes a fused fast path whose bf16 rounding
+    differs from the training path's, so a reference model would not start equal to its policy."""
+
     def __init__(self, dim: int, heads: int, dropout: float = 0.0):
         super().__init__()
         self.ln1 = nn.LayerNorm(dim)
@@ -106,13 +115,18 @@ class Block(nn.Module):
         self.fc = nn.Linear(dim, 4 * dim)
         self.proj = nn.Linear(4 * dim, dim)
         self.drop = nn.Dropout(dropout)
+        self.attend = causal_attention
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t = x.shape[1]
-        mask = torch.triu(torch.ones(t, t, dtype=torch.bool, device=x.device), 1)
-        h = self.ln1(x)
-        x = x + self.drop(self.attn(h, h, h, attn_mask=mask, need_weights=False)[0])
+        x = x + self.drop(self._attention(self.ln1(x)))
         return x + self.drop(self.proj(F.gelu(self.fc(self.ln2(x)))))
+
+    def _attention(self, h: torch.Tensor) -> torch.Tensor:
+        b, t, d = h.shape
+        q, k, v = F.linear(h, self.attn.in_proj_weight, self.attn.in_proj_bias).chunk(3, dim=-1)
+        q, k, v = (z.view(b, t, self.attn.num_heads, -1).transpose(1, 2) for z in (q, k, v))
+        y = self.attend(q, k, v, self.attn.dropout if self.training else 0.0)
+        return self.attn.out_proj(y.transpose(1, 2).reshape(b, t, d))
 
 
 class TinyLM(nn.Module):
@@ -131,8 +145,18 @@ class TinyLM(nn.Module):
         if tie:
             self.head.weight = self.emb.weight
 
+    def context_parallel(self, attend, positions) -> None:
+        """rayzero's hook for context parallelism: attention across the split, global positions."""
+        for layer in self.layers:
+            layer.attend = attend
+        self.global_positions = positions
+
+    global_positions = None
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.emb(idx) + self.pos(self.positions[: idx.shape[1]])
+        t = idx.shape[1]
+        pos = self.positions[:t] if self.global_positions is None else self.global_positions(t, idx.device)
+        x = self.emb(idx) + self.pos(pos)
         for layer in self.layers:
             x = layer(x)
         return self.head(self.ln_f(x))

@@ -220,21 +220,16 @@ class HFSpec(ModelSpec):
     splits_sequence = True
 
     def context_parallel(self, model: nn.Module, cp) -> None:
-        """Through transformers' attention-function registry (`hf_context.py`); refused for a
-        mixture of experts (its router loss) and for attention dropout."""
+        """Through transformers' attention-function registry (`hf_context.py`); a mixture of
+        experts' load-balancing loss over the whole cp group's tokens (`routers.balancing_loss`)."""
         from rayzero.models.hf_context import attend_across
 
         c = self.text_config
         heads = getattr(c, "num_attention_heads", None) or getattr(c, "n_head", None)
         cp.check_heads(heads, getattr(c, "num_key_value_heads", None) or heads)
-        if self.aux_coef:
-            raise ModelError("parallel.cp: a mixture of experts' load-balancing loss is a function of every token's "
-                             "routing, and its router logits are not gathered over the cp ranks yet")
-        dropout = getattr(c, "attention_dropout", None) or getattr(c, "attn_pdrop", None) or 0.0
-        if dropout:
-            raise ModelError(f"parallel.cp: the model's attention dropout ({dropout:g}, in {self.path}/{CONFIG}) is "
-                             "not split over cp ranks yet")
         attend_across(model, cp)
+        if self.aux_coef:
+            self._balance = (cp, int(model.num_experts), int(model.num_experts_per_tok))
 
     def attention_shape(self, model: nn.Module) -> tuple[int, int] | None:
         c = self.text_config
@@ -284,14 +279,23 @@ class HFSpec(ModelSpec):
             return model(input_ids=x, output_router_logits=True)
         return model(input_ids=x)
 
+    _balance = None  # with context parallelism: (the rank's ContextParallel, experts, top k)
+
     def aux_loss(self, out) -> torch.Tensor | None:
+        if self.aux_coef and self._balance is not None and getattr(out, "router_logits", None):
+            from rayzero.models.routers import balancing_loss
+
+            return balancing_loss(out.router_logits, self._balance[1], self._balance[2], self._balance[0])
         aux = getattr(out, "aux_loss", None) if self.aux_coef else None
         return aux if isinstance(aux, torch.Tensor) else None
 
     def routers(self, model: nn.Module):
         from rayzero.models.routers import RouterLogits
 
-        return RouterLogits.of(model) if self.aux_coef else None
+        routers = RouterLogits.of(model) if self.aux_coef else None
+        if routers is not None and self._balance is not None:
+            routers.cp = self._balance[0]
+        return routers
 
     @property
     def vocab_size(self) -> int:

@@ -17,12 +17,10 @@ CP_ATTENTION = "rayzero_context_parallel"  # the attention implementation `atten
 def _cp_attention(cp, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """An attention function of transformers' registry: this rank's queries against the whole
     sequence across the cp group; [batch, tokens, heads, head dim] as transformers' own return."""
-    if dropout:
-        raise ValueError("attention dropout across the context-parallel split is not supported")
     if kwargs.get("sliding_window") or kwargs.get("s_aux") is not None:
         raise ValueError(f"{type(module).__name__}: sliding-window or sink attention across the context-parallel "
                          "split is not supported")
-    return cp.attend(query, key, value, scale=scaling).transpose(1, 2).contiguous(), None
+    return cp.attend(query, key, value, dropout, scale=scaling).transpose(1, 2).contiguous(), None
 
 
 def attend_across(model: nn.Module, cp) -> None:

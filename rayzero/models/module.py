@@ -137,6 +137,25 @@ class ModuleSpec(ModelSpec):
                              f"{', '.join(missing) or 'no module'}, which the model does not have")
         return names
 
+    splits_sequence = True  # through the module's own hook, asked for when it is built
+
+    def context_parallel(self, model: nn.Module, cp) -> None:
+        """A module's attention is its own code, so the seam reaches it through the module's
+        `context_parallel(attend, positions)` method, which must make every attention layer call
+        `attend(q, k, v, dropout_p)` in place of its own ([batch, heads, local tokens, head dim]
+        each, the key/value heads as the layer has them; causal over the tokens' global positions;
+        returns [batch, heads, local tokens, head dim]), and take the positions of its `t` tokens
+        from `positions(t, device)` (a rank holds two chunks of each sequence, not a run of it).
+        Without it, a ModelError saying so."""
+        hook = getattr(model, "context_parallel", None)
+        if not callable(hook):
+            raise ModelError(
+                f"parallel.cp: model.kind=module ({type(model).__name__}) does not say how its attention runs "
+                "across a split sequence; give the module a `context_parallel(attend, positions)` method that makes "
+                "each attention layer call attend(q, k, v, dropout_p) ([batch, heads, tokens, head dim]) and its "
+                "position embedding take positions(t, device), or set parallel.cp=1")
+        hook(cp.attend, cp.local_positions)
+
     def _layers(self, model: nn.Module, key: str, purpose: str) -> tuple[str, ...]:
         best = None
         for m in model.modules():

@@ -7,6 +7,12 @@ Each stage records its routers' logits (the modules the model's `_can_record_out
 "router_logits") and passes them on with the activations, stacked after those it received; the
 last stage calls the family's own function on all of them, so the loss, and the gradient that
 flows back through the logits to every stage's routers, are transformers' at any pipeline size.
+
+With context parallelism a rank routes only its part of each sequence, and the loss is a function
+of every token's routing: `balancing_loss` is the families' formula with the experts' token
+counts and probability sums added over the cp group (`ContextParallel.whole`), so that every rank
+of the group computes the loss of the whole sequences, and each rank's gradient is its own
+tokens' part of it.
 """
 
 from __future__ import annotations
@@ -15,6 +21,25 @@ import sys
 
 import torch
 import torch.nn as nn
+
+
+def balancing_loss(gate_logits, experts: int, top_k: int, cp) -> torch.Tensor:
+    """transformers' `load_balancing_loss_func` (Mixtral's, which Qwen2-MoE, Qwen3-MoE and OLMoE
+    share; no attention mask) over the tokens of the whole cp group: E x sum over experts of
+    (the share of top-k assignments it gets) x (its mean router probability), each layer's
+    tokens counted apart, the counts and sums added over the group's ranks."""
+    counts = torch.zeros(experts, dtype=torch.float32, device=gate_logits[0].device)
+    probs = torch.zeros_like(counts)
+    rows = 0
+    for layer in gate_logits:
+        weights = torch.softmax(layer, dim=-1)
+        _, chosen = torch.topk(weights, top_k, dim=-1)
+        counts = counts + torch.nn.functional.one_hot(chosen.reshape(-1), experts).sum(0).float()
+        probs = probs + weights.float().sum(0)
+        rows += weights.shape[0]
+    total = rows * cp.axis.size
+    share, prob = cp.whole(counts.detach()) / total, cp.whole(probs) / total
+    return torch.sum(share * prob.unsqueeze(0)) * experts
 
 
 class RouterLogits:
@@ -28,6 +53,7 @@ class RouterLogits:
         self.top_k = int(getattr(model, "num_experts_per_tok"))
         self._loss = getattr(sys.modules[type(model).__module__], "load_balancing_loss_func")
         self.recording: list[torch.Tensor] | None = None
+        self.cp = None  # with context parallelism, the rank's `ContextParallel` (the spec sets it)
         for m in model.modules():
             if isinstance(m, self.cls):
                 m.register_forward_hook(self._record)
@@ -58,4 +84,6 @@ class RouterLogits:
 
     def loss(self, logits: torch.Tensor) -> torch.Tensor:
         """The family's load-balancing loss of every layer's logits, (layers, tokens, experts)."""
+        if self.cp is not None:
+            return balancing_loss(tuple(logits.unbind(0)), self.experts, self.top_k, self.cp)
         return self._loss(tuple(logits.unbind(0)), self.experts, self.top_k, None)

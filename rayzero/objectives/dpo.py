@@ -53,11 +53,20 @@ class Pairs:
 
     @classmethod
     def of(cls, targets: torch.Tensor) -> "Pairs":
-        if targets.shape[0] % 2:
-            raise ValueError(f"a preference micro-batch holds pairs of rows; this one has {targets.shape[0]} rows")
-        counts = (targets != IGNORE_INDEX).sum(-1).float()
-        chosen, rejected = counts[0::2], counts[1::2]
+        return cls.counted(row_tokens(targets))
+
+    @classmethod
+    def counted(cls, tokens: torch.Tensor) -> "Pairs":
+        """From each row's completion tokens (`row_tokens`: [rows], float)."""
+        if tokens.shape[0] % 2:
+            raise ValueError(f"a preference micro-batch holds pairs of rows; this one has {tokens.shape[0]} rows")
+        chosen, rejected = tokens[0::2], tokens[1::2]
         return cls(chosen, rejected, (chosen > 0) & (rejected > 0))
+
+
+def row_tokens(targets: torch.Tensor) -> torch.Tensor:
+    """Each row's completion tokens (its targets not IGNORE_INDEX), float: [rows, T] -> [rows]."""
+    return (targets != IGNORE_INDEX).sum(-1).float()
 
 
 def sequence_logps(token_losses: torch.Tensor) -> torch.Tensor:
@@ -66,10 +75,11 @@ def sequence_logps(token_losses: torch.Tensor) -> torch.Tensor:
     return -token_losses.sum(-1)
 
 
-def counts(targets: torch.Tensor) -> torch.Tensor:
+def counts(targets: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
     """[pairs, chosen completion tokens] of a micro-batch's real pairs, float64 on the targets'
-    device: what a step divides its loss by, summed over micro-batches and ranks."""
-    pairs = Pairs.of(targets)
+    device: what a step divides its loss by, summed over micro-batches and ranks (`tokens`: the
+    rows' completion tokens, when the targets are a part of each row)."""
+    pairs = Pairs.of(targets) if tokens is None else Pairs.counted(tokens)
     return torch.stack([pairs.valid.sum(), (pairs.chosen_tokens * pairs.valid).sum()]).double()
 
 
@@ -81,13 +91,14 @@ class PreferenceLoss:
         self.cfg = cfg
 
     def __call__(self, token_losses: torch.Tensor, targets: torch.Tensor, ref: torch.Tensor | None,
-                 divisors: tuple[float, float]) -> tuple[torch.Tensor, dict[str, float]]:
-        """`token_losses`: the policy's per-token cross-entropy [rows, T] (fp32); `ref`: the
-        reference's sequence log-probabilities [rows] (None for a reference-free loss);
-        `divisors`: the step's (pairs, chosen completion tokens) over every rank. The sums are
-        0-d float64 tensors on the loss's device (`as_floats` reads them)."""
+                 divisors: tuple[float, float], tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+        """`token_losses`: the policy's per-token cross-entropy [rows, T] (fp32; or each row's
+        sum, [rows, 1], with `tokens`: the rows' completion tokens); `ref`: the reference's
+        sequence log-probabilities [rows] (None for a reference-free loss); `divisors`: the
+        step's (pairs, chosen completion tokens) over every rank. The sums are 0-d float64
+        tensors on the loss's device (`as_floats` reads them)."""
         cfg, beta = self.cfg, self.cfg.beta
-        pairs = Pairs.of(targets)
+        pairs = Pairs.of(targets) if tokens is None else Pairs.counted(tokens)
         logps = sequence_logps(token_losses)
         chosen, rejected = logps[0::2], logps[1::2]
         n_c, n_r = pairs.chosen_tokens.clamp(min=1.0), pairs.rejected_tokens.clamp(min=1.0)

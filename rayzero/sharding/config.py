@@ -143,9 +143,11 @@ class ParallelConfig(Frozen):
         "across the split as `cp_mode` says. The ranks of a cp group take the same rows and hold the same weights: "
         "gradients are reduced (and sharded by the strategy) over data-parallel x cp ranks, and the loss is summed "
         "over them. The world is `pp` x `sharding.dp_outer` x shards x `cp` x `tp`; `train.seq_len` must divide by "
-        "2 x cp. With tensor (and sequence) and pipeline parallelism, every strategy, recompute and LoRA; the "
-        "built-in GPT and Hugging Face decoders but mixtures of experts; not yet with preference tuning, attention "
-        "dropout or `train.compile`. 1 = none.",
+        "2 x cp. With tensor (and sequence) and pipeline parallelism, every strategy, recompute, LoRA, preference "
+        "tuning (both rows of a pair split alike), dropout (streams per cp rank, attention dropout inside the ring) "
+        "and `train.compile`; the built-in GPT, Hugging Face decoders (mixtures of experts too: the load-balancing "
+        "loss over the cp group's tokens) and a `module` model with a `context_parallel(attend, positions)` method. "
+        "1 = none.",
     )
     cp_mode: Literal["ring", "ulysses"] = Field(
         default="ring",

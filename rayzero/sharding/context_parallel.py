@@ -30,11 +30,18 @@ keys of its own segment (the documents of a packed row) and never to a key whose
 (padding). A query with no key to attend gets zeros. The arithmetic is float32 whatever the
 inputs' dtype.
 
+Attention dropout (`dropout_p`): the ring drops each chunk pair's probabilities with a mask drawn
+from a generator of its own, seeded by (a seed drawn from the rank's dropout stream, the pair's
+first query and key positions), so the backward draws the same mask again instead of keeping it,
+and a recompute, which replays the stream, draws the same seed. Ulysses drops in its one
+attention over the whole sequence, drawing from the stream itself.
+
 Pure torch, no Ray: the cp group is an `Axis` (`comm.py`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -149,14 +156,34 @@ def _probs(s, lse):
     return torch.nan_to_num(p, nan=0.0) if torch.isinf(lse).any() else p
 
 
-def _block_forward(q, k, v, scale, how, q_pos, k_pos):
-    """(out, lse) of float32 queries against one block of float32 keys and values."""
-    if _fused(q, how):
+@dataclass(frozen=True)
+class Dropout:
+    """Attention dropout in the ring: rate `p`, and the seed each chunk pair's mask derives from."""
+
+    p: float
+    seed: int
+
+    def keep(self, shape, q_pos, k_pos, device) -> torch.Tensor:
+        """The pair's scaled keep mask (0 or 1/(1-p)) of `shape`, the same at every call."""
+        from rayzero.sharding.rng import stream_seed
+
+        g = torch.Generator(device=device).manual_seed(stream_seed(self.seed, int(q_pos[0]), int(k_pos[0])))
+        keep = torch.rand(shape, generator=g, device=device) >= self.p
+        return keep.float().mul_(1.0 / (1.0 - self.p))
+
+
+def _block_forward(q, k, v, scale, how, q_pos, k_pos, drop: Dropout | None = None):
+    """(out, lse) of float32 queries against one block of float32 keys and values; with `drop`,
+    out's probabilities dropped (lse, the normaliser, is not: the merge stays exact)."""
+    if drop is None and _fused(q, how):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q.contiguous(), k.contiguous(), v.contiguous(), 0.0, how == "diagonal", scale=scale)
     s = _scores(q, k, scale, _mask(how, q_pos, k_pos, q.device))
     lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(_probs(s, lse), v), lse
+    p = _probs(s, lse)
+    if drop is not None:
+        p = p * drop.keep(p.shape, q_pos, k_pos, q.device)
+    return torch.matmul(p, v), lse
 
 
 def _merge(out, lse, part, part_lse):
@@ -169,16 +196,23 @@ def _merge(out, lse, part, part_lse):
     lse.copy_(new)
 
 
-def _block_backward(q, k, v, scale, how, q_pos, k_pos, out, lse, dout, delta):
+def _block_backward(q, k, v, scale, how, q_pos, k_pos, out, lse, dout, delta, drop: Dropout | None = None):
     """(dq, dk, dv) of one block, from the whole attention's out, lse and delta = rowsum(dout · out)
-    (the block's probabilities are exp(s − lse) of the whole row)."""
-    if _fused(q, how):
+    (the block's probabilities are exp(s − lse) of the whole row; with `drop`, the forward's mask
+    drawn again)."""
+    if drop is None and _fused(q, how):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(),
             0.0, how == "diagonal", scale=scale)
     p = _probs(_scores(q, k, scale, _mask(how, q_pos, k_pos, q.device)), lse)
-    dv = torch.matmul(p.transpose(-1, -2), dout)
-    ds = p * (torch.matmul(dout, v.transpose(-1, -2)) - delta[..., None])
+    dp = torch.matmul(dout, v.transpose(-1, -2))
+    if drop is None:
+        dv = torch.matmul(p.transpose(-1, -2), dout)
+    else:
+        keep = drop.keep(p.shape, q_pos, k_pos, q.device)
+        dv = torch.matmul((p * keep).transpose(-1, -2), dout)
+        dp = dp * keep
+    ds = p * (dp - delta[..., None])
     return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale, dv
 
 
@@ -195,16 +229,20 @@ def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
     return grad.view(b, h // groups, groups, n, d).sum(2)
 
 
-def attention(q, k, v, q_pos, k_pos, q_seg=None, k_seg=None, causal: bool = True, scale: float | None = None):
+def attention(q, k, v, q_pos, k_pos, q_seg=None, k_seg=None, causal: bool = True, scale: float | None = None,
+              dropout_p: float = 0.0):
     """Attention of `q` against `k`, `v` on one rank (a whole sequence, or Ulysses' head split),
-    with the masks described above; differentiable by autograd. The reference the split ones
-    equal."""
+    with the masks described above (and dropout drawn from the default generator); differentiable
+    by autograd. The reference the split ones equal."""
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     groups = q.shape[1] // k.shape[1]
     qf, kf, vf = q.float(), _expand(k, groups).float(), _expand(v, groups).float()
     s = _scores(qf, kf, scale, _allowed(q_pos, k_pos, q_seg, k_seg, causal) if causal or q_seg is not None else None)
     lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(_probs(s, lse), vf).to(q.dtype)
+    p = _probs(s, lse)
+    if dropout_p:
+        p = torch.nn.functional.dropout(p, dropout_p)
+    return torch.matmul(p, vf).to(q.dtype)
 
 
 # -- the ring ------------------------------------------------------------------------------------
@@ -255,7 +293,7 @@ def _ring_steps(axis, k, v, seg, seq_len: int, groups: int):
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, q_seg, k_seg, axis, seq_len: int, causal: bool, scale: float):
+    def forward(ctx, q, k, v, q_seg, k_seg, axis, seq_len: int, causal: bool, scale: float, drop: Dropout | None):
         cp, groups, chunk = axis.size, q.shape[1] // k.shape[1], seq_len // (2 * axis.size)
         q_pos = positions(seq_len, cp, axis.rank)  # on the host: the chunks' bounds, no device sync
         qf = q.float()
@@ -264,10 +302,10 @@ class RingAttention(torch.autograd.Function):
         for k_pos, kf, vf, seg in _ring_steps(axis, k, v, k_seg, seq_len, groups):
             for qs, ks, how in _pairs(q_pos, k_pos, q_seg, seg, causal, chunk, q.device):
                 part, part_lse = _block_forward(qf[:, :, qs], kf[:, :, ks], vf[:, :, ks], scale, how,
-                                                q_pos[qs], k_pos[ks])
+                                                q_pos[qs], k_pos[ks], drop)
                 _merge(out[:, :, qs], lse[:, :, qs], part, part_lse)
         ctx.save_for_backward(q, k, v, out, lse, q_seg, k_seg)
-        ctx.axis, ctx.seq_len, ctx.causal, ctx.scale = axis, seq_len, causal, scale
+        ctx.axis, ctx.seq_len, ctx.causal, ctx.scale, ctx.drop = axis, seq_len, causal, scale, drop
         return out.to(q.dtype)
 
     @staticmethod
@@ -288,7 +326,7 @@ class RingAttention(torch.autograd.Function):
             dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
             for qs, ks, how in _pairs(q_pos, k_pos, q_seg, seg, causal, chunk, q.device):
                 a, b, c = _block_backward(qf[:, :, qs], kf[:, :, ks], vf[:, :, ks], scale, how, q_pos[qs], k_pos[ks],
-                                          out[:, :, qs], lse[:, :, qs], dout[:, :, qs], delta[:, :, qs])
+                                          out[:, :, qs], lse[:, :, qs], dout[:, :, qs], delta[:, :, qs], ctx.drop)
                 dq[:, :, qs] += a
                 dk[:, :, ks] += b
                 dv[:, :, ks] += c
@@ -298,18 +336,23 @@ class RingAttention(torch.autograd.Function):
             sending = (got, works, dkv)  # the sent tensor kept alive until its send is done
         ring.finish(sending[1])
         dkv = sending[0]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None
 
 
-def ring_attention(q, k, v, axis, seq_len: int, seg=None, causal: bool = True, scale: float | None = None):
+def ring_attention(q, k, v, axis, seq_len: int, seg=None, causal: bool = True, scale: float | None = None,
+                   dropout_p: float = 0.0):
     """Attention of this rank's queries against the whole sequence's keys and values, the blocks
     passed round the cp group `axis` (an `Axis`); `q`, `k`, `v` hold this rank's tokens of a
-    sequence of `seq_len` (`positions`); `seg`: this rank's tokens' segment ids, or None."""
+    sequence of `seq_len` (`positions`); `seg`: this rank's tokens' segment ids, or None;
+    `dropout_p`: attention dropout, its seed drawn from the default generator (the rank's stream)."""
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if axis.size == 1:
         pos = torch.arange(seq_len, device=q.device)
-        return attention(q, k, v, pos, pos, seg, seg, causal, scale)
-    return RingAttention.apply(q, k, v, seg, seg, axis, seq_len, causal, scale)
+        return attention(q, k, v, pos, pos, seg, seg, causal, scale, dropout_p)
+    drop = None
+    if dropout_p:
+        drop = Dropout(dropout_p, int(torch.randint(2**62, (), device=q.device)))
+    return RingAttention.apply(q, k, v, seg, seg, axis, seq_len, causal, scale, drop)
 
 
 # -- Ulysses -------------------------------------------------------------------------------------
@@ -344,13 +387,14 @@ def _all_to_all(x: torch.Tensor, axis, back: bool) -> torch.Tensor:
     return got.permute(1, 0, 2, 3, 4).reshape(b, cp * h, n, d)
 
 
-def ulysses_attention(q, k, v, axis, seq_len: int, seg=None, causal: bool = True, scale: float | None = None):
+def ulysses_attention(q, k, v, axis, seq_len: int, seg=None, causal: bool = True, scale: float | None = None,
+                      dropout_p: float = 0.0):
     """Attention of this rank's tokens through a head split: an all-to-all gives each rank every
     token of heads/cp query heads and kv_heads/cp key/value heads (both divisible by cp), plain
     attention runs on them, and the reverse all-to-all brings back this rank's tokens."""
     cp = axis.size
     if cp == 1:
-        return ring_attention(q, k, v, axis, seq_len, seg, causal, scale)
+        return ring_attention(q, k, v, axis, seq_len, seg, causal, scale, dropout_p)
     if q.shape[1] % cp or k.shape[1] % cp:
         raise ValueError(f"ulysses splits heads over cp {cp}: {q.shape[1]} heads and {k.shape[1]} key/value "
                          f"heads must both divide by it (ring splits any)")
@@ -360,14 +404,29 @@ def ulysses_attention(q, k, v, axis, seq_len: int, seg=None, causal: bool = True
     if seg is None:  # in the sequence's own order: the fused kernel's causal attention, no scores kept
         groups = qh.shape[1] // kh.shape[1]
         out = torch.nn.functional.scaled_dot_product_attention(
-            qh, _expand(kh, groups), _expand(vh, groups), is_causal=causal, scale=scale)
+            qh, _expand(kh, groups), _expand(vh, groups), dropout_p=dropout_p, is_causal=causal, scale=scale)
     else:
         parts = [torch.empty_like(seg) for _ in range(cp)]
         dist.all_gather(parts, seg.contiguous(), group=axis.group)
         whole = torch.cat(parts, dim=1).index_select(1, natural)
         order = torch.arange(seq_len, device=q.device)
-        out = attention(qh, kh, vh, order, order, whole, whole, causal, scale)
+        out = attention(qh, kh, vh, order, order, whole, whole, causal, scale, dropout_p)
     return _AllToAll.apply(out.index_select(2, pos), axis, True)
+
+
+# -- sums over the whole sequence ------------------------------------------------------------------
+class _Summed(torch.autograd.Function):
+    """Summed over the cp group; the gradient goes back unchanged (see `ContextParallel.whole`)."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        out = x.clone()
+        dist.all_reduce(out, group=axis.group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 # -- a rank's place in its cp group ----------------------------------------------------------------
@@ -394,6 +453,13 @@ class ContextParallel:
     def split(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
         return split(t, self.axis.size, self.axis.rank, dim)
 
+    def whole(self, part: torch.Tensor) -> torch.Tensor:
+        """A sum over this rank's tokens of each sequence (a row's log-probability, say) made the
+        whole sequence's: summed over the cp group. Every rank of the group then computes the
+        same function of it (a pair loss), which counts once; its gradient goes back unchanged to
+        each rank's part, the part its own tokens make."""
+        return _Summed.apply(part, self.axis)
+
     def check_heads(self, heads: int, kv_heads: int) -> None:
         """A ValueError for head counts `ulysses` cannot split over the cp group (a tensor-parallel
         rank's share of them: its heads, and its key/value heads or the one it keeps when there
@@ -406,10 +472,19 @@ class ContextParallel:
             raise ValueError(f"parallel.cp_mode: ulysses splits the attention heads over parallel.cp ({cp}), and"
                              f"{where} do not divide by it; use parallel.cp_mode=ring, which splits any")
 
+    def kept_eager(self) -> "ContextParallel":
+        """The same, its `attend` left out of `torch.compile`'s graphs (`train.compile`): the
+        ring's and the all-to-all's collectives and autograd functions run as they are, and a
+        compiled block is compiled in the pieces before and after its attention."""
+        import torch
+
+        out = dataclasses.replace(self)
+        object.__setattr__(out, "attend", torch.compiler.disable(ContextParallel.attend.__get__(out)))
+        return out
+
     def attend(self, q, k, v, dropout_p: float = 0.0, causal: bool = True, scale: float | None = None, seg=None):
         """Attention of this rank's tokens (`q`, `k`, `v`: [batch, heads, local tokens, head dim])
-        against the whole sequence."""
-        if dropout_p:
-            raise ValueError("attention dropout across the context-parallel split is not supported")
+        against the whole sequence, with attention dropout `dropout_p` (training only: the caller
+        passes 0 in eval)."""
         fn = ring_attention if self.mode == "ring" else ulysses_attention
-        return fn(q, k, v, self.axis, self.seq_len, seg, causal, scale)
+        return fn(q, k, v, self.axis, self.seq_len, seg, causal, scale, dropout_p)

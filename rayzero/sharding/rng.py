@@ -19,6 +19,11 @@ step's global batch (data-parallel rank x micro-batches per rank + its index on 
 function of the samples, not of the world size, so data-parallel ranks draw distinct streams and a
 run resumed at another data-parallel size draws the masks the unbroken run drew for the same rows.
 
+With context parallelism every activation is split over the cp group's ranks (each holds its
+part of every sequence), so every stream also takes the rank's cp coordinate: the ranks of a cp
+group draw distinct masks for their distinct tokens (Megatron's per-cp-rank seed offset). At cp 1
+the seeds are what they were without it.
+
 The tensor-parallel layers call `enter` at their boundaries (`tensor_parallel.parallelize`);
 activation checkpointing takes `state()` before a block's forward and `restore`s it before the
 recompute, so the recompute replays exactly the first forward's masks in every stream.
@@ -46,8 +51,9 @@ class RandomStreams:
     """The rank's dropout streams; see the module docstring. Until the first `begin` (on the
     driver, or before training) every call is a no-op and the generator is left alone."""
 
-    def __init__(self, seed: int, tp_rank: int = 0, device: torch.device | str = "cpu"):
+    def __init__(self, seed: int, tp_rank: int = 0, device: torch.device | str = "cpu", cp_rank: int | None = None):
         self.seed, self.tp_rank = seed, tp_rank
+        self.cp = () if cp_rank is None else ("cp", cp_rank)  # in every seed, with context parallelism
         self.device = torch.device(device)
         self.active: str | None = None  # the region whose stream the generator holds now
         # the other regions' streams: where they stopped, or their seed until first entered
@@ -74,7 +80,7 @@ class RandomStreams:
         pipeline stage `stage` (each stage draws its own, as Megatron offsets its seed per
         stage); the generator then holds the replicated stream. A stream's state is made when
         it is first entered: without tensor parallelism only the replicated one ever is."""
-        at = (step, micro) if stage == 0 else (step, micro, "stage", stage)
+        at = ((step, micro) if stage == 0 else (step, micro, "stage", stage)) + self.cp
         self._saved = {"replicated": stream_seed(self.seed, "replicated", *at),
                        "sequence": stream_seed(self.seed, "sequence", *at, self.tp_rank),
                        "tp": stream_seed(self.seed, "tp", *at, self.tp_rank)}

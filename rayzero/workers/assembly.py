@@ -69,7 +69,7 @@ def build_model(cfg: RootConfig, spec: ModelSpec, mesh: Mesh | None = None,
     built = Built(spec.build())
     add_adapters(built, cfg, spec)
     tensor_parallel(built, cfg, spec, (mesh or cfg.mesh()).axis("tp"), streams)
-    context_parallel(built, cfg, spec, mesh or cfg.mesh())
+    context_parallel(built, cfg, spec, mesh or cfg.mesh(), compiled)
     if compiled:
         compile_model_blocks(built, cfg, spec)
     checkpoint_blocks(built, cfg, spec, streams)
@@ -122,13 +122,14 @@ def tensor_parallel(built: Built, cfg: RootConfig, spec: ModelSpec, axis: Axis,
     built.tp = spec.parallelize(built.model, axis, p.sequence_parallel, p.vocab_parallel, streams)
 
 
-def context_parallel(built: Built, cfg: RootConfig, spec: ModelSpec, mesh: Mesh) -> None:
+def context_parallel(built: Built, cfg: RootConfig, spec: ModelSpec, mesh: Mesh, compiled: bool = False) -> None:
     """`parallel.cp`: the model's attention runs across the sequence split and its positions are
-    the tokens' global ones (`spec.context_parallel`, `sharding/context_parallel.py`). ModelError
-    for a model whose attention the seam cannot reach, ValueError for heads `ulysses` cannot split."""
+    the tokens' global ones (`spec.context_parallel`, `sharding/context_parallel.py`); in blocks
+    about to be compiled, the attention stays out of the compiled graphs. ModelError for a model
+    whose attention the seam cannot reach, ValueError for heads `ulysses` cannot split."""
     cp = context_of(cfg, mesh)
     if cp is not None:
-        spec.context_parallel(built.model, cp)
+        spec.context_parallel(built.model, cp.kept_eager() if compiled and cfg.train.compile else cp)
 
 
 def context_of(cfg: RootConfig, mesh: Mesh):

@@ -10,6 +10,14 @@ The reference, by what the run trains:
     dpo.precompute_ref every pair's log-probabilities computed once, before training, by one of
                        the above, which is then dropped (`Precomputed`).
 The reference runs forward only, in eval mode (no dropout: TRL's default), under no_grad.
+
+With context parallelism (`cp`) the two rows of a pair are split alike (each rank of a cp group
+holds its part of both), and a pair's loss is a function of whole sequences: each rank sums its
+tokens' log-probabilities per row, the sums are added over the cp group (`ContextParallel.whole`),
+and every rank of the group computes the pair loss from the whole rows' sums and completion
+token counts (counted in the unsplit rows). The group's ranks then hold the same loss and
+metrics, which count once (the step's pairs are summed over the `batch` role, and one rank of
+the cp group reports them); each rank's gradient is its own tokens' part of the loss's.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import gc
 import torch
 import torch.nn as nn
 
-from rayzero.objectives.dpo import PreferenceLoss, add_sums, as_floats, counts, sequence_logps
+from rayzero.objectives.dpo import PreferenceLoss, add_sums, as_floats, counts, row_tokens, sequence_logps
 from rayzero.sharding.comm import wait
 
 
@@ -133,11 +141,12 @@ class Precomputed:
 CHUNK = 64  # micro-batches a precomputing pass holds at once
 
 
-def precompute(reference, pipe, mesh, device, splits: dict, micro_rows: int) -> Precomputed:
+def precompute(reference, pipe, mesh, device, splits: dict, micro_rows: int, cp=None) -> Precomputed:
     """`dpo.precompute_ref`: each split's pairs (`splits`: name -> (its `Pairs`, how many)) in
     micro-batches of `micro_rows` rows, the data-parallel ranks taking turns, through
-    `reference` (in a pipeline, through the stages); the tables summed over the data-parallel
-    ranks, so each holds every pair's (the last stage's, in a pipeline)."""
+    `reference` (in a pipeline, through the stages; with `cp`, each rank its part of the rows,
+    the sums added over the cp group); the tables summed over the data-parallel ranks, so each
+    holds every pair's (the last stage's, in a pipeline)."""
     from rayzero.data.preferences import EMPTY
 
     per = micro_rows // 2
@@ -155,9 +164,11 @@ def precompute(reference, pipe, mesh, device, splits: dict, micro_rows: int) -> 
             micro = []
             for chunk in ids:
                 tokens, labels = pairs.rows(chunk + [EMPTY] * (per - len(chunk)))
-                micro.append((torch.from_numpy(tokens[:, :-1]).to(device), torch.from_numpy(labels[:, 1:]).to(device)))
+                x, y = torch.from_numpy(tokens[:, :-1]).to(device), torch.from_numpy(labels[:, 1:]).to(device)
+                micro.append((x, y) if cp is None else (cp.split(x), cp.split(y)))
             got = (reference.stage_logps(pipe, micro) if pipe is not None
                    else [reference.logps(x, y) for x, y in micro])
+            got = got if cp is None else [cp.whole(lp) for lp in got]
             for chunk, lp in zip(ids, got):
                 if chunk:
                     index = torch.as_tensor(chunk, dtype=torch.long, device=device)
@@ -174,28 +185,31 @@ class PreferenceStep:
     stage computes the loss (`pipe.objective`), and the reference's log-probabilities come from
     a forward-only pass through the stages before the step's schedule."""
 
-    def __init__(self, cfg, spec, model, reference, mesh, device, vocab, pipe=None, data=None, val=None):
+    def __init__(self, cfg, spec, model, reference, mesh, device, vocab, pipe=None, data=None, val=None, cp=None):
         self.cfg, self.spec, self.model, self.reference = cfg, spec, model, reference
-        self.mesh, self.device, self.vocab, self.pipe = mesh, device, vocab, pipe
+        self.mesh, self.device, self.vocab, self.pipe, self.cp = mesh, device, vocab, pipe, cp
         self.data, self.val = data, val  # the rank's training batches and validation rows
         self.loss = PreferenceLoss(cfg.dpo)
         self._divisors: tuple[float, float] | torch.Tensor = (1.0, 1.0)
         self._work = None
         self._refs: list | None = None  # in a pipeline: the step's reference log-probabilities, per micro-batch
         self.sums: dict[str, torch.Tensor] = {}  # this step's, on the device until `totals`
+        self._tokens: list[torch.Tensor] = []  # each micro-batch's rows' completion tokens (whole rows)
         if pipe is not None:
-            pipe.objective = lambda m, x, y, check, micro: self._loss_of(m, x, y, check, self._refs[micro])
+            pipe.objective = lambda m, x, y, check, micro: self._loss_of(m, x, y, check, self._refs[micro], micro)
 
     @property
     def _precomputed(self) -> bool:
         return isinstance(self.reference, Precomputed)
 
-    def begin(self, micro: list[tuple[torch.Tensor, torch.Tensor]], step: int) -> None:
-        """Step `step` starts on `micro`: count its pairs (summed over the data-parallel ranks,
-        waited for at the first forward) and clear the sums; in a pipeline, the reference's
-        pass through the stages."""
-        self._divisors = torch.stack([counts(y) for _, y in micro]).sum(0)
-        self._work = self.mesh.axis("loss").start_all_reduce(self._divisors)
+    def begin(self, micro: list[tuple[torch.Tensor, torch.Tensor]], step: int, whole=None) -> None:
+        """Step `step` starts on `micro` (with cp, this rank's part of the rows of `whole`):
+        count its pairs in the whole rows (summed over the data-parallel ranks, waited for at
+        the first forward) and clear the sums; in a pipeline, the reference's pass through the
+        stages."""
+        self._tokens = [row_tokens(y) for _, y in (whole or micro)]
+        self._divisors = torch.stack([counts(y, n) for (_, y), n in zip(micro, self._tokens)]).sum(0)
+        self._work = self.mesh.axis("batch").start_all_reduce(self._divisors)
         self.sums = {}
         self._ids = step_ids(self.data, step) if self._precomputed else None
         ids = self._ids
@@ -212,7 +226,16 @@ class PreferenceStep:
         if self.reference is None:
             return [None] * len(micro)
         got = self.reference.stage_logps(self.pipe, micro, ids)
-        return got if got else [None] * len(micro)
+        return [self._whole_ref(r) for r in got] if got else [None] * len(micro)
+
+    def _whole_ref(self, ref):
+        """The reference's log-probabilities of whole rows (with cp, its parts' summed; a
+        precomputed table's are whole already)."""
+        return ref if self.cp is None or ref is None or self._precomputed else self.cp.whole(ref)
+
+    def _rows(self, per_token: torch.Tensor) -> torch.Tensor:
+        """The policy's per-token losses as the pair loss takes them: with cp, each whole row's sum."""
+        return per_token if self.cp is None else self.cp.whole(per_token.sum(-1, keepdim=True))
 
     def divisors(self) -> tuple[float, float]:
         if self._work is not None:
@@ -222,44 +245,46 @@ class PreferenceStep:
             self._divisors = tuple(float(v) for v in self._divisors.cpu())
         return self._divisors
 
-    def _loss_of(self, model, x, y, check: bool, ref):
-        """(this micro-batch's part of the step's loss, 0, the auxiliary loss or None)."""
+    def _loss_of(self, model, x, y, check: bool, ref, index: int):
+        """(micro-batch `index`'s part of the step's loss, 0, the auxiliary loss or None)."""
         per_token, aux = self.spec.token_losses(model, x, y, check=check, vocab=self.vocab)
-        loss, sums = self.loss(per_token, y, ref, self.divisors())
+        loss, sums = self.loss(self._rows(per_token), y, ref, self.divisors(), self._tokens[index])
         add_sums(self.sums, sums)
         return loss, 0, aux
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, check: bool, index: int):
         """(micro-batch `index`'s part of the step's loss, the model's auxiliary loss or None)."""
         ids = self._ids[index] if self._ids is not None else None
-        ref = self.reference.logps(x, y, ids) if self.reference is not None else None
-        loss, _, aux = self._loss_of(self.model, x, y, check, ref)
+        ref = self._whole_ref(self.reference.logps(x, y, ids)) if self.reference is not None else None
+        loss, _, aux = self._loss_of(self.model, x, y, check, ref, index)
         return loss, aux
 
     def evaluate(self) -> dict[str, float]:
         """The metrics' sums over this rank's validation rows, forward only; the loss summed per
         pair (the controller divides by the pairs)."""
         val = self.val
-        micro = [(x.to(self.device), y.to(self.device)) for b in range(val.num_batches) for x, y in val.microbatches(b)]
+        whole = [(x.to(self.device), y.to(self.device)) for b in range(val.num_batches) for x, y in val.microbatches(b)]
+        tokens = [row_tokens(y) for _, y in whole]
+        micro = whole if self.cp is None else [(self.cp.split(x), self.cp.split(y)) for x, y in whole]
         ids = val_ids(val) if self._precomputed else [None] * len(micro)
         total: dict[str, torch.Tensor] = {}
 
-        def last(m, x, y, ref):
-            n = counts(y).clamp(min=1.0).tolist()
+        def last(m, x, y, ref, n):
             per_token, _ = self.spec.token_losses(m, x, y, vocab=self.vocab)
-            return self.loss(per_token, y, ref, (n[0], n[1]))[1]
+            divisors = counts(y, n).clamp(min=1.0).tolist()
+            return self.loss(self._rows(per_token), y, ref, (divisors[0], divisors[1]), n)[1]
 
         if self.pipe is not None:
             refs = self.references(micro, ids)
-            queue = iter(refs)
+            queue = iter(zip(refs, tokens))
             with evaluating(self.model):
-                for sums in self.pipe.forward_only(micro, lambda m, x, y: last(m, x, y, next(queue))):
+                for sums in self.pipe.forward_only(micro, lambda m, x, y: last(m, x, y, *next(queue))):
                     add_sums(total, sums)
             return as_floats(total)
         with evaluating(self.model):
-            for (x, y), i in zip(micro, ids):
-                ref = self.reference.logps(x, y, i) if self.reference is not None else None
-                add_sums(total, last(self.model, x, y, ref))
+            for (x, y), i, n in zip(micro, ids, tokens):
+                ref = self._whole_ref(self.reference.logps(x, y, i)) if self.reference is not None else None
+                add_sums(total, last(self.model, x, y, ref, n))
         return as_floats(total)
 
 
@@ -274,9 +299,11 @@ def disable_dropout(model: nn.Module) -> None:
                 setattr(m, name, 0.0)
 
 
-def start(cfg, spec, model, strategy, mesh, device, streams, vocab, pipe=None, data=None, val=None) -> PreferenceStep:
+def start(cfg, spec, model, strategy, mesh, device, streams, vocab, pipe=None, data=None, val=None,
+          cp=None) -> PreferenceStep:
     """This rank's preference tuning: its reference (none for a reference-free loss) and loss;
-    `data`, `val`: the rank's training batches and validation rows (or None)."""
+    `data`, `val`: the rank's training batches and validation rows (or None); `cp`: the rank's
+    `ContextParallel`, or None."""
     if cfg.dpo.disable_dropout:  # TRL's default: the policy's log-probabilities without dropout's noise
         disable_dropout(model)
     reference = None
@@ -290,9 +317,9 @@ def start(cfg, spec, model, strategy, mesh, device, streams, vocab, pipe=None, d
             ref_vocab = ref_strategy.tp.vocab if ref_strategy.tp is not None else None
             reference = FrozenCopy(spec, ref_model, ref_strategy, ref_vocab, ref_stages)
         if cfg.dpo.precompute_ref:  # every pair's once, now; the reference model is dropped after
-            reference = precompute(reference, pipe, mesh, device, splits_of(data, val), cfg.train.micro_batch_size)
+            reference = precompute(reference, pipe, mesh, device, splits_of(data, val), cfg.train.micro_batch_size, cp)
             gc.collect()
-    return PreferenceStep(cfg, spec, model, reference, mesh, device, vocab, pipe, data, val)
+    return PreferenceStep(cfg, spec, model, reference, mesh, device, vocab, pipe, data, val, cp)
 
 
 def splits_of(data, val) -> dict:

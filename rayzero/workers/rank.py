@@ -25,7 +25,7 @@ from rayzero.data.validation import ValidationRows, validation_split
 from rayzero.sharding.rng import RandomStreams
 from rayzero.workers.activations import ActivationMeter
 from rayzero.workers.compile import Compiling
-from rayzero.workers.assembly import assemble, identity, make_spec, whole_counts
+from rayzero.workers.assembly import assemble, context_of, identity, make_spec, whole_counts
 from rayzero.workers import pipelined, preference
 from rayzero.workers.disconnect import opened_while
 from rayzero.workers.membership import Membership
@@ -119,7 +119,8 @@ class Rank(Membership):
         self.spec = make_spec(cfg, self.factory)
         # Dropout's streams, seeded afresh at each micro-batch's forward (`sharding/rng.py`):
         # nothing drawn in setup, evaluation or a restart shifts what training draws.
-        self.streams = RandomStreams(cfg.train.seed, self.mesh.coord("tp"), self.device)
+        self.streams = RandomStreams(cfg.train.seed, self.mesh.coord("tp"), self.device,
+                                     self.mesh.coord("cp") if self.mesh.size("cp") > 1 else None)
         # Built on the meta device, in assembly's fixed order: the strategy materializes its
         # buckets (ZeRO-3: one unit at a time, keeping only the shard), so no rank ever holds
         # more than it must.
@@ -138,7 +139,7 @@ class Rank(Membership):
         # Preference tuning: the loss over pairs, and its reference model (built here: sharded the same way).
         self.prefs = None if cfg.train.objective != "dpo" else preference.start(
             cfg, self.spec, self.model, self.strategy, self.mesh, self.device, self.streams, self.vocab, self._pipe,
-            self.data, self.val)
+            self.data, self.val, context_of(cfg, self.mesh))
         self.steps = runner_for(self)  # the step's micro-batches: plain or pipelined, language model or pairs
         return self._setup_report(backend, source, stages)
 
@@ -279,7 +280,8 @@ class Rank(Membership):
             "step": self.plan["step"],
             "lr": self.plan["lr"],
             # The ranks of a tensor-parallel group computed one loss on one micro-batch: it counts once.
-            **totals.report(self._counts, with_aux=bool(self.spec.aux_coef)),
+            **totals.report(self._counts, with_aux=bool(self.spec.aux_coef),
+                            aux_counts=self._counts and self.mesh.coord("cp") == 0),
             "grad_norm": grad_norm,
             "skipped": self.strategy.last_step_skipped,
             "loss_scale": self.strategy.scaler.scale if self.strategy.scaler is not None else None,
@@ -328,8 +330,10 @@ class Rank(Membership):
     @property
     def _counts(self) -> bool:
         """Whether this rank's losses count: the first of its tensor-parallel group (in the last
-        pipeline stage, where the loss is)."""
-        return self.mesh.coord("tp") == 0 and (self._pipe is None or self._pipe.stages.last)
+        pipeline stage, where the loss is); for a pair loss, which every rank of a cp group
+        computes whole, the first of its cp group too."""
+        return (self.mesh.coord("tp") == 0 and (self._pipe is None or self._pipe.stages.last)
+                and (self.prefs is None or self.mesh.coord("cp") == 0))
 
     def iteration(self, plan: dict) -> dict:
         """Every phase of one iteration, in order, in this process: what the controller's

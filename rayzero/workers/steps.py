@@ -53,12 +53,14 @@ class StepTotals:
         return cls(torch.zeros((), dtype=torch.float64, device=device),
                    torch.zeros((), dtype=torch.float64, device=device))
 
-    def report(self, counts: bool, with_aux: bool) -> dict:
+    def report(self, counts: bool, with_aux: bool, aux_counts: bool | None = None) -> dict:
         """What the step's result carries (`counts`: whether this rank's sums count: one rank per
-        tensor-parallel group, in the last stage; the others report zeros)."""
+        tensor-parallel group, in the last stage; the others report zeros; `aux_counts`: the same
+        for the auxiliary loss, which every rank of a cp group computes whole)."""
+        aux_counts = counts if aux_counts is None else aux_counts
         out = {"loss_sum": float(self.loss_sum) if counts else 0.0,
                "tokens": int(self.tokens) if counts else 0,
-               "aux_loss_sum": (float(self.aux_sum) if counts else 0.0) if with_aux else None}
+               "aux_loss_sum": (float(self.aux_sum) if aux_counts else 0.0) if with_aux else None}
         if self.prefs is not None:
             out["prefs"] = self.prefs if counts else {}
         return out
@@ -93,7 +95,7 @@ class LanguageModel:
         self._divisor: float | torch.Tensor = 1.0
         self._work = None
 
-    def begin(self, micro: Micro, rows: Micro, step: int) -> None:
+    def begin(self, micro: Micro, rows: Micro, step: int, whole: Micro) -> None:
         r = self.r
         self._work, self._divisor = None, float(r.data.tokens_per_step)
         if r.data.masks_labels:
@@ -146,8 +148,8 @@ class Preference:
     def __init__(self, rank: Rank):
         self.r = rank
 
-    def begin(self, micro: Micro, rows: Micro, step: int) -> None:
-        self.r.prefs.begin(micro, step)
+    def begin(self, micro: Micro, rows: Micro, step: int, whole: Micro) -> None:
+        self.r.prefs.begin(micro, step, whole)
 
     def divisor(self) -> float:
         return 1.0
@@ -186,11 +188,12 @@ class Plain:
     def begin(self, micro: Micro, rows: Micro, step: int, first_micro: int) -> None:
         """Step `step` on this rank's `micro` (on the device; `rows`: the same on the host),
         the step's micro-batches from `first_micro` on."""
+        whole = micro  # a pair loss counts its pairs' whole completions
         if self.cp is not None:  # the cp group's ranks took the same rows: each keeps its tokens of them
             micro, rows = ([(self.cp.split(x), self.cp.split(y)) for x, y in m] for m in (micro, rows))
         self.micro, self.next, self.step, self.first = micro, 0, step, first_micro
         self.totals = StepTotals.zeros(self.r.device)
-        self.objective.begin(micro, rows, step)
+        self.objective.begin(micro, rows, step, whole)
 
     def forward(self) -> None:
         r = self.r

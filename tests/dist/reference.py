@@ -55,10 +55,11 @@ def router_coef(model) -> float:
 
 
 def train_reference(model, cfg, data_path: str, steps: int, masked: bool = False,
-                    check_clipping: bool = True, batch=None) -> tuple[dict[str, torch.Tensor], list[float]]:
+                    check_clipping: bool = True, batch=None,
+                    norms: list | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Train `model` (already holding its initial weights) for `steps`; its final state dict
     and each step's global loss. `batch(step) -> (inputs, targets)`: the global batch, when it
-    is not text windows at `global_rows`."""
+    is not text windows at `global_rows`; `norms`: each step's gradient norm appended to it."""
     params = list(model.named_parameters())
     o, t = cfg.optim, cfg.train
     opt = torch.optim.AdamW(
@@ -86,6 +87,8 @@ def train_reference(model, cfg, data_path: str, steps: int, masked: bool = False
             (mb / valid + aux).backward()
             loss += mb.item() / valid
         norm = torch.nn.utils.clip_grad_norm_([p for _, p in params if p.requires_grad], o.grad_clip)
+        if norms is not None:
+            norms.append(float(norm))
         if check_clipping:
             assert norm > o.grad_clip or step > 0, "clipping must engage for the comparison to mean anything"
         for g in opt.param_groups:

@@ -3,7 +3,10 @@ passed point to point, merged by log-sum-exp, causal blocks skipped) and Ulysses
 a head split and back) each give every rank its tokens' rows of plain attention over the whole
 sequence, and the gradients of its queries, keys and values, within 1e-5: causal; causal with
 packed documents and padding; grouped-query attention (the ring with key/value heads that cp
-does not divide)."""
+does not divide); and the ring with attention dropout, against plain attention whose
+probabilities take the same masks (each chunk pair's, drawn again from its seed); a mixture of
+experts' load-balancing loss over the cp group's tokens against transformers' over the whole
+sequences, with its gradient."""
 
 from __future__ import annotations
 
@@ -13,7 +16,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rayzero.sharding.comm import Axis
-from rayzero.sharding.context_parallel import attention, positions, ring_attention, split, ulysses_attention
+from rayzero.sharding.context_parallel import (Dropout, RingAttention, _expand, attention, positions, ring_attention,
+                                              split, ulysses_attention)
 from tests.conftest import free_port
 from tests.dist.pool import spawn
 
@@ -32,6 +36,54 @@ def segments() -> torch.Tensor:
     seg[0, 9:20], seg[0, 20:] = 1, 2
     seg[1, SEQ - 5:] = -1
     return seg
+
+
+def dropped_attention(q, k, v, drop: Dropout, cp: int) -> torch.Tensor:
+    """Causal attention over the whole sequence with the ring's masks: chunk pair (i, j) of the
+    2·cp chunks keeps what `drop.keep` gives at positions (i·c, j·c)."""
+    c = SEQ // (2 * cp)
+    keep = torch.cat([torch.cat([drop.keep((BATCH, q.shape[1], c, c), [i * c], [j * c], q.device)
+                                 for j in range(2 * cp)], dim=-1) for i in range(2 * cp)], dim=-2)
+    groups = q.shape[1] // k.shape[1]
+    s = (q @ _expand(k, groups).transpose(-1, -2)) / DIM ** 0.5
+    s = s.masked_fill(~torch.ones(SEQ, SEQ, dtype=torch.bool).tril(), float("-inf"))
+    return (torch.softmax(s, -1) * keep) @ _expand(v, groups)
+
+
+def _dropout_case(rank: int, world: int, axis: Axis) -> dict:
+    g = torch.Generator().manual_seed(11)
+    q, dout = (torch.randn(BATCH, 4, SEQ, DIM, generator=g) for _ in range(2))
+    k, v = (torch.randn(BATCH, 2, SEQ, DIM, generator=g) for _ in range(2))
+    drop = Dropout(0.3, seed=1234)
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = dropped_attention(*whole, drop, world)
+    (want * dout).sum().backward()
+    mine = lambda t: split(t, world, rank, dim=2)  # noqa: E731
+    local = [mine(t).detach().requires_grad_() for t in (q, k, v)]
+    got = RingAttention.apply(*local, None, None, axis, SEQ, True, 1 / DIM ** 0.5, drop)
+    (got * mine(dout)).sum().backward()
+    pairs = [("out", got, mine(want))] + [(f"d{n}", t.grad, mine(w.grad)) for n, t, w in zip("qkv", local, whole)]
+    dropped = float((got - ring_attention(*(t.detach() for t in local), axis, SEQ)).abs().max())
+    return {**{n: float((a - b).detach().abs().max() / b.abs().max()) for n, a, b in pairs}, "changed": dropped}
+
+
+def _balancing_case(rank: int, world: int, axis: Axis) -> dict:
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from rayzero.models.routers import balancing_loss
+    from rayzero.sharding.context_parallel import ContextParallel
+
+    g = torch.Generator().manual_seed(5)
+    layers = [torch.randn(BATCH * SEQ, 8, generator=g) for _ in range(3)]  # 3 layers' router logits, 8 experts
+    whole = [t.clone().requires_grad_() for t in layers]
+    want = load_balancing_loss_func(tuple(whole), 8, 2, None)
+    want.backward()
+    mine = lambda t: split(t.view(BATCH, SEQ, 8), world, rank).reshape(-1, 8)  # noqa: E731
+    local = [mine(t).detach().requires_grad_() for t in layers]
+    got = balancing_loss(local, 8, 2, ContextParallel(axis, "ring", SEQ))
+    got.backward()
+    grads = max(float((a.grad - mine(b.grad)).abs().max() / b.grad.abs().max()) for a, b in zip(local, whole))
+    return {"loss": abs(float(got) - float(want)) / float(want), "grad": grads}
 
 
 def _run(rank: int, world: int, port: int, out: dict) -> None:
@@ -60,7 +112,8 @@ def _run(rank: int, world: int, port: int, out: dict) -> None:
                 pairs = [("out", got, mine(want))] + [(f"d{n}", t.grad, mine(w.grad))
                                                      for n, t, w in zip("qkv", local, whole)]
                 errors[name, mode] = {n: float((a - b).detach().abs().max() / b.abs().max()) for n, a, b in pairs}
-        out[rank] = {"errors": errors, "positions": positions(SEQ, world, rank).tolist()}
+        out[rank] = {"errors": errors, "positions": positions(SEQ, world, rank).tolist(),
+                     "dropout": _dropout_case(rank, world, axis), "balancing": _balancing_case(rank, world, axis)}
     finally:
         dist.destroy_process_group()
 
@@ -78,3 +131,7 @@ def test_ring_and_ulysses_equal_plain_attention_over_the_whole_sequence(cp):
         assert ran == {"ring", "ulysses"}, ran
         for case, err in errors.items():
             assert max(err.values()) < 1e-5, (r, case, err)
+        assert max(out[r]["balancing"].values()) < 1e-6, out[r]["balancing"]
+        dropout = out[r]["dropout"]
+        assert dropout.pop("changed") > 0.1, "the masks dropped nothing"
+        assert max(dropout.values()) < 1e-5, (r, dropout)

@@ -39,9 +39,9 @@ from tests.models import save_hf_model
       "model.n_embd=96"], "parallel.cp_mode: ulysses splits the attention heads over parallel.cp (2), and 3 heads / 3 "
                           "key/value heads do not divide by it; use parallel.cp_mode=ring"),
     (["cluster.num_workers=2", "parallel.cp=4"], "parallel.cp: 4 does not divide cluster.num_workers (2)"),
-    (["cluster.num_workers=2", "parallel.cp=2", "model.kind=module", "model.factory=tests.models:TinyLM"],
-     "parallel.cp 2 with model.kind=module: attention across a split sequence reaches the built-in GPT's and "
-     "transformers'"),
+    (["data.path=DATA", "cluster.num_workers=2", "parallel.cp=2", "model.kind=module", "model.factory=tests.models:Scaled"],
+     "parallel.cp: model.kind=module (Scaled) does not say how its attention runs across a split sequence; give the "
+     "module a `context_parallel(attend, positions)` method"),
     (["--config", "/nonexistent.yaml"], "config file /nonexistent.yaml does not exist"),
     (["data.path=/nonexistent/data"], "no dataset at /nonexistent/data"),
     (["cluster.address=127.0.0.1:1", "data.path=DATA"], "cluster.address: cannot connect"),

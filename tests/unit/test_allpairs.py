@@ -73,18 +73,11 @@ REFUSED = [
     ("a strategy shards over data-parallel x cp ranks", None, None),  # not refused: sharding over 1 rank is no test
     ("hybrid sharding's replicas are data-parallel ranks", ["parallel.cp=2", "sharding.dp_outer=2"],
      "does not divide cluster.num_workers (2)"),
-    ("context parallelism reaches the GPT's and transformers' attention (not yet a router loss)",
-     ["model.kind=module", "model.factory=tests.models:TinyLM", "parallel.cp=2"],
-     "attention across a split sequence reaches"),
-    ("context parallelism reaches the GPT's and transformers' attention (not yet a router loss)",
-     ["hf:mixtral", "parallel.cp=2"], "load-balancing loss is a function of every token's routing"),
     ("ulysses splits a tensor-parallel rank's key/value heads",
      ["parallel.cp=2", "parallel.cp_mode=ulysses", "model.n_head=3", "model.n_embd=96"], "ulysses splits the attention heads"),
     ("ulysses splits a tensor-parallel rank's key/value heads",
      ["cluster.num_workers=4", "parallel.cp=2", "parallel.cp_mode=ulysses", "parallel.tp=2", "model.n_head=2",
       "model.n_embd=64"], "a tensor-parallel rank's 1 heads / 1 key/value heads do not divide"),
-    ("context parallelism splits language-model rows", ["parallel.cp=2", "train.objective=dpo"],
-     "preference pairs are not split over cp ranks yet"),
     ("at most 4 ranks, at least 2", None, None),  # the test machine's size, not the product's
     ("whole micro-batches", ["cluster.num_workers=2", "train.global_batch_size=8", "train.micro_batch_size=3"],
      "global_batch_size"),

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rayzero.sharding.flat_buffer import FillSource
-from rayzero.sharding.rng import RandomStreams
+from rayzero.sharding.rng import REGIONS, RandomStreams, stream_seed
 from rayzero.sharding.tensor_parallel import Split, TPLayout, TPSlices
 
 
@@ -50,6 +50,22 @@ def test_tp_ranks_share_the_replicated_stream_and_own_the_others():
     assert all(torch.equal(g["replicated"], got[0]["replicated"]) for g in got)
     for region in ("tp", "sequence"):
         assert len({tuple(g[region].tolist()) for g in got}) == 4, region
+
+
+def test_cp_ranks_draw_streams_of_their_own_in_every_region():
+    """The ranks of a cp group hold different tokens: every stream differs between them, the
+    replicated one too; without cp (cp_rank None) the streams are what they were."""
+    def first_draws(**kw):
+        s = RandomStreams(seed=1, tp_rank=1, **kw)
+        s.begin(step=2, micro=3)
+        return {region: (s.enter(region), torch.rand(8))[1] for region in REGIONS}
+
+    plain, cp0, cp1 = first_draws(), first_draws(cp_rank=0), first_draws(cp_rank=1)
+    for region in REGIONS:
+        assert not torch.equal(cp0[region], cp1[region]), region
+        assert not torch.equal(cp0[region], plain[region]), region
+    old = torch.Generator().manual_seed(stream_seed(1, "replicated", 2, 3)).get_state()
+    assert torch.equal(plain["replicated"], (torch.set_rng_state(old), torch.rand(8))[1])
 
 
 def test_a_region_resumes_its_stream_where_it_stopped():
