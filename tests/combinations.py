@@ -119,6 +119,8 @@ NAMED = [
     dict(model="gpt", tp="4", strategy="no_shard"),  # tp 4: kv heads and the vocabulary's padding
     dict(model="mixtral", pp="zb", strategy="optim_grads"),  # the router loss through W-split stages
     dict(trainable="frozen", pp="1f1b", model="llama"),  # a frozen tied embedding on both end stages
+    dict(model="llama-untied", cp="ulysses", precision="fp32"),  # grouped-query heads split by the all-to-all
+    dict(strategy="optim_grads_params", dp=2, cp="ring", precision="fp32"),  # ZeRO-3 over data-parallel x cp ranks
 ]
 
 def world(c: dict) -> int:
