@@ -22,7 +22,7 @@ from rayzero.cluster.config import ClusterConfig, FailureConfig, TrackingConfig
 from rayzero.data.config import DataConfig
 from rayzero.models.config import ModelConfig
 from rayzero.objectives.config import DPOConfig
-from rayzero.sharding.config import OptimConfig, ParallelConfig, ShardingConfig
+from rayzero.sharding.config import MoEConfig, OptimConfig, ParallelConfig, ShardingConfig
 from rayzero.sharding.mesh import Mesh, MeshError, fits
 
 
@@ -151,6 +151,7 @@ class RootConfig(Frozen):
     checkpoint: CheckpointConfig = CheckpointConfig()
     failure: FailureConfig = FailureConfig()
     dpo: DPOConfig = DPOConfig()
+    moe: MoEConfig = MoEConfig()
 
     @model_validator(mode="after")
     def _check(self):
@@ -230,7 +231,7 @@ class RootConfig(Frozen):
         """The mesh of `world_size` ranks (`cluster.num_workers` unless an elastic resize says
         otherwise), as `rank` sees it; its process groups come when a rank connects it."""
         return Mesh(world_size or self.cluster.num_workers, rank, pp=self.parallel.pp,
-                    replicate=self.sharding.dp_outer, cp=self.parallel.cp, tp=self.parallel.tp)
+                    replicate=self.sharding.dp_outer, cp=self.parallel.cp, tp=self.parallel.tp, ep=self.parallel.ep)
 
     def grad_accum_for(self, mesh: Mesh) -> int:
         """Micro-batches per rank per step on `mesh`: global batch / (micro batch x batch-role size)."""

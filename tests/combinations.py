@@ -42,6 +42,7 @@ AXES = {
     "dp": [2, 1],
     "tp": ["1", "2", "2sp", "4"],
     "cp": ["1", "ring", "ulysses"],  # context parallelism at 2, attention across the split each way
+    "ep": ["1", "2"],  # a mixture of experts' experts split over 2 data-parallel ranks
     "pp": ["1", "gpipe", "1f1b", "interleaved", "zb"],
     "recompute": ["none", "full", "selective", "every:2"],
     "trainable": ["all", "lora", "frozen"],
@@ -93,6 +94,12 @@ RULES.rule("a strategy shards over data-parallel x cp ranks", ["strategy", "dp",
            lambda strategy, dp, cp: dp * cp_size(cp) > 1 or strategy == "no_shard")
 RULES.rule("hybrid sharding's replicas are data-parallel ranks", ["strategy", "dp"],
            lambda strategy, dp: strategy not in HYBRID or dp > 1)
+RULES.rule("expert parallelism splits a mixture of experts' experts", ["model", "ep"],
+           lambda model, ep: ep == "1" or bool(MODELS[model].get("moe")))
+RULES.rule("expert parallelism folds into the data-parallel ranks", ["dp", "ep"],
+           lambda dp, ep: ep == "1" or dp % 2 == 0)
+RULES.rule("hybrid sharding's replicas and expert parallelism share the data-parallel ranks", ["strategy", "ep"],
+           lambda strategy, ep: ep == "1" or strategy not in HYBRID)
 RULES.rule("ulysses splits a tensor-parallel rank's key/value heads", ["model", "cp", "tp"],
            lambda model, cp, tp: cp != "ulysses" or max(kv_heads(model) // tp_size(tp), 1) % 2 == 0)
 RULES.rule("whole micro-batches", ["dp", "micro"], lambda dp, micro: GLOBAL_BATCH % (dp * micro) == 0)
@@ -121,6 +128,8 @@ NAMED = [
     dict(trainable="frozen", pp="1f1b", model="llama"),  # a frozen tied embedding on both end stages
     dict(model="llama-untied", cp="ulysses", precision="fp32"),  # grouped-query heads split by the all-to-all
     dict(strategy="optim_grads_params", dp=2, cp="ring", precision="fp32"),  # ZeRO-3 over data-parallel x cp ranks
+    dict(model="mixtral", ep="2", strategy="optim_grads_params", precision="fp32"),  # experts sharded apart
+    dict(model="qwen2_moe", ep="2", strategy="optim", precision="fp32"),  # beside a shared expert
 ]
 
 def world(c: dict) -> int:
@@ -143,6 +152,7 @@ def label(c: dict) -> str:
     parts += [f"tp{c['tp'].replace('sp', '+sp')}"] if c["tp"] != "1" else []
     parts += [f"pp2-{c['pp']}"] if c["pp"] != "1" else []
     parts += [f"cp2-{c['cp']}"] if c["cp"] != "1" else []
+    parts += ["ep2"] if c.get("ep", "1") != "1" else []
     parts += [c["recompute"].replace(":", "")] if c["recompute"] != "none" else []
     parts += [c["trainable"]] if c["trainable"] != "all" else []
     parts += [c["objective"]] if c["objective"] != "lm" else []
@@ -171,6 +181,8 @@ def overrides(c: dict, model_keys: list[str], data_kind: str = "text") -> list[s
         keys += ["parallel.sequence_parallel=true"] if c["tp"].endswith("sp") else []
     if c["cp"] != "1":
         keys += ["parallel.cp=2", f"parallel.cp_mode={c['cp']}"]
+    if c.get("ep", "1") != "1":
+        keys.append("parallel.ep=2")
     if c["pp"] != "1":
         keys += ["parallel.pp=2", f"parallel.pp_schedule={SCHEDULE[c['pp']]}"]
         keys += ["parallel.pp_virtual_stages=2"] if c["pp"] == "interleaved" else []

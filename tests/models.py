@@ -190,3 +190,80 @@ class WrongShape(nn.Module):
 
 def not_a_module(**_):
     return "a string"
+
+
+class Experts(nn.Module):
+    """A mixture's experts as 3-D tensors, one slice per expert (what expert parallelism splits)."""
+
+    def __init__(self, num: int, dim: int, inner: int):
+        super().__init__()
+        self.num = num
+        self.up = nn.Parameter(torch.empty(num, inner, dim))
+        self.down = nn.Parameter(torch.empty(num, dim, inner))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.up, std=0.2)
+        nn.init.normal_(self.down, std=0.2)
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.gelu(F.linear(x, self.up[e])), self.down[e])
+
+    def run(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The experts this module holds on `x`, its rows grouped by expert (`counts[e]` each)."""
+        outs, at = [], 0
+        for e, c in enumerate(counts):
+            outs.append(self.expert(e, x[at:at + c]))
+            at += c
+        return torch.cat(outs)
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in range(self.num):
+            token, choice = torch.where(index == e)
+            out = out.index_add(0, token, self.expert(e, x[token]) * weights[token, choice, None])
+        return out
+
+
+class MoEBlock(Block):
+    """TinyLM's block with a top-2 mixture of experts for its MLP."""
+
+    def __init__(self, dim: int, heads: int, experts: int = 4):
+        super().__init__(dim, heads)
+        del self.fc, self.proj
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.experts = Experts(experts, dim, 2 * dim)
+        self.route = None  # expert parallelism's dispatch, when `TinyMoE.expert_parallel` sets it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self._attention(self.ln1(x))
+        h = self.ln2(x)
+        b, t, d = h.shape
+        flat = h.reshape(-1, d)
+        weights, index = torch.topk(torch.softmax(self.router(flat), -1), 2, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        if self.route is None:
+            out = self.experts(flat, index, weights)
+        else:
+            out = self.route(flat, index, weights, self.experts.run, self.experts.num)
+        return x + out.view(b, t, d)
+
+
+class TinyMoE(TinyLM):
+    """TinyLM with mixture-of-experts blocks, and rayzero's hook for expert parallelism."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = 32, heads: int = 4, n_layer: int = 2, experts: int = 4):
+        super().__init__(vocab, dim, heads, n_layer)
+        self.layers = nn.ModuleList(MoEBlock(dim, heads, experts) for _ in range(n_layer))
+
+    def expert_parallel(self, ep) -> dict[str, tuple[int, ...]]:
+        whole = {}
+        for i, layer in enumerate(self.layers):
+            e = layer.experts
+            mine = ep.experts(e.num)
+            for name in ("up", "down"):
+                p = getattr(e, name)
+                whole[f"layers.{i}.experts.{name}"] = tuple(p.shape)
+                setattr(e, name, nn.Parameter(torch.empty((len(mine), *p.shape[1:]), dtype=p.dtype, device=p.device)))
+            layer.route = ep.run
+        return whole

@@ -55,8 +55,9 @@ def layout_record(strategy: Strategy) -> dict:
         "buckets": [[b.world.start, b.world.end] for b in lay.buckets],
         "param_order": list(strategy.buffer.names),
         "param_world": [[p.world.start, p.world.end] for p in lay.params],
-        # tensor parallelism: each split tensor's placement and global shape (the manifest's
-        # `params` hold global shapes); a shard file's `tp_rank` says which slice it holds
+        # tensor (and expert) parallelism: each split tensor's placement and global shape (the
+        # manifest's `params` hold global shapes); a shard file's `tp_rank` (`ep_rank`) says
+        # which slice it holds
         "tp": strategy.tp.record() if strategy.tp is not None else None,
         "pp_rank": pp_rank,
         "pp": pp,
@@ -105,6 +106,7 @@ class ShardSaver:
                 entry = _with_retries(storage, lambda: write_shard(storage, key, snapshot, meta, self._moved))
                 with self._lock:
                     self._done.append({"step": step, "rank": rank, "tp_rank": s.mesh.coord("tp"),
+                                       **({"ep_rank": s.mesh.coord("ep")} if s.mesh.size("ep") > 1 else {}),
                                        "pp_rank": pp_rank, "file": key,
                                        "pieces": pieces,
                                        "adam_steps": adam_steps, "upload_s": time.perf_counter() - t, **entry})
@@ -203,7 +205,8 @@ def read_shard(strategy: Strategy, storage: Storage, manifest: dict) -> dict[str
             lo, dst = cut.start - span.world.start, local + (cut.start - own.start)
             split = tp.split.get(name) if tp is not None else None
             shape = tp.global_shape.get(name) if tp is not None else None
-            for g, n, d in global_runs(split, shape, tp.size if tp else 1, tp.rank if tp else 0, lo, lo + cut.size):
+            size, place = tp.place(split) if split is not None else (1, 0)
+            for g, n, d in global_runs(split, shape, size, place, lo, lo + cut.size):
                 copies += index.locate(name, g, g + n, dst + d)
     # Parallel ranged reads of at most READ_CHUNK each: object stores serve several GETs at
     # once faster than one long one, and hashing (which releases the GIL) overlaps them.
@@ -283,12 +286,14 @@ class SavedIndex:
                     if cut is None or not cut.size or owner[name] != k:
                         continue  # a lower stage's copy is read
                     placed = tp["split"].get(name)
-                    if placed is None and t != 0:
-                        continue  # replicated over TP: rank 0 of the group's copy
                     split = Split.from_record(placed) if placed else None
+                    if (split is None or split.axis != "tp") and t != 0:
+                        continue  # replicated over TP: rank 0 of the group's copy
+                    size, place = (tp.get("ep", 1), shard.get("ep_rank", 0)) if split is not None and \
+                        split.axis == "ep" else (tp["tp"], t)
                     lo = cut.start - p_start
                     base = file_off + (cut.start - start)
-                    for g, n, d in global_runs(split, shapes.get(name), tp["tp"], t, lo, lo + cut.size):
+                    for g, n, d in global_runs(split, shapes.get(name), size, place, lo, lo + cut.size):
                         pieces.append((self.offset[name] + g, self.offset[name] + g + n, f, base + d))
                 file_off += end - start
         pieces.sort()

@@ -123,7 +123,8 @@ class Checkpoints:
             "layout": self.layout,
             # `pp_rank`: the stage whose layout (`layout["stages"]`) the shard's pieces are in
             "shards": [{**{k: u[k] for k in ("rank", "tp_rank", "file", "size", "block", "sha256", "pieces")},
-                        "pp_rank": u.get("pp_rank", 0)} for u in shards],
+                        "pp_rank": u.get("pp_rank", 0), **({"ep_rank": u["ep_rank"]} if "ep_rank" in u else {})}
+                       for u in shards],
             "optimizer": {"name": "adamw", "step_count": shards[0]["adam_steps"]},
             "schedule": {"step": step, "total_steps": self.schedule_steps, "lr": entry["lr"],
                          "name": cfg.optim.schedule},

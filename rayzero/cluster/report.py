@@ -38,6 +38,8 @@ def step_metrics(results: list[dict], phase: dict[str, float], dt: float, tokens
         metrics.update(pair_metrics(results[0]["prefs"]))
     if results[0].get("aux_loss_sum") is not None:  # a mixture of experts: its router's loss, apart
         metrics["router_aux_loss"] = sum(r["aux_loss_sum"] for r in results) / micro
+    if results[0].get("experts"):  # expert parallelism: the busiest expert against the mean, pairs dropped,
+        metrics.update(results[0]["experts"])  # all-to-all bytes (merged over the ranks: `results.merge`)
     return metrics
 
 
@@ -67,6 +69,9 @@ def run_summary(cfg, rec, h, ckpt, early, tracker, run_dir: str) -> dict:
         # micro-batches), which joins the training loss weighted by router_aux_loss_coef
         "final_router_aux_loss": next((r["router_aux_loss"] for r in reversed(h.rows) if "router_aux_loss" in r),
                                       None),
+        # expert parallelism: the last step's busiest expert against the mean (1: even), pairs dropped
+        **({"final_expert_load": last_of(h.rows, ["expert_load_max_over_mean", "dropped_pairs"])}
+           if cfg.parallel.ep > 1 else {}),
         # preference tuning: the last step's (and the last validation's) pair metrics, by TRL's names
         **({"final_preferences": last_of(h.rows, PAIR_METRICS), "final_val_preferences":
             last_of(h.rows, [f"val_{k}" for k in PAIR_METRICS])} if cfg.train.objective == "dpo" else {}),

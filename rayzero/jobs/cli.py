@@ -127,7 +127,9 @@ def _print_plan(p: dict) -> None:
         f"plan (dry run: nothing started)\n"
         f"  {p['world_size']} ranks{elastic} of {bundle} each, on {p['cluster']}\n"
         f"  strategy {p['strategy']}{hybrid}; params {p['param_dtype']}, grads {p['grad_dtype']}\n"
-        + ("".join(f"  {line}\n" for line in p["mesh"]) if p["tp"] > 1 or p.get("cp", 1) > 1 or p.get("pipeline") else "")
+        + ("".join(f"  {line}\n" for line in p["mesh"]) if p["tp"] > 1 or p.get("cp", 1) > 1 or p.get("ep", 1) > 1
+           or p.get("pipeline") else "")
+        + (f"  {_experts_line(p)}\n" if p.get("experts") else "")
         + (f"  context parallel {p['cp']} ({p['cp_mode']}): each rank holds 1/{p['cp']} of every sequence's tokens "
            f"(chunks i and {2 * p['cp'] - 1}-i of {2 * p['cp']}), attention across them; gradients reduced over "
            f"data-parallel x cp\n" if p.get("cp", 1) > 1 else "")
@@ -236,6 +238,16 @@ def _model_line(p: dict) -> str:
     from rayzero.models import spec_class
 
     return spec_class(m["kind"]).plan_line(m)
+
+
+def _experts_line(p: dict) -> str:
+    e = p["experts"]
+    drop = (f"at most {e['capacity_factor']:g} x an even share of pairs an expert, the rest dropped"
+            if e["capacity_factor"] else "dropless")
+    return (f"expert parallel {p['ep']}: each rank holds {e['local']} of the {e['total']} experts of every MoE layer "
+            f"({e['params_per_rank']:,} expert parameters, {e['bytes_per_param']:.2f} bytes each), their gradients "
+            f"reduced over the {e['reduce_over']} rank(s) holding the same experts; tokens sent to their experts by "
+            f"all-to-all, {drop}")
 
 
 def _params_line(total: int, trainable: int) -> str:

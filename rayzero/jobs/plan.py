@@ -78,6 +78,14 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
     # Per rank: its tensor-parallel share of the parameters (split ones / tp, replicated whole).
     bytes_per_rank = (int(per_param * trainable + frozen_per_param * (num_params - trainable))
                       if num_params else None)
+    experts = experts_plan(cfg, built, mesh) if built is not None else None
+    if experts is not None and bytes_per_rank is not None:  # the experts shard over their own, smaller group
+        d_e = mesh.size("expert_shard")
+        e_param = formula_bytes_per_param(sh.strategy, d_e, param_bytes, grad_bytes, d_e)
+        e_frozen = param_bytes / (d_e if sh.strategy == "optim_grads_params" else 1)
+        bytes_per_rank += int((e_param - per_param) * experts["trainable_per_rank"]
+                              + (e_frozen - frozen_per_param) * (experts["params_per_rank"] - experts["trainable_per_rank"]))
+        experts["bytes_per_param"] = e_param
     act = activation_bytes(  # a cp rank holds its 1/cp of each sequence
         shape, t.seq_len // cfg.parallel.cp, t.micro_batch_size, param_bytes, cfg.model.checkpoint_every,
         cfg.model.activation_checkpointing == "selective", cfg.parallel.tp,
@@ -99,6 +107,8 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
         "tp": cfg.parallel.tp,
         "cp": cfg.parallel.cp,
         "cp_mode": cfg.parallel.cp_mode,
+        "ep": cfg.parallel.ep,
+        "experts": experts,  # expert parallelism: each rank's experts and their state
         "sequence_parallel": cfg.parallel.sequence_parallel,
         "vocab_parallel": vocab["parallel"],
         "vocab_note": vocab["note"],
@@ -209,6 +219,21 @@ def cluster_free(address: str) -> dict[str, float]:
         return dict(ray.available_resources())
     finally:
         ray.shutdown()
+
+
+def experts_plan(cfg: RootConfig, built, mesh) -> dict | None:
+    """With `parallel.ep`: the experts a rank holds of each MoE layer and their parameters (the
+    tensors expert parallelism split), and the ranks their bucket group reduces over."""
+    if cfg.parallel.ep == 1 or built.tp is None:
+        return None
+    split = [n for n, s in built.tp.split.items() if s.axis == "ep"]
+    if not split:
+        return None
+    params = dict(built.model.named_parameters())
+    return {"total": built.tp.global_shape[split[0]][0], "local": params[split[0]].shape[0],
+            "params_per_rank": sum(params[n].numel() for n in split),
+            "trainable_per_rank": sum(params[n].numel() for n in split if params[n].requires_grad),
+            "reduce_over": mesh.size("expert_dp"), "capacity_factor": cfg.moe.capacity_factor}
 
 
 def lora_line(cfg: RootConfig, model) -> str | None:

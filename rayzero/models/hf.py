@@ -221,15 +221,16 @@ class HFSpec(ModelSpec):
 
     def context_parallel(self, model: nn.Module, cp) -> None:
         """Through transformers' attention-function registry (`hf_context.py`); a mixture of
-        experts' load-balancing loss over the whole cp group's tokens (`routers.balancing_loss`)."""
+        experts' load-balancing loss over the whole cp group's tokens (`routers.Balance`)."""
         from rayzero.models.hf_context import attend_across
+        from rayzero.models.routers import Balance
 
         c = self.text_config
         heads = getattr(c, "num_attention_heads", None) or getattr(c, "n_head", None)
         cp.check_heads(heads, getattr(c, "num_key_value_heads", None) or heads)
         attend_across(model, cp)
         if self.aux_coef:
-            self._balance = (cp, int(model.num_experts), int(model.num_experts_per_tok))
+            self._balance = Balance(cp, int(model.num_experts), int(model.num_experts_per_tok))
 
     def attention_shape(self, model: nn.Module) -> tuple[int, int] | None:
         c = self.text_config
@@ -279,23 +280,23 @@ class HFSpec(ModelSpec):
             return model(input_ids=x, output_router_logits=True)
         return model(input_ids=x)
 
-    _balance = None  # with context parallelism: (the rank's ContextParallel, experts, top k)
+    def expert_parallel(self, model: nn.Module, ep) -> dict[str, tuple[int, ...]]:
+        """Through transformers' experts registry (`hf_experts.py`)."""
+        from rayzero.models.hf_experts import split_experts
+
+        return split_experts(model, ep, str(self.path))
+
+    _balance = None  # with context parallelism: the load-balancing loss over the cp group (`routers.Balance`)
 
     def aux_loss(self, out) -> torch.Tensor | None:
-        if self.aux_coef and self._balance is not None and getattr(out, "router_logits", None):
-            from rayzero.models.routers import balancing_loss
-
-            return balancing_loss(out.router_logits, self._balance[1], self._balance[2], self._balance[0])
-        aux = getattr(out, "aux_loss", None) if self.aux_coef else None
-        return aux if isinstance(aux, torch.Tensor) else None
+        aux = getattr(out, "aux_loss", None) if self.aux_coef and self._balance is None else None
+        return self._balance.of(out) if self.aux_coef and self._balance is not None else (
+            aux if isinstance(aux, torch.Tensor) else None)
 
     def routers(self, model: nn.Module):
         from rayzero.models.routers import RouterLogits
 
-        routers = RouterLogits.of(model) if self.aux_coef else None
-        if routers is not None and self._balance is not None:
-            routers.cp = self._balance[0]
-        return routers
+        return RouterLogits.of(model, self._balance) if self.aux_coef else None
 
     @property
     def vocab_size(self) -> int:

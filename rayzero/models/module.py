@@ -156,6 +156,24 @@ class ModuleSpec(ModelSpec):
                 "position embedding take positions(t, device), or set parallel.cp=1")
         hook(cp.attend, cp.local_positions)
 
+    def expert_parallel(self, model: nn.Module, ep) -> dict[str, tuple[int, ...]]:
+        """A module's experts are its own code, reached through its `expert_parallel(ep)` method,
+        which must keep, in each MoE layer, only this rank's experts `ep.experts(E)` (dim 0 of
+        each expert tensor, in a module named `experts`), route the layer through `ep.run(hidden
+        [N, H], top_k_index [N, k], top_k_weights [N, k], experts, E)` (`experts(x, counts)`:
+        the local experts on `x`, its rows grouped by local expert, `counts[e]` rows for local
+        expert e), and return each split tensor's whole shape by parameter name. Without it, a
+        ModelError saying so."""
+        hook = getattr(model, "expert_parallel", None)
+        if not callable(hook):
+            raise ModelError(
+                f"parallel.ep: model.kind=module ({type(model).__name__}) does not say how its experts split; give "
+                "the module an `expert_parallel(ep)` method that keeps each MoE layer's experts ep.experts(E) "
+                "(dim 0 of its expert tensors, in a module named `experts`), routes the layer through "
+                "ep.run(hidden, top_k_index, top_k_weights, experts, E) and returns the split tensors' whole "
+                "shapes by name, or set parallel.ep=1")
+        return dict(hook(ep))
+
     def _layers(self, model: nn.Module, key: str, purpose: str) -> tuple[str, ...]:
         best = None
         for m in model.modules():

@@ -18,6 +18,7 @@ tokens' part of it.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -42,10 +43,25 @@ def balancing_loss(gate_logits, experts: int, top_k: int, cp) -> torch.Tensor:
     return torch.sum(share * prob.unsqueeze(0)) * experts
 
 
+@dataclass(frozen=True)
+class Balance:
+    """A mixture of experts' load-balancing loss under context parallelism: over the tokens of
+    the rank's cp group (`cp`), `experts` and `top_k` the family's."""
+
+    cp: object
+    experts: int
+    top_k: int
+
+    def of(self, out) -> torch.Tensor | None:
+        """The loss of a forward's output (its `router_logits`, one tensor per layer)."""
+        logits = getattr(out, "router_logits", None)
+        return balancing_loss(logits, self.experts, self.top_k, self.cp) if logits else None
+
+
 class RouterLogits:
     """Records the router logits of the modules that run while `recording` is a list."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, balance: Balance | None = None):
         recorder = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
         self.cls = getattr(recorder, "target_class", recorder)
         self.index = getattr(recorder, "index", 0)
@@ -53,7 +69,7 @@ class RouterLogits:
         self.top_k = int(getattr(model, "num_experts_per_tok"))
         self._loss = getattr(sys.modules[type(model).__module__], "load_balancing_loss_func")
         self.recording: list[torch.Tensor] | None = None
-        self.cp = None  # with context parallelism, the rank's `ContextParallel` (the spec sets it)
+        self.cp = balance.cp if balance is not None else None  # with context parallelism, its `ContextParallel`
         for m in model.modules():
             if isinstance(m, self.cls):
                 m.register_forward_hook(self._record)
@@ -66,13 +82,14 @@ class RouterLogits:
         output_capturing.maybe_install_capturing_hooks(model)
 
     @staticmethod
-    def of(model: nn.Module) -> "RouterLogits | None":
-        """The model's routers, when it records router logits and computes a loss from them."""
+    def of(model: nn.Module, balance: Balance | None = None) -> "RouterLogits | None":
+        """The model's routers, when it records router logits and computes a loss from them
+        (`balance`: with context parallelism, the loss over the cp group's tokens)."""
         recorder = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
         family = sys.modules.get(type(model).__module__)
         if recorder is None or not hasattr(family, "load_balancing_loss_func") or not hasattr(model, "num_experts"):
             return None
-        return RouterLogits(model)
+        return RouterLogits(model, balance)
 
     def _record(self, _module, _args, output) -> None:
         if self.recording is not None:

@@ -270,6 +270,13 @@ class ModelSpec:
         return parallelize(model, self.tp_plan(model), axis, self.sequence_ends(model) if sequence_parallel else None,
                            vocab=self.vocab_ends(model) if vocab_parallel else None, streams=streams)
 
+    def expert_parallel(self, model: nn.Module, ep) -> dict[str, tuple[int, ...]]:
+        """Keep this rank's E/ep experts of every MoE layer (`ep`: an `ExpertParallel`) and send
+        the tokens to their experts' ranks: each split tensor's whole shape, by name (split along
+        dim 0). A ModelError where the model has no experts the seam can split."""
+        raise ModelError(f"parallel.ep: model.kind={self.kind} is dense: expert parallelism splits a mixture of "
+                         "experts' experts (a Hugging Face MoE: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE); set parallel.ep=1")
+
     splits_sequence = False  # whether `context_parallel` can reach the model's attention
 
     def context_parallel(self, model: nn.Module, cp) -> None:

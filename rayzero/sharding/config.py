@@ -149,6 +149,15 @@ class ParallelConfig(Frozen):
         "loss over the cp group's tokens) and a `module` model with a `context_parallel(attend, positions)` method. "
         "1 = none.",
     )
+    ep: int = Field(
+        default=1, ge=1,
+        description="Expert-parallel size, for a mixture of experts: every MoE layer's experts split over this many "
+        "ranks (each holds E / ep of them; the tokens are sent to their experts' ranks by all-to-all and back). "
+        "Folded into the data-parallel ranks: they take different rows and the dense parameters are sharded "
+        "over them as over any data-parallel rank, while the experts' bucket group is reduced and sharded over "
+        "the ranks holding the same experts (data-parallel / ep). Must divide the data-parallel size and the "
+        "number of experts. 1 = none.",
+    )
     cp_mode: Literal["ring", "ulysses"] = Field(
         default="ring",
         description="How attention runs across the cp split: `ring` passes each rank's key/value block round the "
@@ -210,6 +219,17 @@ class ParallelConfig(Frozen):
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel: splits the sequence over tensor-parallel ranks; set parallel.tp > 1")
         return self
+
+
+class MoEConfig(Frozen):
+    """How a mixture of experts routes its tokens under expert parallelism."""
+
+    capacity_factor: float | None = Field(
+        default=None, gt=0,
+        description="With `parallel.ep` > 1: the most (token, expert) pairs an expert takes from one rank, as a "
+        "multiple of an even share, ceil(capacity_factor x pairs / experts); the pairs past it are dropped (their "
+        "share of the layer's output is zero) and counted in the metrics. None: dropless, every pair is sent.",
+    )
 
 
 class OptimConfig(Frozen):

@@ -16,6 +16,11 @@ is the world size:
     replicate   sharding.dp_outer                the data-parallel ranks into replicas (HSDP /
                                                  Hybrid-FSDP's outer reduction)
     shard       what the others leave            a replica's data-parallel ranks (ZeRO's shards)
+    ep          parallel.ep                      a mixture of experts' experts (expert parallelism):
+                                                 data-parallel ranks for everything else (they take
+                                                 different rows, and the dense parameters shard
+                                                 over them), each holding E/ep of every layer's
+                                                 experts, the tokens sent to their experts
     cp          parallel.cp                      each sequence (context parallelism): the ranks of a
                                                  cp group take the same rows, each its part of
                                                  every sequence, and hold the same weights
@@ -26,32 +31,35 @@ Code outside this module asks for a **role** (`ROLES`), never an axis: what a gr
 that a new axis changes the roles' table, not the code that uses them:
 
     role            axes                          what runs over it
-    batch           replicate x shard             the global batch splits over it (a TP group, a
+    batch           replicate x shard x ep        the global batch splits over it (a TP group, a
                                                   cp group and a pipeline's stages share one part)
-    loss            replicate x shard x cp        the valid-token counts and the losses are summed
-    grad_reduce     replicate x shard x cp        every gradient is reduced; the buffer is padded
-                                                  to its size
-    grad_shard      shard x cp                    ZeRO shards gradients, optimizer state and
+    loss            replicate x shard x ep x cp   the valid-token counts and the losses are summed
+    grad_reduce     replicate x shard x ep x cp   every dense gradient is reduced; the buffer is
+                                                  padded to its size
+    grad_shard      shard x ep x cp               ZeRO shards gradients, optimizer state and
                                                   parameters (inside a replica)
     grad_replicate  replicate                     hybrid sharding's outer reduction
-    expert_dp       replicate x shard x cp        ranks holding the same experts (all of them,
-                                                  until experts are split): the expert bucket
-                                                  group's gradients are reduced over it
+    expert_dp       replicate x shard x cp        ranks holding the same experts: the expert
+                                                  bucket group's gradients are reduced over it
     expert_shard    shard x cp                    ZeRO shards the expert group over it
     expert_replicate replicate                    the expert group's hybrid replicas
+    ep              ep                            expert parallelism's all-to-alls; the experts
+                                                  split over it
     cp              cp                            context parallelism's ring or all-to-all
     tp              tp                            tensor parallelism's collectives
     pp              pp                            a pipeline's sends, stage to stage
-    stage           replicate x shard x cp x tp   one pipeline stage's ranks (its norms and sums)
+    stage           replicate x shard x ep x cp x tp  one pipeline stage's ranks (its norms and sums)
     world           every axis                    the global norm's and the loss's sums
 
 Context parallelism's `cp` axis sits between `shard` and `tp` (Megatron's order: tp innermost,
 then cp, then the data-parallel axes, then pp) and joins `loss`, `grad_reduce` and `grad_shard`:
 the sequence splits over it and every rank of a cp group holds the same weights, so gradients
 are reduced and sharded over data-parallel x cp, while `batch` leaves it out. Expert
-parallelism will split `expert_dp` and `expert_shard` by an `ep` axis folded into the
-data-parallel ranks. The code asking for those roles does not change: the strategy's bucket
-groups (group.py) take their axes from them.
+parallelism's `ep` axis is folded into the data-parallel ranks, as Megatron folds it: for the
+dense parameters and the data it is one more data-parallel axis (in `batch`, `loss`,
+`grad_reduce`, `grad_shard`), while the expert roles leave it out, so the experts' bucket group
+reduces and shards over the ranks that hold the same experts. The code asking for those roles
+does not change: the strategy's bucket groups (group.py) take their axes from them.
 
 A rank's global number is its coordinates read row-major, outermost first:
 
@@ -86,22 +94,23 @@ if TYPE_CHECKING:  # torch is imported only where groups are made: reading a con
 
 # Each axis, outermost first, and the config key that sets its size (None: it takes what the others leave).
 AXES: dict[str, str | None] = {"pp": "parallel.pp", "replicate": "sharding.dp_outer", "shard": None,
-                               "cp": "parallel.cp", "tp": "parallel.tp"}
+                               "ep": "parallel.ep", "cp": "parallel.cp", "tp": "parallel.tp"}
 ORDER = tuple(AXES)
 KEYS = {a: key for a, key in AXES.items() if key}  # the axes a config key sets
 ROLES: dict[str, tuple[str, ...]] = {
-    "batch": ("replicate", "shard"),
-    "loss": ("replicate", "shard", "cp"),
-    "grad_reduce": ("replicate", "shard", "cp"),
-    "grad_shard": ("shard", "cp"),
+    "batch": ("replicate", "shard", "ep"),
+    "loss": ("replicate", "shard", "ep", "cp"),
+    "grad_reduce": ("replicate", "shard", "ep", "cp"),
+    "grad_shard": ("shard", "ep", "cp"),
     "grad_replicate": ("replicate",),
     "expert_dp": ("replicate", "shard", "cp"),
     "expert_shard": ("shard", "cp"),
     "expert_replicate": ("replicate",),
+    "ep": ("ep",),
     "cp": ("cp",),
     "tp": ("tp",),
     "pp": ("pp",),
-    "stage": ("replicate", "shard", "cp", "tp"),
+    "stage": ("replicate", "shard", "ep", "cp", "tp"),
     "world": ORDER,
 }
 
@@ -144,6 +153,7 @@ class Mesh:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1
     groups_by_role: dict[str, Axis] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
@@ -264,7 +274,7 @@ class Mesh:
         then the roles over several axes whose groups are no axis's and not the whole world
         (the roles with the same groups on one line)."""
         shape = self.shape
-        shown = {a: n for a, n in shape.items() if a not in ("pp", "cp") or n > 1}  # as before there were these
+        shown = {a: n for a, n in shape.items() if a not in ("pp", "ep", "cp") or n > 1}  # as before there were these
         lines = ["mesh: " + " x ".join(f"{a} {n}" for a, n in shown.items()) + f" = {self.world_size} ranks"]
         for name in ORDER:
             if shape[name] > 1:

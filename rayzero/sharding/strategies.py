@@ -144,7 +144,7 @@ class Strategy:
         self.mesh = mesh
         self.cfg = sharding
         self.optim_cfg = optim
-        self.tp = tp if tp is not None and tp.size > 1 else None
+        self.tp = tp if tp is not None and (tp.size > 1 or tp.split) else None  # what TP (or ep) split
         self.tied = tied if tied is not None and tied.names else None
         self.pp_axis = mesh.axis("pp")
         self.precision = Precision.from_config(sharding)
@@ -378,13 +378,14 @@ class Strategy:
         """The L2 norm of the full gradient; each element counted once across the group: with
         tensor parallelism, a split parameter's shards summed over the TP ranks, a replicated
         one (the same on each) counted once. Each bucket group's squares are summed over the
-        ranks its owned ranges tile (groups over the same ranks in one sum)."""
+        ranks its owned ranges tile (in one sum where the same), the experts' over ep too."""
         skip = set(self._tied_buckets) if self.tied is not None and not self.tied.counts else set()
-        sums: dict[int, tuple] = {}  # id of the axis a group's owned ranges tile -> (axis, squares)
+        sums: dict[tuple[int, bool], tuple] = {}  # (id of the axis owned ranges tile, over ep) -> (axis, squares)
+        tp = self.mesh.size("tp")
 
-        def add(b: int, sq: torch.Tensor) -> None:
+        def add(b: int, sq: torch.Tensor, experts: bool = False) -> None:
             axis = self._of[b].owner.axis
-            key = id(axis) if axis is not None and axis.size > 1 else 0
+            key = (id(axis) if axis is not None and axis.size > 1 else 0, experts)
             prev = sums.get(key, (axis, torch.zeros((), dtype=torch.float64, device=self.buffer.device)))
             sums[key] = (prev[0], prev[1] + sq)
 
@@ -394,15 +395,19 @@ class Strategy:
                     add(b, torch.linalg.vector_norm(g.float()).double() ** 2)
         else:
             for b, cut, name in self._owned_params:
-                weight = 1.0 if name in self.tp.split else 1.0 / self.tp.size
+                split = self.tp.split.get(name)
+                weight = 1.0 if tp == 1 or split is not None and split.axis == "tp" else 1.0 / tp
                 if b not in skip:
-                    add(b, weight * torch.linalg.vector_norm(self.main_grads[b][cut].float()).double() ** 2)
+                    add(b, weight * torch.linalg.vector_norm(self.main_grads[b][cut].float()).double() ** 2,
+                        split is not None and split.axis == "ep")
         total = torch.zeros((), dtype=torch.float64, device=self.buffer.device)
-        for key, (axis, sq) in sums.items():
+        for (key, experts), (axis, sq) in sums.items():
             if key:
                 dist.all_reduce(sq, group=axis.group)
+            if experts:
+                dist.all_reduce(sq, group=self.mesh.axis("ep").group)
             total += sq
-        if self.tp is not None:
+        if tp > 1:
             dist.all_reduce(total, group=self.mesh.axis("tp").group)
         if self.pp_axis.size > 1:  # every stage's part of the model
             dist.all_reduce(total, group=self.pp_axis.group)
@@ -442,7 +447,7 @@ class Strategy:
                     self.buffer.params[i].shape).cpu().clone()
         if self.tp is not None:  # the TP ranks' shards, whole (every rank of the group in one order)
             for name in sorted(n for n in by_name if n in self.tp.split):
-                by_name[name] = gather_global(name, by_name[name], self.tp, self.mesh.axis("tp"))
+                by_name[name] = gather_global(name, by_name[name], self.tp, self.mesh.axis(self.tp.split[name].axis))
         name_of = {id(p): n for n, p in zip(self.buffer.names, self.buffer.params)}
         out, used = {}, set()
         for key, v in self.model.state_dict(keep_vars=True).items():

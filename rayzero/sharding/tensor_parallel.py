@@ -40,6 +40,7 @@ Pure torch (no Ray): `parallelize` works on a model on the meta device, before a
 from __future__ import annotations
 
 import fnmatch
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -71,6 +72,7 @@ class Split:
     dim: int
     parts: int = 1
     padded: bool = False
+    axis: str = "tp"  # the mesh role it splits over: "tp", or "ep" (a mixture of experts' experts, dim 0)
 
     def local_rows(self, rows: int, tp: int) -> int:
         """A rank's share of `rows` (one part's)."""
@@ -85,29 +87,31 @@ class Split:
         """Where the local tensor's elements sit in the global one, as contiguous runs
         (local flat start, global flat start, length), in local order; padding is in none."""
         if self.dim == 0:
-            row = _numel(shape[1:])
+            row = math.prod(shape[1:])
             part_rows = shape[0] // self.parts
             local_rows = self.local_rows(part_rows, tp)
             real = max(0, min(local_rows, part_rows - tp_rank * local_rows))
             return [(p * local_rows * row, (p * part_rows + tp_rank * local_rows) * row, real * row)
                     for p in range(self.parts) if real]
-        rows, cols = shape[0], _numel(shape[1:])  # dim 1 of a matrix: each row a run
+        rows, cols = shape[0], math.prod(shape[1:])  # dim 1 of a matrix: each row a run
         local_cols = cols // tp
         return [(r * local_cols, r * cols + tp_rank * local_cols, local_cols) for r in range(rows)]
 
     def record(self) -> dict:
-        return {"dim": self.dim, "parts": self.parts, **({"padded": True} if self.padded else {})}
+        return {"dim": self.dim, "parts": self.parts, **({"padded": True} if self.padded else {}),
+                **({"axis": self.axis} if self.axis != "tp" else {})}
 
     @classmethod
     def from_record(cls, placed: dict) -> "Split":
-        return cls(placed["dim"], placed["parts"], placed.get("padded", False))
+        return cls(placed["dim"], placed["parts"], placed.get("padded", False), placed.get("axis", "tp"))
 
 
 @dataclass
 class TPLayout:
     """What `parallelize` did: per split parameter its placement and global shape; the
     replicated parameters whose gradient is a partial sum over the TP group; the vocabulary
-    shard when the embedding and head are split (`vocab_parallel`), else why they are not."""
+    shard when the embedding and head are split (`vocab_parallel`), else why they are not.
+    Expert parallelism adds its experts' tensors (split along dim 0 over the `ep` role)."""
 
     size: int
     rank: int
@@ -116,15 +120,22 @@ class TPLayout:
     partial: set[str] = field(default_factory=set)
     vocab: VocabShard | None = None
     vocab_note: str | None = None  # why the vocabulary stays whole on every TP rank
+    ep: tuple[int, int] = (1, 0)  # expert parallelism's group: (size, this rank's place)
+
+    def place(self, split: Split) -> tuple[int, int]:
+        """(group size, this rank's place in it) of the role `split` splits over."""
+        return self.ep if split.axis == "ep" else (self.size, self.rank)
 
     def split_numel(self) -> int:
-        """Elements of the split parameters that the other TP ranks hold (whole model - this rank's)."""
-        return sum(_numel(g) - _numel(self.split[n].local_shape(g, self.size)) for n, g in self.global_shape.items())
+        """Elements of the split parameters that the other TP (and ep) ranks hold (whole model - this rank's)."""
+        return sum(math.prod(g) - math.prod(self.split[n].local_shape(g, self.place(self.split[n])[0]))
+                   for n, g in self.global_shape.items())
 
     def record(self) -> dict:
         """The manifest's note: each split tensor's global shape and placement."""
-        return {"tp": self.size, "split": {n: {**s.record(), "global_shape": list(self.global_shape[n])}
-                                           for n, s in sorted(self.split.items())},
+        return {"tp": self.size, **({"ep": self.ep[0]} if self.ep[0] > 1 else {}),
+                "split": {n: {**s.record(), "global_shape": list(self.global_shape[n])}
+                          for n, s in sorted(self.split.items())},
                 "replicated_partial_grad": sorted(self.partial),
                 "vocab_parallel": self.vocab is not None}
 
@@ -464,7 +475,7 @@ class TPSlices(ParamSource):
             shape = self.layout.global_shape[p.name]
             if split.padded:  # rows past the vocabulary: no global element, zero
                 p.out.zero_()
-            for local, glob, n in split.runs(shape, self.layout.size, self.layout.rank):
+            for local, glob, n in split.runs(shape, *self.layout.place(split)):
                 lo, hi = max(p.start, local), min(p.end, local + n)
                 if lo < hi:
                     mapped.append(Piece(p.name, glob + lo - local, glob + hi - local, shape,
@@ -487,9 +498,3 @@ def gather_global(name: str, local: torch.Tensor, layout: TPLayout, axis: Axis) 
     part_rows = layout.global_shape[name][0] // split.parts  # a padded split's padding is each part's tail
     return torch.cat([torch.cat([parts[r][k] for r in range(axis.size)])[:part_rows] for k in range(split.parts)])
 
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

@@ -1,6 +1,6 @@
 """How a rank assembles its model: one place, one fixed order.
 
-    build on meta → adapters → tensor parallel → context parallel → compiled blocks (on the ranks)
+    build on meta → adapters → tensor parallel → expert parallel → context parallel → compiled blocks (on the ranks)
                   → activation checkpointing
                   → pipeline stage (the blocks and ends of this rank's stages; the rest stand-ins)
                   → sharding strategy (over whatever the steps before left local)
@@ -51,7 +51,8 @@ class Built:
     model: nn.Module
     added: frozenset[str] = frozenset()  # parameters the files are never asked for (adapters)
     adapters: dict = field(default_factory=dict)  # LoRA: base weight name -> `lora.Adapter`
-    tp: TPLayout | None = None  # what tensor parallelism split, and each split tensor's global shape
+    tp: TPLayout | None = None  # what tensor (and expert) parallelism split, each split tensor's global shape
+    ep: object = None  # expert parallelism's `ExpertParallel`: the MoE layers' dispatch and its loads
     stages: Stages | None = None  # the pipeline stages this rank holds
     compiled: list[str] = field(default_factory=list)  # the blocks `train.compile` compiled, by name
 
@@ -59,16 +60,19 @@ class Built:
 # -- the steps, in order ---------------------------------------------------------------------------
 
 def build_model(cfg: RootConfig, spec: ModelSpec, mesh: Mesh | None = None,
-                streams: RandomStreams | None = None, compiled: bool = False) -> Built:
-    """Build on meta → adapters → tensor parallel → context parallel → (`compiled`) compiled blocks → activation
+                streams: RandomStreams | None = None, compiled: bool = False, experts=None) -> Built:
+    """Build on meta → adapters → tensor parallel → expert parallel → context parallel → (`compiled`) compiled
+    blocks → activation
     checkpointing: the model a strategy shards (parameters still on the meta device). `mesh`:
     this rank's, connected (the driver's checks pass none and build on the config's: the shapes
     are the same on every rank). `streams`: the rank's dropout streams, which the TP regions
     switch and a recompute replays. `compiled`: a rank's build with `train.compile` (the
-    driver's checks never compile: compilation changes no shape)."""
+    driver's checks never compile: compilation changes no shape). `experts`: the rank's
+    `ExpertParallel` (with `parallel.ep`; the driver's checks make their own)."""
     built = Built(spec.build())
     add_adapters(built, cfg, spec)
     tensor_parallel(built, cfg, spec, (mesh or cfg.mesh()).axis("tp"), streams)
+    expert_parallel(built, cfg, spec, mesh or cfg.mesh(), experts)
     context_parallel(built, cfg, spec, mesh or cfg.mesh(), compiled)
     if compiled:
         compile_model_blocks(built, cfg, spec)
@@ -120,6 +124,27 @@ def tensor_parallel(built: Built, cfg: RootConfig, spec: ModelSpec, axis: Axis,
         return
     p = cfg.parallel
     built.tp = spec.parallelize(built.model, axis, p.sequence_parallel, p.vocab_parallel, streams)
+
+
+def expert_parallel(built: Built, cfg: RootConfig, spec: ModelSpec, mesh: Mesh, experts=None) -> None:
+    """`parallel.ep`: each MoE layer keeps this rank's E/ep experts, and its tokens go to their
+    experts' ranks and back (`spec.expert_parallel`, `sharding/expert_parallel.py`); the split
+    tensors join the layout as TP's do (split along dim 0 over the `ep` role), so that
+    initial and pretrained values are read by range and checkpoints hold whole tensors.
+    ModelError for a model without experts, or experts ep does not divide."""
+    if mesh.size("ep") == 1:
+        return
+    from rayzero.sharding.expert_parallel import ExpertParallel
+    from rayzero.sharding.tensor_parallel import Split
+
+    built.ep = experts or ExpertParallel(mesh.axis("ep"), cfg.moe.capacity_factor)
+    whole = spec.expert_parallel(built.model, built.ep)
+    if built.tp is None:
+        built.tp = TPLayout(1, 0)
+    built.tp.ep = (mesh.size("ep"), mesh.coord("ep"))
+    for name, shape in whole.items():
+        built.tp.split[name] = Split(0, axis="ep")
+        built.tp.global_shape[name] = shape
 
 
 def context_parallel(built: Built, cfg: RootConfig, spec: ModelSpec, mesh: Mesh, compiled: bool = False) -> None:
@@ -227,12 +252,13 @@ def initial_values(spec: ModelSpec, built: Built) -> ParamSource:
 
 
 def assemble(cfg: RootConfig, spec: ModelSpec, mesh: Mesh, device: torch.device,
-             streams: RandomStreams | None = None, frozen: bool = False):
+             streams: RandomStreams | None = None, frozen: bool = False, experts=None):
     """Every step, on this rank: (the model, its strategy, where its initial values came from,
     its pipeline stages or None). `frozen`: every parameter frozen (a preference loss's
     reference model): the strategy holds them in the compute dtype, sharded as it shards
-    frozen parameters, with no gradient, main copy or optimizer state."""
-    built = build_model(cfg, spec, mesh, streams, compiled=True)
+    frozen parameters, with no gradient, main copy or optimizer state. `experts`: the rank's
+    `ExpertParallel` (its MoE layers' dispatch, whose loads the rank reports)."""
+    built = build_model(cfg, spec, mesh, streams, compiled=True, experts=experts)
     if frozen:
         built.model.requires_grad_(False)
     # Where each parameter's values come from, matched on the whole model: pretrained weights

@@ -22,6 +22,7 @@ from rayzero.config import RootConfig
 from rayzero.data.kinds import batches_for
 from rayzero.data.tokens import TokenDataset
 from rayzero.data.validation import ValidationRows, validation_split
+from rayzero.sharding.expert_parallel import ExpertParallel
 from rayzero.sharding.rng import RandomStreams
 from rayzero.workers.activations import ActivationMeter
 from rayzero.workers.compile import Compiling
@@ -54,6 +55,7 @@ class Rank(Membership):
         self._times: dict[str, float] = {}
         self.saver: ShardSaver | None = None
         self.model = self.strategy = self.data = self.val = self.prefs = None  # built by `setup`
+        self.experts: ExpertParallel | None = None  # with parallel.ep: the MoE layers' dispatch
         self.spec = self._pipe = self.streams = self.vocab = self.meter = self.steps = None  # and these
         self.micro_per_step = 0
         self._staged: tuple | None = None  # a checkpoint read by `load_checkpoint`, installed by `apply_checkpoint`
@@ -124,7 +126,11 @@ class Rank(Membership):
         # Built on the meta device, in assembly's fixed order: the strategy materializes its
         # buckets (ZeRO-3: one unit at a time, keeping only the shard), so no rank ever holds
         # more than it must.
-        self.model, self.strategy, source, stages = assemble(cfg, self.spec, self.mesh, self.device, self.streams)
+        # Expert parallelism: the MoE layers' token dispatch, whose loads each step reports.
+        self.experts = None if self.mesh.size("ep") == 1 else ExpertParallel(self.mesh.axis("ep"),
+                                                                              cfg.moe.capacity_factor)
+        self.model, self.strategy, source, stages = assemble(cfg, self.spec, self.mesh, self.device, self.streams,
+                                                             experts=self.experts)
         tp = self.strategy.tp
         self.vocab = tp.vocab if tp is not None else None  # the head split over the vocabulary: the loss on shards
         self._open_data()
@@ -289,6 +295,7 @@ class Rank(Membership):
             "phase_s": dict(self._times),
             "uploads": self.saver.reports() if self.saver is not None else [],
             "checkpointed": bool(self.plan.get("checkpoint")),
+            **({"experts": self.experts.take_loads()} if self.experts is not None else {}),
         }
 
     @watched

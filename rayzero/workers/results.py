@@ -16,6 +16,9 @@ SUMS = ("loss_sum", "tokens", "aux_loss_sum", "val_loss_sum", "val_tokens", "val
 DICT_SUMS = ("prefs", "val_prefs", "val0_prefs")
 # The same on every rank, or rank 0's alone (the step's learning rate, its grad norm, whether it was skipped).
 FIRST = ("rank", "step", "lr", "grad_norm", "skipped", "loss_scale", "checkpointed")
+# Expert parallelism's loads (`ExpertParallel.take_loads`): the busiest expert's ratios, their
+# largest over ranks; dropped pairs and all-to-all bytes, summed.
+EXPERT_MAX = ("expert_load_max_over_mean", "expert_load_mean_max_over_mean")
 # Times a rank reports that are part of its phases (data: of gather; torch_compile, `train.compile`'s:
 # of forward, backward or evaluate), not after them: not added to its work.
 PARTS = ("data", "torch_compile")
@@ -68,6 +71,9 @@ def merge(results: list[dict], ledgers: bool = True) -> dict:
                 phase_s[k] = max(v, phase_s.get(k, v))
         out["phase_s"] = phase_s
         out["work_s"] = max(p["work_s"] for p in parts)
+    loads = [p["experts"] for p in parts if p.get("experts")]
+    if loads:
+        out["experts"] = {k: (max if k in EXPERT_MAX else sum)(d[k] for d in loads) for k in loads[0]}
     if all("done_at" in p for p in parts):
         out["done_at"] = max(p["done_at"] for p in parts)
     if any("uploads" in p for p in parts):

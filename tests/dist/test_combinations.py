@@ -175,7 +175,7 @@ def oracle(c: dict, setup: dict, precision: str = "fp32", fresh: bool = False) -
     moe = combos.MODELS[c["model"]].get("moe")
     key = (c["model"], c["trainable"], c["objective"], c["micro"] if moe or precision == "bf16" else None, precision)
     if key not in _oracles or fresh:  # fresh: computed again, not cached
-        plain = {**c, "strategy": "no_shard", "dp": 1, "tp": "1", "pp": "1", "cp": "1", "recompute": "none",
+        plain = {**c, "strategy": "no_shard", "dp": 1, "tp": "1", "pp": "1", "cp": "1", "ep": "1", "recompute": "none",
                  "precision": precision, "overlap": True, "resume": False}
         torch_plain = c["objective"] == "lm" and precision == "fp32"
         made = torch_oracle(plain, setup) if torch_plain else world1_oracle(plain, setup)
@@ -343,12 +343,13 @@ def test_a_configuration_equals_its_oracle(c, combo_setup, tmp_path):
         assert first_prefs["rewards/chosen"] == pytest.approx(0.0, abs=REWARD_ABS)
     if combos.MODELS[c["model"]].get("moe"):
         assert sum(ranks[r]["steps"][0]["aux_loss_sum"] or 0.0 for r in ranks) > 0, "the router loss is reported"
-        for r in ranks:  # the routed experts a bucket group of their own, over the same ranks as the rest today
+        ep = 2 if c["ep"] != "1" else 1
+        for r in ranks:  # the routed experts a bucket group of their own, over the ranks holding the same experts
             (dense, expert), experts = sorted(ranks[r]["info"]["bucket_groups"].items()), {
                 n for n in ranks[r]["info"]["layout"]["param_order"] if ".experts." in n}
             assert dense[0].startswith("dense/") and expert[0].startswith("expert/"), r
             assert experts and set(expert[1]["params"]) == experts and not experts & set(dense[1]["params"]), r
-            assert (expert[1]["shard"], expert[1]["reduce"]) == (dense[1]["shard"], dense[1]["reduce"]), r
+            assert (expert[1]["shard"], expert[1]["reduce"]) == (dense[1]["shard"] // ep, dense[1]["reduce"] // ep), r
     if c["strategy"] == "optim_grads_params" and combos.MODELS[c["model"]]["kind"] == "hf" and c["pp"] == "1":
         full = sum(v.numel() for v in want["state"].values()) * 4  # each rank read about its shard of the weights
         copies = 1 if c["objective"] == "lm" else 2  # preference tuning: the reference's shard too, read alike
@@ -431,7 +432,7 @@ def assert_trainable(c: dict, setup: dict, ranks: dict) -> None:
     base = [n for n in first["state"] if n not in adapters and (c["trainable"] == "lora" or n in frozen)]
     assert all(torch.equal(first["state"][n], first["initial"][n]) for n in base), "the base moved"
     if c["trainable"] == "lora":
-        plain = {**c, "dp": 1, "tp": "1", "pp": "1", "strategy": "no_shard"}
+        plain = {**c, "dp": 1, "tp": "1", "pp": "1", "ep": "1", "strategy": "no_shard"}
         expected = initial_adapters(config_of(plain, setup))
         assert all(torch.equal(first["initial"][n], expected[n]) for n in adapters)
         assert all(torch.count_nonzero(first["state"][n]) for n in adapters if ".lora_B." in n), "B trains"

@@ -42,6 +42,14 @@ from tests.models import save_hf_model
     (["data.path=DATA", "cluster.num_workers=2", "parallel.cp=2", "model.kind=module", "model.factory=tests.models:Scaled"],
      "parallel.cp: model.kind=module (Scaled) does not say how its attention runs across a split sequence; give the "
      "module a `context_parallel(attend, positions)` method"),
+    # expert parallelism: a dense model, the data-parallel ranks, the capacity, a module without the hook
+    (["data.path=DATA", "cluster.num_workers=2", "parallel.ep=2"],
+     "parallel.ep: model.kind=gpt is dense: expert parallelism splits a mixture of experts' experts"),
+    (["cluster.num_workers=2", "parallel.ep=2", "parallel.cp=2"],
+     "parallel.ep x parallel.cp: 2 x 2 = 4 does not divide cluster.num_workers (2)"),
+    (["moe.capacity_factor=0"], "moe.capacity_factor: Input should be greater than 0"),
+    (["data.path=DATA", "cluster.num_workers=2", "parallel.ep=2", "model.kind=module",
+      "model.factory=tests.models:TinyLM"], "parallel.ep: model.kind=module (TinyLM) does not say how its experts split"),
     (["--config", "/nonexistent.yaml"], "config file /nonexistent.yaml does not exist"),
     (["data.path=/nonexistent/data"], "no dataset at /nonexistent/data"),
     (["cluster.address=127.0.0.1:1", "data.path=DATA"], "cluster.address: cannot connect"),
@@ -114,6 +122,7 @@ def model_dirs(tmp_path_factory):
     del weights["model.norm.weight"]
     save_file(weights, str(mismatch / "model.safetensors"))
     save_hf_model("llama", root / "small_vocab", vocab_size=200)
+    save_hf_model("mixtral", root / "mixtral", num_hidden_layers=1)
     import transformers as tf
 
     tf.LlamaConfig(**{**hf_config("llama").to_dict(), "hidden_size": 48, "num_attention_heads": 6,
@@ -178,6 +187,12 @@ def model_dirs(tmp_path_factory):
      "model.layers.0.mlp.gate_proj: parallel.tp=2 does not divide its 63 output features"),
     (["model.kind=module", "model.factory=tests.models:TinyLM", "cluster.num_workers=2", "parallel.tp=2"],
      "parallel.tp: model.kind=module has no tensor-parallel plan"),
+    # expert parallelism: 4 experts over 3 ranks; a dense HF model
+    (["model.kind=hf", "model.path=ROOT/mixtral", "cluster.num_workers=3", "cluster.cpus_per_worker=0.5",
+      "parallel.ep=3", "train.global_batch_size=12"],
+     "parallel.ep: 3 does not divide the 4 experts of ROOT/mixtral; ep must divide 4"),
+    (["model.kind=hf", "model.path=ROOT/good", "cluster.num_workers=2", "parallel.ep=2"],
+     "parallel.ep: ROOT/good has no experts to split"),
 ])
 def test_a_bad_model_is_one_clear_message(model_dirs, small_dataset, capsys, monkeypatch, args, expected):
     root = str(model_dirs["root"])

@@ -14,7 +14,10 @@ def rank_result(rank: int, rng: random.Random, evaluate: bool = True) -> dict:
            "memory": {"total": rng.randrange(10**6), "transient_peak": rng.randrange(10**5), "activations_peak": 0},
            "phase_s": {"gather": rng.randrange(8) / 8, "data": rng.randrange(8) / 8, "forward": rng.randrange(8) / 8,
                        "step": rng.randrange(8) / 8},
-           "uploads": [{"rank": rank, "step": 8}] if rank % 2 == 0 else [], "done_at": 100.0 + rng.randrange(8) / 8}
+           "uploads": [{"rank": rank, "step": 8}] if rank % 2 == 0 else [], "done_at": 100.0 + rng.randrange(8) / 8,
+           "experts": {"expert_load_max_over_mean": 1 + rng.randrange(8) / 8,
+                       "expert_load_mean_max_over_mean": 1 + rng.randrange(8) / 8,
+                       "dropped_pairs": float(rng.randrange(5)), "alltoall_bytes": float(rng.randrange(1000))}}
     if evaluate:
         out.update(val_loss_sum=rng.randrange(100) / 8, val_tokens=rng.randrange(10, 20))
     return out
@@ -28,14 +31,17 @@ def flat_reading(results: list[dict]) -> dict:
             "work_s": max(work_s(r["phase_s"]) for r in results), "done_at": max(r["done_at"] for r in results),
             "uploads": sorted(u["rank"] for r in results for u in r["uploads"]),
             "memory_max": {k: max(r["memory"][k] for r in results) for k in results[0]["memory"]},
-            "ledgers": [r["memory"] for r in results], "first": {k: results[0][k] for k in ("lr", "grad_norm", "skipped")}}
+            "ledgers": [r["memory"] for r in results], "first": {k: results[0][k] for k in ("lr", "grad_norm", "skipped")},
+            "experts": {k: (max if k.startswith("expert_load") else sum)(r["experts"][k] for r in results)
+                        for k in results[0]["experts"]}}
 
 
 def reading(m: dict) -> dict:
     return {"loss_sum": m["loss_sum"], "tokens": m["tokens"], "val_loss_sum": m["val_loss_sum"],
             "val_tokens": m["val_tokens"], "phase_s": m["phase_s"], "work_s": m["work_s"], "done_at": m["done_at"],
             "uploads": sorted(u["rank"] for u in m["uploads"]), "memory_max": m["memory"],
-            "ledgers": per_rank_ledgers(m), "first": {k: m[k] for k in ("lr", "grad_norm", "skipped")}}
+            "ledgers": per_rank_ledgers(m), "first": {k: m[k] for k in ("lr", "grad_norm", "skipped")},
+            "experts": m["experts"]}
 
 
 def test_merged_per_node_reads_as_every_rank_read_flat():

@@ -1,0 +1,203 @@
+"""Expert parallelism's token dispatch: a mixture of experts' experts split over the ranks of an
+`ep` group, and each token sent to the ranks holding the experts its router chose.
+
+Each rank of the group holds E/ep consecutive experts (rank r: experts r·E/ep … (r+1)·E/ep − 1)
+and routes its own tokens. For one MoE layer (`dispatch`):
+
+    1. route      the router's top-k choices flattened to (token, choice) pairs, sorted by expert
+                  (stable: within an expert, in token order)
+    2. capacity   optional (`capacity_factor`): an expert takes at most
+                  ceil(factor · pairs / E) of this rank's pairs, the first in token order; the
+                  rest are dropped (counted, and their share of the output is zero)
+    3. counts     an all-to-all of the pair counts: every rank learns how many pairs each other
+                  rank sends to each of its experts (the token exchange's uneven splits)
+    4. tokens     an all-to-all of the pairs' hidden states, each rank's to the experts' ranks
+    5. experts    the received pairs regrouped by local expert, and the experts run on them
+                  (`experts(x, counts)`: a loop over the local experts, or a grouped matmul)
+    6. back       the reverse all-to-all returns each pair's expert output to its token's rank,
+                  which weights it by the router's probability and adds it into the token's row
+
+Backward is the mirror image: the all-to-alls' gradients are the reverse all-to-alls
+(torch's `all_to_all_single_autograd`), and the sorts and regroupings are index
+operations autograd inverts. Nothing here knows a model family: `experts` is the family's own
+arithmetic on this rank's experts (the model seam provides it).
+
+`Traffic` counts the bytes each rank sends to the other ranks of its group (tokens out and back,
+forward only), which `benchmarks/moe.py` holds against its formula.
+
+Pure torch, no Ray: the ep group is an `Axis` (`comm.py`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Traffic:
+    """Bytes this process sent to the other ranks of its ep group, and pairs dropped by capacity."""
+
+    sent: int = 0
+    dropped: int = 0
+
+
+traffic = Traffic()
+
+
+@dataclass
+class Load:
+    """One dispatch's routing: pairs per expert (over the whole group, every expert), and pairs
+    this rank dropped."""
+
+    per_expert: torch.Tensor  # [E], int64, summed over the ep group
+    dropped: int = 0
+    sent_bytes: int = 0  # to the other ranks: the tokens out and the results back
+
+
+def local_experts(num_experts: int, ep: int, rank: int) -> range:
+    """The experts rank `rank` of `ep` holds."""
+    if num_experts % ep:
+        raise ValueError(f"{num_experts} experts do not split over ep {ep}")
+    n = num_experts // ep
+    return range(rank * n, (rank + 1) * n)
+
+
+def _exchange(x: torch.Tensor, send: list[int], recv: list[int], axis) -> torch.Tensor:
+    """`x`'s rows, `send[j]` of them to rank j in order, and the rows every rank sends here,
+    `recv[j]` from rank j; differentiable (its gradient goes back the reverse way)."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+
+    traffic.sent += (sum(send) - send[axis.rank]) * x[0:1].numel() * x.element_size()
+    return wait_tensor(all_to_all_single_autograd(x.contiguous(), recv, send, axis.group))
+
+
+def capacity(pairs: int, num_experts: int, factor: float) -> int:
+    """The most pairs an expert takes from one rank at `factor` (Switch's ceil(f · pairs / E))."""
+    return math.ceil(factor * pairs / num_experts)
+
+
+def dispatch(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+             experts: Callable[[torch.Tensor, list[int]], torch.Tensor], axis, num_experts: int,
+             capacity_factor: float | None = None) -> tuple[torch.Tensor, Load]:
+    """The MoE layer's output for this rank's tokens (see the module docstring): `hidden` [N, H],
+    `top_k_index`, `top_k_weights` [N, k] (the router's experts and weights), `experts(x,
+    counts)`: this rank's experts on `x`, its rows grouped by local expert, `counts[e]` rows for
+    local expert e, returning [rows, H]; `axis`: the ep group. Also the routing's `Load`."""
+    n, k = top_k_index.shape
+    ep, rank = axis.size, axis.rank
+    per_rank = num_experts // ep
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # the pairs by expert, each expert's in token order
+    counts = torch.bincount(flat, minlength=num_experts)
+    dropped = 0
+    if capacity_factor is not None:
+        cap = capacity(n * k, num_experts, capacity_factor)
+        starts = torch.cumsum(counts, 0) - counts
+        rank_in_expert = torch.arange(order.numel(), device=flat.device) - starts[flat[order]]
+        keep = rank_in_expert < cap
+        dropped = int((~keep).sum())
+        order = order[keep]
+        counts = counts.clamp(max=cap)
+    token = order // k  # each kept pair's token, in expert order
+    # 3. counts: what each rank sends to each expert, exchanged so each rank knows what it gets
+    send_counts = counts.view(ep, per_rank)
+    got_counts = torch.empty_like(send_counts)
+    if ep > 1:
+        dist.all_to_all_single(got_counts, send_counts.contiguous(), group=axis.group)
+    else:
+        got_counts.copy_(send_counts)
+    host_send, host_got = send_counts.tolist(), got_counts.tolist()  # the splits: one read from the device
+    send = [sum(row) for row in host_send]
+    recv = [sum(row) for row in host_got]
+    # 4. tokens out
+    x = hidden.index_select(0, token)
+    x = _exchange(x, send, recv, axis) if ep > 1 else x
+    # 5. regroup by local expert: received in (source rank, expert) blocks; the experts want
+    # (expert, source rank)
+    blocks = [(src, e, c) for src, row in enumerate(host_got) for e, c in enumerate(row)]
+    starts, at = [], 0
+    for _, _, c in blocks:
+        starts.append(at)
+        at += c
+    by_expert = sorted(range(len(blocks)), key=lambda b: (blocks[b][1], blocks[b][0]))
+    regroup = [i for b in by_expert for i in range(starts[b], starts[b] + blocks[b][2])]
+    regroup_t = torch.tensor(regroup, dtype=torch.long, device=hidden.device)
+    local_counts = [sum(host_got[src][e] for src in range(ep)) for e in range(per_rank)]
+    y = experts(x.index_select(0, regroup_t), local_counts)
+    y = y.index_select(0, torch.argsort(regroup_t))  # back to (source rank, expert) order
+    # 6. back to the tokens' ranks, weighted, added into their rows
+    y = _exchange(y, recv, send, axis) if ep > 1 else y
+    weights = top_k_weights.reshape(-1).index_select(0, order)
+    out = torch.zeros_like(hidden)
+    out = out.index_add(0, token, (y * weights.unsqueeze(-1)).to(out.dtype))
+    per_expert = counts.clone()
+    if ep > 1:
+        dist.all_reduce(per_expert, group=axis.group)
+    traffic.dropped += dropped
+    row = hidden.shape[-1] * hidden.element_size()  # the tokens out, their results back
+    sent = (sum(send) - send[rank] + sum(recv) - recv[rank]) * row if ep > 1 else 0
+    return out, Load(per_expert, dropped, sent)
+
+
+@dataclass
+class ExpertParallel:
+    """What the model seam installs: this rank's place in its ep group (`axis`, the mesh's `ep`
+    role) and the routing options; every MoE layer's dispatch goes through `run`, which keeps
+    the step's loads for the metrics (`take_loads`)."""
+
+    axis: object
+    capacity_factor: float | None = None
+    loads: list[Load] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return self.axis.size
+
+    @property
+    def rank(self) -> int:
+        return self.axis.rank
+
+    def experts(self, num_experts: int) -> range:
+        """The experts this rank holds, of `num_experts`."""
+        return local_experts(num_experts, self.axis.size, self.axis.rank)
+
+    def run(self, hidden, top_k_index, top_k_weights, experts, num_experts: int) -> torch.Tensor:
+        out, load = dispatch(hidden, top_k_index, top_k_weights, experts, self.axis, num_experts,
+                             self.capacity_factor)
+        if torch.is_grad_enabled() and torch._C._current_autograd_node() is None:  # training's forwards, not
+            self.loads.append(load)  # evaluation's (no gradient) nor a recompute's (inside backward)
+        return out
+
+    def take_loads(self) -> dict[str, float]:
+        """The loads since the last call, as the step's metrics: the busiest expert's pairs over
+        the mean (1.0: even; the most and the mean over the layers' forwards), pairs dropped by
+        capacity, and the bytes this rank's forwards sent to the other ranks (tokens out,
+        results back)."""
+        loads, self.loads = self.loads, []
+        if not loads:
+            return {}
+        ratios = [float(x.per_expert.max()) / max(float(x.per_expert.float().mean()), 1e-9) for x in loads]
+        return {"expert_load_max_over_mean": max(ratios), "expert_load_mean_max_over_mean": sum(ratios) / len(ratios),
+                "dropped_pairs": float(sum(x.dropped for x in loads)),
+                "alltoall_bytes": float(sum(x.sent_bytes for x in loads))}
+
+
+def loop_experts(gate_up: torch.Tensor, down: torch.Tensor, act: Callable) -> Callable:
+    """The experts of Mixtral's family (`gate_up` [E_local, 2I, H], `down` [E_local, H, I]) as
+    `dispatch` calls them: one expert at a time on its rows, as transformers' eager loop."""
+
+    def run(x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        outs, at = [], 0
+        for e, c in enumerate(counts):
+            rows = x[at: at + c]
+            at += c
+            gate, up = torch.nn.functional.linear(rows, gate_up[e]).chunk(2, dim=-1)
+            outs.append(torch.nn.functional.linear(act(gate) * up, down[e]))
+        return torch.cat(outs) if outs else x[:0]
+
+    return run
