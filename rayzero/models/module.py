@@ -147,13 +147,10 @@ class ModuleSpec(ModelSpec):
         returns [batch, heads, local tokens, head dim]), and take the positions of its `t` tokens
         from `positions(t, device)` (a rank holds two chunks of each sequence, not a run of it).
         Without it, a ModelError saying so."""
-        hook = getattr(model, "context_parallel", None)
-        if not callable(hook):
-            raise ModelError(
-                f"parallel.cp: model.kind=module ({type(model).__name__}) does not say how its attention runs "
-                "across a split sequence; give the module a `context_parallel(attend, positions)` method that makes "
-                "each attention layer call attend(q, k, v, dropout_p) ([batch, heads, tokens, head dim]) and its "
-                "position embedding take positions(t, device), or set parallel.cp=1")
+        hook = _hook(model, "context_parallel", "parallel.cp",
+                     "does not say how its attention runs across a split sequence; give the module a "
+                     "`context_parallel(attend, positions)` method that makes each attention layer call attend(q, k, v, "
+                     "dropout_p) ([batch, heads, tokens, head dim]) and its position embedding take positions(t, device)")
         hook(cp.attend, cp.local_positions)
 
     def expert_parallel(self, model: nn.Module, ep) -> dict[str, tuple[int, ...]]:
@@ -164,14 +161,11 @@ class ModuleSpec(ModelSpec):
         the local experts on `x`, its rows grouped by local expert, `counts[e]` rows for local
         expert e), and return each split tensor's whole shape by parameter name. Without it, a
         ModelError saying so."""
-        hook = getattr(model, "expert_parallel", None)
-        if not callable(hook):
-            raise ModelError(
-                f"parallel.ep: model.kind=module ({type(model).__name__}) does not say how its experts split; give "
-                "the module an `expert_parallel(ep)` method that keeps each MoE layer's experts ep.experts(E) "
-                "(dim 0 of its expert tensors, in a module named `experts`), routes the layer through "
-                "ep.run(hidden, top_k_index, top_k_weights, experts, E) and returns the split tensors' whole "
-                "shapes by name, or set parallel.ep=1")
+        hook = _hook(model, "expert_parallel", "parallel.ep",
+                     "does not say how its experts split; give the module an `expert_parallel(ep)` method that keeps "
+                     "each MoE layer's experts ep.experts(E) (dim 0 of its expert tensors, in a module named "
+                     "`experts`), routes the layer through ep.run(hidden, top_k_index, top_k_weights, experts, E) and "
+                     "returns the split tensors' whole shapes by name")
         return dict(hook(ep))
 
     def _layers(self, model: nn.Module, key: str, purpose: str) -> tuple[str, ...]:
@@ -223,6 +217,15 @@ class ModuleSpec(ModelSpec):
         desc = {"factory": self.cfg.factory, "kwargs": self.kwargs}
         return {"kind": self.kind, **desc, "config_sha256": config_hash(desc), "factory_source_sha256": code,
                 "seed": self.seed, **weights_record(self.weights, self.cfg.path), **self.adapter_record()}
+
+
+def _hook(model: nn.Module, name: str, key: str, missing: str):
+    """The module's own method `name`, through which the seam reaches what `key` splits; a
+    ModelError saying what it must do where the module has none."""
+    hook = getattr(model, name, None)
+    if not callable(hook):
+        raise ModelError(f"{key}: model.kind=module ({type(model).__name__}) {missing}, or set {key}=1")
+    return hook
 
 
 def describe(factory: Callable) -> str:
