@@ -36,6 +36,7 @@ CAPABILITIES = {
     "compiled blocks (torch.compile)": ["dist/test_compile"],
     "tensor parallelism": ["dist/test_tensor_parallel", "dist/test_vocab_parallel", "e2e/test_tensor_parallel"],
     "context parallelism": ["dist/test_context_parallel", "e2e/test_context_parallel", "unit/test_cp_split"],
+    "expert parallelism": ["dist/test_expert_parallel", "e2e/test_expert_parallel"],
     "pipeline parallelism": [
         "dist/test_pipeline", "dist/test_pipeline_models", "dist/test_pipeline_checkpoints", "e2e/test_pipeline",
         "unit/test_pipeline_schedules", "unit/test_pipeline_stages"],
