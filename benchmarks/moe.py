@@ -13,7 +13,7 @@ The model: a Mixtral of 2 layers, 8 experts, top-2 (hidden 64, expert width 128)
   experts (under ZeRO-3 a rank's state is the same either way: ZeRO-3 already splits every
   parameter d ways; under ZeRO-1 the experts' parameters and gradients are 1/ep a rank);
 - bytes moved per step by rank 0: the parameters ZeRO-3 gathers (the all-gathers' received
-  bytes), and what the all-to-alls send in forward (`expert_parallel.traffic`): per MoE layer
+  bytes), and what the all-to-alls send in forward (the step's `alltoall_bytes`): per MoE layer
   and micro-batch, (the pairs it sends to other ranks + the results it returns to them) x
   hidden x 4 bytes; backward sends as much again, its gradients' way back (not counted);
 - the load: the busiest expert's (token, expert) pairs over the mean, the steps' largest
@@ -43,7 +43,7 @@ SHAPE = dict(num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2, hi
 def _rank(rank: int, world: int, port: int, data: str, model: str, ep: int, steps: int, strategy: str, out) -> None:
     sys.path.insert(0, str(ROOT))
     from rayzero.config import load_config
-    from rayzero.sharding import comm, expert_parallel
+    from rayzero.sharding import comm
     from rayzero.sharding.memory import CATEGORIES
     from rayzero.workers.rank import Rank
 
@@ -63,11 +63,11 @@ def _rank(rank: int, world: int, port: int, data: str, model: str, ep: int, step
     r.setup("127.0.0.1", port)
     times, moved, sent, load = [], 0, 0, None  # load: measured only where the tokens are dispatched
     for k in range(steps):
-        g0, s0 = gathered[0], expert_parallel.traffic.sent
+        g0 = gathered[0]
         t0 = time.perf_counter()
         res = r.iteration({"step": k, "lr": 1e-3})
         times.append(time.perf_counter() - t0)
-        moved, sent = gathered[0] - g0, expert_parallel.traffic.sent - s0
+        moved, sent = gathered[0] - g0, (res.get("experts") or {}).get("alltoall_bytes", 0)
         load = max(load or 0.0, (res.get("experts") or {}).get("expert_load_max_over_mean", 0.0)) or None
     mem = res["memory"]
     experts = {n for n, _ in r.model.named_parameters() if ".experts." in n}

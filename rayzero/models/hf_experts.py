@@ -25,7 +25,7 @@ def _ep_forward(ep, module, hidden_states, top_k_index, top_k_weights):
 
     def run(x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         local = torch.repeat_interleave(torch.arange(len(counts), device=x.device),
-                                        torch.tensor(counts, device=x.device))
+                                        torch.tensor(counts, device=x.device), output_size=x.shape[0])
         return own(module, x, local[:, None], torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device))
 
     return ep.run(hidden_states, top_k_index, top_k_weights, run, module.num_experts)

@@ -22,8 +22,9 @@ Backward is the mirror image: the all-to-alls' gradients are the reverse all-to-
 operations autograd inverts. Nothing here knows a model family: `experts` is the family's own
 arithmetic on this rank's experts (the model seam provides it).
 
-`Traffic` counts the bytes each rank sends to the other ranks of its group (tokens out and back,
-forward only), which `benchmarks/moe.py` holds against its formula.
+Each dispatch returns its `Load` (pairs per expert, pairs dropped, bytes this rank sent), which
+`ExpertParallel` gathers into the step's metrics. The dispatch reads the device once (the
+exchanged counts, which the token exchange's splits need); the rest stays on the device.
 
 Pure torch, no Ray: the ep group is an `Axis` (`comm.py`).
 """
@@ -36,17 +37,6 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-
-
-@dataclass
-class Traffic:
-    """Bytes this process sent to the other ranks of its ep group, and pairs dropped by capacity."""
-
-    sent: int = 0
-    dropped: int = 0
-
-
-traffic = Traffic()
 
 
 @dataclass
@@ -72,7 +62,6 @@ def _exchange(x: torch.Tensor, send: list[int], recv: list[int], axis) -> torch.
     `recv[j]` from rank j; differentiable (its gradient goes back the reverse way)."""
     from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
-    traffic.sent += (sum(send) - send[axis.rank]) * x[0:1].numel() * x.element_size()
     return wait_tensor(all_to_all_single_autograd(x.contiguous(), recv, send, axis.group))
 
 
@@ -94,14 +83,11 @@ def dispatch(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: tor
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # the pairs by expert, each expert's in token order
     counts = torch.bincount(flat, minlength=num_experts)
-    dropped = 0
     if capacity_factor is not None:
         cap = capacity(n * k, num_experts, capacity_factor)
         starts = torch.cumsum(counts, 0) - counts
         rank_in_expert = torch.arange(order.numel(), device=flat.device) - starts[flat[order]]
-        keep = rank_in_expert < cap
-        dropped = int((~keep).sum())
-        order = order[keep]
+        order = order[rank_in_expert < cap]
         counts = counts.clamp(max=cap)
     token = order // k  # each kept pair's token, in expert order
     # 3. counts: what each rank sends to each expert, exchanged so each rank knows what it gets
@@ -117,19 +103,13 @@ def dispatch(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: tor
     # 4. tokens out
     x = hidden.index_select(0, token)
     x = _exchange(x, send, recv, axis) if ep > 1 else x
-    # 5. regroup by local expert: received in (source rank, expert) blocks; the experts want
-    # (expert, source rank)
-    blocks = [(src, e, c) for src, row in enumerate(host_got) for e, c in enumerate(row)]
-    starts, at = [], 0
-    for _, _, c in blocks:
-        starts.append(at)
-        at += c
-    by_expert = sorted(range(len(blocks)), key=lambda b: (blocks[b][1], blocks[b][0]))
-    regroup = [i for b in by_expert for i in range(starts[b], starts[b] + blocks[b][2])]
-    regroup_t = torch.tensor(regroup, dtype=torch.long, device=hidden.device)
-    local_counts = [sum(host_got[src][e] for src in range(ep)) for e in range(per_rank)]
-    y = experts(x.index_select(0, regroup_t), local_counts)
-    y = y.index_select(0, torch.argsort(regroup_t))  # back to (source rank, expert) order
+    # 5. regroup by local expert: received in (source rank, expert) blocks, the experts want
+    # (expert, source rank): each row's block, sorted by (expert, source), stable
+    block = torch.repeat_interleave(torch.arange(ep * per_rank, device=hidden.device), got_counts.reshape(-1),
+                                    output_size=sum(recv))
+    regroup = torch.argsort((block % per_rank) * ep + block // per_rank, stable=True)
+    y = experts(x.index_select(0, regroup), [sum(col) for col in zip(*host_got)])
+    y = y.index_select(0, torch.argsort(regroup))  # back to (source rank, expert) order
     # 6. back to the tokens' ranks, weighted, added into their rows
     y = _exchange(y, recv, send, axis) if ep > 1 else y
     weights = top_k_weights.reshape(-1).index_select(0, order)
@@ -138,9 +118,9 @@ def dispatch(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: tor
     per_expert = counts.clone()
     if ep > 1:
         dist.all_reduce(per_expert, group=axis.group)
-    traffic.dropped += dropped
     row = hidden.shape[-1] * hidden.element_size()  # the tokens out, their results back
     sent = (sum(send) - send[rank] + sum(recv) - recv[rank]) * row if ep > 1 else 0
+    dropped = n * k - sum(send)  # what capacity left out (0 dropless)
     return out, Load(per_expert, dropped, sent)
 
 
@@ -181,23 +161,9 @@ class ExpertParallel:
         loads, self.loads = self.loads, []
         if not loads:
             return {}
-        ratios = [float(x.per_expert.max()) / max(float(x.per_expert.float().mean()), 1e-9) for x in loads]
+        per = torch.stack([x.per_expert for x in loads]).float()  # [forwards, E]: one read from the device
+        ratios = (per.max(1).values / per.mean(1).clamp(min=1e-9)).tolist()
         return {"expert_load_max_over_mean": max(ratios), "expert_load_mean_max_over_mean": sum(ratios) / len(ratios),
                 "dropped_pairs": float(sum(x.dropped for x in loads)),
                 "alltoall_bytes": float(sum(x.sent_bytes for x in loads))}
 
-
-def loop_experts(gate_up: torch.Tensor, down: torch.Tensor, act: Callable) -> Callable:
-    """The experts of Mixtral's family (`gate_up` [E_local, 2I, H], `down` [E_local, H, I]) as
-    `dispatch` calls them: one expert at a time on its rows, as transformers' eager loop."""
-
-    def run(x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        outs, at = [], 0
-        for e, c in enumerate(counts):
-            rows = x[at: at + c]
-            at += c
-            gate, up = torch.nn.functional.linear(rows, gate_up[e]).chunk(2, dim=-1)
-            outs.append(torch.nn.functional.linear(act(gate) * up, down[e]))
-        return torch.cat(outs) if outs else x[:0]
-
-    return run

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from rayzero.sharding.comm import Axis
-from rayzero.sharding.expert_parallel import capacity, dispatch, local_experts, loop_experts
+from rayzero.sharding.expert_parallel import capacity, dispatch, local_experts
 from tests.conftest import free_port
 from tests.dist.pool import spawn
 
@@ -51,6 +51,21 @@ def dense(hidden, index, weights, gate_up, down, keep=None):
         y = F.linear(F.silu(gate) * up, down[e]) * w[token, choice, None]
         out = out.index_add(0, token, y)
     return out
+
+
+def loop_experts(gate_up: torch.Tensor, down: torch.Tensor, act):
+    """Mixtral's experts (`gate_up` [E_local, 2I, H], `down` [E_local, H, I]) as `dispatch` calls
+    them: one expert at a time on its rows, as transformers' eager loop."""
+
+    def run(x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        outs, at = [], 0
+        for e, c in enumerate(counts):
+            gate, up = F.linear(x[at: at + c], gate_up[e]).chunk(2, dim=-1)
+            outs.append(F.linear(act(gate) * up, down[e]))
+            at += c
+        return torch.cat(outs)
+
+    return run
 
 
 def kept(index, factor):
