@@ -30,8 +30,9 @@ MODELS = {
     "qwen2": dict(kind="hf", arch="qwen2", tp=True, freeze="model.layers.0.mlp.*"),  # biases on q/k/v
     "gpt2": dict(kind="hf", arch="gpt2", tied=True, freeze="transformer.h.0.*"),  # Conv1D, learned positions
     "module": dict(kind="module", tied=True, lora="fc,proj", freeze="layers.0.*"),  # a user's nn.Module
-    "mixtral": dict(kind="hf", arch="mixtral", moe=True, lora="q_proj,v_proj", freeze="model.layers.0.*"),
-    "qwen2_moe": dict(kind="hf", arch="qwen2_moe", moe=True, lora="q_proj,v_proj", freeze="model.layers.0.*"),
+    "mixtral": dict(kind="hf", arch="mixtral", moe=True, tp=True, lora="q_proj,v_proj", freeze="model.layers.0.*"),
+    "qwen2_moe": dict(kind="hf", arch="qwen2_moe", moe=True, tp=True, lora="q_proj,v_proj",  # a shared expert
+                      freeze="model.layers.0.*", z_loss=0.01),  # and a router z-loss
 }
 HYBRID = {"hsdp": "no_shard", "hfsdp": "optim"}  # ZeRO-3 in each replica; the optimizer state across replicas too
 SCHEDULE = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved_1f1b", "zb": "zero_bubble"}
@@ -130,6 +131,7 @@ NAMED = [
     dict(strategy="optim_grads_params", dp=2, cp="ring", precision="fp32"),  # ZeRO-3 over data-parallel x cp ranks
     dict(model="mixtral", ep="2", strategy="optim_grads_params", precision="fp32"),  # experts sharded apart
     dict(model="qwen2_moe", ep="2", strategy="optim", precision="fp32"),  # beside a shared expert
+    dict(model="mixtral", ep="2", tp="2sp", precision="fp32"),  # experts whole over tp, each its sequence shard
 ]
 
 def world(c: dict) -> int:
@@ -183,6 +185,7 @@ def overrides(c: dict, model_keys: list[str], data_kind: str = "text") -> list[s
         keys += ["parallel.cp=2", f"parallel.cp_mode={c['cp']}"]
     if c.get("ep", "1") != "1":
         keys.append("parallel.ep=2")
+    keys += [f"moe.router_z_loss={m['z_loss']}"] if "z_loss" in m else []
     if c["pp"] != "1":
         keys += ["parallel.pp=2", f"parallel.pp_schedule={SCHEDULE[c['pp']]}"]
         keys += ["parallel.pp_virtual_stages=2"] if c["pp"] == "interleaved" else []

@@ -34,9 +34,6 @@ def check_pipeline(cfg: RootConfig, spec, model: nn.Module) -> StagePlan | None:
     if spec.aux_coef and spec.routers(model) is None:
         raise ValueError(f"parallel.pp: {spec.where}'s auxiliary loss is computed over the whole model, and rayzero "
                          "does not know how to gather its inputs across stages; set parallel.pp=1")
-    if spec.aux_coef and p.sequence_parallel:
-        raise ValueError("parallel.sequence_parallel: a mixture of experts' router logits are passed between "
-                         "pipeline stages whole; set parallel.sequence_parallel=false with parallel.pp > 1")
     plan = stage_plan(cfg, spec, model)
     if not plan.first:
         raise ValueError(f"parallel.pp: {type(model).__name__} has no input embedding before its first block, so "

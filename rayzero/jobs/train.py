@@ -127,8 +127,9 @@ def prepare_model(cfg: RootConfig, factory=None, data_vocab: int | None = None) 
         spec.check(cfg.train.seq_len, data_vocab)
         check_buildable(cfg, None if cfg.cluster.use_gpu else torch.device("cpu"), spec,
                         build=lambda: prepared.built.model)
-        if cfg.parallel.cp > 1 or cfg.parallel.ep > 1:
-            prepared.built  # noqa: B018 -- the seam reaches the attention (ulysses splits its heads), the experts
+        if cfg.parallel.cp > 1 or cfg.parallel.ep > 1 or cfg.moe.router_z_loss:
+            prepared.built  # noqa: B018 -- the seam reaches the attention (ulysses splits its heads), the experts,
+            # the router's loss
         if cfg.parallel.pp > 1:
             from rayzero.jobs.pipeline_plan import check_pipeline
 

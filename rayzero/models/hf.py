@@ -158,36 +158,14 @@ class HFSpec(ModelSpec):
         return layers
 
     # -- tensor parallelism -------------------------------------------------------------
-    TP_STYLES = ("colwise", "rowwise")
-
     def tp_plan(self, model: nn.Module) -> dict:
-        """transformers' own plan, the config's `base_model_tp_plan` (keys below the base
-        model), in the two styles of Megatron's split; the query heads and the key/value heads
-        named so that a size that does not divide them is refused, and key/value heads fewer
-        than the TP ranks replicated."""
-        from rayzero.sharding.tensor_parallel import Style
+        """transformers' own plan (`hf_plan.py`)."""
+        from rayzero.models.hf_plan import tp_plan
 
-        c = self.text_config
-        plan = getattr(c, "base_model_tp_plan", None)
+        plan = getattr(self.text_config, "base_model_tp_plan", None)
         if not plan:
             super().tp_plan(model)
-        odd = {k: v for k, v in plan.items() if v not in self.TP_STYLES}
-        if odd:
-            raise ModelError(f"parallel.tp: {type(model).__name__}'s tensor-parallel plan has styles rayzero does not "
-                             f"split by ({', '.join(f'{k}: {v}' for k, v in sorted(odd.items()))}); it splits "
-                             f"{' and '.join(self.TP_STYLES)} linears only")
-        heads = c.num_attention_heads
-        kv = getattr(c, "num_key_value_heads", None) or heads
-        prefix = getattr(model, "base_model_prefix", "")
-        out = {}
-        for key, style in plan.items():
-            leaf = key.rpartition(".")[2]
-            if style == "rowwise":
-                out[f"{prefix}.{key}" if prefix else key] = Style("row")
-            else:
-                head = {"q_proj": (heads, False), "k_proj": (kv, True), "v_proj": (kv, True)}.get(leaf, (None, False))
-                out[f"{prefix}.{key}" if prefix else key] = Style("column", heads=head[0], kv=head[1])
-        return out
+        return tp_plan(model, self.text_config, plan)
 
     def sequence_ends(self, model: nn.Module) -> tuple[str, str]:
         """The first decoder layer and the decoder's final norm (`model.norm`)."""
@@ -210,6 +188,8 @@ class HFSpec(ModelSpec):
         """transformers' attention takes its head counts from the shapes, but for the ratio
         of query to key/value heads (`num_key_value_groups`): set to this rank's."""
         layout = super().parallelize(model, axis, sequence_parallel, vocab_parallel, streams)
+        if sequence_parallel:
+            self._split_tokens(model, "tp", axis)
         for m in model.modules():
             if hasattr(m, "num_key_value_groups") and hasattr(m, "q_proj") and hasattr(m, "k_proj"):
                 q, k = (getattr(p, "base_layer", p) for p in (m.q_proj, m.k_proj))  # under LoRA: its base
@@ -223,14 +203,34 @@ class HFSpec(ModelSpec):
         """Through transformers' attention-function registry (`hf_context.py`); a mixture of
         experts' load-balancing loss over the whole cp group's tokens (`routers.Balance`)."""
         from rayzero.models.hf_context import attend_across
-        from rayzero.models.routers import Balance
 
         c = self.text_config
         heads = getattr(c, "num_attention_heads", None) or getattr(c, "n_head", None)
         cp.check_heads(heads, getattr(c, "num_key_value_heads", None) or heads)
         attend_across(model, cp)
-        if self.aux_coef:
-            self._balance = Balance(cp, int(model.num_experts), int(model.num_experts_per_tok))
+        self._split_tokens(model, "cp", cp.axis)
+
+    def _split_tokens(self, model: nn.Module, role: str, axis) -> None:
+        """A rank's tokens are split over `axis` (the `role`'s) too: a mixture of experts'
+        load-balancing loss is taken over all of them (`routers.Balance`)."""
+        self._token_axes = {**self._token_axes, role: axis}
+        self._router_loss(model)
+
+    def router_z_loss(self, model: nn.Module, coef: float) -> None:
+        if coef and not self.aux_coef:
+            super().router_z_loss(model, coef)
+        self._z = coef / self.aux_coef if coef else 0.0
+        self._router_loss(model)
+
+    _token_axes: dict = {}  # role -> the `Axis` a rank's tokens are split over (cp; tp with sequence parallelism)
+    _z = 0.0  # moe.router_z_loss / aux_coef
+
+    def _router_loss(self, model: nn.Module) -> None:
+        from rayzero.models.routers import Balance
+
+        if self.aux_coef and (self._token_axes or self._z):
+            self._balance = Balance(tuple(self._token_axes.values()), int(model.num_experts),
+                                    int(model.num_experts_per_tok), self._z)
 
     def attention_shape(self, model: nn.Module) -> tuple[int, int] | None:
         c = self.text_config
@@ -286,7 +286,7 @@ class HFSpec(ModelSpec):
 
         return split_experts(model, ep, str(self.path))
 
-    _balance = None  # with context parallelism: the load-balancing loss over the cp group (`routers.Balance`)
+    _balance = None  # with the tokens split over ranks (cp, sequence parallelism): the load-balancing loss over them
 
     def aux_loss(self, out) -> torch.Tensor | None:
         aux = getattr(out, "aux_loss", None) if self.aux_coef and self._balance is None else None

@@ -8,11 +8,12 @@ Each stage records its routers' logits (the modules the model's `_can_record_out
 last stage calls the family's own function on all of them, so the loss, and the gradient that
 flows back through the logits to every stage's routers, are transformers' at any pipeline size.
 
-With context parallelism a rank routes only its part of each sequence, and the loss is a function
+With context parallelism (or sequence parallelism, which splits the tokens over the TP ranks
+around the MoE layers) a rank routes only its part of each sequence, and the loss is a function
 of every token's routing: `balancing_loss` is the families' formula with the experts' token
-counts and probability sums added over the cp group (`ContextParallel.whole`), so that every rank
-of the group computes the loss of the whole sequences, and each rank's gradient is its own
-tokens' part of it.
+counts and probability sums added over the axes the tokens are split over (`comm.summed`), so
+that every rank of the group computes the loss of the whole sequences, and each rank's gradient
+is its own tokens' part of it.
 """
 
 from __future__ import annotations
@@ -24,11 +25,14 @@ import torch
 import torch.nn as nn
 
 
-def balancing_loss(gate_logits, experts: int, top_k: int, cp) -> torch.Tensor:
+def balancing_loss(gate_logits, experts: int, top_k: int, axes) -> torch.Tensor:
     """transformers' `load_balancing_loss_func` (Mixtral's, which Qwen2-MoE, Qwen3-MoE and OLMoE
-    share; no attention mask) over the tokens of the whole cp group: E x sum over experts of
-    (the share of top-k assignments it gets) x (its mean router probability), each layer's
-    tokens counted apart, the counts and sums added over the group's ranks."""
+    share; no attention mask) over the tokens of every rank of `axes` (the `Axis`es the tokens
+    are split over): E x sum over experts of (the share of top-k assignments it gets) x (its mean
+    router probability), each layer's tokens counted apart, the counts and sums added over the
+    ranks."""
+    from rayzero.sharding.comm import summed
+
     counts = torch.zeros(experts, dtype=torch.float32, device=gate_logits[0].device)
     probs = torch.zeros_like(counts)
     rows = 0
@@ -38,24 +42,61 @@ def balancing_loss(gate_logits, experts: int, top_k: int, cp) -> torch.Tensor:
         counts = counts + torch.nn.functional.one_hot(chosen.reshape(-1), experts).sum(0).float()
         probs = probs + weights.float().sum(0)
         rows += weights.shape[0]
-    total = rows * cp.axis.size
-    share, prob = cp.whole(counts.detach()) / total, cp.whole(probs) / total
-    return torch.sum(share * prob.unsqueeze(0)) * experts
+    counts = counts.detach()
+    for axis in axes:
+        counts, probs, rows = summed(counts, axis), summed(probs, axis), rows * axis.size
+    return torch.sum((counts / rows) * (probs / rows).unsqueeze(0)) * experts
+
+
+def z_loss(gate_logits, axes) -> torch.Tensor:
+    """ST-MoE's router z-loss over the tokens of every rank of `axes`: each layer's mean over
+    tokens of logsumexp(logits)^2, summed over the layers."""
+    from rayzero.sharding.comm import summed
+
+    squares = sum(torch.logsumexp(layer.float(), dim=-1).square().sum() for layer in gate_logits)
+    rows = gate_logits[0].shape[0]
+    for axis in axes:
+        squares, rows = summed(squares, axis), rows * axis.size
+    return squares / rows
+
+
+class _WithZ(torch.autograd.Function):
+    """The load-balancing loss's value, with the z-loss's gradient (x `ratio`) added in backward:
+    the training loss takes aux_coef x balance + z_coef x z, the reported router loss stays the
+    balance (Megatron's `MoEAuxLossAutoScaler` attaches its router losses to a tensor alike)."""
+
+    @staticmethod
+    def forward(ctx, balance, z, ratio):
+        ctx.ratio = ratio
+        return balance.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad * ctx.ratio, None
 
 
 @dataclass(frozen=True)
 class Balance:
-    """A mixture of experts' load-balancing loss under context parallelism: over the tokens of
-    the rank's cp group (`cp`), `experts` and `top_k` the family's."""
+    """A mixture of experts' load-balancing loss over tokens split over ranks: over the tokens
+    of every rank of `axes` (cp's, and tp's under sequence parallelism), `experts` and `top_k`
+    the family's."""
 
-    cp: object
+    axes: tuple
     experts: int
     top_k: int
+    z: float = 0.0  # the z-loss's weight over the load-balancing loss's (moe.router_z_loss / aux_coef)
 
     def of(self, out) -> torch.Tensor | None:
         """The loss of a forward's output (its `router_logits`, one tensor per layer)."""
         logits = getattr(out, "router_logits", None)
-        return balancing_loss(logits, self.experts, self.top_k, self.cp) if logits else None
+        return self.loss(logits) if logits else None
+
+    def loss(self, gate_logits) -> torch.Tensor:
+        """The load-balancing loss of every layer's logits, carrying the z-loss's gradient."""
+        balance = balancing_loss(gate_logits, self.experts, self.top_k, self.axes)
+        if not self.z:
+            return balance
+        return _WithZ.apply(balance, z_loss(gate_logits, self.axes), self.z)
 
 
 class RouterLogits:
@@ -69,7 +110,7 @@ class RouterLogits:
         self.top_k = int(getattr(model, "num_experts_per_tok"))
         self._loss = getattr(sys.modules[type(model).__module__], "load_balancing_loss_func")
         self.recording: list[torch.Tensor] | None = None
-        self.cp = balance.cp if balance is not None else None  # with context parallelism, its `ContextParallel`
+        self.balance = balance  # with the tokens split over ranks: the loss over all of them
         for m in model.modules():
             if isinstance(m, self.cls):
                 m.register_forward_hook(self._record)
@@ -84,7 +125,7 @@ class RouterLogits:
     @staticmethod
     def of(model: nn.Module, balance: Balance | None = None) -> "RouterLogits | None":
         """The model's routers, when it records router logits and computes a loss from them
-        (`balance`: with context parallelism, the loss over the cp group's tokens)."""
+        (`balance`: with the tokens split over ranks, the loss over all of them)."""
         recorder = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
         family = sys.modules.get(type(model).__module__)
         if recorder is None or not hasattr(family, "load_balancing_loss_func") or not hasattr(model, "num_experts"):
@@ -101,6 +142,6 @@ class RouterLogits:
 
     def loss(self, logits: torch.Tensor) -> torch.Tensor:
         """The family's load-balancing loss of every layer's logits, (layers, tokens, experts)."""
-        if self.cp is not None:
-            return balancing_loss(tuple(logits.unbind(0)), self.experts, self.top_k, self.cp)
+        if self.balance is not None:
+            return self.balance.loss(tuple(logits.unbind(0)))
         return self._loss(tuple(logits.unbind(0)), self.experts, self.top_k, None)

@@ -338,6 +338,14 @@ class ModelSpec:
         """The model's auxiliary loss in the forward's output, or None."""
         return None
 
+    def router_z_loss(self, model: nn.Module, coef: float) -> None:
+        """`moe.router_z_loss`: the router z-loss joins the training loss with weight `coef`
+        (a mixture of experts with a load-balancing loss); ModelError for a model without one."""
+        if coef:
+            raise ModelError(f"moe.router_z_loss: model.kind={self.kind} has no router load-balancing loss for the z-loss to "
+                             "join (a Hugging Face mixture of experts whose config has router_aux_loss_coef > 0); "
+                             "set moe.router_z_loss=0")
+
     def routers(self, model: nn.Module):
         """With an auxiliary loss that pipeline stages must compute together (a mixture of
         experts' router loss): what records its inputs stage by stage (`models/routers.py`);

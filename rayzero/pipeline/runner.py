@@ -41,7 +41,7 @@ class Link:
 
     stages: Stages
     rank_of_stage: list[int]  # global rank holding each stage, on this rank's (replicate, shard, tp)
-    tokens: int = 0  # a row's tokens (train.seq_len): the router logits' rows per micro-batch row
+    tokens: int = 0  # a row's tokens on this rank (its cp and SP share): the router logits' rows per micro-batch row
     sent_bytes: int = 0  # every tensor this rank has sent, since it was made
 
     def tag(self, boundary: int, micro: int, backward: bool, part: int = 0) -> int:

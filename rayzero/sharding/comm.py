@@ -56,3 +56,23 @@ class Axis:
 def wait(work: dist.Work | None) -> None:
     if work is not None:
         work.wait()
+
+
+class _Summed(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis):
+        out = x.clone()
+        dist.all_reduce(out, group=axis.group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def summed(part: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """A sum over this rank's tokens made the sum over the tokens of every rank of `axis` (the
+    ranks a sequence is split over: cp, or tp under sequence parallelism). Every rank then
+    computes the same function of it, which counts once; its gradient goes back unchanged to
+    each rank's part, the part its own tokens make."""
+    return part if axis.size == 1 else _Summed.apply(part, axis)

@@ -222,13 +222,21 @@ class ParallelConfig(Frozen):
 
 
 class MoEConfig(Frozen):
-    """How a mixture of experts routes its tokens under expert parallelism."""
+    """How a mixture of experts routes its tokens under expert parallelism, and what its router's
+    loss adds."""
 
     capacity_factor: float | None = Field(
         default=None, gt=0,
         description="With `parallel.ep` > 1: the most (token, expert) pairs an expert takes from one rank, as a "
         "multiple of an even share, ceil(capacity_factor x pairs / experts); the pairs past it are dropped (their "
         "share of the layer's output is zero) and counted in the metrics. None: dropless, every pair is sent.",
+    )
+    router_z_loss: float = Field(
+        default=0.0, ge=0,
+        description="The router z-loss's weight in the training loss (ST-MoE's; 1e-3 there): each MoE layer's mean "
+        "over tokens of logsumexp(router logits)^2, summed over layers, which keeps the router's logits small. Added "
+        "beside the model's load-balancing loss (its `router_aux_loss_coef`, which must be > 0) and not into the "
+        "reported router loss. 0: none.",
     )
 
 

@@ -48,6 +48,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from rayzero.sharding.comm import summed
+
 NEG = float("-inf")
 
 
@@ -415,20 +417,6 @@ def ulysses_attention(q, k, v, axis, seq_len: int, seg=None, causal: bool = True
 
 
 # -- sums over the whole sequence ------------------------------------------------------------------
-class _Summed(torch.autograd.Function):
-    """Summed over the cp group; the gradient goes back unchanged (see `ContextParallel.whole`)."""
-
-    @staticmethod
-    def forward(ctx, x, axis):
-        out = x.clone()
-        dist.all_reduce(out, group=axis.group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
 # -- a rank's place in its cp group ----------------------------------------------------------------
 @dataclass(frozen=True)
 class ContextParallel:
@@ -458,7 +446,7 @@ class ContextParallel:
         whole sequence's: summed over the cp group. Every rank of the group then computes the
         same function of it (a pair loss), which counts once; its gradient goes back unchanged to
         each rank's part, the part its own tokens make."""
-        return _Summed.apply(part, self.axis)
+        return summed(part, self.axis)
 
     def check_heads(self, heads: int, kv_heads: int) -> None:
         """A ValueError for head counts `ulysses` cannot split over the cp group (a tensor-parallel

@@ -259,7 +259,7 @@ def parallelize(model: nn.Module, plan: dict[str, Style], axis: Axis, sequence: 
     shared: dict[str, _SharedInput] = {}
     outside = "sequence" if sequence is not None else "replicated"  # the stream between split regions
     for pattern, style in plan.items():
-        names = [n for n in modules if _match(pattern, n)]
+        names = [n for n in modules if matches(pattern, n)]
         if not names:
             raise TPError(f"the tensor-parallel plan names {pattern!r}, which matches no module of "
                           f"{type(model).__name__}")
@@ -443,7 +443,7 @@ def _split_linear(name: str, linear: nn.Linear, style: Style, comm: TPComm | Non
     return _swap(linear, ColumnParallelLinear, in_f, out_f // tp, comm)
 
 
-def _match(pattern: str, name: str) -> bool:
+def matches(pattern: str, name: str) -> bool:
     parts, pats = name.split("."), pattern.split(".")
     return len(parts) == len(pats) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(parts, pats))
 

@@ -74,6 +74,7 @@ def build_model(cfg: RootConfig, spec: ModelSpec, mesh: Mesh | None = None,
     tensor_parallel(built, cfg, spec, (mesh or cfg.mesh()).axis("tp"), streams)
     expert_parallel(built, cfg, spec, mesh or cfg.mesh(), experts)
     context_parallel(built, cfg, spec, mesh or cfg.mesh(), compiled)
+    spec.router_z_loss(built.model, cfg.moe.router_z_loss)
     if compiled:
         compile_model_blocks(built, cfg, spec)
     checkpoint_blocks(built, cfg, spec, streams)

@@ -19,9 +19,9 @@ def start_pipeline(cfg, spec, model, strategy, stages: Stages, mesh, device, str
     actions = schedule(cfg.parallel.pp_schedule, p, m, v)[mesh.coord("pp")]
     coords = mesh.coords(mesh.rank)
     peers = [mesh.rank_at({**coords, "pp": place_of(s, p)[0]}) for s in range(stages.plan.num_stages)]
+    shape = boundary_shape(cfg, stages, mesh)
     return PipelineRun(PipeContext(
-        model, spec, strategy, stages, Link(stages, peers, cfg.train.seq_len // mesh.size("cp")), actions,
-        shape=boundary_shape(cfg, stages, mesh), dtype=strategy.precision.param, device=device, streams=streams,
+        model, spec, strategy, stages, Link(stages, peers, shape[1]), actions, shape=shape, dtype=strategy.precision.param, device=device, streams=streams,
         meter=meter, vocab=vocab, routers=stages.routers))
 
 

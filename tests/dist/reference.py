@@ -2,7 +2,7 @@
 initial weights, the whole global batch of every step (micro-batch by micro-batch, gradients
 accumulated), the loss summed over valid targets / their global count, clipping,
 `torch.optim.AdamW` with weight decay on matrices only, and rayzero's learning-rate schedule; a
-mixture of experts adds its router loss, weighted by its coefficient, per micro-batch, averaged
+mixture of experts adds its router loss (and z-loss), weighted by its coefficient, per micro-batch, averaged
 over the step's micro-batches."""
 
 from __future__ import annotations
@@ -77,13 +77,15 @@ def train_reference(model, cfg, data_path: str, steps: int, masked: bool = False
         valid = int((targets != -100).sum())
         opt.zero_grad()
         loss = 0.0
-        coef, micro = router_coef(model), len(inputs) // t.micro_batch_size
+        coef, micro, z = router_coef(model), len(inputs) // t.micro_batch_size, cfg.moe.router_z_loss
         for x, y in zip(inputs.split(t.micro_batch_size), targets.split(t.micro_batch_size)):
             out = model(x, output_router_logits=True) if coef else model(x)
             mb = F.cross_entropy(getattr(out, "logits", out).flatten(0, 1), y.flatten(), reduction="sum",
                                  ignore_index=-100)
             # a mixture of experts: its router loss, per micro-batch, averaged over the step's micro-batches
-            aux = coef * out.aux_loss / micro if coef else 0.0
+            # and its router z-loss (ST-MoE's: each layer's mean of logsumexp(logits)^2, summed over layers)
+            aux = (coef * out.aux_loss + z * sum(torch.logsumexp(g, -1).square().mean() for g in out.router_logits)
+                   ) / micro if coef else 0.0
             (mb / valid + aux).backward()
             loss += mb.item() / valid
         norm = torch.nn.utils.clip_grad_norm_([p for _, p in params if p.requires_grad], o.grad_clip)

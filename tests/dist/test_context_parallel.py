@@ -5,7 +5,7 @@ sequence, and the gradients of its queries, keys and values, within 1e-5: causal
 packed documents and padding; grouped-query attention (the ring with key/value heads that cp
 does not divide); and the ring with attention dropout, against plain attention whose
 probabilities take the same masks (each chunk pair's, drawn again from its seed); a mixture of
-experts' load-balancing loss over the cp group's tokens against transformers' over the whole
+experts' load-balancing loss (carrying a router z-loss's gradient) over the cp group's tokens against transformers' over the whole
 sequences, with its gradient."""
 
 from __future__ import annotations
@@ -70,17 +70,17 @@ def _dropout_case(rank: int, world: int, axis: Axis) -> dict:
 def _balancing_case(rank: int, world: int, axis: Axis) -> dict:
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-    from rayzero.models.routers import balancing_loss
-    from rayzero.sharding.context_parallel import ContextParallel
+    from rayzero.models.routers import Balance
 
     g = torch.Generator().manual_seed(5)
     layers = [torch.randn(BATCH * SEQ, 8, generator=g) for _ in range(3)]  # 3 layers' router logits, 8 experts
     whole = [t.clone().requires_grad_() for t in layers]
     want = load_balancing_loss_func(tuple(whole), 8, 2, None)
-    want.backward()
+    # with a router z-loss at 0.5 x the balance's weight: ST-MoE's, each layer's mean of logsumexp^2
+    (want + 0.5 * sum(torch.logsumexp(t, -1).square().mean() for t in whole)).backward()
     mine = lambda t: split(t.view(BATCH, SEQ, 8), world, rank).reshape(-1, 8)  # noqa: E731
     local = [mine(t).detach().requires_grad_() for t in layers]
-    got = balancing_loss(local, 8, 2, ContextParallel(axis, "ring", SEQ))
+    got = Balance((axis,), 8, 2, z=0.5).loss(local)  # the value: the balance alone
     got.backward()
     grads = max(float((a.grad - mine(b.grad)).abs().max() / b.grad.abs().max()) for a, b in zip(local, whole))
     return {"loss": abs(float(got) - float(want)) / float(want), "grad": grads}

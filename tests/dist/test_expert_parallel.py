@@ -183,8 +183,13 @@ def test_a_modules_experts_split_by_its_hook_train_as_without_expert_parallelism
     assert all(x["dropped_pairs"] == 0 and x["expert_load_max_over_mean"] >= 1.0 for x in got["experts"])
     capped = two[("capacity", 0)]["experts"]
     assert all(x["dropped_pairs"] > 0 for x in capped), capped
-    four = train([("ep4", load_config(None, [*MOE, "cluster.num_workers=4", "parallel.ep=4"]))], 4, small_dataset)
-    got = four[("ep4", 0)]  # one expert a rank
-    for k, v in want["state"].items():
-        assert torch.allclose(got["state"][k], v, rtol=1e-5, atol=1e-5), k
-    assert got["norm"] == pytest.approx(want["norm"], rel=1e-5)
+    four = train([("ep4", load_config(None, [*MOE, "cluster.num_workers=4", "parallel.ep=4"])),
+                  # HSDP: 2 replicas of ZeRO-3, ep inside each; the experts' group: 2 replicas of 1
+                  ("hsdp", load_config(None, [*MOE, "cluster.num_workers=4", "parallel.ep=2",
+                                              "sharding.strategy=optim_grads_params", "sharding.dp_outer=2",
+                                              "sharding.outer_strategy=no_shard"]))], 4, small_dataset)
+    for run in ("ep4", "hsdp"):  # ep4: one expert a rank
+        got = four[(run, 0)]
+        for k, v in want["state"].items():
+            assert torch.allclose(got["state"][k], v, rtol=1e-5, atol=1e-5), (run, k)
+        assert got["norm"] == pytest.approx(want["norm"], rel=1e-5), run

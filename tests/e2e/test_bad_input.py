@@ -48,6 +48,8 @@ from tests.models import save_hf_model
     (["cluster.num_workers=2", "parallel.ep=2", "parallel.cp=2"],
      "parallel.ep x parallel.cp: 2 x 2 = 4 does not divide cluster.num_workers (2)"),
     (["moe.capacity_factor=0"], "moe.capacity_factor: Input should be greater than 0"),
+    (["data.path=DATA", "moe.router_z_loss=0.001"], "moe.router_z_loss: model.kind=gpt has no router load-balancing "
+     "loss for the z-loss to join"),
     (["data.path=DATA", "cluster.num_workers=2", "parallel.ep=2", "model.kind=module",
       "model.factory=tests.models:TinyLM"], "parallel.ep: model.kind=module (TinyLM) does not say how its experts split"),
     (["--config", "/nonexistent.yaml"], "config file /nonexistent.yaml does not exist"),

@@ -92,7 +92,6 @@ REFUSED = [
     ("tensor parallelism needs a plan", ["model.kind=module", "model.factory=tests.models:TinyLM", "parallel.tp=2"],
      "no tensor-parallel plan"),
     ("tensor parallelism needs a plan", ["hf:gpt2", "parallel.tp=2"], "no tensor-parallel plan"),
-    ("tensor parallelism needs a plan", ["hf:mixtral", "parallel.tp=2"], "does not split"),
     ("sequence parallelism needs a final norm", ["hf:phi", "parallel.tp=2", "parallel.sequence_parallel=true"],
      "no final `norm`"),
     ("a pipeline needs blocks to cut", ["model.kind=module", "model.factory=tests.models:TinyLM", "parallel.pp=2"],
