@@ -16,6 +16,8 @@ The model: a Mixtral of 2 layers, 8 experts, top-2 (hidden 64, expert width 128)
   bytes), and what the all-to-alls send in forward (the step's `alltoall_bytes`): per MoE layer
   and micro-batch, (the pairs it sends to other ranks + the results it returns to them) x
   hidden x 4 bytes; backward sends as much again, its gradients' way back (not counted);
+- the local experts at ep = world both ways (`moe.grouped_mm`): the family's loop over them,
+  and one grouped matmul per projection (torch's `grouped_mm`, which this torch has on CPU);
 - the load: the busiest expert's (token, expert) pairs over the mean, the steps' largest
   (measured where the tokens are dispatched: ep > 1).
 
@@ -40,7 +42,8 @@ SHAPE = dict(num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2, hi
              num_attention_heads=4, num_key_value_heads=2)
 
 
-def _rank(rank: int, world: int, port: int, data: str, model: str, ep: int, steps: int, strategy: str, out) -> None:
+def _rank(rank: int, world: int, port: int, data: str, model: str, ep: int, grouped: bool, steps: int, strategy: str,
+          out) -> None:
     sys.path.insert(0, str(ROOT))
     from rayzero.config import load_config
     from rayzero.sharding import comm
@@ -58,7 +61,8 @@ def _rank(rank: int, world: int, port: int, data: str, model: str, ep: int, step
     comm._all_gather = counting
     cfg = load_config(None, [f"cluster.num_workers={world}", "model.kind=hf", f"model.path={model}",
                              "train.seq_len=64", f"train.global_batch_size={2 * world}", "train.micro_batch_size=1",
-                             f"parallel.ep={ep}", f"sharding.strategy={strategy}", "optim.warmup_steps=0"])
+                             f"parallel.ep={ep}", f"sharding.strategy={strategy}", "optim.warmup_steps=0",
+                             f"moe.grouped_mm={str(grouped).lower()}"])
     r = Rank(cfg, rank, world, data)
     r.setup("127.0.0.1", port)
     times, moved, sent, load = [], 0, 0, None  # load: measured only where the tokens are dispatched
@@ -118,27 +122,27 @@ def main(argv=None) -> dict:
     rows = []
     with mp.Manager() as manager:
         for world in args.worlds:
-            for ep in (1, world):
+            for ep, grouped in ((1, False), (world, False), (world, True)):
                 out = manager.dict()
-                mp.spawn(_rank, args=(world, free_port(), data, model, ep, args.steps, args.strategy, out),
+                mp.spawn(_rank, args=(world, free_port(), data, model, ep, grouped, args.steps, args.strategy, out),
                          nprocs=world)
                 got = dict(out)
                 step = statistics.median(max(got[r]["times"][k] for r in got) for k in range(1, args.steps))
                 g = got[0]
-                rows.append({"world": world, "ep": ep, "step_s": step, "state": g["state"],
+                rows.append({"world": world, "ep": ep, "experts": "grouped" if grouped else "loop", "step_s": step, "state": g["state"],
                              "formula": formula_state(g["numel"], g["d"], g["d_e"], args.strategy), "gathered": g["gathered"],
                              "sent": g["sent"], "load": g["load"]})
                 r = rows[-1]
-                print(f"world {world} ep {ep}: step {step:.3f} s, state {r['state'] / 2**20:.2f} MiB a rank "
+                print(f"world {world} ep {ep} ({r['experts']}): step {step:.3f} s, state {r['state'] / 2**20:.2f} MiB a rank "
                       f"(formula {r['formula'] / 2**20:.2f}), gathered {r['gathered'] / 2**20:.2f} MiB, "
                       f"all-to-all sent {r['sent'] / 2**20:.3f} MiB, load max/mean "
                       f"{r['load'] if r['load'] is None else round(r['load'], 2)}", flush=True)
-    print(f"\n{'world':>5} {'ep':>3} {'step s':>7} {'vs ep1':>7} {'state MiB':>9} {'/formula':>8} "
+    print(f"\n{'world':>5} {'ep':>3} {'experts':>8} {'step s':>7} {'vs ep1':>7} {'state MiB':>9} {'/formula':>8} "
           f"{'gathered MiB':>12} {'a2a MiB':>8} {'load':>5}")
     base = {r["world"]: r for r in rows if r["ep"] == 1}
     for r in rows:
         b = base[r["world"]]
-        print(f"{r['world']:>5} {r['ep']:>3} {r['step_s']:>7.3f} {r['step_s'] / b['step_s']:>6.2f}x "
+        print(f"{r['world']:>5} {r['ep']:>3} {r['experts']:>8} {r['step_s']:>7.3f} {r['step_s'] / b['step_s']:>6.2f}x "
               f"{r['state'] / 2**20:>9.2f} {r['state'] / r['formula']:>8.3f} {r['gathered'] / 2**20:>12.2f} "
               f"{r['sent'] / 2**20:>8.3f} {'-' if r['load'] is None else format(r['load'], '.2f'):>5}")
     report = {"rows": rows}

@@ -3,9 +3,11 @@ registry (`ExpertsInterface`), with no model code edited: each `experts` module 
 expert tensors of Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, …) keeps only this rank's E/ep experts
 (dim 0 of each of its tensors), and its forward is an implementation rayzero registers that
 sends the router's (token, expert) pairs to their experts' ranks (`sharding/expert_parallel.py`)
-and runs the family's own expert code on what it receives: the class's own forward, called on
-the local experts with each received pair's expert and a weight of one (the router's weights
-are applied on the tokens' rank, after the return trip)."""
+and runs the family's own expert code on what it receives: transformers' `grouped_mm` experts
+forward (one grouped matmul per projection, where torch has one for the device) or the class's
+own forward (its loop over the experts), called on the local experts with each received pair's
+expert and a weight of one (the router's weights are applied on the tokens' rank, after the
+return trip)."""
 
 from __future__ import annotations
 
@@ -26,9 +28,35 @@ def _ep_forward(ep, module, hidden_states, top_k_index, top_k_weights):
     def run(x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         local = torch.repeat_interleave(torch.arange(len(counts), device=x.device),
                                         torch.tensor(counts, device=x.device), output_size=x.shape[0])
-        return own(module, x, local[:, None], torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device))
+        ones = torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)
+        if ep.grouped_mm and grouped_mm_on(x, module):
+            return _grouped(module, x, local[:, None], ones, len(counts))
+        return own(module, x, local[:, None], ones)
 
     return ep.run(hidden_states, top_k_index, top_k_weights, run, module.num_experts)
+
+
+def grouped_mm_on(x: torch.Tensor, module: nn.Module) -> bool:
+    """Whether torch has a grouped matmul for the device of `x` and the module's expert weights
+    (transformers' own check: CPU with torch > 2.10, CUDA at compute capability 8.0 and up)."""
+    try:
+        from transformers.integrations.moe import _can_use_grouped_mm
+    except ImportError:
+        return False
+    weight = next(module.parameters())
+    return weight.dim() == 3 and _can_use_grouped_mm(x, weight, None)
+
+
+def _grouped(module: nn.Module, x: torch.Tensor, ids: torch.Tensor, ones: torch.Tensor, local: int) -> torch.Tensor:
+    """transformers' `grouped_mm` experts forward on the rank's `local` experts (the module
+    counts the whole layer's; its tensors hold the local ones)."""
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    whole, module.num_experts = module.num_experts, local
+    try:
+        return grouped_mm_experts_forward(module, x, ids, ones)
+    finally:
+        module.num_experts = whole
 
 
 def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:

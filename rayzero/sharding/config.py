@@ -231,6 +231,12 @@ class MoEConfig(Frozen):
         "multiple of an even share, ceil(capacity_factor x pairs / experts); the pairs past it are dropped (their "
         "share of the layer's output is zero) and counted in the metrics. None: dropless, every pair is sent.",
     )
+    grouped_mm: bool = Field(
+        default=True,
+        description="With `parallel.ep` > 1: a rank's experts run on the tokens they received in one grouped "
+        "matmul (transformers' `grouped_mm` experts, `torch.nn.functional.grouped_mm`) where torch has one for the "
+        "device; false, or where it has none: the family's own loop over the experts.",
+    )
     router_z_loss: float = Field(
         default=0.0, ge=0,
         description="The router z-loss's weight in the training loss (ST-MoE's; 1e-3 there): each MoE layer's mean "

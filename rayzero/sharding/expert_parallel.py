@@ -132,6 +132,7 @@ class ExpertParallel:
 
     axis: object
     capacity_factor: float | None = None
+    grouped_mm: bool = True  # the local experts in one grouped matmul where torch has one for the device
     loads: list[Load] = field(default_factory=list)
 
     @property

@@ -127,8 +127,8 @@ class Rank(Membership):
         # buckets (ZeRO-3: one unit at a time, keeping only the shard), so no rank ever holds
         # more than it must.
         # Expert parallelism: the MoE layers' token dispatch, whose loads each step reports.
-        self.experts = None if self.mesh.size("ep") == 1 else ExpertParallel(self.mesh.axis("ep"),
-                                                                              cfg.moe.capacity_factor)
+        self.experts = None if self.mesh.size("ep") == 1 else ExpertParallel(
+            self.mesh.axis("ep"), cfg.moe.capacity_factor, cfg.moe.grouped_mm)
         self.model, self.strategy, source, stages = assemble(cfg, self.spec, self.mesh, self.device, self.streams,
                                                              experts=self.experts)
         tp = self.strategy.tp
