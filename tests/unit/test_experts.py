@@ -1,7 +1,10 @@
-"""A mixture of experts' local experts under expert parallelism (`models/hf_experts.py`): one
-grouped matmul per projection where torch has one for the device (CPU with this torch), the
-family's own loop otherwise, with the same outputs and gradients; one rank's whole ep group here
-(ep of 1), so that no process group is needed."""
+"""A mixture of experts' experts behind expert parallelism's seam (`models/hf_experts.py`), for the
+families transformers' experts registry serves (Mixtral, Qwen2-MoE with its shared expert,
+Qwen3-MoE, OLMoE), with no model code edited: routed through the dispatch, each family trains as
+transformers' own model does, and a rank's experts run in one grouped matmul per projection where
+torch has one for the device (CPU with this torch), or the family's own loop, with the same
+outputs and gradients. One rank's whole ep group here (ep of 1), so that no process group is
+needed; the dispatch across ranks: tests/dist/test_expert_parallel.py."""
 
 import pytest
 import torch
@@ -10,41 +13,56 @@ import rayzero.models.hf_experts as hf_experts
 from rayzero.sharding.comm import Axis
 from rayzero.sharding.expert_parallel import ExpertParallel
 
+SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+FAMILIES = {  # config class, its experts' keys (4 experts, top-2)
+    "mixtral": ("MixtralConfig", dict(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(moe_intermediate_size=24, shared_expert_intermediate_size=40, num_experts=4,
+                                         num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2, head_dim=8)),
+    "olmoe": ("OlmoeConfig", dict(intermediate_size=24, num_experts=4, num_experts_per_tok=2, eos_token_id=0,
+                                  pad_token_id=1)),
+}
 
-def mixtral(grouped: bool):
+
+def model(family: str, grouped: bool | None):
+    """The family's tiny model from seed 0; `grouped` not None: its experts behind the seam."""
     import transformers as tf
 
-    config = tf.MixtralConfig(hidden_size=32, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
-                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+    name, keys = FAMILIES[family]
     torch.manual_seed(0)
-    model = tf.MixtralForCausalLM(config)
-    hf_experts.split_experts(model, ExpertParallel(Axis(None, 1, 0), grouped_mm=grouped), "mixtral")
-    return model
+    m = tf.AutoModelForCausalLM.from_config(getattr(tf, name)(**SMALL, **keys))
+    if grouped is not None:
+        hf_experts.split_experts(m, ExpertParallel(Axis(None, 1, 0), grouped_mm=grouped), family)
+    return m
 
 
-def test_the_grouped_matmul_runs_the_local_experts_as_the_family_s_loop_does(monkeypatch):
+def loss_and_grads(m, x):
+    loss = m(input_ids=x, labels=x).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in m.named_parameters()}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_trains_through_the_dispatch_as_transformers_own_model(family, monkeypatch):
     calls = []
     grouped = hf_experts._grouped
     monkeypatch.setattr(hf_experts, "_grouped", lambda *a: calls.append(a[-1]) or grouped(*a))
-    x = torch.randint(0, 64, (2, 16))
-    out = {}
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    want, want_grads = loss_and_grads(model(family, None), x)
     for kind in (True, False):
-        model = mixtral(kind)
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        out[kind] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+        got, grads = loss_and_grads(model(family, kind), x)
+        assert torch.equal(got, want), (kind, float(got), float(want))
+        assert grads.keys() == want_grads.keys()
+        for name, grad in want_grads.items():
+            assert torch.allclose(grads[name], grad, rtol=1e-5, atol=1e-7), (kind, name)
     assert calls == [4, 4], "with a grouped matmul each MoE layer's 4 local experts run in one"
-    assert torch.equal(out[True][0], out[False][0])
-    for name, grad in out[False][1].items():
-        assert torch.allclose(out[True][1][name], grad, rtol=1e-5, atol=1e-7), name
-    experts = next(m for n, m in mixtral(True).named_modules() if n.endswith("experts"))
+    experts = next(m for n, m in model(family, True).named_modules() if n.endswith("experts"))
     assert experts.num_experts == 4, "the layer's count is restored after the call"
 
 
-@pytest.mark.skipif(not hasattr(torch.nn.functional, "grouped_mm"), reason="torch without a grouped matmul")
 def test_a_device_without_one_takes_the_loop(monkeypatch):
     monkeypatch.setattr(hf_experts, "grouped_mm_on", lambda x, module: False)
     calls = []
     monkeypatch.setattr(hf_experts, "_grouped", lambda *a: calls.append(a))
     x = torch.randint(0, 64, (1, 8))
-    assert torch.isfinite(mixtral(True)(input_ids=x).logits).all() and not calls
+    assert torch.isfinite(model("mixtral", True)(input_ids=x).logits).all() and not calls
