@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from statistics import mean
 
-from rayzero.cluster.history import PHASES
 from rayzero.cluster.throughput import throughput
 from rayzero.objectives.dpo import PAIR_METRICS, pair_metrics
 from rayzero.sharding.memory import bytes_per_param
@@ -38,6 +37,8 @@ def step_metrics(results: list[dict], phase: dict[str, float], dt: float, tokens
         metrics.update(pair_metrics(results[0]["prefs"]))
     if results[0].get("aux_loss_sum") is not None:  # a mixture of experts: its router's loss, apart
         metrics["router_aux_loss"] = sum(r["aux_loss_sum"] for r in results) / micro
+    if results[0].get("z_loss_sum") is not None:  # and its z-loss (`moe.router_z_loss`), apart too
+        metrics["router_z_loss"] = sum(r["z_loss_sum"] for r in results) / micro
     if results[0].get("experts"):  # expert parallelism: the busiest expert against the mean, pairs dropped,
         metrics.update(results[0]["experts"])  # all-to-all bytes (merged over the ranks: `results.merge`)
     return metrics
@@ -69,6 +70,8 @@ def run_summary(cfg, rec, h, ckpt, early, tracker, run_dir: str) -> dict:
         # micro-batches), which joins the training loss weighted by router_aux_loss_coef
         "final_router_aux_loss": next((r["router_aux_loss"] for r in reversed(h.rows) if "router_aux_loss" in r),
                                       None),
+        **({"final_router_z_loss": next((r["router_z_loss"] for r in reversed(h.rows) if "router_z_loss" in r), None)}
+           if cfg.moe.router_z_loss else {}),
         # expert parallelism: the last step's busiest expert against the mean (1: even), pairs dropped
         **({"final_expert_load": last_of(h.rows, ["expert_load_max_over_mean", "dropped_pairs"])}
            if cfg.parallel.ep > 1 else {}),

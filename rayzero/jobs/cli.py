@@ -285,7 +285,8 @@ def _print_summary(s: dict) -> None:
            if s.get("final_val_loss") is not None and "final_preferences" not in s else "")
         + _rewards_line(s)
         + (f"; router load-balancing loss {s['final_router_aux_loss']:.4f}"
-           if s.get("final_router_aux_loss") is not None else "") + "\n"
+           if s.get("final_router_aux_loss") is not None else "")
+        + (f", z-loss {s['final_router_z_loss']:.4f}" if s.get("final_router_z_loss") is not None else "") + "\n"
         f"  {ranks}, strategy {s['strategy']}" + (f", tensor parallel {s['tp']}" if s.get("tp", 1) > 1 else "")
         + (f", pipeline {s['pp']} stages ({s.get('pp_schedule')})" if s.get("pp", 1) > 1 else "")
         + f", {_params_line(s['num_params'], s['trainable_params'])}, "

@@ -25,6 +25,7 @@ from rayzero.storage import Storage, StorageError
 from rayzero.models.config import ModelConfig
 from rayzero.models.conversions import Part, load_layout, saved_keys
 from rayzero.models.init import SeededInit, params_on_meta
+from rayzero.models.routers import RouterLosses
 from rayzero.models.spec import (
     ExportEntry, ModelError, ModelSpec, ModelUnavailable, global_shapes, weights_record,
 )
@@ -44,7 +45,7 @@ def _transformers():
     return transformers
 
 
-class HFSpec(ModelSpec):
+class HFSpec(RouterLosses, ModelSpec):
     kind = "hf"
 
     def __init__(self, cfg: ModelConfig, seed: int, storage_cfg=None, config: dict | None = None):
@@ -210,28 +211,6 @@ class HFSpec(ModelSpec):
         attend_across(model, cp)
         self._split_tokens(model, "cp", cp.axis)
 
-    def _split_tokens(self, model: nn.Module, role: str, axis) -> None:
-        """A rank's tokens are split over `axis` (the `role`'s) too: a mixture of experts'
-        load-balancing loss is taken over all of them (`routers.Balance`)."""
-        self._token_axes = {**self._token_axes, role: axis}
-        self._router_loss(model)
-
-    def router_z_loss(self, model: nn.Module, coef: float) -> None:
-        if coef and not self.aux_coef:
-            super().router_z_loss(model, coef)
-        self._z = coef / self.aux_coef if coef else 0.0
-        self._router_loss(model)
-
-    _token_axes: dict = {}  # role -> the `Axis` a rank's tokens are split over (cp; tp with sequence parallelism)
-    _z = 0.0  # moe.router_z_loss / aux_coef
-
-    def _router_loss(self, model: nn.Module) -> None:
-        from rayzero.models.routers import Balance
-
-        if self.aux_coef and (self._token_axes or self._z):
-            self._balance = Balance(tuple(self._token_axes.values()), int(model.num_experts),
-                                    int(model.num_experts_per_tok), self._z)
-
     def attention_shape(self, model: nn.Module) -> tuple[int, int] | None:
         c = self.text_config
         layers = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", None)
@@ -285,18 +264,6 @@ class HFSpec(ModelSpec):
         from rayzero.models.hf_experts import split_experts
 
         return split_experts(model, ep, str(self.path))
-
-    _balance = None  # with the tokens split over ranks (cp, sequence parallelism): the load-balancing loss over them
-
-    def aux_loss(self, out) -> torch.Tensor | None:
-        aux = getattr(out, "aux_loss", None) if self.aux_coef and self._balance is None else None
-        return self._balance.of(out) if self.aux_coef and self._balance is not None else (
-            aux if isinstance(aux, torch.Tensor) else None)
-
-    def routers(self, model: nn.Module):
-        from rayzero.models.routers import RouterLogits
-
-        return RouterLogits.of(model, self._balance) if self.aux_coef else None
 
     @property
     def vocab_size(self) -> int:

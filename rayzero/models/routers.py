@@ -19,7 +19,7 @@ is its own tokens' part of it.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -85,6 +85,14 @@ class Balance:
     experts: int
     top_k: int
     z: float = 0.0  # the z-loss's weight over the load-balancing loss's (moe.router_z_loss / aux_coef)
+    z_values: list = field(default_factory=list, compare=False)  # the step's z-losses, for its metrics
+
+    def take_z(self) -> float | None:
+        """The z-losses of the training forwards since the last call, summed (None without a z-loss)."""
+        if not self.z:
+            return None
+        values, self.z_values[:] = list(self.z_values), []
+        return float(torch.stack(values).sum()) if values else 0.0
 
     def of(self, out) -> torch.Tensor | None:
         """The loss of a forward's output (its `router_logits`, one tensor per layer)."""
@@ -96,7 +104,10 @@ class Balance:
         balance = balancing_loss(gate_logits, self.experts, self.top_k, self.axes)
         if not self.z:
             return balance
-        return _WithZ.apply(balance, z_loss(gate_logits, self.axes), self.z)
+        z = z_loss(gate_logits, self.axes)
+        if torch.is_grad_enabled() and torch._C._current_autograd_node() is None:  # training's forwards only
+            self.z_values.append(z.detach().double())
+        return _WithZ.apply(balance, z, self.z)
 
 
 class RouterLogits:
@@ -145,3 +156,46 @@ class RouterLogits:
         if self.balance is not None:
             return self.balance.loss(tuple(logits.unbind(0)))
         return self._loss(tuple(logits.unbind(0)), self.experts, self.top_k, None)
+
+
+class RouterLosses:
+    """The model seam's router losses for a Hugging Face mixture of experts (a mixin of `HFSpec`,
+    whose `aux_coef` it reads): transformers' own load-balancing loss, or `Balance` where the
+    tokens are split over ranks (`_split_tokens`: cp, sequence parallelism) or a z-loss joins it
+    (`router_z_loss`); one list of the step's z-losses however often the seam rebuilds it (a
+    preference loss's reference model is built through it too)."""
+
+    _token_axes: dict = {}  # role -> the `Axis` a rank's tokens are split over
+    _z = 0.0  # moe.router_z_loss / aux_coef
+    _balance: Balance | None = None
+
+    def _split_tokens(self, model: nn.Module, role: str, axis) -> None:
+        """A rank's tokens are split over `axis` (the `role`'s) too: the loss takes all of them."""
+        self._token_axes = {**self._token_axes, role: axis}
+        self._router_loss(model)
+
+    def router_z_loss(self, model: nn.Module, coef: float) -> None:
+        if coef and not self.aux_coef:
+            super().router_z_loss(model, coef)  # the seam's refusal
+        self._z = coef / self.aux_coef if coef else 0.0
+        self._router_loss(model)
+
+    def _router_loss(self, model: nn.Module) -> None:
+        if self.aux_coef and (self._token_axes or self._z):
+            self._balance = Balance(tuple(self._token_axes.values()), int(model.num_experts),
+                                    int(model.num_experts_per_tok), self._z,
+                                    self._balance.z_values if self._balance is not None else [])
+
+    def aux_loss(self, out) -> torch.Tensor | None:
+        if not self.aux_coef:
+            return None
+        if self._balance is not None:
+            return self._balance.of(out)
+        aux = getattr(out, "aux_loss", None)
+        return aux if isinstance(aux, torch.Tensor) else None
+
+    def take_router_z(self) -> float | None:
+        return self._balance.take_z() if self._balance is not None else None
+
+    def routers(self, model: nn.Module):
+        return RouterLogits.of(model, self._balance) if self.aux_coef else None

@@ -346,6 +346,11 @@ class ModelSpec:
                              "join (a Hugging Face mixture of experts whose config has router_aux_loss_coef > 0); "
                              "set moe.router_z_loss=0")
 
+    def take_router_z(self) -> float | None:
+        """The router z-loss of this rank's training forwards since the last call, summed over
+        them (`moe.router_z_loss`); None without one."""
+        return None
+
     def routers(self, model: nn.Module):
         """With an auxiliary loss that pipeline stages must compute together (a mixture of
         experts' router loss): what records its inputs stage by stage (`models/routers.py`);

@@ -241,8 +241,8 @@ class MoEConfig(Frozen):
         default=0.0, ge=0,
         description="The router z-loss's weight in the training loss (ST-MoE's; 1e-3 there): each MoE layer's mean "
         "over tokens of logsumexp(router logits)^2, summed over layers, which keeps the router's logits small. Added "
-        "beside the model's load-balancing loss (its `router_aux_loss_coef`, which must be > 0) and not into the "
-        "reported router loss. 0: none.",
+        "beside the model's load-balancing loss (its `router_aux_loss_coef`, which must be > 0), reported apart "
+        "(`router_z_loss` each step, `final_router_z_loss` in the summary). 0: none.",
     )
 
 

@@ -280,6 +280,7 @@ class Rank(Membership):
         grad_norm = self.strategy.step(self.plan["lr"])
         self._times["step"] = time.perf_counter() - t0
         totals = self.steps.end()
+        totals.z_sum = self.spec.take_router_z()
         self._times["checkpoint"] = self._checkpoint(self.plan.get("checkpoint"))
         return {
             "rank": self.mesh.rank,

@@ -11,7 +11,7 @@ slowest rank's phase times, every upload, rank 0's scalars. Pure Python: no Ray,
 from __future__ import annotations
 
 # Summed over ranks (None on every rank stays None: a model without a router's loss).
-SUMS = ("loss_sum", "tokens", "aux_loss_sum", "val_loss_sum", "val_tokens", "val0_loss_sum", "val0_tokens")
+SUMS = ("loss_sum", "tokens", "aux_loss_sum", "z_loss_sum", "val_loss_sum", "val_tokens", "val0_loss_sum", "val0_tokens")
 # Dicts of sums, summed key by key (preference tuning's metrics: `objectives/dpo.py`).
 DICT_SUMS = ("prefs", "val_prefs", "val0_prefs")
 # The same on every rank, or rank 0's alone (the step's learning rate, its grad norm, whether it was skipped).

@@ -47,6 +47,7 @@ class StepTotals:
     aux_sum: torch.Tensor
     tokens: int | torch.Tensor = 0  # valid targets (or pairs)
     prefs: dict | None = None  # preference tuning's metrics' sums
+    z_sum: float | None = None  # a router z-loss's, over the step's micro-batches (`moe.router_z_loss`)
 
     @classmethod
     def zeros(cls, device: torch.device) -> "StepTotals":
@@ -60,7 +61,8 @@ class StepTotals:
         aux_counts = counts if aux_counts is None else aux_counts
         out = {"loss_sum": float(self.loss_sum) if counts else 0.0,
                "tokens": int(self.tokens) if counts else 0,
-               "aux_loss_sum": (float(self.aux_sum) if aux_counts else 0.0) if with_aux else None}
+               "aux_loss_sum": (float(self.aux_sum) if aux_counts else 0.0) if with_aux else None,
+               "z_loss_sum": (self.z_sum if aux_counts else 0.0) if self.z_sum is not None else None}
         if self.prefs is not None:
             out["prefs"] = self.prefs if counts else {}
         return out

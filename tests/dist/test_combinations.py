@@ -119,7 +119,8 @@ def _train(rank: int, world: int, cfg, data: str, port: int, out: dict):
         res = r.iteration(plan)
         uploads += res["uploads"]
         saved = res if plan.get("checkpoint") else saved
-        steps.append({key: res.get(key) for key in ("loss_sum", "tokens", "grad_norm", "aux_loss_sum", "prefs")})
+        steps.append({key: res.get(key) for key in ("loss_sum", "tokens", "grad_norm", "aux_loss_sum", "z_loss_sum",
+                                                    "prefs")})
     uploads += r.finish_checkpoints()
     grads = {n for n, p in r.model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
     out[rank] = {"info": info, "steps": steps, "initial": initial, "state": r.full_state_dict(),
@@ -343,6 +344,11 @@ def test_a_configuration_equals_its_oracle(c, combo_setup, tmp_path):
         assert first_prefs["rewards/chosen"] == pytest.approx(0.0, abs=REWARD_ABS)
     if combos.MODELS[c["model"]].get("moe"):
         assert sum(ranks[r]["steps"][0]["aux_loss_sum"] or 0.0 for r in ranks) > 0, "the router loss is reported"
+        z = [sum(ranks[r]["steps"][k]["z_loss_sum"] or 0.0 for r in ranks) for k in range(len(ranks[0]["steps"]))]
+        if "z_loss" in combos.MODELS[c["model"]]:  # and its z-loss, apart (`moe.router_z_loss`)
+            assert all(v > 0 for v in z), z
+        else:
+            assert all(ranks[r]["steps"][0]["z_loss_sum"] is None for r in ranks)
         ep = 2 if c["ep"] != "1" else 1
         for r in ranks:  # the routed experts a bucket group of their own, over the ranks holding the same experts
             (dense, expert), experts = sorted(ranks[r]["info"]["bucket_groups"].items()), {

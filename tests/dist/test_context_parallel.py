@@ -80,10 +80,13 @@ def _balancing_case(rank: int, world: int, axis: Axis) -> dict:
     (want + 0.5 * sum(torch.logsumexp(t, -1).square().mean() for t in whole)).backward()
     mine = lambda t: split(t.view(BATCH, SEQ, 8), world, rank).reshape(-1, 8)  # noqa: E731
     local = [mine(t).detach().requires_grad_() for t in layers]
-    got = Balance((axis,), 8, 2, z=0.5).loss(local)  # the value: the balance alone
+    balance = Balance((axis,), 8, 2, z=0.5)
+    got = balance.loss(local)  # the value: the balance alone
     got.backward()
+    z = float(sum(torch.logsumexp(t, -1).square().mean() for t in layers))  # the z-loss, reported apart
+    z_error = abs(balance.take_z() - z) / z
     grads = max(float((a.grad - mine(b.grad)).abs().max() / b.grad.abs().max()) for a, b in zip(local, whole))
-    return {"loss": abs(float(got) - float(want)) / float(want), "grad": grads}
+    return {"loss": abs(float(got) - float(want)) / float(want), "grad": grads, "z": z_error}
 
 
 def _run(rank: int, world: int, port: int, out: dict) -> None:

@@ -5,7 +5,7 @@ experts' slices) and exported after a step at a learning rate of 1e-30 (no fp32 
 ones it read,
 bit for bit; the same command stopped after 2 steps and run again to 4 ends bitwise on the
 unbroken run's weights; its step-2 checkpoint resumes at ep 1 and ends within rounding of the
-ep 2 run (its validation too); the steps report the experts' load; `rayzero generate` on the ep 2 checkpoint says what
+ep 2 run (its validation too); the steps report the experts' load and the router's z-loss; `rayzero generate` on the ep 2 checkpoint says what
 transformers says from its export.
 
 The dispatch itself (uneven and empty experts, capacity), a module's hook, and ep with every
@@ -30,7 +30,7 @@ def test_an_expert_parallel_mixtral_exports_what_it_read_resumes_bitwise_and_at_
     keys = [f"data.path={small_dataset}", "model.kind=hf", f"model.path={d}", "train.seq_len=32",
             "train.global_batch_size=4", "train.micro_batch_size=2", "tracking.enabled=false", "optim.warmup_steps=1",
             "optim.schedule=constant", "sharding.strategy=optim_grads_params", "data.val_fraction=0.05",
-            "train.eval_every=2", "train.eval_batches=1"]
+            "train.eval_every=2", "train.eval_batches=1", "moe.router_z_loss=0.001"]
     ep = [*keys, "cluster.num_workers=2", "parallel.ep=2"]
 
     code, out, err = cli_in_process(capsys, monkeypatch, tmp_path, "train", "--dry-run", *ep)
@@ -55,11 +55,13 @@ def test_an_expert_parallel_mixtral_exports_what_it_read_resumes_bitwise_and_at_
                f"train.save_final={tmp_path / 'resumed'}", hf]
     code, _, err, _ = train_here(*resumed, "train.steps=2", summary="first.json")
     assert code == 0, err[-3000:]
-    code, _, err, again = train_here(*resumed, "train.steps=4", summary="again.json")
+    code, out, err, again = train_here(*resumed, "train.steps=4", summary="again.json")
     assert code == 0, err[-3000:]
+    assert f"router load-balancing loss {again['final_router_aux_loss']:.4f}, z-loss " in out + err
     a, b = (load_file(tmp_path / run / "model.safetensors") for run in ("straight", "resumed"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "2 + 2 steps differ from 4"
     assert again["final_loss"] == straight["final_loss"]
+    assert straight["final_router_z_loss"] > 0 and again["final_router_z_loss"] == straight["final_router_z_loss"]
     assert [v[0] for v in straight["val_losses"]] == [-1, 1, 3] and again["val_losses"][-1] == straight["val_losses"][-1]
 
     code, _, err, single = train_here(*keys, "cluster.num_workers=1", f"checkpoint.dir={tmp_path / 'ck'}",
