@@ -179,7 +179,12 @@ def oracle(c: dict, setup: dict, precision: str = "fp32", fresh: bool = False) -
         plain = {**c, "strategy": "no_shard", "dp": 1, "tp": "1", "pp": "1", "cp": "1", "ep": "1", "recompute": "none",
                  "precision": precision, "overlap": True, "resume": False}
         torch_plain = c["objective"] == "lm" and precision == "fp32"
-        made = torch_oracle(plain, setup) if torch_plain else world1_oracle(plain, setup)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as every rank computes: the oracle's rounding is not the machine's core count's
+        try:
+            made = torch_oracle(plain, setup) if torch_plain else world1_oracle(plain, setup)
+        finally:
+            torch.set_num_threads(threads)
         if fresh:
             return made
         _oracles[key] = made
