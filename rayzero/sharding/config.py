@@ -40,7 +40,8 @@ class ShardingConfig(Frozen):
     overlap_param_gather: bool = Field(
         default=True,
         description="Forward waits per bucket (per unit with ZeRO-3) for its parameter all-gather instead "
-        "of for all of them.",
+        "of for all of them: each module at its start for its own parameters' buckets, and for those of "
+        "parameters it reads without calling their module (found in the first forward after a gather).",
     )
     fsdp_units: tuple[str, ...] = Field(
         default=(),

@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.distributed as dist
 
 from rayzero.sharding.comm import Axis, wait
+from rayzero.sharding.first_reads import FirstReads
 from rayzero.sharding.layout import Bucket, Range
 
 if TYPE_CHECKING:
@@ -71,6 +72,7 @@ class OwnShard:
         self._work: dict[int, dist.Work | None] = {}  # bucket -> its pending all-gather
         # Forward waits bucket by bucket for the all-gather instead of all at once before it.
         self.in_forward = g.overlap_param_gather and placement.whole_at_rest
+        self.reads: FirstReads | None = None  # the watch for reads without their module's forward
         self._hook()
 
     @property
@@ -89,7 +91,9 @@ class OwnShard:
         """With `in_forward`, each module's forward first waits for its buckets' all-gather; a
         module inside a compiled block (`train.compile`: the block marked `compiled_block`) waits
         at the block's entry instead, outside the compiled code, for all of the block's buckets
-        (a wait inside it would split the block's graph at every layer)."""
+        (a wait inside it would split the block's graph at every layer). Without compiled blocks,
+        the first forward after a gather is watched for parameters read without their module's
+        forward (`FirstReads`)."""
         if not self.in_forward:
             return
         buffer = self.g.buffer
@@ -105,6 +109,14 @@ class OwnShard:
                 waits.setdefault(holder.get(module, module), set()).update(own)
         for at, own in waits.items():
             at.register_forward_pre_hook(self._wait_for(sorted(own)))
+        if not holder:  # (a compiled block waits for every bucket under it at its entry)
+            self.reads = FirstReads(self.model, self._bucket_of, lambda b: b in self._work, self.finish,
+                                    lambda module, own: module.register_forward_pre_hook(self._wait_for(own)))
+
+    def _bucket_of(self) -> dict[int, int]:
+        """This group's trainable parameters' buckets, by the `id` of the parameters now."""
+        buffer, mine = self.g.buffer, {b.index for b in self.g.trainable}
+        return {id(p): b for i, p in enumerate(buffer.params) if (b := buffer.bucket_of(i)) in mine}
 
     def _wait_for(self, buckets: list[int]):
         def hook(_module, _args) -> None:
@@ -127,11 +139,15 @@ class OwnShard:
         for b in reversed(g.trainable):  # frozen buckets never change
             full = g.buffer.data[b.index]
             self._work[b.index] = g.axis.start_all_gather(full, g.axis.chunk(full))
+        if self.reads is not None:
+            self.reads.arm()
 
     def finish(self, buckets: list[int] | None = None) -> None:
         for i in list(self._work) if buckets is None else buckets:
             if i in self._work:
                 wait(self._work.pop(i))
+        if buckets is None and self.reads is not None:
+            self.reads.gathered()
 
 
 class OwnShardAcrossReplicas:

@@ -1,0 +1,133 @@
+"""Where a forward first reads each bucket's parameters, learned by watching one forward.
+
+With `overlap_param_gather`, the updated parameters' all-gather runs during the next forward,
+and each module's forward first waits for the buckets of its own parameters (ownership.py).
+A forward may read a parameter without calling the module that holds it:
+`F.linear(h, self.attn.in_proj_weight)`, a head computed from an embedding's weight. Such a
+read would take the parameter while its all-gather still writes it: values of the step before,
+on some ranks and not others, depending on timing.
+
+So the first forward that runs while a gather is in flight is watched (`FirstReads.arm()`): a
+`TorchFunctionMode` sees every tensor an op takes, and global module hooks keep the stack of
+modules running. A parameter whose bucket is still in flight is waited for at that op, and the
+innermost module running is told (`learned`) to wait for that bucket at its own start in every
+forward after. The watch ends once a forward leaves no bucket in flight, or when the whole
+gather is waited for (before a step; then, if no forward ran, the next gather is watched).
+Waiting changes no value, only when a rank waits, so a
+watched forward computes bit for bit what any other does.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch.nn as nn
+from torch.nn.modules import module as _module
+from torch.overrides import TorchFunctionMode
+
+
+class FirstReads:
+    """The watch for one bucket group's all-gather, over `model`.
+
+    `bucket_of()`: the bucket of each parameter now, by `id` (the buffer swaps parameter objects);
+    `pending(bucket)`: whether its all-gather is still in flight; `wait(buckets)`: wait for them;
+    `learned(module, buckets)`: from now on, `module`'s forward must wait for `buckets` first."""
+
+    def __init__(self, model: nn.Module, bucket_of: Callable[[], dict[int, int]], pending: Callable[[int], bool],
+                 wait: Callable[[list[int]], None], learned: Callable[[nn.Module, list[int]], None]):
+        self.modules = {id(m) for m in model.modules()}
+        self.bucket_of, self.pending, self.wait, self.learned = bucket_of, pending, wait, learned
+        self.armed = self.done = False
+        self.forwards = 0  # forwards watched since armed
+        self.found: list[tuple[nn.Module, int]] = []  # (the module running a read, the bucket it waits for)
+        self._of: dict[int, int] = {}
+
+    def arm(self) -> None:
+        """Watch the forwards from now until one leaves nothing in flight (once per process)."""
+        if self.done or self.armed:
+            return
+        self.armed, self.forwards, self._of = True, 0, self.bucket_of()
+        _Watch.add(self)
+
+    def saw(self, tensor, stack: list[nn.Module]) -> None:
+        b = self._of.get(id(tensor))
+        if b is not None and self.pending(b):
+            self.wait([b])
+            self.found.append((stack[-1], b))
+            self.learned(stack[-1], [b])
+
+    def forward_ended(self) -> None:
+        self.forwards += 1
+
+    def gathered(self) -> None:
+        """Nothing is in flight any more: the watch ends, for good if it saw a forward (else the
+        next gather arms it again)."""
+        if self.armed:
+            self.armed, self.done = False, self.forwards > 0
+            _Watch.remove(self)
+
+
+class _Reads(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _Watch.stack:
+            for a in (*args, *kwargs.values()):
+                for t in (a if isinstance(a, (list, tuple)) else (a,)):
+                    if isinstance(t, nn.Parameter):
+                        for w in _Watch.watches:
+                            w.saw(t, _Watch.stack)
+        return func(*args, **kwargs)
+
+
+class _Watch:
+    """The process's one watch: its module hooks and its mode, shared by the armed `FirstReads`
+    (one per bucket group: one mode, so that modes enter and leave in order)."""
+
+    watches: list[FirstReads] = []
+    stack: list[nn.Module] = []
+    _mode: _Reads | None = None
+    _handles: list = []
+
+    @classmethod
+    def add(cls, w: FirstReads) -> None:
+        cls.watches.append(w)
+        if not cls._handles:
+            cls._handles = [_module.register_module_forward_pre_hook(cls._enter),
+                            _module.register_module_forward_hook(cls._leave, always_call=True)]
+
+    @classmethod
+    def remove(cls, w: FirstReads) -> None:
+        cls.watches.remove(w)
+        if not cls.watches and not cls.stack:
+            cls._unhook()
+
+    @classmethod
+    def _unhook(cls) -> None:
+        for h in cls._handles:
+            h.remove()
+        cls._handles = []
+
+    @classmethod
+    def _enter(cls, module: nn.Module, _args) -> None:
+        if not any(id(module) in w.modules for w in cls.watches):
+            return
+        if not cls.stack:
+            cls._mode = _Reads()
+            cls._mode.__enter__()
+        cls.stack.append(module)
+
+    @classmethod
+    def _leave(cls, module: nn.Module, _args, _out) -> None:
+        if not cls.stack or cls.stack[-1] is not module:
+            return
+        cls.stack.pop()
+        if cls.stack:
+            return
+        cls._mode.__exit__(None, None, None)
+        cls._mode = None
+        for w in list(cls.watches):
+            w.forward_ended()
+            if not any(w.pending(b) for b in set(w._of.values())):
+                w.gathered()
+        if not cls.watches:
+            cls._unhook()

@@ -1,0 +1,123 @@
+"""A forward that reads a parameter without calling the module that holds it (as the tests' `TinyLM`
+reads its `nn.MultiheadAttention`'s weights) waits there for that parameter's all-gather, and
+from then on at the start of the module running the read (rayzero/sharding/first_reads.py).
+
+The all-gather is played by `Gather`: until a bucket is waited for, its parameters hold NaN (the
+values a rank would read from a gather still writing them are the step before's, on some ranks)."""
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from rayzero.sharding.first_reads import FirstReads
+
+
+class Direct(nn.Module):
+    """A norm it calls, an attention whose weights it reads without calling it."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(4)
+        self.attn = nn.MultiheadAttention(4, 1, batch_first=True)
+
+    def forward(self, x):
+        return F.linear(self.norm(x), self.attn.in_proj_weight, self.attn.in_proj_bias)
+
+
+class Gather:
+    """Bucket 0: the norm's parameters; bucket 1: the attention's."""
+
+    def __init__(self, model: nn.Module):
+        self.params = dict(model.named_parameters())
+        self.bucket = {n: 0 if n.startswith("norm.") else 1 for n in self.params}
+        self.pending: set[int] = set()
+        self.new = {n: torch.randn_like(p) for n, p in self.params.items()}
+        self.waits: list[int] = []
+
+    def start(self):
+        self.pending = {0, 1}
+        with torch.no_grad():
+            for p in self.params.values():
+                p.fill_(math.nan)
+
+    def wait(self, buckets):
+        for b in buckets:
+            if b in self.pending:
+                self.pending.discard(b)
+                self.waits.append(b)
+                with torch.no_grad():
+                    for n, p in self.params.items():
+                        if self.bucket[n] == b:
+                            p.copy_(self.new[n])
+
+    def bucket_of(self):
+        return {id(p): self.bucket[n] for n, p in self.params.items()}
+
+
+def test_a_parameter_read_without_its_module_waits_for_its_gather():
+    torch.manual_seed(0)
+    model, x = Direct(), torch.randn(2, 3, 4)
+    gather = Gather(model)
+    # what ownership.py registers: each module waits for the buckets of its own parameters
+    model.norm.register_forward_pre_hook(lambda m, a: gather.wait([0]))
+    model.attn.register_forward_pre_hook(lambda m, a: gather.wait([1]))  # never runs: attn is not called
+    learned = []
+
+    def learn(module, buckets):
+        learned.append((module, buckets))
+        module.register_forward_pre_hook(lambda m, a: gather.wait(buckets))
+
+    reads = FirstReads(model, gather.bucket_of, lambda b: b in gather.pending, gather.wait, learn)
+    with torch.no_grad():
+        want = F.linear(F.layer_norm(x, (4,), gather.new["norm.weight"], gather.new["norm.bias"]),
+                        gather.new["attn.in_proj_weight"], gather.new["attn.in_proj_bias"])
+
+    gather.start()  # without the watch, the read takes what the gather has not written yet
+    assert model(x).isnan().all()
+
+    gather.start()
+    reads.arm()
+    assert torch.equal(model(x), want)
+    assert learned == [(model, [1])]  # the module that ran the read waits for the bucket from now on
+    assert reads.done and not reads.armed
+    assert torch._C._len_torch_function_stack() == 0
+
+    gather.start()
+    gather.waits = []
+    reads.arm()  # done: nothing is watched again
+    assert torch.equal(model(x), want)
+    assert gather.waits == [1, 0]  # at the model's start, then the norm's
+    assert len(learned) == 1
+
+
+def test_a_watch_without_a_forward_stays_for_the_next_gather():
+    """A gather waited for whole (before a step, after loading a checkpoint) ends the watch; it
+    is armed again by the next gather, and learns from that one's forward (here without the
+    modules' own waits: each read is learned where it runs)."""
+    model, x = Direct(), torch.randn(2, 3, 4)
+    gather, learned = Gather(model), []
+    reads = FirstReads(model, gather.bucket_of, lambda b: b in gather.pending, gather.wait,
+                       lambda m, b: learned.append((m, b)))
+    gather.start()
+    reads.arm()
+    gather.wait([0, 1])
+    reads.gathered()
+    assert not reads.armed and not reads.done
+    gather.start()
+    reads.arm()
+    assert not model(x).isnan().any()
+    assert learned == [(model.norm, [0]), (model, [1])] and reads.done
+
+
+def test_a_forward_of_another_model_is_not_watched():
+    model, other = Direct(), Direct()
+    gather = Gather(model)
+    reads = FirstReads(model, gather.bucket_of, lambda b: b in gather.pending, gather.wait, lambda m, b: None)
+    gather.start()
+    reads.arm()
+    other(torch.randn(1, 2, 4))
+    assert gather.pending == {0, 1} and reads.forwards == 0
+    gather.wait([0, 1])
+    reads.gathered()
