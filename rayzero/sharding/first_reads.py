@@ -19,7 +19,8 @@ watched forward computes bit for bit what any other does.
 
 from __future__ import annotations
 
-from typing import Callable
+import weakref
+from typing import ClassVar
 
 import torch.nn as nn
 from torch.nn.modules import module as _module
@@ -27,34 +28,50 @@ from torch.overrides import TorchFunctionMode
 
 
 class FirstReads:
-    """The watch for one bucket group's all-gather, over `model`.
+    """The watch for one bucket group's all-gather, over `model`, for `owner` (ownership.py's
+    `OwnShard`), which it asks:
 
-    `bucket_of()`: the bucket of each parameter now, by `id` (the buffer swaps parameter objects);
-    `pending(bucket)`: whether its all-gather is still in flight; `wait(buckets)`: wait for them;
-    `learned(module, buckets)`: from now on, `module`'s forward must wait for `buckets` first."""
+        owner.read_buckets()         the bucket of each of the group's parameters now, by `id`
+                                     (the buffer swaps parameter objects)
+        owner.in_flight(bucket)      whether its all-gather is still in flight
+        owner.finish(buckets)        wait for them
+        owner.wait_before(module, buckets)
+                                     from now on, `module`'s forward waits for `buckets` first
 
-    def __init__(self, model: nn.Module, bucket_of: Callable[[], dict[int, int]], pending: Callable[[int], bool],
-                 wait: Callable[[list[int]], None], learned: Callable[[nn.Module, list[int]], None]):
-        self.modules = {id(m) for m in model.modules()}
-        self.bucket_of, self.pending, self.wait, self.learned = bucket_of, pending, wait, learned
+    The owner is held weakly: a rank drops its strategy without telling it, and a watch still
+    armed then must neither keep the model alive nor outlive it (its hooks go with it)."""
+
+    def __init__(self, model: nn.Module, owner):
+        self.names = {id(m): name for name, m in model.named_modules()}
+        self.owner = weakref.ref(owner)
         self.armed = self.done = False
         self.forwards = 0  # forwards watched since armed
-        self.found: list[tuple[nn.Module, int]] = []  # (the module running a read, the bucket it waits for)
+        self.found: list[tuple[str, int]] = []  # (the module running a read, the bucket it waits for)
         self._of: dict[int, int] = {}
 
     def arm(self) -> None:
         """Watch the forwards from now until one leaves nothing in flight (once per process)."""
         if self.done or self.armed:
             return
-        self.armed, self.forwards, self._of = True, 0, self.bucket_of()
+        self.armed, self.forwards, self._of = True, 0, self.owner().read_buckets()
         _Watch.add(self)
 
+    def alive(self) -> bool:
+        return self.owner() is not None
+
+    def watches(self, module: nn.Module) -> bool:
+        return id(module) in self.names and self.alive()
+
     def saw(self, tensor, stack: list[nn.Module]) -> None:
-        b = self._of.get(id(tensor))
-        if b is not None and self.pending(b):
-            self.wait([b])
-            self.found.append((stack[-1], b))
-            self.learned(stack[-1], [b])
+        b, owner = self._of.get(id(tensor)), self.owner()
+        if b is not None and owner is not None and owner.in_flight(b):
+            owner.finish([b])
+            self.found.append((self.names[id(stack[-1])], b))
+            owner.wait_before(stack[-1], [b])
+
+    def pending(self) -> bool:
+        owner = self.owner()
+        return owner is not None and any(owner.in_flight(b) for b in set(self._of.values()))
 
     def forward_ended(self) -> None:
         self.forwards += 1
@@ -83,10 +100,10 @@ class _Watch:
     """The process's one watch: its module hooks and its mode, shared by the armed `FirstReads`
     (one per bucket group: one mode, so that modes enter and leave in order)."""
 
-    watches: list[FirstReads] = []
-    stack: list[nn.Module] = []
+    watches: ClassVar[list[FirstReads]] = []
+    stack: ClassVar[list[nn.Module]] = []
     _mode: _Reads | None = None
-    _handles: list = []
+    _handles: ClassVar[list] = []
 
     @classmethod
     def add(cls, w: FirstReads) -> None:
@@ -109,7 +126,12 @@ class _Watch:
 
     @classmethod
     def _enter(cls, module: nn.Module, _args) -> None:
-        if not any(id(module) in w.modules for w in cls.watches):
+        if not cls.stack:  # a watch whose owner was dropped (a rank left its group) goes
+            for w in [w for w in cls.watches if not w.alive()]:
+                w.gathered()
+            if not cls.watches:
+                return
+        if not any(w.watches(module) for w in cls.watches):
             return
         if not cls.stack:
             cls._mode = _Reads()
@@ -127,7 +149,7 @@ class _Watch:
         cls._mode = None
         for w in list(cls.watches):
             w.forward_ended()
-            if not any(w.pending(b) for b in set(w._of.values())):
+            if not w.pending():
                 w.gathered()
         if not cls.watches:
             cls._unhook()

@@ -110,13 +110,19 @@ class OwnShard:
         for at, own in waits.items():
             at.register_forward_pre_hook(self._wait_for(sorted(own)))
         if not holder:  # (a compiled block waits for every bucket under it at its entry)
-            self.reads = FirstReads(self.model, self._bucket_of, lambda b: b in self._work, self.finish,
-                                    lambda module, own: module.register_forward_pre_hook(self._wait_for(own)))
+            self.reads = FirstReads(self.model, self)
 
-    def _bucket_of(self) -> dict[int, int]:
+    # -- what the watch of first reads asks (FirstReads)
+    def read_buckets(self) -> dict[int, int]:
         """This group's trainable parameters' buckets, by the `id` of the parameters now."""
         buffer, mine = self.g.buffer, {b.index for b in self.g.trainable}
         return {id(p): b for i, p in enumerate(buffer.params) if (b := buffer.bucket_of(i)) in mine}
+
+    def in_flight(self, bucket: int) -> bool:
+        return bucket in self._work
+
+    def wait_before(self, module: nn.Module, buckets: list[int]) -> None:
+        module.register_forward_pre_hook(self._wait_for(buckets))
 
     def _wait_for(self, buckets: list[int]):
         def hook(_module, _args) -> None:
