@@ -22,6 +22,7 @@ from __future__ import annotations
 import weakref
 from typing import ClassVar
 
+import torch
 import torch.nn as nn
 from torch.nn.modules import module as _module
 from torch.overrides import TorchFunctionMode
@@ -84,10 +85,19 @@ class FirstReads:
             _Watch.remove(self)
 
 
+_T = torch.Tensor
+# What reads a parameter's metadata, not its values (PEFT's LoRA layer asks its adapter's dtype
+# before calling it): no wait there, which would come earlier than the values are needed.
+METADATA = frozenset({_T.dtype.__get__, _T.shape.__get__, _T.device.__get__, _T.requires_grad.__get__,
+                      _T.ndim.__get__, _T.is_leaf.__get__, _T.grad.__get__, _T.layout.__get__, _T.is_cuda.__get__,
+                      _T.size, _T.dim, _T.numel, _T.nelement, _T.stride, _T.element_size, _T.is_floating_point,
+                      _T.is_contiguous, _T.data_ptr})
+
+
 class _Reads(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _Watch.stack:
+        if _Watch.stack and func not in METADATA:
             for a in (*args, *kwargs.values()):
                 for t in (a if isinstance(a, (list, tuple)) else (a,)):
                     if isinstance(t, nn.Parameter):

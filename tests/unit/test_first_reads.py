@@ -145,3 +145,24 @@ def test_a_watch_whose_owner_was_dropped_ends_and_keeps_nothing_alive():
     assert owner() is None
     Direct()(torch.randn(1, 2, 4))  # the next run's model
     assert not first_reads._Watch.watches and not first_reads._Watch._handles
+
+
+class AsksDtype(Direct):
+    """Reads its attention's dtype before the norm (as PEFT's LoRA layer asks its adapter's), and
+    its attention's values after."""
+
+    def forward(self, x):
+        return super().forward(x.to(self.attn.in_proj_weight.dtype))
+
+
+def test_a_parameter_s_metadata_is_not_a_read():
+    """Asking a parameter's dtype, shape or device reads no value: the wait stays where the
+    values are read, after the norm, not before it."""
+    model, x = AsksDtype(), torch.randn(2, 3, 4)
+    gather = Gather(model)
+    gather.start()
+    reads = FirstReads(model, gather)
+    reads.arm()
+    assert not model(x).isnan().any()
+    assert gather.waits == [0, 1]  # the norm's bucket first, at the norm; the attention's at its read
+    assert gather.learned == [(model, [1])]
