@@ -9,12 +9,12 @@ on some ranks and not others, depending on timing.
 
 So the first forward that runs while a gather is in flight is watched (`FirstReads.arm()`): a
 `TorchFunctionMode` sees every tensor an op takes, and global module hooks keep the stack of
-modules running. A parameter whose bucket is still in flight is waited for at that op, and the
-innermost module running is told (`learned`) to wait for that bucket at its own start in every
-forward after. The watch ends once a forward leaves no bucket in flight, or when the whole
-gather is waited for (before a step; then, if no forward ran, the next gather is watched).
-Waiting changes no value, only when a rank waits, so a
-watched forward computes bit for bit what any other does.
+modules running. A parameter whose bucket is still in flight is waited for at that op (reads
+of its metadata, dtype or shape, are not reads of it), and the innermost module running waits
+for that bucket at its own start in every forward after (`owner.wait_before`). The watch ends
+once a forward leaves no bucket in flight, or when the whole gather is waited for (before a
+step; then, if no forward ran, the next gather is watched). Waiting changes no value, only
+when a rank waits, so a watched forward computes bit for bit what any other does.
 """
 
 from __future__ import annotations

@@ -96,15 +96,13 @@ class OwnShard:
         forward (`FirstReads`)."""
         if not self.in_forward:
             return
-        buffer = self.g.buffer
-        mine = {b.index for b in self.g.buckets}
-        bucket_of = {id(p): buffer.bucket_of(i) for i, p in enumerate(buffer.params)}
+        bucket_of = self.read_buckets()  # (frozen buckets are never gathered: nothing to wait for)
         holder: dict[nn.Module, nn.Module] = {}  # a module -> the module whose forward waits for its buckets
         for block in (m for m in self.model.modules() if getattr(m, "compiled_block", False)):
             holder.update({inner: block for inner in block.modules()})
         waits: dict[nn.Module, set[int]] = {}
         for module in self.model.modules():
-            own = {bucket_of[id(p)] for p in module.parameters(recurse=False)} & mine
+            own = {bucket_of[id(p)] for p in module.parameters(recurse=False) if id(p) in bucket_of}
             if own:
                 waits.setdefault(holder.get(module, module), set()).update(own)
         for at, own in waits.items():
