@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import os
 
 import ray
@@ -40,7 +39,7 @@ class RankShim:
         system's entropy as a new process's is (nothing of the run before decides a draw); torch
         and the model's code stay imported."""
         self.rank = Rank(cfg, rank, world_size, data_path, factory)
-        gc.collect()
+        freeze_imports()  # the closed rank's leftovers go; what lives on is not scanned again
         torch.seed()
         return {"pid": os.getpid()}
 

@@ -16,13 +16,17 @@ from rayzero.workers.disconnect import break_group
 
 
 def freeze_imports() -> None:
-    """Once in a rank process, after its imports (torch, Ray, rayzero): what is alive now, the
-    modules with their code and constants, leaves the cyclic collector's view (`gc.freeze`), so
-    that the full collections a process makes between runs (`leave`, a kept rank's `renew`)
-    scan only what the runs made: 0.19 s of CPU each with torch, Ray, transformers and PEFT
-    imported, ~0 after. Objects alive now are still freed when their last reference goes; only
-    a reference cycle among them is never collected. (`gc.get_objects()`, which
-    `live_tensor_bytes` reads, no longer sees them: its counts are differences within a run.)"""
+    """A full collection, then what is alive leaves the cyclic collector's view (`gc.freeze`).
+    In a rank process after its imports (torch, Ray, rayzero), and again whenever a run has
+    released what it built (`leave`, a kept rank's `renew`, a spare's `warm`): by then the
+    process also holds what the run imported and cached (an HF model's code, PEFT, torch's
+    distributed modules: 3,500 objects for the built-in GPT, ~215,000 in the tests' rank
+    processes), and without this every later full collection (each `leave`, and Python's own of
+    the oldest generation while training) scanned them again: 0.35 s each in the tests' rank
+    processes on this machine, ~0 after. Objects alive now are still freed when their last reference
+    goes; only a reference cycle among them is never collected, so this runs when the run's own
+    objects (model, strategy, data) are gone. (`gc.get_objects()`, which `live_tensor_bytes`
+    reads, no longer sees them: its counts are differences within a run.)"""
     gc.collect()
     gc.freeze()
 
@@ -46,11 +50,14 @@ class Membership:
         """On a spare, before it has a rank: load the model's code by building the model once
         on the meta device (no memory, no process group), and with `train.compile` the
         compiler's (`warm_compiler`), so that `setup` after `assign` pays for none of it. The
-        built model is dropped: the rank builds its own, for its mesh."""
+        built model is dropped: the rank builds its own, for its mesh; what the build imported
+        leaves the collector's view (`freeze_imports`), so that its `leave` after a failure
+        does not scan it."""
         t0 = time.perf_counter()
         build_model(self.cfg, make_spec(self.cfg, self.factory))
         if self.cfg.train.compile:
             warm_compiler(self.cfg.train.compile_backend)
+        freeze_imports()
         return {"pid": os.getpid(), "warm_s": time.perf_counter() - t0}
 
     def assign(self, rank: int, world_size: int) -> dict:
@@ -85,7 +92,9 @@ class Membership:
             # No barrier and nothing sent: with a SIGKILLed peer this takes ~0.2 s on gloo
             # (benchmarks/recovery.py: the "leave" part), most of it the collection below.
             dist.destroy_process_group()
-        gc.collect()  # the buffers go now, before the next setup's: after the group, whose work may hold them
         if self.mesh is not None:
             self.mesh = self.cfg.mesh(self.mesh.world_size, self.mesh.rank)  # its groups are gone
+        # The buffers go now, before the next setup's: after the group, whose work may hold them;
+        # what survives (the process's imports, the run's among them) is not scanned again
+        freeze_imports()
         return {"rank": rank, "uploads": uploads, "leave_s": time.perf_counter() - t0}

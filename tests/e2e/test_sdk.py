@@ -76,12 +76,15 @@ def test_fit_returns_a_result_and_runs_twice_in_one_process(tmp_path, ray_cluste
     assert run.data.tags["resumed_at_step_12"] == "train.steps: 12 -> 20"
     assert second.summary["run_dir"] == first.summary["run_dir"]
     assert leftovers(ray_cluster)[0] == ["RankShim"] * 2  # kept for a third run
-    # Each rank process froze its imports at its start (`freeze_imports`): what its full
-    # collections between runs scan is what the runs made, not torch's and Ray's objects.
+    # Each rank process froze its imports at its start (`freeze_imports`), and again once each
+    # run had released its model (`leave`): what its full collections scan is what the next
+    # run makes, not torch's and Ray's objects, nor what a run imported and cached
     from rayzero.cluster.worker_group import KEPT
 
-    frozen = ray.get([a.__ray_call__.remote(lambda _: __import__("gc").get_freeze_count()) for a in KEPT.group.actors])
-    assert all(n > 100_000 for n in frozen), frozen
+    seen = ray.get([a.__ray_call__.remote(lambda _: (__import__("gc").get_freeze_count(),
+                                                     len(__import__("gc").get_objects())))
+                    for a in KEPT.group.actors])
+    assert all(frozen > 100_000 and tracked < 1_000 for frozen, tracked in seen), seen  # 3,554 before `leave` froze
     # A kept rank that died while idle: the third run starts new ones, and keeps those.
     os.kill(kept[0], signal.SIGKILL)
     capfd.readouterr()
