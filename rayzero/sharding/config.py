@@ -25,9 +25,10 @@ class ShardingConfig(Frozen):
     bucket_numel: int | Literal["auto"] = Field(
         default="auto",
         description="Elements per communication bucket before padding. `auto`: about 8 buckets over the "
-        "trainable parameters, at least 32K elements per rank and at most 4M (1M per rank in a larger group), "
-        "so gradient reduction overlaps backward for small models as for large ones. ZeRO-3 makes each FSDP "
-        "unit a bucket instead.",
+        "trainable parameters, at least 32K elements per rank (512K on CPU ranks, whose gloo reductions have no "
+        "spare core to overlap backward on) and at most 4M (1M per rank in a larger group), so gradient "
+        "reduction overlaps backward for small models as for large ones. ZeRO-3 makes each FSDP unit a bucket "
+        "instead.",
     )
     shard_align: int = Field(
         default=64, ge=1,

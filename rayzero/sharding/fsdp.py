@@ -112,7 +112,8 @@ class ShardedUnits:
 
     @staticmethod
     def layout(model: nn.Module, sharding: ShardingConfig, dp_size: int,
-               alone: frozenset[str] = frozenset(), experts: frozenset[str] = frozenset()) -> tuple[list, Layout]:
+               alone: frozenset[str] = frozenset(), experts: frozenset[str] = frozenset(),
+               cpu: bool = False) -> tuple[list, Layout]:
         """One bucket per unit, in forward order: ROOT (-1) first, then units in module order, each
         unit's frozen parameters after its trainable ones (a stable sort keeps the order within
         each), and `alone` ones (a pipeline's tied) in a bucket of their own; a unit's `experts`

@@ -153,17 +153,24 @@ class Layout:
 # only after backward); each rank's shard of a bucket at least FLOOR_PER_RANK elements (a
 # message smaller than that costs more in latency than it gains in overlap); and at most
 # CAP elements, or CAP_PER_RANK per rank where the group is large (Megatron's rule: a bucket
-# grows with the data-parallel size so every rank's shard stays large enough).
+# grows with the data-parallel size so every rank's shard stays large enough). On CPU ranks the
+# floor is FLOOR_PER_RANK_CPU: gloo reduces on the cores the rank computes on, so a bucket's
+# reduction during backward has no spare core to overlap on and each one costs its latency; a
+# model under 8M elements at 2 ranks gets fewer, larger buckets there (one at 0.45M: 1.02x DDP's
+# step instead of 1.08x at the median point of benchmarks/step_time.py's 0.5M grid).
 AUTO_BUCKETS = 8
 FLOOR_PER_RANK = 2**15
+FLOOR_PER_RANK_CPU = 2**19
 CAP = 2**22
 CAP_PER_RANK = 2**20
 
 
-def auto_bucket_numel(trainable_numel: int, dp_size: int) -> int:
-    """The bucket size `bucket_numel=auto` gives a model of this many trainable elements."""
+def auto_bucket_numel(trainable_numel: int, dp_size: int, cpu: bool = False) -> int:
+    """The bucket size `bucket_numel=auto` gives a model of this many trainable elements, on
+    CPU ranks (gloo) with `cpu`."""
     cap = max(CAP, CAP_PER_RANK * dp_size)
-    return min(max(-(-trainable_numel // AUTO_BUCKETS), FLOOR_PER_RANK * dp_size), cap)
+    floor = (FLOOR_PER_RANK_CPU if cpu else FLOOR_PER_RANK) * dp_size
+    return min(max(-(-trainable_numel // AUTO_BUCKETS), floor), cap)
 
 
 def build_layout(

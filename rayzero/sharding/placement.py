@@ -39,7 +39,8 @@ class WholeParams:
 
     @staticmethod
     def layout(model: nn.Module, sharding: ShardingConfig, dp_size: int,
-               alone: frozenset[str] = frozenset(), experts: frozenset[str] = frozenset()) -> tuple[list, Layout]:
+               alone: frozenset[str] = frozenset(), experts: frozenset[str] = frozenset(),
+               cpu: bool = False) -> tuple[list, Layout]:
         # Reverse order: backward produces the last layers' gradients first, so the first
         # bucket fills first and its reduction can start while backward goes on. Frozen
         # parameters go last, in buckets of their own; so do `alone` ones (a pipeline's tied),
@@ -50,7 +51,7 @@ class WholeParams:
         trainable = sum(p.numel() for _, p in named if p.requires_grad)
         numel = sharding.bucket_numel
         if numel == "auto":
-            numel = auto_bucket_numel(trainable, dp_size)
+            numel = auto_bucket_numel(trainable, dp_size, cpu)
         return named, build_layout([p.numel() for _, p in named], dp_size, numel, sharding.shard_align,
                                    groups if any(groups) else None)
 

@@ -153,7 +153,8 @@ class Strategy:
         self.last_step_skipped = False
 
         alone = self.tied.names if self.tied else frozenset()
-        named, layout = self.layout(model, sharding, mesh.size("grad_reduce"), alone, experts)
+        named, layout = self.layout(model, sharding, mesh.size("grad_reduce"), alone, experts,
+                                    torch.device(device).type == "cpu")
         self.buffer = FlatBuffer(model, named, layout, self.precision.param, torch.device(device))
         self.groups = [Sharded.build(g, model, sharding) for g in self._bucket_groups(experts)]
         self._of = {b.index: part for part in self.groups for b in part.group.buckets}
@@ -173,11 +174,13 @@ class Strategy:
 
     @staticmethod
     def layout(model: nn.Module, sharding: ShardingConfig, dp_size: int,
-               alone: frozenset[str] = frozenset(), experts: frozenset[str] = frozenset()) -> tuple[list, Layout]:
+               alone: frozenset[str] = frozenset(), experts: frozenset[str] = frozenset(),
+               cpu: bool = False) -> tuple[list, Layout]:
         """The parameters in buffer order and the buckets they fall in: what the strategy
         builds (the dry run asks it of a model on the meta device). `alone`: parameters each in
-        a bucket of their own (a pipeline's tied ones); `experts`: in buckets apart from the rest."""
-        return STRATEGIES[sharding.strategy].params.layout(model, sharding, dp_size, alone, experts)
+        a bucket of their own (a pipeline's tied ones); `experts`: in buckets apart from the rest;
+        `cpu`: for CPU ranks (gloo), which `bucket_numel=auto` gives larger buckets."""
+        return STRATEGIES[sharding.strategy].params.layout(model, sharding, dp_size, alone, experts, cpu)
 
     def _bucket_groups(self, experts: frozenset[str]) -> list[BucketGroup]:
         """The buffer's buckets by group key (no bucket mixes keys), each group with its axes."""

@@ -292,9 +292,11 @@ def assemble(cfg: RootConfig, spec: ModelSpec, mesh: Mesh, device: torch.device,
 # -- what the driver checks before anything starts ------------------------------------------------
 
 def bucket_layout(cfg: RootConfig, spec: ModelSpec, model: nn.Module) -> Layout:
-    """The buckets the ranks will build for `model` (on the meta device is enough)."""
+    """The buckets the ranks will build for `model` (on the meta device is enough), on the
+    device they will build them on (CPU without `cluster.use_gpu`)."""
     sharding = resolved_sharding(cfg, spec, model)
-    return Strategy.layout(model, sharding, cfg.mesh().size("grad_reduce"), experts=spec.experts(model))[1]
+    return Strategy.layout(model, sharding, cfg.mesh().size("grad_reduce"), experts=spec.experts(model),
+                           cpu=not cfg.cluster.use_gpu)[1]
 
 
 def check_buildable(cfg: RootConfig, device: torch.device | None, spec: ModelSpec | None = None,

@@ -307,7 +307,8 @@ def test_range_rejects_negative_or_reversed_bounds():
 
 # -- sharding.bucket_numel=auto ---------------------------------------------------------
 
-from rayzero.sharding.layout import AUTO_BUCKETS, CAP, CAP_PER_RANK, FLOOR_PER_RANK, auto_bucket_numel  # noqa: E402
+from rayzero.sharding.layout import (  # noqa: E402
+    AUTO_BUCKETS, CAP, CAP_PER_RANK, FLOOR_PER_RANK, FLOOR_PER_RANK_CPU, auto_bucket_numel)
 
 
 @FAST
@@ -332,3 +333,14 @@ def test_auto_buckets_of_the_benchmark_models_at_two_ranks():
     assert auto_bucket_numel(7 * 10**9, 64) == 64 * CAP_PER_RANK
     # a tiny model at many ranks: each rank's piece of a bucket stays at least the floor
     assert auto_bucket_numel(1000, 16) == 16 * FLOOR_PER_RANK
+
+
+def test_auto_buckets_on_cpu_ranks_are_fewer_for_small_models_only():
+    # gloo reduces on the cores the ranks compute on: a 0.45M model is one bucket at 2 ranks, a
+    # 3.3M one four, and from 8M elements up (at 2 ranks) the buckets are GPU ranks' own
+    assert auto_bucket_numel(454_144, 2, cpu=True) == 2 * FLOOR_PER_RANK_CPU == 2**20
+    assert len(build_layout([454_144 // 100] * 100, 2, auto_bucket_numel(454_144, 2, cpu=True)).buckets) == 1
+    assert len(build_layout([33_000] * 100, 2, auto_bucket_numel(3_300_000, 2, cpu=True)).buckets) == 4
+    for numel, dp in ((10_819_584, 2), (7 * 10**9, 4), (7 * 10**9, 64)):
+        assert auto_bucket_numel(numel, dp, cpu=True) == auto_bucket_numel(numel, dp)
+    assert auto_bucket_numel(1000, 16, cpu=True) == 16 * FLOOR_PER_RANK_CPU
