@@ -29,8 +29,12 @@ optim_grads <= 1.10x DDP; optim_grads_params <= 0.90x FSDP2 and below Ray Train 
 RSS per rank at most the corresponding peer's (DDP's; FSDP2's for optim_grads_params). A
 summary line per strategy gives its worst and its median point.
 
+With `--variant KEY=VALUE ...`, every rayzero run also runs a second time at each point with
+those overrides (its name ends in `*`), side by side with the first in the same rounds: a change
+of a setting or its default measured against the same DDP steps.
+
     python benchmarks/step_time.py [--rounds 2] [--points SUBSTR ...] [--runs NAME ...] [--llama]
-                                   [--set KEY=VALUE ...] [--json PATH]
+                                   [--set KEY=VALUE ...] [--variant KEY=VALUE ...] [--json PATH]
 """
 
 from __future__ import annotations
@@ -220,6 +224,8 @@ def main() -> None:
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="config overrides for the rayzero runs only, e.g. sharding.bucket_numel=262144")
+    ap.add_argument("--variant", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="also run each rayzero run with these overrides (named with a trailing *)")
     args = ap.parse_args()
     data_path = ensure_default_corpus("~/.cache/rayzero/datasets")
     tmp = tempfile.TemporaryDirectory()
@@ -230,7 +236,10 @@ def main() -> None:
         llama = make_llama(Path(tmp.name) / "llama")
     points = [p for p in grid(data_path, llama) if not args.points or any(s in p.name for s in args.points)]
     runs = [r for r in RUNS if not args.runs or r in ("DDP", "FSDP2") or r in args.runs]
-    print(f"{len(points)} points x {len(runs)} runs x {args.rounds} round(s), {WORLD} ranks, gloo\n")
+    if args.variant:
+        runs += [f"{r}*" for r in runs if r.startswith("rayzero ")]
+    print(f"{len(points)} points x {len(runs)} runs x {args.rounds} round(s), {WORLD} ranks, gloo"
+          + (f"; * = with {' '.join(args.variant)}" if args.variant else "") + "\n")
 
     ray.init(num_cpus=2 * len(runs) + 2, logging_level="WARNING",
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
@@ -248,7 +257,8 @@ def main() -> None:
         elif r.startswith("Ray Train"):
             w = RayTrainRun(WORLD, r.endswith("FSDP2"), data_path, str(Path(tmp.name) / "ray-train"))
         else:
-            w = RayzeroRun(r.removeprefix("rayzero "), data_path, args.set)
+            w = RayzeroRun(r.removeprefix("rayzero ").rstrip("*"), data_path,
+                           [*args.set, *(args.variant if r.endswith("*") else [])])
         w.ready()
         return w
 
@@ -319,7 +329,8 @@ def report(points, runs, cells, args) -> None:
                 row.append("failed")
                 continue
             ratio = statistics.median(c.ratio_ddp)
-            extra = f"[{statistics.median(c.ratio_fsdp2):.2f}]" if r.endswith(("FSDP2", "optim_grads_params")) else ""
+            extra = f"[{statistics.median(c.ratio_fsdp2):.2f}]" if r.rstrip("*").endswith(
+                ("FSDP2", "optim_grads_params")) else ""
             row.append(f"{ratio:6.3f}{extra:>7} {c.peak_rss_mib:4.0f}/{c.growth_mib:<4.0f}")
         print(f"{p.name:<18} " + " ".join(f"{x:>24}" for x in row))
     print("\nrayzero per-phase times (ms, median over rounds, slowest rank):")
@@ -330,8 +341,8 @@ def report(points, runs, cells, args) -> None:
                 print(f"  {p.name:<18} {r:<28} " + "  ".join(
                     f"{k} {statistics.median(v):.1f}" for k, v in c.phase_ms.items()))
     checks = []
-    for s, (peer, target, ray_peer) in TARGETS.items():
-        r = f"rayzero {s}"
+    for (s, (peer, target, ray_peer)), star in [(t, star) for t in TARGETS.items() for star in ("", "*")]:
+        r, s = f"rayzero {s}{star}", f"{s}{star}"
         if r not in runs:
             continue
         key = "ratio_fsdp2" if peer == "FSDP2" else "ratio_ddp"
