@@ -139,9 +139,7 @@ class Strategy:
         then this rank's local shards). `mesh`: a connected one (its groups) on a rank; its shape
         alone builds on the meta device. `tied`: a pipeline stage's parameters shared with
         another stage. `experts`: a model's expert parameters, a bucket group of their own."""
-        self.name = sharding.strategy
-        self.model = model
-        self.mesh = mesh
+        self.name, self.model, self.mesh = sharding.strategy, model, mesh
         self.cfg = sharding
         self.optim_cfg = optim
         self.tp = tp if tp is not None and (tp.size > 1 or tp.split) else None  # what TP (or ep) split
@@ -152,10 +150,9 @@ class Strategy:
         self.ledger = MemoryLedger()
         self.last_step_skipped = False
 
-        alone = self.tied.names if self.tied else frozenset()
-        named, layout = self.layout(model, sharding, mesh.size("grad_reduce"), alone, experts,
-                                    torch.device(device).type == "cpu")
-        self.buffer = FlatBuffer(model, named, layout, self.precision.param, torch.device(device))
+        alone, device = self.tied.names if self.tied else frozenset(), torch.device(device)
+        named, layout = self.layout(model, sharding, mesh.size("grad_reduce"), alone, experts, device.type == "cpu")
+        self.buffer = FlatBuffer(model, named, layout, self.precision.param, device)
         self.groups = [Sharded.build(g, model, sharding) for g in self._bucket_groups(experts)]
         self._of = {b.index: part for part in self.groups for b in part.group.buckets}
         if source is None:
@@ -173,13 +170,12 @@ class Strategy:
         self.ledger.hold("optimizer", 2 * nbytes(self.optimizer.exp_avg))
 
     @staticmethod
-    def layout(model: nn.Module, sharding: ShardingConfig, dp_size: int,
-               alone: frozenset[str] = frozenset(), experts: frozenset[str] = frozenset(),
-               cpu: bool = False) -> tuple[list, Layout]:
-        """The parameters in buffer order and the buckets they fall in: what the strategy
-        builds (the dry run asks it of a model on the meta device). `alone`: parameters each in
-        a bucket of their own (a pipeline's tied ones); `experts`: in buckets apart from the rest;
-        `cpu`: for CPU ranks (gloo), which `bucket_numel=auto` gives larger buckets."""
+    def layout(model: nn.Module, sharding: ShardingConfig, dp_size: int, alone: frozenset[str] = frozenset(),
+               experts: frozenset[str] = frozenset(), cpu: bool = False) -> tuple[list, Layout]:
+        """The parameters in buffer order and the buckets they fall in: what the strategy builds
+        (the dry run asks it of a model on meta). `alone`: parameters each in a bucket of their own
+        (a pipeline's tied ones); `experts`: in buckets apart from the rest; `cpu`: for CPU ranks,
+        to which `bucket_numel=auto` gives larger buckets."""
         return STRATEGIES[sharding.strategy].params.layout(model, sharding, dp_size, alone, experts, cpu)
 
     def _bucket_groups(self, experts: frozenset[str]) -> list[BucketGroup]:
