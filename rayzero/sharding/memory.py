@@ -67,7 +67,7 @@ def formula_bytes_per_param(strategy: str, d: int, param_bytes: int = 4, grad_by
 def live_tensor_bytes(device_type: str = "cpu") -> int:
     """Every distinct tensor storage alive in this process on `device_type`, in bytes: an
     independent count to hold the ledger against (tensors autograd or torch keep included).
-    Objects a rank process froze at its start (`membership.freeze_imports`) are not seen: take
+    Objects a rank process froze at its start (`membership.collect_and_freeze`) are not seen: take
     a baseline in the process and count the difference."""
     gc.collect()
     seen: dict[int, int] = {}

@@ -150,7 +150,8 @@ class Strategy:
         self.ledger = MemoryLedger()
         self.last_step_skipped = False
 
-        alone, device = self.tied.names if self.tied else frozenset(), torch.device(device)
+        alone = self.tied.names if self.tied else frozenset()
+        device = torch.device(device)
         named, layout = self.layout(model, sharding, mesh.size("grad_reduce"), alone, experts, device.type == "cpu")
         self.buffer = FlatBuffer(model, named, layout, self.precision.param, device)
         self.groups = [Sharded.build(g, model, sharding) for g in self._bucket_groups(experts)]

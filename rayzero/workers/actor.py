@@ -8,7 +8,7 @@ import ray
 import torch
 
 from rayzero.config import RootConfig
-from rayzero.workers.membership import freeze_imports
+from rayzero.workers.membership import collect_and_freeze
 from rayzero.workers.phases import CALLS
 from rayzero.workers.rank import Rank
 
@@ -19,7 +19,7 @@ class RankShim:
 
     def __init__(self, cfg: RootConfig, rank: int | None, world_size: int, data_path: str, factory=None):
         """`rank`: None for a warm spare (see `Rank`)."""
-        freeze_imports()  # the process has just started: what it holds now is its imports
+        collect_and_freeze()  # the process has just started: what it holds now is its imports
         self.rank = Rank(cfg, rank, world_size, data_path, factory)
 
     # In its own thread, so the controller's watchdog gets an answer while a phase runs.
@@ -39,7 +39,7 @@ class RankShim:
         system's entropy as a new process's is (nothing of the run before decides a draw); torch
         and the model's code stay imported."""
         self.rank = Rank(cfg, rank, world_size, data_path, factory)
-        freeze_imports()  # the closed rank's leftovers go; what lives on is not scanned again
+        collect_and_freeze()  # the closed rank's leftovers go; what lives on is not scanned again
         torch.seed()
         return {"pid": os.getpid()}
 

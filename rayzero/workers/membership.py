@@ -15,7 +15,7 @@ from rayzero.workers.compile import forget_compiled
 from rayzero.workers.disconnect import break_group
 
 
-def freeze_imports() -> None:
+def collect_and_freeze() -> None:
     """A full collection, then what is alive leaves the cyclic collector's view (`gc.freeze`).
     In a rank process after its imports (torch, Ray, rayzero), and again whenever a run has
     released what it built (`leave`, a kept rank's `renew`, a spare's `warm`): by then the
@@ -51,13 +51,13 @@ class Membership:
         on the meta device (no memory, no process group), and with `train.compile` the
         compiler's (`warm_compiler`), so that `setup` after `assign` pays for none of it. The
         built model is dropped: the rank builds its own, for its mesh; what the build imported
-        leaves the collector's view (`freeze_imports`), so that its `leave` after a failure
+        leaves the collector's view (`collect_and_freeze`), so that its `leave` after a failure
         does not scan it."""
         t0 = time.perf_counter()
         build_model(self.cfg, make_spec(self.cfg, self.factory))
         if self.cfg.train.compile:
             warm_compiler(self.cfg.train.compile_backend)
-        freeze_imports()
+        collect_and_freeze()
         return {"pid": os.getpid(), "warm_s": time.perf_counter() - t0}
 
     def assign(self, rank: int, world_size: int) -> dict:
@@ -96,5 +96,5 @@ class Membership:
             self.mesh = self.cfg.mesh(self.mesh.world_size, self.mesh.rank)  # its groups are gone
         # The buffers go now, before the next setup's: after the group, whose work may hold them;
         # what survives (the process's imports, the run's among them) is not scanned again
-        freeze_imports()
+        collect_and_freeze()
         return {"rank": rank, "uploads": uploads, "leave_s": time.perf_counter() - t0}

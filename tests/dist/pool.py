@@ -52,9 +52,9 @@ def _serve(rank: int, jobs, results) -> None:
     import torch
     import torch.distributed as dist
 
-    from rayzero.workers.membership import freeze_imports
+    from rayzero.workers.membership import collect_and_freeze
 
-    freeze_imports()  # as a rank actor's process does at its start
+    collect_and_freeze()  # as a rank actor's process does at its start
     while True:
         job = jobs.get()
         if job is None:

@@ -76,7 +76,7 @@ def test_fit_returns_a_result_and_runs_twice_in_one_process(tmp_path, ray_cluste
     assert run.data.tags["resumed_at_step_12"] == "train.steps: 12 -> 20"
     assert second.summary["run_dir"] == first.summary["run_dir"]
     assert leftovers(ray_cluster)[0] == ["RankShim"] * 2  # kept for a third run
-    # Each rank process froze its imports at its start (`freeze_imports`), and again once each
+    # Each rank process froze its imports at its start (`collect_and_freeze`), and again once each
     # run had released its model (`leave`): what its full collections scan is what the next
     # run makes, not torch's and Ray's objects, nor what a run imported and cached
     from rayzero.cluster.worker_group import KEPT

@@ -77,6 +77,13 @@ def test_the_plan_shows_the_buckets_the_ranks_will_build(tmp_path, capsys):
     code, out, plan = dry_run(tmp_path, capsys, "model.preset=small", "sharding.bucket_numel=100000000")
     assert plan["buckets"]["numel"] == [sum(sizes)] or len(plan["buckets"]["numel"]) == 1
     assert "1 communication bucket (bucket_numel 100,000,000)" in out.out
+    # The default GPT (454,144 parameters): one bucket on CPU ranks, about 8 on GPUs (the plan of a
+    # GPU job given a cluster's address, which it does not reach)
+    code, out, plan = dry_run(tmp_path, capsys)
+    assert code == 0 and len(plan["buckets"]["numel"]) == 1, out.err
+    assert "1 communication bucket (bucket_numel auto)" in out.out
+    code, out, plan = dry_run(tmp_path, capsys, "cluster.use_gpu=true", "cluster.address=127.0.0.1:6379")
+    assert code == 0 and 6 <= len(plan["buckets"]["numel"]) <= 10, out.err
     # ZeRO-3: one bucket per FSDP unit (the GPT's 6 blocks, 2 embeddings, final norm and head).
     code, out, plan = dry_run(tmp_path, capsys, "model.preset=small", "sharding.strategy=optim_grads_params")
     assert plan["buckets"]["per_unit"] and "(one per FSDP unit)" in out.out

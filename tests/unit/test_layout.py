@@ -344,3 +344,14 @@ def test_auto_buckets_on_cpu_ranks_are_fewer_for_small_models_only():
     for numel, dp in ((10_819_584, 2), (7 * 10**9, 4), (7 * 10**9, 64)):
         assert auto_bucket_numel(numel, dp, cpu=True) == auto_bucket_numel(numel, dp)
     assert auto_bucket_numel(1000, 16, cpu=True) == 16 * FLOOR_PER_RANK_CPU
+
+
+def test_a_strategy_on_cpu_builds_the_cpu_buckets():
+    import torch
+
+    from rayzero.sharding import Mesh, OptimConfig, ShardingConfig, Strategy, build_strategy
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(100, 100) for _ in range(30)])  # 303,000 elements
+    s = build_strategy("no_shard", model, Mesh(1), ShardingConfig(), OptimConfig())  # device "cpu"
+    assert len(s.buffer.buckets) == 1
+    assert len(Strategy.layout(model, ShardingConfig(), 1)[1].buckets) == 8  # what a GPU rank builds
