@@ -154,6 +154,10 @@ def diagnose(exc: BaseException, rank: int | None, phase: str | None, dead: list
         # said as such, and not at all if it has not asked since the start.
         seen = last_seen.get(rank, {}).get("phase")
         phase = seen or phase
+        # The driver reads step k with k + 1 already queued: a death it meets while reading k
+        # may have come in k + 1, which the watchdog may have seen the rank begin.
+        if step is not None and seen:
+            step = max(step, last_seen[rank].get("step") or step)
         who = f"rank{'s' if len(dead) > 1 else ''} {', '.join(str(r) for r, _ in dead)} died"
         where = ("" if step is None else f" at step {step}") + (f" (last seen in phase {seen})" if seen else "")
     else:

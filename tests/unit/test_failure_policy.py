@@ -230,6 +230,10 @@ def test_a_dead_rank_is_named_at_its_step_with_the_phase_it_was_last_seen_in():
                  last_seen={3: {"phase": "step", "step": 50}}, step=50, doing="training")
     assert (f.kind, f.rank, f.phase, f.step) == (RANK_DIED, 3, "step", 50)
     assert f.message == "rank 3 died at step 50 (last seen in phase step): " + first_line(died)
+    # Seen in the step the driver had queued after the one it was reading: named at that one.
+    f = diagnose(RuntimeError("x"), None, None, dead=[(3, died)],
+                 last_seen={3: {"phase": "forward", "step": 51}}, step=50, doing="training")
+    assert (f.step, f.phase) == (51, "forward") and f.message.startswith("rank 3 died at step 51 ")
 
 
 def test_a_dead_rank_the_watchdog_has_not_seen_is_named_at_its_step_only():
