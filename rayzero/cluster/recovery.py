@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import ray
 
 from rayzero.checkpoint.manifest import CheckpointError
-from rayzero.cluster.failure import ERROR, PLACEMENT, Decision, Failure, TrainingFailed, diagnose, unwrap
+from rayzero.cluster.failure import (ERROR, PLACEMENT, Decision, Failure, TrainingFailed, diagnose, first_line,
+                                     unwrap)
 from rayzero.cluster.states import Building, Live, Placing, State, Training, held
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,13 @@ class Recovering(State):
             training = isinstance(self.failed, Training)
             failure = diagnose(exc, rank, phase, dead=dead, last_seen=wd.last if wd is not None else {},
                                step=rec.step if training else None, doing=self.failed.doing)
+            if isinstance(self.failed, Replacing) and {r for r, _ in dead} <= set(self.failed.failure.lost):
+                # The ranks it was replacing are still dead in the group: the replacement's own
+                # error is what is new. Still their loss (a fresh group is placed), said as such.
+                lost = self.failed.failure.lost
+                failure.message = (f"replacing rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} "
+                                   f"with warm spares failed: {first_line(exc)}")
+                failure.detail = str(unwrap(exc)).strip()
         failure.detected_at = detected
         run.clock.start(failure, detected)
         run.clock.mark("diagnose")

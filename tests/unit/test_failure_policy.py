@@ -437,3 +437,35 @@ def test_a_spare_of_a_compiled_run_loads_the_compiler_while_it_waits(monkeypatch
         warmed.clear()
         Rank(load_config(None, extra), None, 2, "unused").warm()
         assert warmed == [*want, "frozen"], (extra, warmed)
+
+
+def test_a_replacement_that_fails_says_its_own_error_and_is_still_the_lost_ranks_failure():
+    """The lost rank's actor is still in the group while `Replacing` runs; if the replacement
+    itself fails (a survivor that does not leave in time), the message says that error, not a
+    second death; the kind stays the lost rank's, so the policy places a fresh group."""
+    from types import SimpleNamespace
+
+    from rayzero.cluster.failure import RANK_DIED
+    from rayzero.cluster.recovery import Recovering, Replacing
+    from rayzero.cluster.states import Live
+
+    class Group:
+        actors = [object()] * 4
+
+        def __init__(self, dead):
+            self.dead = dead
+
+        def dead_ranks(self):
+            return [(r, RuntimeError("The actor died")) for r in self.dead]
+
+    clock = SimpleNamespace(start=lambda failure, at: None, mark=lambda name: None)
+    run = SimpleNamespace(record=SimpleNamespace(pids={}, step=12), clock=clock)
+    lost = Failure(RANK_DIED, "rank 1 died at step 12", rank=1, step=12, lost=[1])
+    stuck = TimeoutError("rank 2 did not leave its process group within 10s")
+    f = Recovering(stuck, Replacing(Live(Group([1])), lost)).diagnose(run)
+    assert (f.kind, f.lost) == (RANK_DIED, [1]) and f.message == (
+        "replacing rank 1 with warm spares failed: TimeoutError: rank 2 did not leave its process group within 10s")
+    assert policy().decide(f, 1, 1, 4, 4).action == "restart"
+    # another rank dying while the replacement runs is named as the death it is
+    f = Recovering(stuck, Replacing(Live(Group([1, 3])), lost)).diagnose(run)
+    assert (f.kind, f.lost) == (RANK_DIED, [1, 3]) and f.message.startswith("ranks 1, 3 died")
