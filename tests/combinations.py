@@ -12,6 +12,8 @@ for the preference losses; bf16 follows the fp32 oracle's curve.
 
 from __future__ import annotations
 
+import functools
+
 from tests.allpairs import Rules, all_pairs, infeasible_pairs
 
 STEPS = 3  # 3 steps show what 10 do for an optimizer, a reduction or a resume
@@ -144,7 +146,17 @@ def cost(c: dict) -> float:
             * (1.5 if c.get("resume") else 1))
 
 
-CONFIGS = all_pairs(AXES, RULES, NAMED, cost=cost)
+@functools.cache
+def configs() -> list[dict]:
+    return all_pairs(AXES, RULES, NAMED, cost=cost)
+
+
+def __getattr__(name: str):
+    """`CONFIGS`, generated when first asked for (the pairwise search takes about a second): the
+    kept rank processes import this module for its helpers and never ask."""
+    if name == "CONFIGS":
+        return configs()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def label(c: dict) -> str:
@@ -281,7 +293,7 @@ def commit_on_meta(cfg, infos: list[dict], step: int = SAVE_AT) -> str:
 def covered_pairs() -> int:
     from tests.allpairs import pairs_of
 
-    return len(set().union(*(pairs_of(c, list(AXES)) for c in CONFIGS)))
+    return len(set().union(*(pairs_of(c, list(AXES)) for c in configs())))
 
 
 def excluded_pairs() -> list:
@@ -299,7 +311,7 @@ def readme_block() -> str:
     product = 1
     for values in AXES.values():
         product *= len(values)
-    lines = [f"{len(CONFIGS)} configurations ({sum(world(c) == 4 for c in CONFIGS)} at 4 ranks, the rest at 2) "
+    lines = [f"{len(configs())} configurations ({sum(world(c) == 4 for c in configs())} at 4 ranks, the rest at 2) "
              f"of a product of {product:,} cover all {covered_pairs()} pairs of values the product allows "
              f"(of {total}; the {len(excluded)} left out break a rule, each a refusal of the product's own):", ""]
     lines += [f"- `{axis}`: {', '.join(f'`{v}`' for v in values)}" for axis, values in AXES.items()]
