@@ -88,7 +88,7 @@ class Recovering(State):
             training = isinstance(self.failed, Training)
             failure = diagnose(exc, rank, phase, dead=dead, last_seen=wd.last if wd is not None else {},
                                step=rec.step if training else None, doing=self.failed.doing)
-            if isinstance(self.failed, Replacing) and {r for r, _ in dead} <= set(self.failed.failure.lost):
+            if isinstance(self.failed, Replacing) and dead and {r for r, _ in dead} <= set(self.failed.failure.lost):
                 # The ranks it was replacing are still dead in the group: the replacement's own
                 # error is what is new. Still their loss (a fresh group is placed), said as such.
                 lost = self.failed.failure.lost

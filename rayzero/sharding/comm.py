@@ -78,14 +78,12 @@ class Axis:
         mine = self.chunk(full)
 
         def add() -> None:
-            if self.rank == 0:
-                for part in parts:
-                    mine.add_(part)
-                return
-            total = parts[0]  # rank 0's part, then the others', this rank's own in its place
-            for k in range(1, self.size):
-                total.add_(mine if k == self.rank else parts[k - (k > self.rank)])
-            mine.copy_(total)
+            ordered = [*parts[:self.rank], mine, *parts[self.rank:]]  # every rank's part, in rank order
+            total = ordered[0]
+            for part in ordered[1:]:
+                total.add_(part)
+            if total is not mine:
+                mine.copy_(total)
 
         return Exchange(works, add)
 

@@ -469,3 +469,6 @@ def test_a_replacement_that_fails_says_its_own_error_and_is_still_the_lost_ranks
     # another rank dying while the replacement runs is named as the death it is
     f = Recovering(stuck, Replacing(Live(Group([1, 3])), lost)).diagnose(run)
     assert (f.kind, f.lost) == (RANK_DIED, [1, 3]) and f.message.startswith("ranks 1, 3 died")
+    # no dead rank left (the spare already took its place): the replacement's own error, as any state's
+    f = Recovering(stuck, Replacing(Live(Group([])), lost)).diagnose(run)
+    assert f.message == "replacing lost ranks with warm spares failed: TimeoutError: rank 2 did not leave its process group within 10s"
