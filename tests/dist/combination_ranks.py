@@ -39,6 +39,7 @@ def _train(rank: int, world: int, cfg, data: str, port: int, out: dict):
                  "memory": res["memory"], "grads": grads, "saved": saved, "uploads": uploads,
                  "trace": [a for a, _, _ in pipe.trace] if pipe is not None else [],
                  "sent": pipe.link.sent_bytes - sent if pipe is not None else 0}
+    del pipe  # before `close`, which releases what the rank built: nothing here may hold it then
     r.close()
 
 
