@@ -18,21 +18,19 @@ The policies, a file per column (grad_sync.py, placement.py with fsdp.py, owners
     ownership   OwnAll: AdamW on everything; OwnShard: AdamW on the rank's shard, then the
                 updated shards all-gathered where parameters are whole at rest
 
-Hybrid sharding (`dp_outer` > 1) shards within the "shard" axis and keeps the row, with the
-ownership that `outer_strategy` names (HYBRID_OWNERSHIP): `no_shard` (HSDP) keeps OwnShard,
-whose gradient shards are all-reduced across the "replicate" axis; `optim` (Hybrid-FSDP) takes
-OwnShardAcrossReplicas, which splits each shard across the replicas too (reduce-scatter across
-them, then an all-gather across them after the step).
+Hybrid sharding (`dp_outer` > 1) shards within the "shard" axis and keeps the row, with the ownership
+that `outer_strategy` names (HYBRID_OWNERSHIP): `no_shard` (HSDP) keeps OwnShard, whose gradient shards
+are all-reduced across the "replicate" axis; `optim` (Hybrid-FSDP) takes OwnShardAcrossReplicas, which
+splits each shard across the replicas too (reduce-scatter, then all-gather across them after the step).
 
-The policies act on a bucket group (group.py: buckets reduced and sharded over one set of
-ranks, keyed by dtype and dense or expert), one set of the row's policies per group; a model
-whose experts the caller names (`experts`) gets an expert group beside the dense one, with the
-mesh's expert roles as its axes. The strategy runs each phase over its groups.
+The policies act on a bucket group (group.py: buckets reduced and sharded over one set of ranks,
+keyed by dtype and dense or expert), one set of the row's policies per group; a model whose experts
+the caller names (`experts`) gets an expert group beside the dense one, with the mesh's expert roles
+as its axes. The strategy runs each phase over its groups.
 
 Each policy has a start/finish pair: a bucket's gradient reduction (`grad_sync.start(bucket)`,
-`grad_sync.finish()`), a unit's parameter all-gather (ShardedUnits), the all-gather of the
-updated parameters after the step (`owner.start()`, `owner.finish(buckets)`). The phases of
-one iteration:
+`grad_sync.finish()`), a unit's parameter all-gather (ShardedUnits), the all-gather of the updated
+parameters after the step (`owner.start()`, `owner.finish(buckets)`). The phases of one iteration:
 
     begin_step()                 gather: zero gradients; wait for the parameter all-gather
                                  (or, overlapped, let forward wait bucket by bucket)
@@ -41,10 +39,10 @@ one iteration:
                                  then the finalizers
     step(lr) -> grad_norm        step: clip by the global norm, AdamW, start the all-gather
 
-The finalizers are the model's gradient fix-ups after the reduction (Megatron's
-`finalize_model_grads`), each a small class chosen at build where it applies, not a branch in
-the step: `TiedSum` (a pipeline's weight held by two stages: its gradient summed over them) and
-`TPPartialSum` (a replicated parameter whose gradient each tensor-parallel rank holds a part of).
+The finalizers are the model's gradient fix-ups after the reduction (Megatron's `finalize_model_grads`),
+each a small class chosen at build where it applies, not a branch in the step: `TiedSum` (a pipeline's
+weight held by two stages: its gradient summed over them) and `TPPartialSum` (a replicated parameter
+whose gradient each tensor-parallel rank holds a part of).
 """
 
 from __future__ import annotations
@@ -114,9 +112,8 @@ class Sharded:
 
 
 class Strategy:
-    """The flat buffers (parameters, gradients, fp32 main copy, AdamW state) and the phases of an
-    iteration over its bucket groups; what is sharded and when it is communicated is the
-    policies' (the table above)."""
+    """The flat buffers (parameters, gradients, fp32 main copy, AdamW state) and the phases of an iteration
+    over its bucket groups; what is sharded and when it is communicated is the policies' (the table above)."""
 
     def __init__(
         self,
@@ -257,10 +254,13 @@ class Strategy:
             g.zero_()
 
     def backward(self, loss, last_microbatch: bool, grad: list[torch.Tensor] | None = None) -> None:
-        """Backward from `loss`, scaled by the loss scale; or, with `grad`, from a pipeline
-        stage's outputs (a list) with the gradients the next stage sent (scaled there already)."""
+        """Backward from `loss`, scaled by the loss scale; or, with `grad`, from a pipeline stage's
+        outputs (a list) and the gradients the next stage sent (scaled there already), as the sum of
+        outputs x gradients, whose gradient is exactly `grad` (handed `grad`, torch checks its size
+        through torch.fx's symbolic shapes: sympy's import, 0.55 s at a new process's first backward)."""
         outs, grads = self.scaled(loss, grad)
-        self._run_backward(lambda: torch.autograd.backward(outs, grads), last_microbatch)
+        outs = outs if grads is None else [(o * g).sum() for o, g in zip(outs, grads)]
+        self._run_backward(lambda: torch.autograd.backward(outs), last_microbatch)
 
     def scaled(self, out, grad: list[torch.Tensor] | None) -> tuple[list[torch.Tensor], list | None]:
         """What a backward starts from: the loss times the loss scale, or a stage's outputs and their gradients."""
