@@ -225,6 +225,9 @@ class CompiledDispatch(_Dispatch):
             self.close()
             raise
         self.nap = Nap()
+        # One call per rank that fails only when its process ends (`RankShim.until_exit`): the nap
+        # waits on them, so that a lost rank ends it at once (actor classes without it: a plain sleep)
+        self.exits = [a.until_exit.remote() for a in actors] if all(hasattr(a, "until_exit") for a in actors) else []
 
     def _merge_again(self, plan, outputs: list, homes: list, fan_in: int) -> tuple[list, list]:
         """One more level of the tree: each `fan_in` consecutive outputs merged on the first's node."""
@@ -243,13 +246,21 @@ class CompiledDispatch(_Dispatch):
         """One result per node (a merge of its ranks', see `results.merge`), or per rank."""
         wake = self.nap.wake_at(pending.submitted_at, time.time(), queued)
         if wake is not None:
-            time.sleep(max(0.0, wake - time.time()))
+            self._rest(wake - time.time())
         elif not self.nap.recent and pending.step is not None:  # the first two: nothing to guess from
             self._until_finished(pending.step)
         woke = time.time()
         out = ray.get(pending.handle, timeout=self.timeout_s)
         self.nap.observe(out, pending.submitted_at, woke, time.time())
         return out
+
+    def _rest(self, seconds: float) -> None:
+        """Sleep `seconds`, or until a rank's process has ended (measured: the wait wakes ~15 ms
+        after a SIGKILL; a dead rank's iteration then fails its read at once)."""
+        if seconds > 0 and self.exits:
+            ray.wait(self.exits, num_returns=1, timeout=seconds)
+        elif seconds > 0:
+            time.sleep(seconds)
 
     def _until_finished(self, step: int) -> None:
         """An iteration no nap can guess (the first, whose time sets none, and the second): ask
