@@ -101,8 +101,10 @@ def ranks_words(world: int) -> str:
     return f"{world} rank{'s' if world != 1 else ''}"
 
 
-def build_words(cfg: RootConfig, spec) -> str:
+def build_words(cfg: RootConfig, spec, resuming: bool = False) -> str:
     """The start-up's line for the ranks' build: where their first weights come from."""
+    if resuming:
+        return "building and sharding the model on the ranks (its trainable weights from this run's last commit)"
     m = cfg.model
     pretrained = spec.weights is not None if spec is not None else bool(m.path) and m.init != "random"
     start = f"pretrained weights from {m.path}" if pretrained else f"initial values, seed {cfg.train.seed}"
@@ -178,8 +180,11 @@ class Building(State):
         run.check_interrupt()
         group = self.live.group
         group.wait_started()
-        run.startup.stage("build", build_words(run.cfg, run.spec))
-        infos = group.rendezvous()
+        # A group rebuilt after this run has committed resumes from its own commit (Resuming):
+        # the ranks give initial values only to what no checkpoint holds
+        resuming = run.checkpoints is not None and run.checkpoints.commits > 0
+        run.startup.stage("build", build_words(run.cfg, run.spec, resuming))
+        infos = group.rendezvous(resuming=resuming)
         run.record.pids = {i["pid"]: i["rank"] for i in infos}
         run.record.build = whole_build(infos)  # with pipeline stages, the whole model's
         run.clock.mark("rendezvous")
@@ -243,6 +248,9 @@ class Resuming(State):
             log.info("resumed from %s at step %d", c.uri, c.step)
             run.tracker.set_tags({"resumed_from": c.uri})
             return
+        if not all(i.get("initial_values", True) for i in self.infos):  # set up for a commit none of which loaded
+            log.warning("no commit of this run could be loaded: training again from the initial values")
+            self.infos = group.rendezvous()
         rec.schedule_steps = run.cfg.train.steps
         run.early.restore(None)
 

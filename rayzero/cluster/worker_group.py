@@ -143,10 +143,11 @@ class WorkerGroup:
         (the seconds a new process spends importing torch come here, not in the rendezvous)."""
         ray.get([a.progress.remote() for a in self.actors])
 
-    def rendezvous(self) -> list[dict]:
-        """Rank 0 picks an address and free port; every rank joins the process group there."""
+    def rendezvous(self, resuming: bool = False) -> list[dict]:
+        """Rank 0 picks an address and free port; every rank joins the process group there
+        (`resuming`: see `Rank.setup`)."""
         addr, port = ray.get(self.actors[0].address.remote())
-        return ray.get([a.setup.remote(addr, port) for a in self.actors])
+        return ray.get([a.setup.remote(addr, port, resuming) for a in self.actors])
 
     def call(self, name: str, *args, skip=(), timeout_s: float | None = None) -> list:
         """Every rank's answer to its call `name(*args)`, in rank order, but the ranks in `skip`

@@ -90,6 +90,17 @@ class FillSource(ParamSource):
         self._fill(name, out)
 
 
+class Zeros(ParamSource):
+    """Zeros, for parameters whose values a checkpoint brings next (nothing computed or read)."""
+
+    def fill(self, name: str, out: torch.Tensor) -> None:
+        out.zero_()
+
+    def fill_pieces(self, pieces: list[Piece]) -> None:
+        for p in pieces:
+            p.out.zero_()
+
+
 class PerName(ParamSource):
     """Each parameter from `first` if its name is in `names`, else from `rest`: pretrained
     weights for what the files hold, a seeded init for what they do not (adapters)."""

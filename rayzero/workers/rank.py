@@ -108,9 +108,12 @@ class Rank(Membership):
         return uploads
 
     @watched
-    def setup(self, master_addr: str, master_port: int) -> dict:
+    def setup(self, master_addr: str, master_port: int, resuming: bool = False) -> dict:
         """Join the process group at `master_addr:master_port`, build the model and strategy,
-        open the data. A rank set up before leaves its old group first (`leave`)."""
+        open the data. A rank set up before leaves its old group first (`leave`). `resuming`: a
+        checkpoint of this run is loaded next, so the trainable parameters are left at zero
+        rather than given values that load would overwrite (frozen ones, which no checkpoint
+        holds, are read as always)."""
         if self.mesh is None:
             raise RuntimeError("a spare has no rank: assign it one before setup")
         if self.model is not None or dist.is_initialized():
@@ -130,7 +133,7 @@ class Rank(Membership):
         self.experts = None if self.mesh.size("ep") == 1 else ExpertParallel(
             self.mesh.axis("ep"), cfg.moe.capacity_factor, cfg.moe.grouped_mm)
         self.model, self.strategy, source, stages = assemble(cfg, self.spec, self.mesh, self.device, self.streams,
-                                                             experts=self.experts)
+                                                             experts=self.experts, resuming=resuming)
         tp = self.strategy.tp
         self.vocab = tp.vocab if tp is not None else None  # the head split over the vocabulary: the loss on shards
         self._open_data()
@@ -147,7 +150,7 @@ class Rank(Membership):
             cfg, self.spec, self.model, self.strategy, self.mesh, self.device, self.streams, self.vocab, self._pipe,
             self.data, self.val, context_of(cfg, self.mesh))
         self.steps = runner_for(self)  # the step's micro-batches: plain or pipelined, language model or pairs
-        return self._setup_report(backend, source, stages)
+        return {**self._setup_report(backend, source, stages), "initial_values": not resuming}
 
     def _join(self, master_addr: str, master_port: int) -> str:
         """Join the process group (its sockets recorded for `disconnect`) and connect the mesh's

@@ -50,12 +50,14 @@ class FakeGroup:
         self.events, self.world = events, world
         self.actors = list(range(world))
         self.calls: list[str] = []
+        self.joined: list[bool] = []  # each rendezvous's `resuming`
         self.killed = self.closed = False
 
     def wait_started(self):
         pass
 
-    def rendezvous(self) -> list[dict]:
+    def rendezvous(self, resuming: bool = False) -> list[dict]:
+        self.joined.append(resuming)
         if self.events.joining_fails is not None and self is self.events.groups[0]:
             self.events.dead = self.events.joining_fails
             raise ray.exceptions.ActorDiedError()
@@ -64,7 +66,7 @@ class FakeGroup:
         return [{"pid": 1000 + r, "rank": r, "params_per_rank": 1, "flops_per_token": 6.0, "device_name": "cpu",
                  "params": {"w": [1]}, "saves_shard": True, "model": {"kind": "gpt"}, "memory": memory,
                  "num_params": 1, "trainable_params": 1, "backend": "gloo", "tp": None, "layout": {},
-                 "frozen": []} for r in self.actors]
+                 "frozen": [], "initial_values": not resuming} for r in self.actors]
 
     def call(self, name: str, *args) -> list:
         self.calls.append(name)
@@ -161,6 +163,7 @@ class FakeCheckpoints:
     """Commits in memory: a step's checkpoint commits when its results come in."""
 
     resume_mode = "auto"
+    unreadable = False  # every commit damaged: nothing to resume from
 
     def __init__(self):
         self.commits, self.last_committed, self.best, self.mlflow_run_id = 0, None, None, None
@@ -174,7 +177,7 @@ class FakeCheckpoints:
         pass
 
     def resume_target(self, params):
-        return [Commit(s) for s in self.steps[::-1][:1]]
+        return [] if self.unreadable else [Commit(s) for s in self.steps[::-1][:1]]
 
     def adopt(self, manifest):
         pass
@@ -288,6 +291,8 @@ def test_a_lost_rank_restarts_the_group_from_the_last_commit(tmp_path):
     assert (f.kind, f.decision, f.world_size, f.step) == ("rank_died", "restart", 2, 6)
     assert events.groups[0].killed and not events.groups[0].closed, "a failed group is killed, not closed"
     assert events.groups[1].calls[:2] == ["load_checkpoint", "apply_checkpoint"]
+    assert events.groups[0].joined == [False] and events.groups[1].joined == [True], \
+        "set up for the commit it loads: no initial values for the trainable parameters"
     assert c.tracker.rewinds == [4] and summary["resumed_from"] is None and summary["steps"] == 10
     assert [r["step"] for r in c.history.rows] == list(range(10)), "steps 4 and 5 trained again, once each"
     on_disk = [json.loads(line)["step"] for line in (tmp_path / "history.jsonl").read_text().splitlines()]
@@ -296,6 +301,20 @@ def test_a_lost_rank_restarts_the_group_from_the_last_commit(tmp_path):
     assert set(f.timings) >= {"diagnose_s", "teardown_s", "backoff_s", "placement_s", "rendezvous_s", "load_s",
                               "graph_s", "first_step_s", "total_s"}
     assert "recovery_s" in c.tracker.metrics[4]
+
+
+def test_a_group_set_up_for_a_commit_that_none_of_loads_is_set_up_again_with_initial_values(tmp_path):
+    events = Events(capacity=2)
+    c = run(tmp_path, FIXED, events)
+
+    def dies_and_every_commit_is_damaged(ev):
+        c.checkpoints.unreadable = True
+        return ray.exceptions.ActorDiedError()
+    events.faults[6] = dies_and_every_commit_is_damaged
+    summary = c.fit()
+    assert events.groups[1].joined == [True, False], "set up for the commit, then again from the initial values"
+    assert "load_checkpoint" not in events.groups[1].calls
+    assert summary["steps"] == 10 and [r["step"] for r in c.history.rows] == list(range(10))
 
 
 def test_the_cluster_shrinking_shrinks_the_run_and_its_return_grows_it_back_at_a_commit(tmp_path):
