@@ -102,7 +102,7 @@ class Rank(Membership):
         if self.data is not None:
             self.data.close()
         self.model = self.strategy = self.data = self.val = None
-        self.streams = self.vocab = self.meter = None
+        self.streams = self.vocab = self.meter = self.experts = None  # the experts' dispatch holds the ep group
         self.steps = self._staged = None
         self.plan, self._current, self._finished = {}, None, None
         return uploads
