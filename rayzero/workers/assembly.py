@@ -260,7 +260,7 @@ def assemble(cfg: RootConfig, spec: ModelSpec, mesh: Mesh, device: torch.device,
     frozen parameters, with no gradient, main copy or optimizer state. `experts`: the rank's
     `ExpertParallel` (its MoE layers' dispatch, whose loads the rank reports). `resuming`: a
     checkpoint is loaded over the trainable parameters next, so only the frozen ones get values
-    (measured: a recovery's rendezvous at 8 ranks on 2 cores, 0.43-1.31 s with them, 0.22-0.29 s without)."""
+    (measured: a recovery's rendezvous at 8 ranks on 2 cores, 0.43-1.31 s with them, mostly 0.18-0.29 s without)."""
     built = build_model(cfg, spec, mesh, streams, compiled=True, experts=experts)
     if frozen:
         built.model.requires_grad_(False)
