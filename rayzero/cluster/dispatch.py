@@ -246,21 +246,13 @@ class CompiledDispatch(_Dispatch):
         """One result per node (a merge of its ranks', see `results.merge`), or per rank."""
         wake = self.nap.wake_at(pending.submitted_at, time.time(), queued)
         if wake is not None:
-            self._rest(wake - time.time())
+            rest(self.exits, wake - time.time())
         elif not self.nap.recent and pending.step is not None:  # the first two: nothing to guess from
             self._until_finished(pending.step)
         woke = time.time()
         out = ray.get(pending.handle, timeout=self.timeout_s)
         self.nap.observe(out, pending.submitted_at, woke, time.time())
         return out
-
-    def _rest(self, seconds: float) -> None:
-        """Sleep `seconds`, or until a rank's process has ended (measured: the wait wakes ~15 ms
-        after a SIGKILL; a dead rank's iteration then fails its read at once)."""
-        if seconds > 0 and self.exits:
-            ray.wait(self.exits, num_returns=1, timeout=seconds)
-        elif seconds > 0:
-            time.sleep(seconds)
 
     def _until_finished(self, step: int) -> None:
         """An iteration no nap can guess (the first, whose time sets none, and the second): ask
@@ -294,6 +286,19 @@ class CompiledDispatch(_Dispatch):
             if m is not None:
                 ray.kill(m)
         self.mergers = []
+
+
+def rest(exits: list, seconds: float) -> bool:
+    """Sleep `seconds`, or until one of `exits` (ranks' `until_exit` calls) fails: that rank's
+    process has ended (measured: the wait wakes ~15 ms after a SIGKILL, and spins no core; a dead
+    rank's iteration then fails its read at once). Whether one did."""
+    if seconds <= 0:
+        return False
+    if not exits:
+        time.sleep(seconds)
+        return False
+    ended, _ = ray.wait(exits, num_returns=1, timeout=seconds)
+    return bool(ended)
 
 
 def _work_s(results: list) -> float | None:

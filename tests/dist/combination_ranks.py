@@ -44,15 +44,19 @@ def _train(rank: int, world: int, cfg, data: str, port: int, out: dict):
 
 
 def _resume(rank: int, world: int, cfg, data: str, port: int, where: str, out: dict):
-    """A new group resumes the committed checkpoint and trains the steps after it."""
+    """A new group resumes the committed checkpoint and trains the steps after it, set up as the
+    controller sets up a group rebuilt after a commit (`resuming`: its trainable weights zero
+    until the load brings them, its frozen ones read as always)."""
     from rayzero.workers.rank import Rank
 
     torch.set_num_threads(1)
     r = Rank(cfg, rank, world, data)
-    r.setup("127.0.0.1", port)
+    r.setup("127.0.0.1", port, resuming=True)
+    zero = all(not m.any() for m in r.strategy.main_params)
     c = open_checkpoint(where)
     r.load_checkpoint(c.uri, c.manifest)
     r.apply_checkpoint()
     steps = [r.iteration({"step": k, "lr": lr_at(k, STEPS, cfg.optim)}) for k in range(SAVE_AT, STEPS)]
-    out[rank] = {"state": r.full_state_dict(), "losses": [(s["loss_sum"], s["tokens"]) for s in steps]}
+    out[rank] = {"state": r.full_state_dict(), "losses": [(s["loss_sum"], s["tokens"]) for s in steps],
+                 "zero_before_load": zero}
     r.close()

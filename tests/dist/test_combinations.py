@@ -13,7 +13,8 @@ at world 1 (which equals TRL's DPOTrainer: tests/e2e/test_dpo_trl.py). Every par
 start), every step's loss (and reward metric) within 1e-5. bf16 compute is held to the same run
 in bf16 at world 1 (the curve within 2e-3, the update within 0.25) and, for the language-model
 loss, to the fp32 oracle's curve within 1 %. Besides the oracle, each run shows what its axes promise:
-- resume: saved after step 2 and resumed for step 3 in a new group, bitwise the straight run;
+- resume: saved after step 2 and resumed for step 3 in a new group, bitwise the straight run; the
+  group is set up as one rebuilt after a commit is (its trainable weights left at zero for the load);
 - pp: each rank's last step ran its schedule's compute in order and sent exactly the stage
   boundaries' bytes; the stages hold their blocks, a tied weight on both end stages;
 - tp: a split weight is 1/tp a rank (the vocabulary padded to ceil(V/tp) rows), the rest whole;
@@ -285,6 +286,7 @@ def test_a_configuration_equals_its_oracle(c, combo_setup, tmp_path):
         found = resume_preview(Checkpoints(cfg), make_spec(cfg))  # the same command finds it its own
         assert found is not None and found.uri == where
         again = run_ranks(_resume, world, cfg, data_of(c, combo_setup), free_port(), where)
+        assert all(again[r]["zero_before_load"] for r in again), "trainable weights given values the load overwrites"
         assert again[0]["state"].keys() == first["state"].keys()
         assert all(torch.equal(again[0]["state"][k], v) for k, v in first["state"].items())
         resumed = [sum(again[r]["losses"][0][0] for r in again) / sum(again[r]["losses"][0][1] for r in again)]

@@ -33,6 +33,36 @@ from tests.e2e.faults import (EVERY, RUN, STEPS, STRIKE, NullTracker, OnceMarker
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 HANG = 2 * EVERY + 3  # after the second commit, made by the group that came back
 
+class ExitsOnly:
+    """A rank actor's `until_exit` (RankShim's own), without a rank to build."""
+
+    until_exit = RankShim.until_exit
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def test_a_rank_process_ending_ends_the_drivers_nap_at_once(ray_cluster):
+    """The compiled graph's driver naps through an iteration on each rank's `until_exit` call
+    (`dispatch.rest`): the nap runs its course while the ranks live, and ends when one of their
+    processes does, instead of at the iteration's expected end."""
+    from rayzero.cluster.dispatch import rest
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
+    ray.init(address=ray_cluster, logging_level="ERROR")
+    try:
+        cls = ray.remote(num_cpus=0, concurrency_groups={"exit": 1})(ExitsOnly)
+        actors = [cls.remote() for _ in range(2)]
+        pid = ray.get(actors[1].pid.remote())
+        exits = [a.until_exit.remote() for a in actors]
+        assert rest(exits, 0.5) is False, "every rank lives: the nap runs its course"
+        threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
+        assert rest(exits, 60.0) is True, "a rank's process ended: the nap ends with it (not after 60 s)"
+        ray.kill(actors[0])
+    finally:
+        ray.shutdown()
+
+
 def cli_args(tmp: Path, data: str, *extra: str) -> list[str]:
     return ["train", "--no-progress", "--summary-json", str(tmp / "s.json"), f"data.path={data}", *RUN,
             f"train.output_dir={tmp / 'runs'}", f"train.save_final={tmp / 'final.safetensors'}", *extra]
