@@ -48,6 +48,7 @@ AXES = {
     "ep": ["1", "2"],  # a mixture of experts' experts split over 2 data-parallel ranks
     "pp": ["1", "gpipe", "1f1b", "interleaved", "zb"],
     "recompute": ["none", "full", "selective", "every:2"],
+    "compile": ["off", "aot_eager"],  # each block compiled (train.compile), torch's own kernels behind dynamo's trace
     "trainable": ["all", "lora", "frozen"],
     "objective": ["lm", "dpo", "dpo-precomputed"],
     "precision": ["fp32", "bf16", "bf16-comm"],  # bf16 compute; also bf16 gradients on the wire
@@ -115,6 +116,8 @@ RULES.rule("zero-bubble's weight gradients need the units ZeRO-3 released", ["pp
            lambda pp, strategy: pp != "zb" or strategy in ("no_shard", "optim", "optim_grads"))
 RULES.rule("zero-bubble's second backward through a block", ["pp", "recompute"],
            lambda pp, recompute: pp != "zb" or recompute != "selective")
+RULES.rule("a compiled block runs as one op to selective recomputation", ["compile", "recompute"],
+           lambda compile, recompute: compile == "off" or recompute != "selective")
 RULES.rule("a preference pair in one micro-batch", ["objective", "micro"], lambda objective, micro: objective == "lm" or micro % 2 == 0)
 
 # Where an interaction is known, the configuration is named rather than left to chance.
@@ -136,6 +139,32 @@ NAMED = [
     dict(model="mixtral", ep="2", tp="2sp", precision="fp32"),  # experts whole over tp, each its sequence shard
 ]
 
+# `compile`: every value of every other axis meets a compiled block in one of these eight full
+# configurations, so the fill compiles in no other (left to itself it compiled in 13, each adding
+# dynamo's trace of the blocks, again at a resume: ~175 s to the tier; these ~60 s). A search chose
+# them for the least compile time: tensor parallelism (its hooks stay eager, so a block compiles
+# in pieces), context parallelism and resumes compile most; each model and every other value once.
+_C = dict(compile="aot_eager", tp="1", cp="1", ep="1", pp="1", recompute="none", trainable="all", objective="lm",
+          precision="fp32", overlap=True, micro=2, resume=False)
+COMPILED = [
+    {**_C, "model": "gpt", "strategy": "optim_grads", "dp": 1, "cp": "ring", "pp": "1f1b", "objective": "dpo",
+     "overlap": False},
+    {**_C, "model": "llama", "strategy": "no_shard", "dp": 1, "pp": "gpipe", "trainable": "frozen"},
+    {**_C, "model": "llama-untied", "strategy": "no_shard", "dp": 1, "tp": "4", "recompute": "every:2",
+     "trainable": "frozen", "precision": "bf16"},
+    {**_C, "model": "qwen2", "strategy": "hfsdp", "dp": 2, "pp": "interleaved", "recompute": "every:2",
+     "trainable": "lora", "objective": "dpo-precomputed", "precision": "bf16"},
+    {**_C, "model": "gpt2", "strategy": "optim", "dp": 1, "cp": "ulysses", "pp": "zb", "recompute": "full",
+     "trainable": "lora", "overlap": False, "micro": 4},
+    {**_C, "model": "module", "strategy": "hsdp", "dp": 2, "recompute": "every:2", "objective": "dpo-precomputed",
+     "precision": "bf16", "resume": True},
+    {**_C, "model": "mixtral", "strategy": "no_shard", "dp": 1, "tp": "2", "recompute": "every:2",
+     "objective": "dpo-precomputed"},
+    {**_C, "model": "qwen2_moe", "strategy": "optim_grads_params", "dp": 2, "tp": "2sp", "ep": "2",
+     "recompute": "every:2", "precision": "bf16-comm", "micro": 4},
+]
+
+
 def world(c: dict) -> int:
     return c["dp"] * tp_size(c["tp"]) * pp_size(c["pp"]) * cp_size(c["cp"])
 
@@ -148,7 +177,7 @@ def cost(c: dict) -> float:
 
 @functools.cache
 def configs() -> list[dict]:
-    return all_pairs(AXES, RULES, NAMED, cost=cost)
+    return all_pairs(AXES, RULES, COMPILED + NAMED, cost=cost)
 
 
 def __getattr__(name: str):
@@ -168,6 +197,7 @@ def label(c: dict) -> str:
     parts += [f"cp2-{c['cp']}"] if c["cp"] != "1" else []
     parts += ["ep2"] if c.get("ep", "1") != "1" else []
     parts += [c["recompute"].replace(":", "")] if c["recompute"] != "none" else []
+    parts += [f"compiled-{c['compile']}"] if c.get("compile", "off") != "off" else []
     parts += [c["trainable"]] if c["trainable"] != "all" else []
     parts += [c["objective"]] if c["objective"] != "lm" else []
     parts += [c["precision"]] if c["precision"] != "fp32" else []
@@ -202,6 +232,8 @@ def overrides(c: dict, model_keys: list[str], data_kind: str = "text") -> list[s
         keys += ["parallel.pp=2", f"parallel.pp_schedule={SCHEDULE[c['pp']]}"]
         keys += ["parallel.pp_virtual_stages=2"] if c["pp"] == "interleaved" else []
     keys.append(f"model.activation_checkpointing={c['recompute']}")
+    if c.get("compile", "off") != "off":
+        keys += ["train.compile=true", f"train.compile_backend={c['compile']}"]
     if c["trainable"] == "lora":
         keys += ["model.lora.r=4", "model.lora.alpha=8"]
         keys += [f"model.lora.target_modules={m['lora']}"] if "lora" in m else []
@@ -317,6 +349,8 @@ def readme_block() -> str:
     lines += [f"- `{axis}`: {', '.join(f'`{v}`' for v in values)}" for axis, values in AXES.items()]
     lines += ["", "and these named interactions, each in at least one configuration:", ""]
     lines += ["- " + " × ".join(f"`{k}={v}`" for k, v in named.items()) for named in NAMED]
+    lines += ["", "Blocks are compiled (`compile=aot_eager`) in these eight only, which meet every other value:", ""]
+    lines += [f"- `{label(c)}`" for c in COMPILED]
     return "\n".join(lines)
 
 

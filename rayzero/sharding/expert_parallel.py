@@ -133,6 +133,7 @@ class ExpertParallel:
     axis: object
     capacity_factor: float | None = None
     grouped_mm: bool = True  # the local experts in one grouped matmul where torch has one for the device
+    compiled: bool = False  # the blocks are compiled (`train.compile`): `run` is called as eager code
     loads: list[Load] = field(default_factory=list)
 
     @property
@@ -147,7 +148,15 @@ class ExpertParallel:
         """The experts this rank holds, of `num_experts`."""
         return local_experts(num_experts, self.axis.size, self.axis.rank)
 
+    def __post_init__(self):
+        if self.compiled:  # torch.compiler imports dynamo: only where the blocks compile anyway
+            self.run = torch.compiler.disable(self.run)
+
     def run(self, hidden, top_k_index, top_k_weights, experts, num_experts: int) -> torch.Tensor:
+        """One MoE layer's dispatch (`dispatch`). With `compiled` blocks it runs eagerly, between
+        the compiled pieces before and after it: its splits are read from the device and differ
+        from call to call. Traced, they recompiled the block at every layer of the first step
+        (26 s of it at ep 2, a 4-layer Mixtral) until dynamo gave up on it, or broke its tracing."""
         out, load = dispatch(hidden, top_k_index, top_k_weights, experts, self.axis, num_experts,
                              self.capacity_factor)
         if torch.is_grad_enabled() and torch._C._current_autograd_node() is None:  # training's forwards, not

@@ -131,7 +131,7 @@ class Rank(Membership):
         # more than it must.
         # Expert parallelism: the MoE layers' token dispatch, whose loads each step reports.
         self.experts = None if self.mesh.size("ep") == 1 else ExpertParallel(
-            self.mesh.axis("ep"), cfg.moe.capacity_factor, cfg.moe.grouped_mm)
+            self.mesh.axis("ep"), cfg.moe.capacity_factor, cfg.moe.grouped_mm, cfg.train.compile)
         self.model, self.strategy, source, stages = assemble(cfg, self.spec, self.mesh, self.device, self.streams,
                                                              experts=self.experts, resuming=resuming)
         tp = self.strategy.tp

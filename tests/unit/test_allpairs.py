@@ -57,10 +57,11 @@ def test_the_generated_configurations_cover_every_allowed_pair():
 
 
 def test_the_named_triples_run_and_the_configurations_are_the_same_every_time():
-    for named in combos.NAMED:
+    for named in combos.COMPILED + combos.NAMED:
         assert any(all(c[k] == v for k, v in named.items()) for c in combos.CONFIGS), named
-    again = all_pairs(combos.AXES, combos.RULES, combos.NAMED, cost=combos.cost)
+    again = all_pairs(combos.AXES, combos.RULES, combos.COMPILED + combos.NAMED, cost=combos.cost)
     assert again == combos.CONFIGS
+    assert [c for c in combos.CONFIGS if c["compile"] != "off"] == combos.COMPILED, "the fill compiles no block"
     labels = [combos.label(c) for c in combos.CONFIGS]
     assert len(set(labels)) == len(labels), "each configuration's test id says what it is"
     assert all(2 <= combos.world(c) <= 4 for c in combos.CONFIGS)
@@ -104,6 +105,8 @@ REFUSED = [
     ("zero-bubble's second backward through a block",
      ["parallel.pp=2", "parallel.pp_schedule=zero_bubble", "model.activation_checkpointing=selective", "model.n_layer=2"],
      "selective activation checkpointing allows one"),
+    ("a compiled block runs as one op to selective recomputation",
+     ["train.compile=true", "model.activation_checkpointing=selective"], "use full or every:N with compile"),
     ("a preference pair in one micro-batch", ["train.objective=dpo", "train.micro_batch_size=1",
                                               "train.global_batch_size=8"], "would split a preference pair"),
 ]
