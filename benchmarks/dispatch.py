@@ -316,7 +316,7 @@ def main() -> None:
                   f"p90 {r['p90_ms']:.3f}, driver {r['driver_median_ms']:.3f} ms reading {r['outputs']} outputs")
     fitted = model(rows, merge_cost_ms())
     e2e = {d: line_fit([(r["ranks"], r["median_ms"]) for r in rows if r["dispatch"] == d]) for d in ("flat", "merged")}
-    print(f"\nend to end, by ranks (this machine's cores shared by every process: contention, not only dispatch):"
+    print("\nend to end, by ranks (this machine's cores shared by every process: contention, not only dispatch):"
           + "".join(f"\n  {d:<6} ms = {v[0]:.3f} + {v[1]:.4f} * ranks (largest residual {v[2]:.3f})" for d, v in e2e.items()))
     print(f"driver's own work (results ready when read), every row: ms = {fitted['a_ms']:.4f} + "
           f"{fitted['b_ms_per_output']:.4f} * outputs (largest residual {fitted['max_residual_ms']:.3f}); "

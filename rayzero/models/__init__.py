@@ -4,10 +4,13 @@ class, which answers for the kind where no spec is made yet."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from rayzero.models.config import PRESETS, ModelConfig
 from rayzero.models.errors import ModelError, ModelUnavailable
+
+if TYPE_CHECKING:  # for the annotations; at run time `__getattr__` loads it on first use
+    from rayzero.models.spec import ModelSpec
 
 
 def __getattr__(name: str):

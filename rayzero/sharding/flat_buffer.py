@@ -154,6 +154,8 @@ class FlatBuffer:
         self.data: list[torch.Tensor | None] = [None] * len(layout.buckets)
         self._ptrs: frozenset[int] | None = None  # storage_ptrs(), until a bucket's storage changes
         self._nbytes = [b.world.size * dtype.itemsize for b in layout.buckets]
+        # each parameter's slice of its bucket's tensors (data, gradients), asked per micro-batch
+        self.spans = [layout.buckets[p.bucket].local(p.world) for p in layout.params]
         self._on_grad: Callable[[int, nn.Parameter], None] | None = None
         self._pending: list[int] = []
 

@@ -282,7 +282,7 @@ class ShardedUnits:
             for j in b.params:
                 p = g.buffer.params[j]
                 if p.grad is None:
-                    p.grad = full[b.local(g.buffer.layout.params[j].world)].view(p.shape)
+                    p.grad = full[g.buffer.spans[j]].view(p.shape)
 
     def on_grad(self, i: int, b: Bucket) -> None:
         # The unit's backward is over once its last gradient is in, unless it also holds frozen

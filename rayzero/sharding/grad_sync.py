@@ -63,7 +63,7 @@ def free_comm(g: BucketGroup, comm: torch.Tensor, t: torch.Tensor) -> None:
 
 def accumulate(g: BucketGroup, landing: torch.Tensor, i: int, b: Bucket, param: nn.Parameter) -> None:
     """Add parameter `i`'s gradient into its place in `landing` (a full bucket) and drop it."""
-    into = landing[b.local(g.buffer.layout.params[i].world)]
+    into = landing[g.buffer.spans[i]]
     if param.grad.data_ptr() != into.data_ptr():  # else autograd accumulated in place
         into.add_(param.grad.view(-1))
     param.grad = None
@@ -92,7 +92,7 @@ class AllReduceAtEnd:
         if self._views:
             for i in b.params:  # autograd accumulates straight into the bucket
                 p = g.buffer.params[i]
-                p.grad = grad[b.local(g.buffer.layout.params[i].world)].view(p.shape)
+                p.grad = grad[g.buffer.spans[i]].view(p.shape)
         return grad, grad[b.local(owned)]
 
     def landing(self, b: Bucket) -> torch.Tensor:

@@ -58,6 +58,8 @@ class Rank(Membership):
         self.experts: ExpertParallel | None = None  # with parallel.ep: the MoE layers' dispatch
         self.spec = self._pipe = self.streams = self.vocab = self.meter = self.steps = None  # and these
         self.micro_per_step = 0
+        self._counts = self._aux_counts = False  # whether this rank's losses count (`_counting`, at setup)
+        self._batch_index = 0  # this rank's place in the `batch` role: where its rows sit among a step's
         self._staged: tuple | None = None  # a checkpoint read by `load_checkpoint`, installed by `apply_checkpoint`
         self._baseline: tuple | None = None  # the validation loss before the first step, when asked for
         self._group_sockets: set[int] = set()  # the process groups' sockets (what `disconnect` cuts)
@@ -150,6 +152,8 @@ class Rank(Membership):
             cfg, self.spec, self.model, self.strategy, self.mesh, self.device, self.streams, self.vocab, self._pipe,
             self.data, self.val, context_of(cfg, self.mesh))
         self.steps = runner_for(self)  # the step's micro-batches: plain or pipelined, language model or pairs
+        self._counts, self._aux_counts = self._counting()
+        self._batch_index = self.mesh.coord("batch")
         return {**self._setup_report(backend, source, stages), "initial_values": not resuming}
 
     def _join(self, master_addr: str, master_port: int) -> str:
@@ -243,7 +247,7 @@ class Rank(Membership):
         micro = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in rows]
         t_data = time.perf_counter() - t_data
         # where this rank's micro-batches sit among the step's (the same rows at any world size)
-        self.steps.begin(micro, rows, plan["step"], first_micro=self.mesh.coord("batch") * len(micro))
+        self.steps.begin(micro, rows, plan["step"], first_micro=self._batch_index * len(micro))
         # "data": the part of gather spent on this step's rows (read a step ahead, in a thread)
         self._times = {"gather": time.perf_counter() - t0, "data": t_data, "forward": 0.0, "backward": 0.0}
         return {}
@@ -290,8 +294,7 @@ class Rank(Membership):
             "step": self.plan["step"],
             "lr": self.plan["lr"],
             # The ranks of a tensor-parallel group computed one loss on one micro-batch: it counts once.
-            **totals.report(self._counts, with_aux=bool(self.spec.aux_coef),
-                            aux_counts=self._counts and self.mesh.coord("cp") == 0),
+            **totals.report(self._counts, with_aux=bool(self.spec.aux_coef), aux_counts=self._aux_counts),
             "grad_norm": grad_norm,
             "skipped": self.strategy.last_step_skipped,
             "loss_scale": self.strategy.scaler.scale if self.strategy.scaler is not None else None,
@@ -338,13 +341,14 @@ class Rank(Membership):
             return 0.0, 0, *extra
         return float(loss_sum), count, *extra
 
-    @property
-    def _counts(self) -> bool:
+    def _counting(self) -> tuple[bool, bool]:
         """Whether this rank's losses count: the first of its tensor-parallel group (in the last
         pipeline stage, where the loss is); for a pair loss, which every rank of a cp group
-        computes whole, the first of its cp group too."""
-        return (self.mesh.coord("tp") == 0 and (self._pipe is None or self._pipe.stages.last)
-                and (self.prefs is None or self.mesh.coord("cp") == 0))
+        computes whole, the first of its cp group too. And whether its router losses count (each
+        cp rank's share of a sequence routes alike: the first of its cp group's)."""
+        counts = (self.mesh.coord("tp") == 0 and (self._pipe is None or self._pipe.stages.last)
+                  and (self.prefs is None or self.mesh.coord("cp") == 0))
+        return counts, counts and self.mesh.coord("cp") == 0
 
     def iteration(self, plan: dict) -> dict:
         """Every phase of one iteration, in order, in this process: what the controller's
