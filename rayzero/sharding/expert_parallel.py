@@ -148,6 +148,11 @@ class ExpertParallel:
         """The experts this rank holds, of `num_experts`."""
         return local_experts(num_experts, self.axis.size, self.axis.rank)
 
+    @classmethod
+    def from_config(cls, axis, cfg) -> ExpertParallel:
+        """The dispatch over `axis` (the `ep` role) as the run's config `cfg` sets it up."""
+        return cls(axis, cfg.moe.capacity_factor, cfg.moe.grouped_mm, cfg.train.compile)
+
     def __post_init__(self):
         if self.compiled:  # torch.compiler imports dynamo: only where the blocks compile anyway
             self.run = torch.compiler.disable(self.run)

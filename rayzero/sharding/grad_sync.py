@@ -61,7 +61,7 @@ def free_comm(g: BucketGroup, comm: torch.Tensor, t: torch.Tensor) -> None:
         g.ledger.shrink(nbytes(comm))
 
 
-def accumulate(g: BucketGroup, landing: torch.Tensor, i: int, b: Bucket, param: nn.Parameter) -> None:
+def accumulate(g: BucketGroup, landing: torch.Tensor, i: int, param: nn.Parameter) -> None:
     """Add parameter `i`'s gradient into its place in `landing` (a full bucket) and drop it."""
     into = landing[g.buffer.spans[i]]
     if param.grad.data_ptr() != into.data_ptr():  # else autograd accumulated in place
@@ -109,7 +109,7 @@ class AllReduceAtEnd:
 
     def on_grad(self, i: int, b: Bucket, param: nn.Parameter) -> None:
         if param.grad is not None and not self._views:
-            accumulate(self.g, self.landing(b), i, b, param)
+            accumulate(self.g, self.landing(b), i, param)
         if self.in_backward and self.g.buffer.pending(b) == 0:
             self.start(b)
 
@@ -191,7 +191,7 @@ class ReduceScatterPerBucket:
 
     def on_grad(self, i: int, b: Bucket, param: nn.Parameter) -> None:
         if param.grad is not None:
-            accumulate(self.g, self.landing(b), i, b, param)
+            accumulate(self.g, self.landing(b), i, param)
         if self.in_backward and self.g.buffer.pending(b) == 0:
             self.start(b)
 

@@ -138,8 +138,7 @@ def expert_parallel(built: Built, cfg: RootConfig, spec: ModelSpec, mesh: Mesh, 
     from rayzero.sharding.expert_parallel import ExpertParallel
     from rayzero.sharding.tensor_parallel import Split
 
-    built.ep = experts or ExpertParallel(mesh.axis("ep"), cfg.moe.capacity_factor, cfg.moe.grouped_mm,
-                                            cfg.train.compile)
+    built.ep = experts or ExpertParallel.from_config(mesh.axis("ep"), cfg)
     whole = spec.expert_parallel(built.model, built.ep)
     if built.tp is None:
         built.tp = TPLayout(1, 0)

@@ -132,8 +132,7 @@ class Rank(Membership):
         # buckets (ZeRO-3: one unit at a time, keeping only the shard), so no rank ever holds
         # more than it must.
         # Expert parallelism: the MoE layers' token dispatch, whose loads each step reports.
-        self.experts = None if self.mesh.size("ep") == 1 else ExpertParallel(
-            self.mesh.axis("ep"), cfg.moe.capacity_factor, cfg.moe.grouped_mm, cfg.train.compile)
+        self.experts = None if self.mesh.size("ep") == 1 else ExpertParallel.from_config(self.mesh.axis("ep"), cfg)
         self.model, self.strategy, source, stages = assemble(cfg, self.spec, self.mesh, self.device, self.streams,
                                                              experts=self.experts, resuming=resuming)
         tp = self.strategy.tp
@@ -344,8 +343,9 @@ class Rank(Membership):
     def _counting(self) -> tuple[bool, bool]:
         """Whether this rank's losses count: the first of its tensor-parallel group (in the last
         pipeline stage, where the loss is); for a pair loss, which every rank of a cp group
-        computes whole, the first of its cp group too. And whether its router losses count (each
-        cp rank's share of a sequence routes alike: the first of its cp group's)."""
+        computes whole, the first of its cp group too. And whether its router losses count: a
+        mixture's load-balancing loss is the cp group's whole (its counts summed over the group),
+        so only the first of the cp group reports it."""
         counts = (self.mesh.coord("tp") == 0 and (self._pipe is None or self._pipe.stages.last)
                   and (self.prefs is None or self.mesh.coord("cp") == 0))
         return counts, counts and self.mesh.coord("cp") == 0
