@@ -78,7 +78,7 @@ def run_plain_point(cfg, data_path: str, fsdp2: bool, warmup: int, wrap=None) ->
 
 # -- plain torch in spawned processes --------------------------------------------------------
 
-def _plain_worker(rank: int, world: int, fsdp2: bool, port: int, data_path: str, inbox, outbox) -> None:
+def _plain_worker(rank: int, world: int, fsdp2: bool, port: int, data_path: str, inbox, outbox, wrap=None) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -89,19 +89,22 @@ def _plain_worker(rank: int, world: int, fsdp2: bool, port: int, data_path: str,
                 outbox.put("ready")
             continue
         cfg = load_config(None, cmd["overrides"])
-        result = run_plain_point(cfg, data_path, fsdp2, cmd["warmup"])
+        result = run_plain_point(cfg, data_path, fsdp2, cmd["warmup"], wrap=wrap)
         if rank == 0:
             outbox.put(result)
     dist.destroy_process_group()
 
 
 class PlainRun:
-    def __init__(self, world: int, fsdp2: bool, data_path: str):
+    """`wrap`: what wraps the model instead of DDP (`plain.alone`: nothing, no communication)."""
+
+    def __init__(self, world: int, fsdp2: bool, data_path: str, wrap=None):
         ctx = mp.get_context("spawn")
         self.inbox = [ctx.Queue() for _ in range(world)]
         self.outbox = ctx.Queue()
         port = free_port()
-        self.procs = [ctx.Process(target=_plain_worker, args=(r, world, fsdp2, port, data_path, self.inbox, self.outbox))
+        self.procs = [ctx.Process(target=_plain_worker,
+                                  args=(r, world, fsdp2, port, data_path, self.inbox, self.outbox, wrap))
                       for r in range(world)]
         for p in self.procs:
             p.start()

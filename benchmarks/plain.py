@@ -28,6 +28,13 @@ from rayzero.data.tokens import TokenDataset
 from rayzero.models.gpt import build_model
 
 
+def alone(model):
+    """No wrapper (`PlainTrainer(wrap=alone)`): each rank trains its own rows alone, nothing
+    communicated, the whole model's AdamW step on every rank. The compute floor of data
+    parallelism at a shape: what any strategy's step costs at least, running these kernels."""
+    return model
+
+
 def plain_model(cfg):
     """The model as a user builds it without rayzero, and its transformer blocks."""
     if cfg.model.kind == "hf":
@@ -80,7 +87,8 @@ class PlainTrainer:
         loss_sum = torch.zeros((), dtype=torch.float64)
         for i, (x, y) in enumerate(micro):
             last = i == len(micro) - 1
-            sync = contextlib.nullcontext() if last or self.fsdp2 else self.wrapped.no_sync()
+            sync = (contextlib.nullcontext() if last or self.fsdp2 or self.wrapped is self.model
+                    else self.wrapped.no_sync())
             with sync:
                 out = self.wrapped(x)
                 logits = getattr(out, "logits", out)  # an HF model's output object

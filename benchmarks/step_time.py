@@ -10,6 +10,9 @@ with `--llama`, an HF Llama of 9.7M parameters at 1,024 tokens. At each point, e
     FSDP2             plain torch: `fully_shard` on each block and on the root
     Ray Train DDP     `TorchTrainer` with `prepare_model` (DDP), the same training step
     Ray Train FSDP2   `TorchTrainer` with `fully_shard` per block and root
+    alone             plain torch, each rank training its own rows with nothing communicated
+                      (`plain.alone`): the compute floor, what any strategy's step costs at
+                      least with these kernels; a target below it is out of every strategy's reach
     rayzero <s>       every sharding.strategy, in Ray actors driven by one compiled graph
                       per iteration, as `rayzero train` drives them
 
@@ -74,7 +77,7 @@ PARAMS = {"0.5M": 0.45e6, "3M": 3.3e6, "10M": 10.8e6, "llama": 9.7e6}
 MICRO = {128: (2, 64), 1024: (8, 128), 4096: (16, 256)}  # tokens: (sequences, seq_len)
 TIMED_S, FLOPS = 3.0, 4e10
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-BASELINES = ("DDP", "FSDP2", "Ray Train DDP", "Ray Train FSDP2")
+BASELINES = ("DDP", "FSDP2", "Ray Train DDP", "Ray Train FSDP2", "alone")
 RUNS = BASELINES + tuple(f"rayzero {s}" for s in STRATEGIES)
 TARGETS = {"no_shard": ("DDP", 1.03, "Ray Train DDP"), "optim": ("DDP", 1.03, "Ray Train DDP"),
            "optim_grads": ("DDP", 1.10, None), "optim_grads_params": ("FSDP2", 0.90, "Ray Train FSDP2")}
@@ -252,8 +255,8 @@ def main() -> None:
         """A run's processes, up and idle. Plain torch and rayzero start fresh at each point,
         as a user's job does, so that a point's peak RSS is its own and not what earlier,
         smaller points left in the process; Ray Train starts once (a trainer takes ~15 s)."""
-        if r in ("DDP", "FSDP2"):
-            w = PlainRun(WORLD, r == "FSDP2", data_path)
+        if r in ("DDP", "FSDP2", "alone"):
+            w = PlainRun(WORLD, r == "FSDP2", data_path, wrap=plain.alone if r == "alone" else None)
         elif r.startswith("Ray Train"):
             w = RayTrainRun(WORLD, r.endswith("FSDP2"), data_path, str(Path(tmp.name) / "ray-train"))
         else:
@@ -330,7 +333,7 @@ def report(points, runs, cells, args) -> None:
                 continue
             ratio = statistics.median(c.ratio_ddp)
             extra = f"[{statistics.median(c.ratio_fsdp2):.2f}]" if r.rstrip("*").endswith(
-                ("FSDP2", "optim_grads_params")) else ""
+                ("FSDP2", "optim_grads_params", "alone")) else ""
             row.append(f"{ratio:6.3f}{extra:>7} {c.peak_rss_mib:4.0f}/{c.growth_mib:<4.0f}")
         print(f"{p.name:<18} " + " ".join(f"{x:>24}" for x in row))
     print("\nrayzero per-phase times (ms, median over rounds, slowest rank):")
@@ -350,7 +353,7 @@ def report(points, runs, cells, args) -> None:
         for p in points:
             c = cells[(p.name, r)]
             if not getattr(c, key):
-                per_point.append((math.inf, p.name, False, None, math.inf))
+                per_point.append((math.inf, p.name, False, None, math.inf, None))
                 continue
             ray_cell = cells.get((p.name, ray_peer))
             ray_ratio = (statistics.median(getattr(ray_cell, key)) if ray_peer in runs and getattr(ray_cell, key)
@@ -359,19 +362,22 @@ def report(points, runs, cells, args) -> None:
             # Memory: the peak RSS per rank, the process's runtime (Ray's in an actor) included.
             rss = c.peak_rss_mib / max(cells[(p.name, peer)].peak_rss_mib, 1.0)
             ok = ratio <= target and (ray_ratio is None or ratio < ray_ratio) and rss <= 1.0
-            per_point.append((ratio, p.name, ok, ray_ratio, rss))
+            floor = cells.get((p.name, "alone"))
+            floor = statistics.median(getattr(floor, key)) if floor is not None and getattr(floor, key) else None
+            per_point.append((ratio, p.name, ok, ray_ratio, rss, floor))
         worst = max(per_point)
         med = sorted(per_point)[len(per_point) // 2]
         fails = [x for x in per_point if not x[2]]
         checks.append({"strategy": s, "peer": peer, "target": target, "worst": worst[:2], "median": med[:2],
-                       "failing_points": [{"point": x[1], "ratio": x[0], "ray_train": x[3], "rss_ratio": x[4]}
-                                          for x in fails]})
+                       "failing_points": [{"point": x[1], "ratio": x[0], "ray_train": x[3], "rss_ratio": x[4],
+                                           "floor": x[5]} for x in fails]})
         print(f"{'PASS' if not fails else 'FAIL'}  {s} / {peer}: worst {worst[0]:.3f} at {worst[1]}, median "
               f"{med[0]:.3f} at {med[1]} (target <= {target}" + (f", below {ray_peer}" if ray_peer else "")
               + f", peak RSS <= {peer}'s); {len(fails)} point(s) miss")
         for x in fails:
             print(f"        {x[1]}: {x[0]:.3f}" + (f", {ray_peer} {x[3]:.3f}" if x[3] is not None else "")
-                  + f", RSS {x[4]:.2f}x")
+                  + f", RSS {x[4]:.2f}x" + (f", compute floor {x[5]:.3f}" if x[5] is not None else "")
+                  + (" (the target is below the floor: out of reach)" if x[5] is not None and x[5] > target else ""))
     if args.json:
         Path(args.json).write_text(json.dumps({
             "benchmark": "step_time", "world_size": WORLD, "rounds": args.rounds, "torch": torch.__version__,

@@ -13,8 +13,12 @@ module that uses another unit's parameter (a tied output head) gathers that unit
               not whole and keep it for its backward, which follows; nothing else (the forward
               order, the backward hooks and the release belong to the real forward and backward)
 
-So at most two units are whole at once (the running one and the one being prefetched), and
-at most two units' full gradients (the one filling and the one being reduced).
+The units that end a forward (the last two hooked modules', the last one's without prefetch)
+are not released after it: the backward starts with them (`_ends_forward`).
+
+So at most two units are whole at once (the running one and the one being prefetched, or the
+two kept for the backward), and at most two units' full gradients (the one filling and the one
+being reduced).
 
 It acts on one bucket group (group.py): where a model's experts are a group of their own, each
 group's placement hooks the same units and gathers only its own buckets of them.
@@ -105,7 +109,8 @@ class ShardedUnits:
         self._gathering: dict[int, object] = {}  # bucket index -> pending all-gather work
         self._resident: set[int] = set()
         self._fwd_order: list[str] = []
-        self._last_fwd_order: list[str] = list(self.units.users)
+        self._last_fwd_order: list[str] = list(self.units.users)  # module order, until a forward is seen
+        self._order_seen = False
         self._bwd_seen: set[str] = set()
         self._recomputed: set[int] = set()  # units a recompute gathered, their backward not run yet
         self._hook()
@@ -203,8 +208,9 @@ class ShardedUnits:
     # -- hooks ---------------------------------------------------------------------------
     def _pre_model_forward(self) -> None:
         if self._fwd_order:
-            self._last_fwd_order = self._fwd_order
+            self._last_fwd_order, self._order_seen = self._fwd_order, True
         self._fwd_order = []
+        self._release(self._units_of_resident() - {ROOT})  # what the last forward kept for a backward that did not come
         self._bwd_seen = set()
         if self._root:
             self._finish_gather([ROOT])
@@ -238,6 +244,8 @@ class ShardedUnits:
             if _in_backward():  # a recompute: its backward comes next and releases the unit after
                 return
             keep = self._neighbour(name, +1) if self.g.overlap_param_gather else frozenset()
+            if self._ends_forward(name):  # its backward comes first: whole until then
+                keep |= self.units.users[name]
             self._release(self.units.users[name] - keep)
             if torch.is_grad_enabled():
                 for t in _tensors(output):
@@ -245,6 +253,16 @@ class ShardedUnits:
                         t.register_hook(self._make_pre_backward(name))
 
         return hook
+
+    def _ends_forward(self, name: str) -> bool:
+        """Whether `name` ends a forward with a backward to follow (grad enabled): the last of
+        the last forward's order, and with prefetch the one before it too, as many units as are
+        whole at once anyway. Their units stay whole after their forward: the backward starts
+        with them, so releasing them would only gather them again at once (torchtitan keeps
+        FSDP2's last block whole the same way). Another forward first (a pipeline's next
+        micro-batch) releases them as it starts (`_pre_model_forward`)."""
+        last = 2 if self.g.overlap_param_gather else 1
+        return self._order_seen and torch.is_grad_enabled() and name in self._last_fwd_order[-last:]
 
     def _make_pre_backward(self, name: str):
         # on an activation, in autograd's C++ state (which a recompute's cache may keep past the step)

@@ -4,7 +4,8 @@
   unsharded model's weights;
 - at rest every unit is released: a rank holds only its shards;
 - never more than two units are whole at once, in forward or backward;
-- the next unit's all-gather starts before the current unit computes (prefetch);
+- the next unit's all-gather starts before the current unit computes (prefetch), and backward
+  gathers each unit again, last first, but the last of the forward, whole until its backward;
 - `close()` releases the shards and main parameters while the `Rank` is still referenced;
 - fp16 with a loss scale that overflows: those steps are skipped (parameters untouched, the
   scale halves, the step says so), then training proceeds and the loss falls.
@@ -53,6 +54,7 @@ def _zero3(rank: int, port: int, data_path: str, out: dict):
     modules = dict(r.model.named_modules())
     for name in s.units.modules:  # registered after the strategy's hooks: runs once gathered
         modules[name].register_forward_pre_hook(lambda _m, _a, name=name: events.append(("compute", name)))
+    r.model.register_forward_pre_hook(lambda *_: events.append(("forward", None)))  # each micro-batch's
     losses = []
     for k in range(3):
         losses.append(r.iteration({"step": k, "lr": 3e-3})["loss_sum"])
@@ -88,14 +90,22 @@ def test_zero3_gathers_ahead_releases_after_and_keeps_at_most_two_units(small_da
         assert got["max_resident"] == 2, "prefetch keeps two units whole, never more"
         ev = got["events"]
         blocks = [u for u in got["units"] if u.startswith("blocks.")]
-        first_forward = ev[: ev.index(("compute", "lm_head")) + 1]
-        for this, nxt in zip(blocks, blocks[1:]):
-            assert first_forward.index(("gather", nxt)) < first_forward.index(("compute", this)), \
-                f"{nxt} must be gathered while {this} computes"
-        # Backward gathers each block again, last first.
-        backward = ev[ev.index(("compute", "lm_head")) + 1:]
-        regathered = [u for kind, u in backward if kind == "gather" and u.startswith("blocks.")]
-        assert regathered[: len(blocks)] == blocks[::-1]
+        starts = [i for i, e in enumerate(ev) if e == ("forward", None)]
+        ends = [ev.index(("compute", "lm_head"), i) for i in starts]
+        assert len(starts) == 3 * 2, "3 iterations of 2 micro-batches"
+        for m, (start, end) in enumerate(zip(starts, ends)):
+            forward = ev[start:end + 1]
+            for this, nxt in zip(blocks, blocks[1:]):
+                assert forward.index(("gather", nxt)) < forward.index(("compute", this)), \
+                    f"{nxt} must be gathered while {this} computes"
+            # Backward gathers each unit again, last first (the tied head's first: the embedding).
+            # Once a forward's order is known (after the first), the units of its last two modules
+            # (the head's and the final norm's: as many as prefetch holds whole) stay whole from
+            # their forward to their backward, and only the embedding is gathered again at the end.
+            backward = ev[end + 1: starts[m + 1] if m + 1 < len(starts) else None]
+            regathered = [u for kind, u in backward if kind == "gather"]
+            kept = 0 if m == 0 else 2
+            assert regathered == ["wte", "ln_f", *blocks[::-1], "wpe", "wte"][kept:], (m, regathered)
 
 
 def _fp16(rank: int, port: int, data_path: str, out: dict):
