@@ -39,28 +39,28 @@ ROOT = Path(__file__).resolve().parent.parent
 WORLD, WARMUP = 2, 3
 
 
-def _overrides(point: str, strategy: str, data: str, steps: int) -> list[str]:
-    from step_time import MICRO, SIZES
+def _overrides(point: str, data: str) -> list[str]:
+    """`point`'s config keys as `step_time.py`'s grid has them."""
+    from step_time import grid
 
-    size, tokens, accum = point.split("/")
-    mb, seq = MICRO[int(tokens.removeprefix("mb"))]
-    return [*SIZES[size], f"train.seq_len={seq}", f"train.micro_batch_size={mb}",
-            f"train.global_batch_size={mb * WORLD * int(accum.removeprefix('acc'))}", f"cluster.num_workers={WORLD}",
-            f"sharding.strategy={strategy}", f"data.path={data}", f"train.steps={steps + WARMUP}",
-            "tracking.enabled=false"]
+    points = {p.name: p.overrides for p in grid(data, None)}
+    if point not in points:
+        raise SystemExit(f"--point {point}: not a point of the grid ({', '.join(points)})")
+    return points[point]
 
 
-def _rank(rank: int, run: str, tree: str | None, point: str, steps: int, data: str, port: int, out) -> None:
+def _rank(rank: int, run: str, tree: str | None, overrides: list[str], steps: int, data: str, port: int, out) -> None:
     if tree is not None:  # rayzero as another revision has it: its package ahead of the installed one
         sys.path.insert(0, tree)
     from rayzero.config import load_config
 
     torch.set_num_threads(1)
     strategy = run.split("@")[0]
-    cfg = load_config(None, _overrides(point, "no_shard" if strategy in ("DDP", "FSDP2", "alone") else strategy,
-                                       data, steps))
+    plain_run = strategy in ("DDP", "FSDP2", "alone")
+    cfg = load_config(None, [*overrides, f"sharding.strategy={'no_shard' if plain_run else strategy}",
+                             f"train.steps={steps + WARMUP}"])
     times = []
-    if strategy in ("DDP", "FSDP2", "alone"):
+    if plain_run:
         import torch.distributed as dist
 
         import plain
@@ -106,6 +106,7 @@ def main() -> None:
     from tests.conftest import free_port
 
     data = ensure_default_corpus("~/.cache/rayzero/datasets")
+    overrides = _overrides(args.point, data)
     tmp = Path(tempfile.mkdtemp())
     trees: dict[str, str | None] = {r: None for r in args.runs}
     if args.before:
@@ -119,7 +120,7 @@ def main() -> None:
             out = manager.dict()
             for rnd in range(args.rounds):
                 for run in runs[rnd % len(runs):] + runs[: rnd % len(runs)]:
-                    mp.spawn(_rank, args=(run, trees[run], args.point, args.steps, data, free_port(), out),
+                    mp.spawn(_rank, args=(run, trees[run], overrides, args.steps, data, free_port(), out),
                              nprocs=WORLD)
                     medians[run].append(out[run])
                 print(f"round {rnd + 1}: " + "  ".join(f"{r} {medians[r][-1]:.1f}" for r in runs) + " ms", flush=True)

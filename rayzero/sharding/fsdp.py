@@ -110,7 +110,7 @@ class ShardedUnits:
         self._resident: set[int] = set()
         self._fwd_order: list[str] = []
         self._last_fwd_order: list[str] = list(self.units.users)  # module order, until a forward is seen
-        self._order_seen = False
+        self._ends: frozenset[str] = frozenset()  # the modules that end a forward, once one is seen
         self._bwd_seen: set[str] = set()
         self._recomputed: set[int] = set()  # units a recompute gathered, their backward not run yet
         self._hook()
@@ -208,9 +208,10 @@ class ShardedUnits:
     # -- hooks ---------------------------------------------------------------------------
     def _pre_model_forward(self) -> None:
         if self._fwd_order:
-            self._last_fwd_order, self._order_seen = self._fwd_order, True
+            self._last_fwd_order = self._fwd_order
+            self._ends = frozenset(self._fwd_order[-(2 if self.g.overlap_param_gather else 1):])
         self._fwd_order = []
-        self._release(self._units_of_resident() - {ROOT})  # what the last forward kept for a backward that did not come
+        self._release(self._units_of_resident())  # what the last forward kept for a backward that did not come
         self._bwd_seen = set()
         if self._root:
             self._finish_gather([ROOT])
@@ -257,12 +258,11 @@ class ShardedUnits:
     def _ends_forward(self, name: str) -> bool:
         """Whether `name` ends a forward with a backward to follow (grad enabled): the last of
         the last forward's order, and with prefetch the one before it too, as many units as are
-        whole at once anyway. Their units stay whole after their forward: the backward starts
-        with them, so releasing them would only gather them again at once (torchtitan keeps
-        FSDP2's last block whole the same way). Another forward first (a pipeline's next
-        micro-batch) releases them as it starts (`_pre_model_forward`)."""
-        last = 2 if self.g.overlap_param_gather else 1
-        return self._order_seen and torch.is_grad_enabled() and name in self._last_fwd_order[-last:]
+        whole at once anyway (`_ends`, set as a forward starts). Their units stay whole after
+        their forward: the backward starts with them, so releasing them would only gather them
+        again at once (torchtitan keeps FSDP2's last block whole the same way). Another forward
+        first (a pipeline's next micro-batch) releases them as it starts (`_pre_model_forward`)."""
+        return name in self._ends and torch.is_grad_enabled()
 
     def _make_pre_backward(self, name: str):
         # on an activation, in autograd's C++ state (which a recompute's cache may keep past the step)
