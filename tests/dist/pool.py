@@ -16,6 +16,9 @@ is replaced after its job. The pool is
 closed once the tests leave the gloo tier (`tests/conftest.py`), so that idle rank processes
 take no CPU from the tests after them.
 
+A test may also run a job in a second `lane`, processes of their own, while it works on
+something else (test_combinations.py runs the next configuration's ranks while it checks one).
+
 Tests that measure the process itself through its memory limit keep spawning processes of
 their own; those that count its live tensors count from a baseline taken in the job, which a
 kept process serves as well as a new one."""
@@ -129,15 +132,26 @@ class RankPool:
         self.procs, self.jobs, self.results = [], [], None
 
 
-_pool = RankPool()
-atexit.register(_pool.close)
+_pools: dict[str, RankPool] = {}  # lane -> its processes
 
 
-def spawn(fn, args: tuple = (), nprocs: int = 1) -> None:
-    """`torch.multiprocessing.spawn(fn, args, nprocs)` on the session's rank processes."""
-    _pool.spawn(fn, args, nprocs)
+def _lane(name: str) -> RankPool:
+    if name not in _pools:
+        _pools[name] = RankPool()
+    return _pools[name]
+
+
+def spawn(fn, args: tuple = (), nprocs: int = 1, lane: str = "main") -> None:
+    """`torch.multiprocessing.spawn(fn, args, nprocs)` on the session's rank processes. A `lane`
+    other than "main" is a set of processes of its own, for a job run beside the main lane's
+    (one job at a time in each lane)."""
+    _lane(lane).spawn(fn, args, nprocs)
 
 
 def close() -> None:
-    """End the session's rank processes (the next `spawn` starts new ones)."""
-    _pool.close()
+    """End the session's rank processes, every lane's (the next `spawn` starts new ones)."""
+    for pool in _pools.values():
+        pool.close()
+
+
+atexit.register(close)

@@ -29,9 +29,11 @@ loss, to the fp32 oracle's curve within 1 %. Besides the oracle, each run shows 
 from __future__ import annotations
 
 import fnmatch
+import functools
 import json
 import math
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -92,8 +94,10 @@ def model_keys(name: str, setup: dict) -> list[str]:
     return combos.model_keys(name, setup["dirs"])
 
 
-def config_of(c: dict, setup: dict, tmp: Path | None = None):
-    extra = [f"checkpoint.dir={tmp / 'ckpt'}", "checkpoint.every_steps=0"] if c["resume"] and tmp else []
+def config_of(c: dict, setup: dict):
+    """`c`'s config; one that resumes saves in a directory of its own."""
+    where = setup["root"] / "ckpt" / combos.label(c)
+    extra = [f"checkpoint.dir={where}", "checkpoint.every_steps=0"] if c["resume"] else []
     return load_config(None, [*combos.overrides(c, model_keys(c["model"], setup)), *extra])
 
 
@@ -102,11 +106,58 @@ def data_of(c: dict, setup: dict) -> str:
 
 
 # -- the ranks: tests/dist/combination_ranks.py ------------------------------------------------------
-def run_ranks(fn, world: int, *args) -> dict:
-    with mp.Manager() as manager:
-        out = manager.dict()
-        spawn(fn, args=(world, *args, out), nprocs=world)
-        return {r: out[r] for r in range(world)}
+def run_ranks(fn, world: int, *args, lane: str = "main") -> dict:
+    out = manager().dict()
+    spawn(fn, args=(world, *args, out), nprocs=world, lane=lane)
+    return {r: out[r] for r in range(world)}
+
+
+@functools.cache
+def manager():
+    """The ranks' results' way back: one server for the session, made before another lane's
+    first job. A manager is a fork of this process; one made while another thread held a socket
+    (`free_port`'s check of a port, bound for an instant) would keep that port bound, where no
+    `ss` shows it, for the manager's life, and a rank 0 could not listen on it (EADDRINUSE: seen
+    twice in three runs with a manager a job, never with one for the session)."""
+    return mp.Manager()
+
+
+# -- the next configurations' ranks, run while one is checked ------------------------------------------
+# A configuration's ranks leave about 30 % of the 2 cores idle (waiting in collectives, one rank's
+# imports or compile ahead of the other's), and its oracle and checks run in this process alone:
+# the next AHEAD configurations' ranks (their 3 steps) run meanwhile, each in a lane of rank
+# processes of its own. Each is the same job, on the same kind of process, as when run alone.
+AHEAD = 2
+_ahead: dict[str, Future] = {}  # label -> its ranks' results, on their way
+_lanes = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ahead{k}") for k in range(AHEAD)]
+
+
+def train_ranks(c: dict, setup: dict, lane: str = "main") -> dict:
+    """Configuration `c`'s 3 steps on its world's ranks (the step-2 checkpoint saved if it resumes)."""
+    return run_ranks(_train, combos.world(c), config_of(c, setup), data_of(c, setup), free_port(), lane=lane)
+
+
+def ranks_of(c: dict, setup: dict, request) -> dict:
+    """`c`'s ranks' results: run ahead while an earlier configuration was checked, or now; the
+    session's next configurations are started, each in its lane."""
+    manager()  # before another lane's first job
+    ahead = _ahead.pop(combos.label(c), None)
+    for k, after in next_configurations(request):
+        if combos.label(after) not in _ahead:
+            _ahead[combos.label(after)] = _lanes[k % AHEAD].submit(train_ranks, after, setup, f"ahead{k % AHEAD}")
+    return ahead.result() if ahead is not None else train_ranks(c, setup)
+
+
+def next_configurations(request) -> list[tuple[int, dict]]:
+    """(position, configuration) of the session's next AHEAD tests, up to one that is not this test's."""
+    items = request.session.items
+    i = items.index(request.node)
+    out = []
+    for k in range(i + 1, min(i + 1 + AHEAD, len(items))):
+        if getattr(items[k], "originalname", None) != request.node.originalname:
+            break
+        out.append((k, items[k].callspec.params["c"]))
+    return out
 
 
 def commit(cfg, ranks: dict) -> str:
@@ -237,13 +288,13 @@ def step_prefs(ranks: dict) -> list[dict] | None:
 
 # -- the test -------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("c", combos.CONFIGS, ids=[combos.label(c) for c in combos.CONFIGS])
-def test_a_configuration_equals_its_oracle(c, combo_setup, tmp_path):
+def test_a_configuration_equals_its_oracle(c, combo_setup, request):
     from rayzero.jobs.train import check_model
 
-    cfg = config_of(c, combo_setup, tmp_path)
+    cfg = config_of(c, combo_setup)
     check_model(cfg)  # what the driver checks before a cluster starts accepts it
     world = combos.world(c)
-    ranks = run_ranks(_train, world, cfg, data_of(c, combo_setup), free_port())
+    ranks = ranks_of(c, combo_setup, request)
     want = oracle(c, combo_setup)
     first = ranks[0]
     losses = step_losses(ranks)
