@@ -23,6 +23,7 @@ from collections import defaultdict
 CAPABILITIES = {
     "sharding and its equality (every axis, pairwise)": [
         "dist/test_combinations", "dist/test_matches_reference", "dist/test_models", "dist/test_fsdp_behaviour",
+        "dist/test_collectives",
         "dist/test_instructions", "unit/test_allpairs", "unit/test_flat_buffer", "unit/test_layout",
         "unit/test_topology_units", "unit/test_precision", "unit/test_schedule", "unit/test_bucket_groups"],
     "memory formulas and caps": ["dist/test_memory", "dist/test_zero3_fits", "unit/test_strategy_table"],
