@@ -14,7 +14,10 @@ module that uses another unit's parameter (a tied output head) gathers that unit
               order, the backward hooks and the release belong to the real forward and backward)
 
 The units that end a forward (the last two hooked modules', the last one's without prefetch)
-are not released after it: the backward starts with them (`_ends_forward`).
+are not released after it: the backward starts with them (`_ends_forward`). An embedding's
+backward reads none of its weight's values (the weight's gradient is the output's gradient
+added up by index), so its unit is not gathered for it (`_reads_no_weights`): the input
+embedding, the last backward of all, gathers nothing where it would wait for its whole table.
 
 So at most two units are whole at once (the running one and the one being prefetched, or the
 two kept for the backward), and at most two units' full gradients (the one filling and the one
@@ -96,7 +99,8 @@ def find_units(model: nn.Module, classes: tuple[str, ...]) -> Units:
 
 class ShardedUnits:
     """ZeRO-3's placement: a rank keeps its shard of each bucket (one bucket per unit); a unit is
-    gathered whole just before it runs and released after, in forward and again in backward."""
+    gathered whole just before it runs and released after, in forward and again in backward (an
+    embedding's excepted: its backward reads none of its weight)."""
 
     whole_at_rest = False
 
@@ -147,6 +151,7 @@ class ShardedUnits:
                                if len({buffer.trainable(buffer.buckets[b]) for b in bs}) > 1}
         self._unit_index = {name: k for k, name in enumerate(self.units.modules)}
         modules = dict(self.model.named_modules())
+        self._weightless_backward = frozenset(n for n in self.units.users if _reads_no_weights(modules[n]))
         self.model.register_forward_pre_hook(lambda _m, _a: self._pre_model_forward())
         for name in self.units.users:
             modules[name].register_forward_pre_hook(self._make_pre_forward(name))
@@ -224,7 +229,9 @@ class ShardedUnits:
             return frozenset()
         k = (len(order) - 1 - order[::-1].index(name)) if step < 0 else order.index(name)
         k += step
-        return self.units.users[order[k]] if 0 <= k < len(order) else frozenset()
+        if not 0 <= k < len(order) or step < 0 and order[k] in self._weightless_backward:
+            return frozenset()
+        return self.units.users[order[k]]
 
     def _make_pre_forward(self, name: str):
         def hook(_module, _args):
@@ -278,7 +285,8 @@ class ShardedUnits:
         # Units gathered for modules whose backward has run are done with (not those a
         # recompute gathered for a backward still to come).
         self._release(self._units_of_resident() - needs - ahead - self._recomputed)
-        self._finish_gather(needs)
+        if name not in self._weightless_backward:
+            self._finish_gather(needs)
         self._start_gather(ahead)
         if name in self._unit_index:
             self._grads_in_place(self._unit_index[name])
@@ -323,6 +331,15 @@ class ShardedUnits:
 
     def after_forward_only(self) -> None:
         self._release(self._units_of_resident(), root=True)
+
+
+def _reads_no_weights(module: nn.Module) -> bool:
+    """Whether `module`'s backward reads none of its parameters' values: torch's own embedding
+    lookup (no subclass's or instance's forward in its place, no `max_norm`, which rewrites rows
+    in the forward), whose weight gradient adds the output's gradient up by index and whose
+    input (indices) has none."""
+    return (type(module).forward is nn.Embedding.forward and "forward" not in vars(module)
+            and module.max_norm is None)
 
 
 def _in_backward() -> bool:
