@@ -52,13 +52,13 @@ def _rank(rank: int, world: int, port: int, data: str, model: str, ep: int, grou
 
     torch.set_num_threads(1)
     gathered = [0]
-    inner = comm._all_gather
+    inner = comm.Axis.start_all_gather
 
-    def counting(full, local, **kw):  # what a rank receives of the others' shards
+    def counting(self, full, local):  # what a rank receives of the others' shards (gloo's exchange or NCCL's)
         gathered[0] += (full.numel() - local.numel()) * full.element_size()
-        return inner(full, local, **kw)
+        return inner(self, full, local)
 
-    comm._all_gather = counting
+    comm.Axis.start_all_gather = counting
     cfg = load_config(None, [f"cluster.num_workers={world}", "model.kind=hf", f"model.path={model}",
                              "train.seq_len=64", f"train.global_batch_size={2 * world}", "train.micro_batch_size=1",
                              f"parallel.ep={ep}", f"sharding.strategy={strategy}", "optim.warmup_steps=0",
