@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from rayzero.models.gpt import ModelConfig, build_model
-from rayzero.sharding.fsdp import ROOT, find_units
+from rayzero.sharding.fsdp import ROOT, _reads_no_weights, find_units
 from rayzero.sharding.layout import build_layout
 from rayzero.sharding.flat_buffer import FillSource
 from rayzero.sharding.tensor_parallel import Split, TPLayout, TPSlices
@@ -116,6 +116,31 @@ def test_parameters_outside_every_unit_form_the_root_and_a_borrowing_module_is_h
     assert units.users["lm_head"] == frozenset({0}), "lm_head is in no unit but uses wte's weight"
     only_blocks = find_units(gpt(), ("Block",))
     assert only_blocks.owner["wte.weight"] == ROOT and "lm_head" not in only_blocks.users
+
+
+def test_an_embedding_s_backward_is_taken_as_reading_no_weights_and_reads_none():
+    """ZeRO-3 gathers no embedding for its backward: its weight's gradient, computed with the
+    weight's storage freed (as a released unit's is), is the one computed with it whole."""
+    torch.manual_seed(0)
+    emb, ids = torch.nn.Embedding(11, 4, padding_idx=0), torch.tensor([[0, 3, 3, 7], [10, 1, 3, 0]])
+    out = torch.randn(2, 4, 4)
+    (emb(ids) * out).sum().backward()
+    whole, emb.weight.grad = emb.weight.grad.clone(), None
+    y = emb(ids)
+    emb.weight.data.untyped_storage().resize_(0)  # what a released unit's parameters are
+    (y * out).sum().backward()
+    assert torch.equal(emb.weight.grad, whole)
+    assert _reads_no_weights(emb)
+
+    class Scaled(torch.nn.Embedding):  # a subclass's own forward may read its weight any way
+        def forward(self, x):
+            return super().forward(x) * self.weight.norm()
+
+    compiled = torch.nn.Embedding(11, 4)
+    compiled.forward = lambda x: torch.nn.Embedding.forward(compiled, x)  # an instance's forward in its place
+    for module in (Scaled(11, 4), torch.nn.Embedding(11, 4, max_norm=1.0), compiled, torch.nn.Linear(4, 4),
+                   torch.nn.LayerNorm(4)):
+        assert not _reads_no_weights(module), module
 
 
 def test_a_unit_class_that_matches_nothing_names_the_classes_there_are():
