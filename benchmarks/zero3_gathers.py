@@ -10,7 +10,8 @@ Two ranks (plain processes, the `Rank` a run's actors host) train a few iteratio
     llama   a Hugging Face Llama made here with `save_pretrained`: 4 decoder layers of width 256
             and a vocabulary of 32,000 (untied head), the shape of a real one's embedding share
 
-With `--before REF` the same runs again with rayzero as git revision REF had it (a `git worktree`),
+With `--before REF` the same runs again with rayzero as git revision REF had it (a `git worktree`,
+removed at the end),
 side by side. Counts do not depend on the machine's speed. Each run then times `--timed`
 iterations more (the median, in ms), the runs of a model alternating over `--rounds`, and each
 tree's time is given as the median over rounds of its ratio to the first tree's.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 import tempfile
@@ -118,21 +120,25 @@ def main() -> None:
         make_llama(tmp / "llama")
     trees = {"now": None, **({f"@{args.before}": worktree(args.before, tmp / "before")} if args.before else {})}
     rows: dict[str, dict] = {}
-    with mp.Manager() as manager:
-        for model in args.models:
-            labels = list(trees)
-            for k in range(args.rounds):
-                for label in labels[k % len(labels):] + labels[:k % len(labels)]:  # the order rotates
-                    out = manager.dict()
-                    mp.spawn(_rank, args=(trees[label], models[model], data, free_port(), args.timed, out),
-                             nprocs=WORLD)
-                    row = rows.setdefault(f"{model} {label}", {"params": out["params"], "ms": []})
-                    row.update({kind: list(v) for kind, v in out["counts"].items()})
-                    row["ms"].append(out["ms"])
-            first = rows[f"{model} {labels[0]}"]["ms"]
-            for label in labels:
-                row = rows[f"{model} {label}"]
-                row["ratio"] = statistics.median(m / f for m, f in zip(row["ms"], first))
+    try:
+        with mp.Manager() as manager:
+            for model in args.models:
+                labels = list(trees)
+                for k in range(args.rounds):
+                    for label in labels[k % len(labels):] + labels[:k % len(labels)]:  # the order rotates
+                        out = manager.dict()
+                        mp.spawn(_rank, args=(trees[label], models[model], data, free_port(), args.timed, out),
+                                 nprocs=WORLD)
+                        row = rows.setdefault(f"{model} {label}", {"params": out["params"], "ms": []})
+                        row.update({kind: list(v) for kind, v in out["counts"].items()})
+                        row["ms"].append(out["ms"])
+                first = rows[f"{model} {labels[0]}"]["ms"]
+                for label in labels:
+                    row = rows[f"{model} {label}"]
+                    row["ratio"] = statistics.median(m / f for m, f in zip(row["ms"], first))
+    finally:
+        if args.before:  # the worktree goes, as rank_step.py's does
+            subprocess.run(["git", "worktree", "remove", "--force", str(tmp / "before")], cwd=ROOT, check=False)
     print(f"ZeRO-3, {WORLD} ranks, {MICRO} micro-batches of 128 tokens a rank; rank 0's all-gathers in one iteration,"
           f" and the median iteration over {args.timed} (per round)")
     print(f"{'run':<22} {'params':>10} {'fwd gathers':>11} {'fwd MiB':>8} {'bwd gathers':>11} {'bwd MiB':>8}"
