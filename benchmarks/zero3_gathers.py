@@ -7,7 +7,7 @@ Two ranks (plain processes, the `Rank` a run's actors host) train a few iteratio
 
     gpt     the built-in GPT (`small`: 10.8M parameters, 6 blocks, the corpus's vocabulary of 320,
             tied head)
-    llama   a Hugging Face Llama made here with `save_pretrained`: 4 decoder layers of width 256
+    llama   the tests' untied HF Llama (`tests/models.py`), saved with `save_pretrained`: 4 decoder layers of width 256
             and a vocabulary of 32,000 (untied head), the shape of a real one's embedding share
 
 With `--before REF` the same runs again with rayzero as git revision REF had it (a `git worktree`,
@@ -89,17 +89,6 @@ def _rank(rank: int, tree: str | None, overrides: list[str], data: str, port: in
     r.close()
 
 
-def make_llama(path: Path) -> str:
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=False)
-    AutoModelForCausalLM.from_config(config).save_pretrained(str(path))
-    return str(path)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["gpt", "llama"], choices=["gpt", "llama"])
@@ -112,12 +101,14 @@ def main() -> None:
 
     from rayzero.data.corpus import ensure_default_corpus
     from tests.conftest import free_port
+    from tests.models import save_hf_model
 
     data = ensure_default_corpus("~/.cache/rayzero/datasets")
     tmp = Path(tempfile.mkdtemp())
     models = {"gpt": ["model.preset=small"], "llama": ["model.kind=hf", f"model.path={tmp / 'llama'}"]}
-    if "llama" in args.models:
-        make_llama(tmp / "llama")
+    if "llama" in args.models:  # the tests' untied Llama, at a real one's embedding share
+        save_hf_model("llama-untied", tmp / "llama", vocab_size=32000, hidden_size=256, intermediate_size=688,
+                      num_hidden_layers=4, max_position_embeddings=256)
     trees = {"now": None, **({f"@{args.before}": worktree(args.before, tmp / "before")} if args.before else {})}
     rows: dict[str, dict] = {}
     try:
