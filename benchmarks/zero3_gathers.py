@@ -7,8 +7,8 @@ Two ranks (plain processes, the `Rank` a run's actors host) train a few iteratio
 
     gpt     the built-in GPT (`small`: 10.8M parameters, 6 blocks, the corpus's vocabulary of 320,
             tied head)
-    llama   the tests' untied HF Llama (`tests/models.py`), saved with `save_pretrained`: 4 decoder layers of width 256
-            and a vocabulary of 32,000 (untied head), the shape of a real one's embedding share
+    llama   the tests' untied HF Llama (`tests/models.py`, `save_pretrained`) at 4 decoder layers
+            of width 256 and a vocabulary of 32,000: the shape of a real one's embedding share
 
 With `--before REF` the same runs again with rayzero as git revision REF had it (a `git worktree`,
 removed at the end),
