@@ -2,9 +2,12 @@
 
 One run, in rounds (default 3), each round all of:
   1. `rayzero train train.steps=1 --no-progress` as a user's first command: the CLI in a
-     process of its own, starting a local Ray of its own (no RAY_ADDRESS), the default model
-     (`tiny`) and data (the stdlib corpus, prepared before the first round: its first-use
-     preparation is not timed), MLflow and checkpoints on, as the defaults have them;
+     process of its own, starting a local Ray of its own (no RAY_ADDRESS) beside its imports
+     and checks (`LocalRay`), the default model (`tiny`) and data (the stdlib corpus, prepared
+     before the first round: its first-use preparation is not timed), MLflow and checkpoints
+     on, as the defaults have them;
+  1a. the same through the CLI's `main` called from Python, which starts Ray after the checks:
+     the sequence before Ray's start was begun beside them (the baseline of that change);
   1b. the same with `cluster.dashboard=true`: the local Ray with its dashboard, as every run
      started one before the dashboard was left out (the baseline of that change);
   1c. the same with `tracking.enabled=false`: MLflow's share of a local start (none, since
@@ -97,10 +100,15 @@ def start_head(env: dict) -> tuple[str, Path]:
     return f"127.0.0.1:{port}", temp
 
 
-def rayzero_round(overrides: list[str], env: dict) -> dict:
+# The CLI's `main` called from Python, not as the program: Ray's start begins after the checks
+# (the sequence every local run had before `LocalRay` began it beside the imports and checks).
+AFTER_CHECKS = [sys.executable, "-c", "import sys; from rayzero.jobs.cli import main; sys.exit(main(sys.argv[1:]))"]
+
+
+def rayzero_round(overrides: list[str], env: dict, program: list[str] | None = None) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="rayzero-startup-"))
-    cmd = [str(BIN / "rayzero"), "train", "train.steps=1", f"train.output_dir={tmp / 'runs'}", "--no-progress",
-           "--summary-json", str(tmp / "s.json"), *overrides]
+    cmd = [*(program or [str(BIN / "rayzero")]), "train", "train.steps=1", f"train.output_dir={tmp / 'runs'}",
+           "--no-progress", "--summary-json", str(tmp / "s.json"), *overrides]
     _, out, code = lines_of(cmd, tmp, env)
     if code != 0:
         raise Failed("rayzero train failed:\n" + "\n".join(line for _, line in out[-30:]))
@@ -149,12 +157,16 @@ def median_stages(rows: list[dict]) -> dict:
     return {k: statistics.median(r["stages"].get(k, 0.0) for r in rows) for k in keys}
 
 
-VARIANTS = {  # name: (what it is, whether it joins the running head, extra overrides)
-    "local": ("rayzero, starting a local Ray", False, []),
-    "local_dashboard": ("rayzero, starting a local Ray, cluster.dashboard=true", False, ["cluster.dashboard=true"]),
-    "local_no_mlflow": ("rayzero, starting a local Ray, tracking.enabled=false", False, ["tracking.enabled=false"]),
-    "join": ("rayzero, joining a running Ray", True, []),
-    "join_no_mlflow": ("rayzero, joining a running Ray, tracking.enabled=false", True, ["tracking.enabled=false"]),
+VARIANTS = {  # name: (what it is, whether it joins the running head, extra overrides, the program)
+    "local": ("rayzero, starting a local Ray", False, [], None),
+    "local_after_checks": ("rayzero, starting a local Ray after the checks", False, [], AFTER_CHECKS),
+    "local_dashboard": ("rayzero, starting a local Ray, cluster.dashboard=true", False, ["cluster.dashboard=true"],
+                        None),
+    "local_no_mlflow": ("rayzero, starting a local Ray, tracking.enabled=false", False, ["tracking.enabled=false"],
+                        None),
+    "join": ("rayzero, joining a running Ray", True, [], None),
+    "join_no_mlflow": ("rayzero, joining a running Ray, tracking.enabled=false", True, ["tracking.enabled=false"],
+                       None),
 }
 
 
@@ -176,15 +188,15 @@ def main() -> None:
 
     def one_round(count: bool) -> None:
         # The local one first, while no head runs: ray.init() would join a head started here.
-        ours_now = {name: again(rayzero_round, [*overrides, *extra], env)
-                    for name, (_, joins, extra) in VARIANTS.items() if not joins}
+        ours_now = {name: again(rayzero_round, [*overrides, *extra], env, program)
+                    for name, (_, joins, extra, program) in VARIANTS.items() if not joins}
         token_env = {**env, "RAY_AUTH_MODE": "token"}
         address, _ = start_head(token_env)
         try:
             joined = {**token_env, "RAY_ADDRESS": address}
-            for name, (_, joins, extra) in VARIANTS.items():
+            for name, (_, joins, extra, program) in VARIANTS.items():
                 if joins:
-                    ours_now[name] = again(rayzero_round, [*overrides, *extra], joined)
+                    ours_now[name] = again(rayzero_round, [*overrides, *extra], joined, program)
         finally:
             subprocess.run([str(BIN / "ray"), "stop", "--force"], env=token_env, capture_output=True, timeout=180)
         torchrun = again(torchrun_round, overrides, env)

@@ -7,6 +7,7 @@ import logging
 import math
 import signal
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
 from rayzero.objectives.config import objective_line
@@ -51,7 +52,12 @@ def _ckpt(args) -> int:
         raise _UserError(str(e)) from None
 
 
-def _train(args) -> int:
+def _train(args, after: ExitStack, own_process: bool = False) -> int:
+    """`rayzero train`. `own_process`: the CLI runs in a process of its own (`command`), where
+    Ray's start begins before torch is imported (`LocalRay`), and is stopped by `after` once the
+    run's outcome is said (a refusal found while Ray was starting is said first, then what was
+    started is shut down); a caller's process (tests, Python calling `main`) has imported torch
+    already, and starts Ray after the checks."""
     cfg = load_config(args.config, args.overrides)  # before torch and Ray are imported: a typo fails at once
     if args.dry_run:
         from rayzero.jobs.plan import plan
@@ -65,21 +71,21 @@ def _train(args) -> int:
 
     startup = Startup()
     startup.stage("checks", CHECKS)  # said before the imports below: torch and Ray take seconds
-    from rayzero.checkpoint.manifest import CheckpointError
-    from rayzero.storage import StorageError
-    from rayzero.cluster.failure import Stopped, TrainingFailed
-    from rayzero.cluster.worker_group import PlacementError
-    from rayzero.jobs.train import ClusterUnreachable, run_train
-
     previous = _on_sigterm()  # before training; the controller takes SIGTERM over while it trains
+    local_ray = None  # (LocalRay.stop, by `after`: a refusal after it began included, nothing left behind)
     try:
-        summary = run_train(cfg, progress=not args.no_progress, startup=startup)
-    except (PlacementError, ClusterUnreachable, CheckpointError, StorageError) as e:
-        raise _UserError(str(e)) from None
-    except TrainingFailed as e:
-        print(f"rayzero: training failed: {e}", file=sys.stderr)
-        return 1
+        if own_process:
+            from rayzero.cluster.local_ray import LocalRay
+            from rayzero.jobs.data_checks import check_data_paths
+
+            check_data_paths(cfg)  # a mistyped path refused before anything starts
+            local_ray = LocalRay.begin(cfg, began_s=startup.elapsed())  # None: the run joins a Ray
+            if local_ray is not None:
+                after.callback(local_ray.stop)
+        code, summary = _run_train(args, cfg, startup, local_ray)
     except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: one line, the shell's code for the signal, no traceback
+        from rayzero.cluster.failure import Stopped
+
         if isinstance(e, Stopped):
             said, signum = str(e), e.signal
         else:
@@ -91,10 +97,29 @@ def _train(args) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+    if code:
+        return code
     _print_summary(summary)
     if args.summary_json:
         Path(args.summary_json).write_text(json.dumps(summary, indent=2))
     return 0
+
+
+def _run_train(args, cfg, startup, local_ray) -> tuple[int, dict | None]:
+    """The run itself, its failures said in one line: (exit code, summary)."""
+    from rayzero.checkpoint.manifest import CheckpointError
+    from rayzero.storage import StorageError
+    from rayzero.cluster.failure import TrainingFailed
+    from rayzero.cluster.worker_group import PlacementError
+    from rayzero.jobs.train import ClusterUnreachable, run_train
+
+    try:
+        return 0, run_train(cfg, progress=not args.no_progress, startup=startup, local_ray=local_ray)
+    except (PlacementError, ClusterUnreachable, CheckpointError, StorageError) as e:
+        raise _UserError(str(e)) from None
+    except TrainingFailed as e:
+        print(f"rayzero: training failed: {e}", file=sys.stderr)
+        return 1, None
 
 
 class _Terminated(KeyboardInterrupt):
@@ -351,8 +376,8 @@ def _prepare(args) -> int:
     import ray
 
     from rayzero.cluster.worker_group import release_ranks
-    from rayzero.jobs.preflight import quiet_logs
-    from rayzero.jobs.train import _check_reachable, shutdown_ray
+    from rayzero.cluster.local_ray import quiet_logs, shutdown_ray
+    from rayzero.jobs.train import _check_reachable
 
     quiet_logs()
     release_ranks()  # ranks an earlier `train` of this process kept would hold the CPUs its tasks need
@@ -445,11 +470,17 @@ def _tracking(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, own_process: bool = False) -> int:
+    """`rayzero ARGV…`; `own_process`: called as the program (`command`), not from Python."""
     args = parse_args(argv)
+    with ExitStack() as after:  # what a command leaves to do once its outcome is said
+        return _command(args, after, own_process)
+
+
+def _command(args, after: ExitStack, own_process: bool) -> int:
     try:
         if args.command == "train":
-            return _train(args)
+            return _train(args, after, own_process)
         if args.command == "ckpt":
             return _ckpt(args)
         if args.command == "generate":
@@ -464,5 +495,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def command() -> int:
+    """The `rayzero` program: `main` in a process of its own."""
+    return main(own_process=True)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(command())

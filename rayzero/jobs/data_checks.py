@@ -13,6 +13,19 @@ from rayzero.data.corpus import ensure_default_corpus
 from rayzero.data.tokens import MASKED_KINDS, DataError, read_meta
 
 
+def check_data_paths(cfg: RootConfig) -> None:
+    """`data.path` and `data.val_path`, where they are local paths that do not exist, refused
+    with the words the full checks use (`resolve_data`, `read_meta`); cheap (no torch), so the
+    CLI makes it before Ray's start, which it begins beside the rest of the checks."""
+    def missing(path: str | None) -> bool:
+        return bool(path) and "://" not in path and not Path(path).expanduser().exists()
+
+    if missing(cfg.data.path):
+        resolve_data(cfg)  # raises its DataError
+    if missing(cfg.data.val_path):
+        read_meta(cfg.data.val_path, cfg.checkpoint)
+
+
 def resolve_data(cfg: RootConfig) -> str:
     """The dataset path, prepared on first use if it is the default corpus, checked for size."""
     path = cfg.data.path or ensure_default_corpus(cfg.data.cache_dir)

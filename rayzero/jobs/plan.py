@@ -11,7 +11,8 @@ import ray
 
 from rayzero.cluster.checkpoints import Checkpoints
 from rayzero.config import ConfigError, RootConfig
-from rayzero.jobs.preflight import check_local_capacity, nothing_to_train, quiet_logs, resume_preview, starts_local_ray
+from rayzero.cluster.local_ray import check_local_capacity, quiet_logs, starts_local_ray
+from rayzero.jobs.preflight import nothing_to_train, resume_preview
 from rayzero.jobs.train import (
     ModelUnreachable, _check_reachable, absolute_data_paths, absolute_model_path, adapter_start, prepare_model,
     given_compile_cache, resolve_factory, vocab_note,
@@ -186,7 +187,7 @@ def spare_room(cfg: RootConfig, local: bool) -> dict:
     c = cfg.cluster
     need = {"CPU": c.cpus_per_worker, **({"GPU": 1.0} if c.use_gpu else {})}
     if local:
-        from rayzero.jobs.preflight import local_capacity
+        from rayzero.cluster.local_ray import local_capacity
 
         have, on = local_capacity(), "this machine"
     else:

@@ -1,16 +1,11 @@
 """What is found before anything starts: whether the run resumes (and from what, said at its
-start), whether anything is left to train, whether a local Ray would fit this machine; and the
-libraries' start-up notes kept out of a run's output."""
+start) and whether anything is left to train. Whether a local Ray would fit this machine, and
+Ray's start-up notes kept out of a run's output: `rayzero.cluster.local_ray`."""
 
 from __future__ import annotations
 
-import logging
-import os
 import sys
 from pathlib import Path
-
-import ray
-import torch
 
 from rayzero.storage import StorageError
 from rayzero.cluster.checkpoints import Checkpoints
@@ -19,98 +14,6 @@ from rayzero.config import ConfigError, RootConfig
 from rayzero.models import ModelSpec
 from rayzero.objectives.config import objective_difference, objective_record
 from rayzero.workers.assembly import build_model, identity
-
-
-class _DropNotice(logging.Filter):
-    """Drops the log records whose message starts with one of `prefixes`."""
-
-    def __init__(self, *prefixes: str):
-        super().__init__()
-        self.prefixes = prefixes
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.prefixes)
-
-
-def quiet_logs() -> None:
-    """Keep the libraries' routine start-up notes out of a run's output: Ray's note that token
-    authentication is on (its warning that it is off stays), and MLflow's creation of a new
-    sqlite store's tables; and Ray's own account of a rank process that died (`_worker_deaths`).
-    Idempotent."""
-    ray_auth = logging.getLogger("ray._private.authentication.authentication_token_setup")
-    if not any(isinstance(f, _DropNotice) for f in ray_auth.filters):
-        ray_auth.addFilter(_DropNotice("Token authentication is enabled"))
-    for name in ("mlflow.store.db.utils", "alembic.runtime.migration"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    _worker_deaths()
-
-
-# How the raylet tells a driver that one of its worker processes died (killed, crashed): a
-# paragraph guessing at causes ("... killed by SIGKILL by OOM killer due to high memory usage
-# ...") printed to stdout, while the controller says which rank died, at what step, and what it
-# does about it, in its own words (`failure (rank_died): ...`).
-WORKER_DIED = ("A worker died or was killed while executing a task", "Worker unexpectedly exits with a connection error")
-
-
-def _worker_deaths() -> None:
-    """Ray's driver prints the raylet's error messages through `print_to_stdstream`, looked up
-    by name when one arrives: the raylet's report of a dead worker goes to the log at debug
-    level instead (Ray's other messages print as they would). Installed once."""
-    from ray._private import worker as ray_worker
-
-    original = getattr(ray_worker, "print_to_stdstream", None)
-    if original is None or getattr(original, "keeps_out_worker_deaths", False):
-        return
-
-    def printing(data, ignore_prefix):
-        if data.get("pid") == "raylet":
-            dropped = [line for line in data.get("lines", []) if any(m in line for m in WORKER_DIED)]
-            for line in dropped:
-                logging.getLogger(__name__).debug("Ray: %s", line)
-            if dropped:
-                data = {**data, "lines": [line for line in data["lines"] if line not in dropped]}
-                if not data["lines"]:
-                    return None
-        return original(data, ignore_prefix)
-
-    printing.keeps_out_worker_deaths = True
-    ray_worker.print_to_stdstream = printing
-
-
-def starts_local_ray(cfg: RootConfig) -> bool:
-    """Whether a run of `cfg` from here starts a Ray of its own on this machine (no
-    `cluster.address`, no RAY_ADDRESS, none running in this process)."""
-    return not cfg.cluster.address and not os.environ.get("RAY_ADDRESS") and not ray.is_initialized()
-
-
-def local_capacity() -> dict[str, float]:
-    """The CPUs and GPUs a local Ray started here gets (Ray's own count, cgroup limits included)."""
-    try:
-        from ray._private.utils import get_num_cpus
-
-        cpus = float(get_num_cpus())
-    except Exception:  # noqa: BLE001 (Ray's internals moved: count the CPUs this process may use)
-        cpus = float(len(os.sched_getaffinity(0)))
-    return {"CPU": cpus, "GPU": float(torch.cuda.device_count()) if torch.cuda.is_available() else 0.0}
-
-
-def check_local_capacity(cfg: RootConfig) -> None:
-    """A run that starts its own Ray must fit this machine: otherwise placement would only
-    fail after `cluster.placement_timeout_s`. ConfigError naming what is asked and what there is."""
-    c = cfg.cluster
-    have = local_capacity()
-    smallest = min(cfg.world_sizes())
-    need = {"CPU": c.cpus_per_worker, **({"GPU": 1.0} if c.use_gpu else {})}
-    for kind, each in need.items():
-        if smallest * each > have[kind] + 1e-9:
-            ask = (f"cluster.num_workers={c.num_workers} x {each:g} {kind}"
-                   + (" (cluster.cpus_per_worker)" if kind == "CPU" else " each (cluster.use_gpu)"))
-            fits = int(have[kind] / each + 1e-9)
-            fewer = (f"use at most {fits} worker{'s' if fits != 1 else ''}"
-                     + (", or a smaller cluster.cpus_per_worker" if kind == "CPU" else ""))
-            raise ConfigError(
-                f"cluster.num_workers: {ask} = {c.num_workers * each:g} {kind}s, but this machine's local Ray has "
-                f"{have[kind]:g}; {fewer + ', or ' if fits else ''}set cluster.address to run on a Ray cluster")
 
 
 class CheckpointsUnreadable(ConfigError):

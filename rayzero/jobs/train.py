@@ -5,10 +5,8 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-import signal
 import socket
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -18,6 +16,9 @@ import torch
 from rayzero.storage import StorageError
 from rayzero.cluster.checkpoints import Checkpoints
 from rayzero.cluster.controller import Controller
+from rayzero.cluster.local_ray import (
+    LocalRay, check_local_capacity, local_ray_options, quiet_logs, shutdown_ray, starts_local_ray,
+)
 from rayzero.cluster.startup import CHECKS, Startup
 from rayzero.cluster.tracking import UNSENT, NullTracker, Tracker
 from rayzero.cluster.worker_group import KEPT
@@ -28,10 +29,7 @@ from rayzero.models import ModelError, ModelSpec, ModelUnavailable, spec_class
 from rayzero.jobs.data_checks import (  # noqa: F401 (resolve_data, open_dataset: named from here too)
     model_tokenizer_dir, resolve_data, open_dataset, steps_in_epochs, note_cut_examples, note_pairs, check_objective, limit_to_epochs, check_validation,
 )
-from rayzero.jobs.preflight import (
-    check_local_capacity, nothing_to_train, quiet_logs, resume_preview, resumed_run_dir, say_resume,
-    starts_local_ray,
-)
+from rayzero.jobs.preflight import nothing_to_train, resume_preview, resumed_run_dir, say_resume
 from rayzero.version import __version__
 from rayzero.workers.assembly import (
     Built, build_model, check_buildable, initial_values, make_spec,
@@ -308,24 +306,28 @@ def _check_authentication(gcs: str, timeout_s: float) -> None:
                 f"{where}") from None
 
 
-def run_train(cfg: RootConfig, progress: bool = True, factory=None, startup: Startup | None = None) -> dict:
+def run_train(cfg: RootConfig, progress: bool = True, factory=None, startup: Startup | None = None,
+              local_ray: LocalRay | None = None) -> dict:
     """Train; the run's summary (what `rayzero train --summary-json` writes)."""
-    return train_run(cfg, progress, factory, startup)[0]
+    return train_run(cfg, progress, factory, startup, local_ray)[0]
 
 
-def train_run(cfg: RootConfig, progress: bool = True, factory=None,
-              startup: Startup | None = None) -> tuple[dict, list[dict]]:
+def train_run(cfg: RootConfig, progress: bool = True, factory=None, startup: Startup | None = None,
+              local_ray: LocalRay | None = None) -> tuple[dict, list[dict]]:
     """Train; the run's summary and each step's metrics (one dict per step, from step 0 on a
     resumed run too). `factory`: the model's callable, given from Python (`model.kind=module`);
-    `startup`: the start-up's status lines, begun by the caller (None: begun here)."""
+    `startup`: the start-up's status lines, begun by the caller (None: begun here); `local_ray`:
+    the start of the local Ray this run uses, begun by the caller beside its imports (the CLI in
+    a process of its own; None: a local Ray, if the run needs one, is started after the checks).
+    The caller stops it (`LocalRay.stop`) once this returns or raises."""
     if startup is None:
         startup = Startup()
         startup.stage("checks", CHECKS)
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS", "")
     if KEPT.connection is not None and (not cfg.cluster.keep_ranks or KEPT.connection != address):
         KEPT.release()  # ranks kept by an earlier run, and its Ray connection, are not this run's
-    if starts_local_ray(cfg):  # before anything is written: not after the placement wait
-        check_local_capacity(cfg)
+    if local_ray is None and starts_local_ray(cfg):  # before anything is written: not after the placement wait
+        check_local_capacity(cfg)  # (a begun LocalRay checked it before it began)
     # S3 settings left to the AWS variables are resolved here, once, for the driver's checks and
     # for the ranks alike (Ray starts them without this environment); the run directory's
     # config.json and MLflow show the settings as given.
@@ -382,13 +384,17 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None,
     (run_dir / "config.json").write_text(shown.model_dump_json(indent=2, by_alias=True))
     cfg = with_compile_cache(cfg, run_dir)
     quiet_logs()
-    started_ray = not ray.is_initialized()
-    startup.stage("ray", ray_words(address, started_ray))
+    started_ray = local_ray is not None or not ray.is_initialized()
+    startup.stage("ray", ray_words(address, started_ray)
+                  + (f" (begun at {local_ray.began_s:.1f}s, beside the checks)" if local_ray is not None else ""))
     if started_ray:
         try:
-            _check_reachable(address)
-            ray.init(address=cfg.cluster.address or None, logging_level="WARNING", log_to_driver=True,
-                     **local_ray_options(cfg))
+            if local_ray is not None:
+                local_ray.wait()
+            else:
+                _check_reachable(address)
+                ray.init(address=cfg.cluster.address or None, logging_level="WARNING", log_to_driver=True,
+                         **local_ray_options(cfg))
         except ConnectionError as e:
             if resumed_dir is None:  # the run directory this run made holds nothing yet but its config
                 shutil.rmtree(run_dir, ignore_errors=True)
@@ -425,27 +431,6 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None,
         elif started_ray or KEPT.connection is not None:  # nothing kept: a connection made for them goes
             KEPT.connection = None
             shutdown_ray()
-
-
-def shutdown_ray() -> None:
-    """ray.shutdown(), whole: a Ctrl-C then is ignored, as the run has ended (or is ending) and
-    nothing is left to stop, and a Ray shut down halfway would get in the way of the next run in
-    this process."""
-    if threading.current_thread() is not threading.main_thread():
-        ray.shutdown()
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        ray.shutdown()
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def local_ray_options(cfg: RootConfig) -> dict:
-    """`ray.init`'s options for a run of `cfg` from here: where it starts a Ray of its own
-    (`starts_local_ray`), no dashboard unless `cluster.dashboard` asks for one (it costs about
-    2 s of the start and a run needs none of it); a cluster the run joins is left as it is."""
-    return {"include_dashboard": False} if starts_local_ray(cfg) and not cfg.cluster.dashboard else {}
 
 
 def ray_words(address: str, connects: bool) -> str:

@@ -26,6 +26,7 @@ from rayzero.models.config import ModelConfig
 from rayzero.models.conversions import Part, load_layout, saved_keys
 from rayzero.models.init import SeededInit, params_on_meta
 from rayzero.models.routers import RouterLosses
+from rayzero.models.errors import not_a_model_dir
 from rayzero.models.spec import (
     ExportEntry, ModelError, ModelSpec, ModelUnavailable, global_shapes, weights_record,
 )
@@ -403,13 +404,11 @@ def load_hf_config(path: str, storage_cfg=None, trust_remote_code: bool = False)
         storage = Storage(path, storage_cfg)
         raw = storage.read_bytes(CONFIG)
     except FileNotFoundError:
-        raise ModelError(f"model.path: {path} {_what_is_there(storage)} (expected a Hugging Face model directory, "
-                         f"as save_pretrained writes)") from None
+        raise not_a_model_dir(path, _what_is_there(storage)) from None
     except StorageError as e:
         there = _what_is_there(storage) if storage is not None else f"has no {CONFIG}"
         if there != f"has no {CONFIG}":  # a file, or nothing: not storage this machine cannot reach
-            raise ModelError(f"model.path: {path} {there} (expected a Hugging Face model directory, as "
-                             f"save_pretrained writes)") from None
+            raise not_a_model_dir(path, there) from None
         raise ModelUnavailable(f"model.path: cannot read {path}: {e}") from None
     local = None if "://" in path and not path.startswith("file://") else Path(storage.base)
     try:

@@ -70,6 +70,9 @@ def test_train_on_a_local_ray_with_defaults(tmp_path, small_dataset):
                 "optim.warmup_steps=2", *FAST, "--summary-json", str(summary_path), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert startup_said(r.stderr) == startup_stages("starting a local Ray", 2, steps)
+    # Ray's start began with the checks, before torch was imported (LocalRay), not after them
+    began = float(r.stderr.split("starting a local Ray (begun at ", 1)[1].split("s, beside the checks)")[0])
+    assert began < 1.0, r.stderr
     assert "building and sharding the model on the ranks (initial values, seed 0)" in r.stderr
     (session,) = local_ray_sessions() - sessions  # the CLI started a Ray of its own
     # with no dashboard (cluster.dashboard=false): Ray's head process keeps only its minimal part
@@ -113,6 +116,28 @@ def test_train_on_a_local_ray_with_defaults(tmp_path, small_dataset):
     assert state.keys() == model.state_dict().keys()
     model.load_state_dict(state)
     assert not torch.equal(state["wte.weight"], build_model(cfg.model, cfg.block_size, 0).wte.weight)
+
+
+def test_a_mistake_found_while_ray_starts_is_said_and_leaves_nothing_behind(tmp_path, small_dataset):
+    """Ray's start begins beside the checks; a mistake they find then (here a model directory
+    that holds no model, found once the model code is imported) is said in one line, as
+    before, and the Ray begun for the run is shut down before the process ends. A mistyped
+    data path is refused before Ray's start begins."""
+    sessions, running = local_ray_sessions(), gcs_servers()
+    r = run_cli("train", f"data.path={small_dataset}", "model.kind=hf", f"model.path={tmp_path / 'none'}",
+                "--no-progress", cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.splitlines()[-1].startswith("rayzero: error: model.path"), r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and not (tmp_path / "runs").exists()
+    assert local_ray_sessions() - sessions, "Ray's start had begun"
+    deadline = time.monotonic() + 10
+    while gcs_servers() - running and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not gcs_servers() - running, "and the Ray it started was shut down"
+    # A data path that does not exist is refused before Ray's start begins, as it was before.
+    sessions = local_ray_sessions()
+    r = run_cli("train", f"data.path={tmp_path / 'nothing'}", "--no-progress", cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.splitlines()[-1].startswith(f"rayzero: error: no dataset at {tmp_path}")
+    assert local_ray_sessions() == sessions, "no Ray was started"
 
 
 @pytest.fixture(scope="module")

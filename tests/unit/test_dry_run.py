@@ -92,9 +92,9 @@ def test_the_plan_shows_the_buckets_the_ranks_will_build(tmp_path, capsys):
 def test_a_local_ray_that_cannot_hold_the_ranks_is_refused_by_the_dry_run(tmp_path, capsys, monkeypatch):
     """Only where the run would start its own Ray: with an address (a cluster's), it is the
     cluster's to place them."""
-    from rayzero.jobs import preflight
+    from rayzero.cluster import local_ray
 
-    monkeypatch.setattr(preflight, "local_capacity", lambda: {"CPU": 8.0, "GPU": 1.0})
+    monkeypatch.setattr(local_ray, "local_capacity", lambda gpus=True: {"CPU": 8.0, "GPU": 1.0})
     code, out, _ = dry_run(tmp_path, capsys, "cluster.num_workers=4", "cluster.use_gpu=true")
     assert code == 2 and out.err.strip() == (
         "rayzero: error: cluster.num_workers: cluster.num_workers=4 x 1 GPU each (cluster.use_gpu) = 4 GPUs, but this "
@@ -151,14 +151,15 @@ def test_the_batch_is_split_over_the_data_parallel_ranks_only(tmp_path, capsys):
 def test_warm_spares_are_promised_only_where_they_fit(tmp_path, capsys, monkeypatch):
     """On this machine for a run that starts its own Ray; on the cluster's free resources at
     `cluster.address` (read with this process's connection, or one made and closed again)."""
-    from rayzero.jobs import plan as planning, preflight
+    from rayzero.cluster import local_ray
+    from rayzero.jobs import plan as planning
 
-    monkeypatch.setattr(preflight, "local_capacity", lambda: {"CPU": 2.0, "GPU": 0.0})
+    monkeypatch.setattr(local_ray, "local_capacity", lambda gpus=True: {"CPU": 2.0, "GPU": 0.0})
     code, out, plan = dry_run(tmp_path, capsys, "failure.spares=1")
     assert code == 0 and plan["failure"]["spare_room"]["fit"] == 0, out.err
     assert ("1 warm spare asked, but none can be placed on this machine (2 CPU; the 2 ranks take 2 CPU): the run "
             "would go on without spares") in out.out
-    monkeypatch.setattr(preflight, "local_capacity", lambda: {"CPU": 5.0, "GPU": 0.0})
+    monkeypatch.setattr(local_ray, "local_capacity", lambda gpus=True: {"CPU": 5.0, "GPU": 0.0})
     code, out, plan = dry_run(tmp_path, capsys, "failure.spares=4")
     assert "4 warm spares asked, but only 3 can be placed on this machine (5 CPU; the 2 ranks take 2 CPU)" in out.out
     code, out, plan = dry_run(tmp_path, capsys, "failure.spares=2")

@@ -7,7 +7,7 @@ import ray
 from ray._private import worker as ray_worker
 
 from rayzero.jobs import cli
-from rayzero.jobs.preflight import quiet_logs
+from rayzero.cluster.local_ray import quiet_logs
 
 DIED = ("A worker died or was killed while executing a task by an unexpected system error. To troubleshoot the "
         "problem, check the logs for the dead worker. RayTask ID: ffff Worker exit type: SYSTEM_ERROR Worker exit "

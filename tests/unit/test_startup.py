@@ -40,7 +40,7 @@ def test_a_local_ray_a_run_starts_has_no_dashboard_unless_asked(monkeypatch):
     `ray.init()` 9.1 s with it, 6.8 s without); `cluster.dashboard=true` asks for it, and a
     cluster the run joins is given no options at all (Ray refuses `include_dashboard` there)."""
     from rayzero.config import load_config
-    from rayzero.jobs.train import local_ray_options
+    from rayzero.cluster.local_ray import local_ray_options
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert local_ray_options(load_config(None, [])) == {"include_dashboard": False}

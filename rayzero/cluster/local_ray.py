@@ -1,0 +1,207 @@
+"""The Ray a run starts on this machine: whether it starts one, whether it fits, what Ray's
+start-up says, and its start begun beside the driver's checks (`LocalRay`).
+
+Standard library at import (Ray and torch are imported by the functions that need them): the
+CLI, in a process of its own, begins Ray's start before it imports torch and the model code.
+Measured on 2 cores (`benchmarks/startup.py`): the driver's imports take 1.1-1.5 s and a local
+`ray.init()` 2.5-4 s, most of it Ray's own processes starting (GCS, raylet, its dashboard's
+minimal head), which run on the other core while the driver imports and checks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+
+log = logging.getLogger(__name__)
+
+
+def starts_local_ray(cfg) -> bool:
+    """Whether a run of `cfg` from here starts a Ray of its own on this machine (no
+    `cluster.address`, no RAY_ADDRESS, none running in this process)."""
+    import ray
+
+    return not cfg.cluster.address and not os.environ.get("RAY_ADDRESS") and not ray.is_initialized()
+
+
+def local_capacity(gpus: bool = True) -> dict[str, float]:
+    """The CPUs and GPUs a local Ray started here gets (Ray's own count, cgroup limits included).
+    `gpus=False`: the GPUs are not counted (0), and torch is not imported for them."""
+    try:
+        from ray._private.utils import get_num_cpus
+
+        cpus = float(get_num_cpus())
+    except Exception:  # noqa: BLE001 (Ray's internals moved: count the CPUs this process may use)
+        cpus = float(len(os.sched_getaffinity(0)))
+    if not gpus:
+        return {"CPU": cpus, "GPU": 0.0}
+    import torch
+
+    return {"CPU": cpus, "GPU": float(torch.cuda.device_count()) if torch.cuda.is_available() else 0.0}
+
+
+def check_local_capacity(cfg) -> None:
+    """A run that starts its own Ray must fit this machine: otherwise placement would only
+    fail after `cluster.placement_timeout_s`. ConfigError naming what is asked and what there is."""
+    from rayzero.config import ConfigError
+
+    c = cfg.cluster
+    have = local_capacity(gpus=c.use_gpu)
+    smallest = min(cfg.world_sizes())
+    need = {"CPU": c.cpus_per_worker, **({"GPU": 1.0} if c.use_gpu else {})}
+    for kind, each in need.items():
+        if smallest * each > have[kind] + 1e-9:
+            ask = (f"cluster.num_workers={c.num_workers} x {each:g} {kind}"
+                   + (" (cluster.cpus_per_worker)" if kind == "CPU" else " each (cluster.use_gpu)"))
+            fits = int(have[kind] / each + 1e-9)
+            fewer = (f"use at most {fits} worker{'s' if fits != 1 else ''}"
+                     + (", or a smaller cluster.cpus_per_worker" if kind == "CPU" else ""))
+            raise ConfigError(
+                f"cluster.num_workers: {ask} = {c.num_workers * each:g} {kind}s, but this machine's local Ray has "
+                f"{have[kind]:g}; {fewer + ', or ' if fits else ''}set cluster.address to run on a Ray cluster")
+
+
+def local_ray_options(cfg) -> dict:
+    """`ray.init`'s options for a run of `cfg` from here: where it starts a Ray of its own
+    (`starts_local_ray`), no dashboard unless `cluster.dashboard` asks for one (it costs about
+    2 s of the start and a run needs none of it); a cluster the run joins is left as it is."""
+    return {"include_dashboard": False} if starts_local_ray(cfg) and not cfg.cluster.dashboard else {}
+
+
+def shutdown_ray() -> None:
+    """ray.shutdown(), whole: a Ctrl-C then is ignored, as the run has ended (or is ending) and
+    nothing is left to stop, and a Ray shut down halfway would get in the way of the next run in
+    this process."""
+    import ray
+
+    if threading.current_thread() is not threading.main_thread():
+        ray.shutdown()
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        ray.shutdown()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+class LocalRay:
+    """A local Ray's start, begun in a thread of its own while the driver goes on with its
+    imports and checks; `wait()` where the run needs it, `stop()` when the run ends (a refusal
+    found after the start began included: what was started is shut down, nothing left behind).
+
+    The thread lives as long as the Ray it started: Ray's processes are started with the
+    kernel's parent-death signal (PR_SET_PDEATHSIG), which Linux sends when the *thread* that
+    started them ends. So it waits until Ray is shut down (the run's end, or the release of
+    ranks a notebook kept) or until `stop()`."""
+
+    def __init__(self, options: dict, began_s: float = 0.0):
+        self._options = options
+        self.began_s = began_s  # when it began, in the run's start-up clock (said in the Ray stage's line)
+        self._ready = threading.Event()
+        self._release = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._keep, name="rayzero-local-ray", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def begin(cls, cfg, began_s: float = 0.0) -> "LocalRay | None":
+        """The start of the local Ray a run of `cfg` needs, begun; None where the run joins a
+        Ray (an address, RAY_ADDRESS, one this process is connected to). A run that would not
+        fit this machine is refused first (ConfigError), before anything starts."""
+        if not starts_local_ray(cfg):
+            return None
+        check_local_capacity(cfg)
+        quiet_logs()
+        return cls({"logging_level": "WARNING", "log_to_driver": True, **local_ray_options(cfg)}, began_s)
+
+    def _keep(self) -> None:
+        import ray
+
+        try:
+            ray.init(**self._options)
+        except BaseException as e:  # noqa: BLE001 (given to the run by wait(); the thread's end stops the rest)
+            self._error = e
+            return
+        finally:
+            self._ready.set()
+        while not self._release.wait(1.0) and ray.is_initialized():
+            pass
+
+    def wait(self) -> None:
+        """Until Ray is up; raises what `ray.init` raised."""
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+
+    def stop(self) -> None:
+        """Shut the Ray it started down (once up: a start cannot be cut short), and end the thread."""
+        self._ready.wait()
+        if self._error is None:
+            shutdown_ray()
+        self._release.set()
+        self._thread.join(timeout=10.0)
+
+
+class _DropNotice(logging.Filter):
+    """Drops the log records whose message starts with one of `prefixes`."""
+
+    def __init__(self, *prefixes: str):
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
+# Ray's notes at a start that say nothing a user must act on: token authentication being on
+# (its warning that it is off stays), and, for `LocalRay`'s start off the main thread, that
+# Ray set no SIGTERM handler (the CLI's and the controller's handle SIGTERM: cli._on_sigterm).
+QUIET = {"ray._private.authentication.authentication_token_setup": ("Token authentication is enabled",),
+         "ray._private.worker": ("SIGTERM handler is not set because current thread is not the main thread",)}
+
+
+def quiet_logs() -> None:
+    """Keep the libraries' routine start-up notes out of a run's output: Ray's (`QUIET`), and
+    MLflow's creation of a new sqlite store's tables; and Ray's own account of a rank process
+    that died (`_worker_deaths`). Idempotent."""
+    for name, prefixes in QUIET.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropNotice) for f in logger.filters):
+            logger.addFilter(_DropNotice(*prefixes))
+    for name in ("mlflow.store.db.utils", "alembic.runtime.migration"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    _worker_deaths()
+
+
+# How the raylet tells a driver that one of its worker processes died (killed, crashed): a
+# paragraph guessing at causes ("... killed by SIGKILL by OOM killer due to high memory usage
+# ...") printed to stdout, while the controller says which rank died, at what step, and what it
+# does about it, in its own words (`failure (rank_died): ...`).
+WORKER_DIED = ("A worker died or was killed while executing a task", "Worker unexpectedly exits with a connection error")
+
+
+def _worker_deaths() -> None:
+    """Ray's driver prints the raylet's error messages through `print_to_stdstream`, looked up
+    by name when one arrives: the raylet's report of a dead worker goes to the log at debug
+    level instead (Ray's other messages print as they would). Installed once."""
+    from ray._private import worker as ray_worker
+
+    original = getattr(ray_worker, "print_to_stdstream", None)
+    if original is None or getattr(original, "keeps_out_worker_deaths", False):
+        return
+
+    def printing(data, ignore_prefix):
+        if data.get("pid") == "raylet":
+            dropped = [line for line in data.get("lines", []) if any(m in line for m in WORKER_DIED)]
+            for line in dropped:
+                log.debug("Ray: %s", line)
+            if dropped:
+                data = {**data, "lines": [line for line in data["lines"] if line not in dropped]}
+                if not data["lines"]:
+                    return None
+        return original(data, ignore_prefix)
+
+    printing.keeps_out_worker_deaths = True
+    ray_worker.print_to_stdstream = printing
