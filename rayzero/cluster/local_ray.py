@@ -135,13 +135,50 @@ class LocalRay:
         if self._error is not None:
             raise self._error
 
+    # Whether a LocalRay was left starting by `stop`: the program then ends its process at once
+    # (`cli.command`), which ends what Ray had started with it.
+    abandoned = False
+
     def stop(self) -> None:
-        """Shut the Ray it started down (once up: a start cannot be cut short), and end the thread."""
-        self._ready.wait()
+        """Shut the Ray it started down, and end the thread. A start still under way is not
+        waited for (a refusal or a Ctrl-C during the checks ends the command at once; a Ctrl-C
+        that cut an import short may even leave it stuck on the import lock): the processes it
+        has started so far are killed, and what it starts after that ends with this process,
+        whose end the kernel passes on to them (PR_SET_PDEATHSIG). The CLI, in a process of its
+        own, is the one user: it ends at once after this (`cli.command`)."""
+        if not self._ready.is_set():
+            LocalRay.abandoned = True
+            for _ in range(2):  # the raylet may have started its agents while the first pass ran
+                for pid in descendants(os.getpid()):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+            return
         if self._error is None:
             shutdown_ray()
         self._release.set()
         self._thread.join(timeout=10.0)
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes under `pid` (its children, theirs, ...), from /proc; parents before children."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
 
 
 class _DropNotice(logging.Filter):

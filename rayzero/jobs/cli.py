@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import signal
 import sys
 from contextlib import ExitStack
@@ -84,9 +85,9 @@ def _train(args, after: ExitStack, own_process: bool = False) -> int:
                 after.callback(local_ray.stop)
         code, summary = _run_train(args, cfg, startup, local_ray)
     except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: one line, the shell's code for the signal, no traceback
-        from rayzero.cluster.failure import Stopped
-
-        if isinstance(e, Stopped):
+        # (not imported here: a signal that came during the imports left torch half imported)
+        failure = sys.modules.get("rayzero.cluster.failure")
+        if failure is not None and isinstance(e, failure.Stopped):
             said, signum = str(e), e.signal
         else:
             terminated = isinstance(e, _Terminated)
@@ -496,8 +497,17 @@ def _command(args, after: ExitStack, own_process: bool) -> int:
 
 
 def command() -> int:
-    """The `rayzero` program: `main` in a process of its own."""
-    return main(own_process=True)
+    """The `rayzero` program: `main` in a process of its own. A local Ray still starting when
+    the command ends (a refusal, a Ctrl-C during the checks) ends with the process, at once:
+    nothing of the interpreter's own shutdown (atexit, imports) waits on that start."""
+    code = main(own_process=True)
+    from rayzero.cluster.local_ray import LocalRay
+
+    if LocalRay.abandoned:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

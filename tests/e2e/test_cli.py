@@ -3,6 +3,7 @@ sharded strategies' runs call the CLI's `main` in this process (what they test i
 through Ray and its report, not the entry point, which the other tests here run as processes)."""
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -118,21 +119,55 @@ def test_train_on_a_local_ray_with_defaults(tmp_path, small_dataset):
     assert not torch.equal(state["wte.weight"], build_model(cfg.model, cfg.block_size, 0).wte.weight)
 
 
-def test_a_mistake_found_while_ray_starts_is_said_and_leaves_nothing_behind(tmp_path, small_dataset):
+def session_processes(session: Path) -> list[str]:
+    """The live processes of one local Ray session (each names its session folder in its
+    command line: the GCS, the raylet, the dashboard's head, the agents, the workers)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and str(session).encode() in (d / "cmdline").read_bytes():
+                found.append((d / "cmdline").read_bytes().split(b"\0")[0].decode())
+        except OSError:
+            pass
+    return found
+
+
+def gone(session: Path, within_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while session_processes(session) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not session_processes(session)
+
+
+def test_a_mistake_or_a_ctrl_c_while_ray_starts_is_said_and_leaves_nothing_behind(tmp_path, small_dataset):
     """Ray's start begins beside the checks; a mistake they find then (here a model directory
     that holds no model, found once the model code is imported) is said in one line, as
-    before, and the Ray begun for the run is shut down before the process ends. A mistyped
-    data path is refused before Ray's start begins."""
-    sessions, running = local_ray_sessions(), gcs_servers()
+    before, and every process of the Ray begun for the run is gone with the command; so after a
+    Ctrl-C during the checks. A mistyped data path is refused before Ray's start begins."""
+    import signal
+    import subprocess
+
+    from tests.e2e.conftest import BIN
+
+    sessions = local_ray_sessions()
     r = run_cli("train", f"data.path={small_dataset}", "model.kind=hf", f"model.path={tmp_path / 'none'}",
                 "--no-progress", cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.splitlines()[-1].startswith("rayzero: error: model.path"), r.stderr[-2000:]
     assert "Traceback" not in r.stderr and not (tmp_path / "runs").exists()
-    assert local_ray_sessions() - sessions, "Ray's start had begun"
-    deadline = time.monotonic() + 10
-    while gcs_servers() - running and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not gcs_servers() - running, "and the Ray it started was shut down"
+    (session,) = local_ray_sessions() - sessions  # Ray's start had begun
+    assert gone(session), session_processes(session)
+    # Ctrl-C while the checks run (the first status line said, torch still importing)
+    sessions = local_ray_sessions()
+    p = subprocess.Popen([str(BIN / "rayzero"), "train", f"data.path={small_dataset}", "--no-progress"], cwd=tmp_path,
+                         stderr=subprocess.PIPE, text=True, env={**os.environ, "RAY_AUTH_MODE": "token"})
+    assert "checking the config" in p.stderr.readline()
+    time.sleep(0.3)
+    p.send_signal(signal.SIGINT)
+    err = p.stderr.read()
+    assert p.wait(timeout=60) == 130 and "Traceback" not in err, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("rayzero: "), err
+    for session in local_ray_sessions() - sessions:
+        assert gone(session), session_processes(session)
     # A data path that does not exist is refused before Ray's start begins, as it was before.
     sessions = local_ray_sessions()
     r = run_cli("train", f"data.path={tmp_path / 'nothing'}", "--no-progress", cwd=tmp_path)
