@@ -74,7 +74,7 @@ def test_the_first_step_s_compilation_is_a_part_of_its_stage_said_apart(monkeypa
     """`train.compile`: what the first step spent compiling is in the timings as `torch_compile_s`,
     inside the first step's stage (not added to the total), and the summary's line says so;
     what the steps after it compile (none, or an evaluation's graph) is not the start-up's."""
-    from rayzero.jobs.cli import _startup_line
+    from rayzero.jobs.printed import startup_line as _startup_line
 
     clock = Clock()
     monkeypatch.setattr("rayzero.cluster.startup.time.monotonic", clock)
