@@ -148,12 +148,16 @@ class LocalRay:
         own, is the one user: it ends at once after this (`cli.command`)."""
         if not self._ready.is_set():
             LocalRay.abandoned = True
-            for _ in range(2):  # the raylet may have started its agents while the first pass ran
-                for pid in descendants(os.getpid()):
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except OSError:
-                        pass
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C: nothing cut short
+            try:
+                for _ in range(2):  # the raylet may have started its agents while the first pass ran
+                    for pid in descendants(os.getpid()):
+                        try:
+                            os.kill(pid, signal.SIGKILL)
+                        except OSError:
+                            pass
+            finally:
+                signal.signal(signal.SIGINT, previous)
             return
         if self._error is None:
             shutdown_ray()
