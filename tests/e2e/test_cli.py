@@ -156,12 +156,13 @@ def test_a_mistake_or_a_ctrl_c_while_ray_starts_is_said_and_leaves_nothing_behin
     assert "Traceback" not in r.stderr and not (tmp_path / "runs").exists()
     (session,) = local_ray_sessions() - sessions  # Ray's start had begun
     assert gone(session), session_processes(session)
-    # Ctrl-C once the checks are done, while the run waits for its Ray (not during the imports,
-    # where a library's bare `except:` around an optional import may swallow it, as it would
-    # without rayzero)
+    # Ctrl-C once the checks are done, while the run waits for its Ray
     sessions = local_ray_sessions()
+    # (SIGINT's default restored in the child, as a terminal has it: a suite started in the
+    # background by a shell has SIGINT ignored, and its children inherit that)
     p = subprocess.Popen([str(BIN / "rayzero"), "train", f"data.path={small_dataset}", "--no-progress"], cwd=tmp_path,
-                         stderr=subprocess.PIPE, text=True, env={**os.environ, "RAY_AUTH_MODE": "token"})
+                         stderr=subprocess.PIPE, text=True, env={**os.environ, "RAY_AUTH_MODE": "token"},
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert "checking the config" in p.stderr.readline()
     assert "starting a local Ray" in p.stderr.readline()
     p.send_signal(signal.SIGINT)
