@@ -10,9 +10,3 @@ class ModelError(ValueError):
 class ModelUnavailable(ModelError):
     """The storage `model.path` names cannot be reached from this machine (an S3 endpoint that
     only the cluster sees, say): a dry run notes it, a training run fails on it."""
-
-
-def not_a_model_dir(path: str, there: str) -> ModelError:
-    """`model.path` of an HF model that is no model directory; `there`: what is there instead
-    ("does not exist", "is a file, not a directory", "has no config.json")."""
-    return ModelError(f"model.path: {path} {there} (expected a Hugging Face model directory, as save_pretrained writes)")

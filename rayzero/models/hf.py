@@ -26,7 +26,6 @@ from rayzero.models.config import ModelConfig
 from rayzero.models.conversions import Part, load_layout, saved_keys
 from rayzero.models.init import SeededInit, params_on_meta
 from rayzero.models.routers import RouterLosses
-from rayzero.models.errors import not_a_model_dir
 from rayzero.models.spec import (
     ExportEntry, ModelError, ModelSpec, ModelUnavailable, global_shapes, weights_record,
 )
@@ -404,11 +403,13 @@ def load_hf_config(path: str, storage_cfg=None, trust_remote_code: bool = False)
         storage = Storage(path, storage_cfg)
         raw = storage.read_bytes(CONFIG)
     except FileNotFoundError:
-        raise not_a_model_dir(path, _what_is_there(storage)) from None
+        raise ModelError(f"model.path: {path} {_what_is_there(storage)} (expected a Hugging Face model directory, "
+                         f"as save_pretrained writes)") from None
     except StorageError as e:
         there = _what_is_there(storage) if storage is not None else f"has no {CONFIG}"
         if there != f"has no {CONFIG}":  # a file, or nothing: not storage this machine cannot reach
-            raise not_a_model_dir(path, there) from None
+            raise ModelError(f"model.path: {path} {there} (expected a Hugging Face model directory, as "
+                             f"save_pretrained writes)") from None
         raise ModelUnavailable(f"model.path: cannot read {path}: {e}") from None
     local = None if "://" in path and not path.startswith("file://") else Path(storage.base)
     try:
