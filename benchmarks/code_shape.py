@@ -83,7 +83,8 @@ def step_reach(strategies: list[str]) -> dict[str, dict]:
         for strategy in strategies:
             seen = out[strategy]
             files = sorted({f for f, _ in seen})
-            result[strategy] = {"files": len(files), "functions": len(seen), "list": files}
+            result[strategy] = {"files": len(files), "functions": len(seen), "list": files,
+                                "by_file": {f: sorted(q for g, q in seen if g == f) for f in files}}
     return result
 
 

@@ -310,6 +310,8 @@ class ShardedUnits:
                 if p.grad is None:
                     p.grad = full[g.buffer.spans[j]].view(p.shape)
 
+    per_grad = True  # a unit is released once its last gradient is in
+
     def on_grad(self, i: int, b: Bucket) -> None:
         # The unit's backward is over once its last gradient is in, unless it also holds frozen
         # weights (a LoRA base): the backward to its input may still need them, so it goes when

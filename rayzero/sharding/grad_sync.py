@@ -107,6 +107,11 @@ class AllReduceAtEnd:
         self.in_backward = self.g.overlap_grad_reduce and last_microbatch
         self.reduced = set()
 
+    def per_grad(self) -> bool:
+        """Whether this backward needs each gradient as it lands: not while autograd accumulates
+        into the buckets' views and no reduction starts (every micro-batch but the last)."""
+        return self.in_backward or not self._views
+
     def on_grad(self, i: int, b: Bucket, param: nn.Parameter) -> None:
         if param.grad is not None and not self._views:
             accumulate(self.g, self.landing(b), i, param)
@@ -188,6 +193,9 @@ class ReduceScatterPerBucket:
     def begin_backward(self, last_microbatch: bool) -> None:
         self.in_backward = self.g.overlap_grad_reduce
         self.reduced = set()
+
+    def per_grad(self) -> bool:
+        return True  # each gradient is added into its landing bucket
 
     def on_grad(self, i: int, b: Bucket, param: nn.Parameter) -> None:
         if param.grad is not None:

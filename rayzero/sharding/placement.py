@@ -67,6 +67,8 @@ class WholeParams:
         """The bucket's compute parameters, whole."""
         return self.g.buffer.data[b.index]
 
+    per_grad = False  # nothing to release as gradients come in
+
     def on_grad(self, i: int, b: Bucket) -> None:
         """Nothing to release as gradients come in."""
 

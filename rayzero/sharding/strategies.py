@@ -296,7 +296,8 @@ class Strategy:
         for part in self.groups:
             part.grad_sync.begin_backward(last_microbatch)
             part.placement.begin_backward()
-        self.buffer.arm(self._on_grad)
+        if any(part.grad_sync.per_grad() or part.placement.per_grad for part in self.groups):
+            self.buffer.arm(self._on_grad)  # else each hook returns at once
         run()
         for part in self.groups:
             part.placement.after_backward()
@@ -492,8 +493,7 @@ class Strategy:
         return any(part.owner.saves_shard for part in self.groups)
 
     def after_load(self) -> None:
-        """Main parameters were just written: round them into the compute parameters and make
-        them whole where the strategy keeps them whole."""
+        """Main parameters were just written: round them into the compute parameters, whole where kept whole."""
         self._write_back()
         for part in self.groups:
             part.owner.start()
