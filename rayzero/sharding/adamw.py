@@ -93,12 +93,17 @@ class FlatAdamW:
             self._grad_views = (key, {d: self._slices(grads, segs) for d, segs in self._groups})
         return self._grad_views[1][decays]
 
-    def step(self, grads: list[torch.Tensor], lr: float, grad_scale: float = 1.0) -> None:
-        """One update with the gradients multiplied by `grad_scale` (the clipping coefficient:
-        applied inside the kernel, so the gradients are read once)."""
+    def step(self, grads: list[torch.Tensor], lr: float, grad_scale: float | torch.Tensor = 1.0,
+             found_inf: torch.Tensor | None = None) -> None:
+        """One update with the gradients multiplied by `grad_scale` (the clipping coefficient, a
+        number or a scalar on the device: applied inside the kernel, so the gradients are read
+        once); none where `found_inf` (an fp32 scalar on the device) is 1."""
         self.step_count += 1
         self._step.fill_(self.step_count)
-        scale = None if grad_scale == 1.0 else torch.full((), 1.0 / grad_scale, device=self._step.device)
+        if isinstance(grad_scale, torch.Tensor):
+            scale = (torch.ones_like(grad_scale) / grad_scale).float()
+        else:
+            scale = None if grad_scale == 1.0 else torch.full((), 1.0 / grad_scale, device=self._step.device)
         for decays, segments in self._groups:
             if not segments:
                 continue
@@ -106,16 +111,17 @@ class FlatAdamW:
             g = self._grads(grads, decays)
             if g[0].dtype != torch.float32:  # a gradient in a lower precision: fp32 per segment
                 for i in range(len(segments)):
-                    self._update([params[i]], [g[i].float()], [exp_avg[i]], [exp_avg_sq[i]], lr, decays, scale)
+                    self._update([params[i]], [g[i].float()], [exp_avg[i]], [exp_avg_sq[i]], lr, decays, scale,
+                                 found_inf)
             else:
-                self._update(params, g, exp_avg, exp_avg_sq, lr, decays, scale)
+                self._update(params, g, exp_avg, exp_avg_sq, lr, decays, scale, found_inf)
 
-    def _update(self, params, grads, exp_avg, exp_avg_sq, lr, decays, scale) -> None:
+    def _update(self, params, grads, exp_avg, exp_avg_sq, lr, decays, scale, found_inf) -> None:
         h = self.hyper
         torch._fused_adamw_(
             params, grads, exp_avg, exp_avg_sq, [], [self._step] * len(params),
             lr=lr, beta1=h.beta1, beta2=h.beta2, weight_decay=h.weight_decay if decays else 0.0, eps=h.eps,
-            amsgrad=False, maximize=False, grad_scale=scale,
+            amsgrad=False, maximize=False, grad_scale=scale, found_inf=found_inf,
         )
 
     def state_dict(self) -> dict:

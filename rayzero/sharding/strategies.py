@@ -39,10 +39,8 @@ parameters after the step (`owner.start()`, `owner.finish(buckets)`). The phases
                                  then the finalizers
     step(lr) -> grad_norm        step: clip by the global norm, AdamW, start the all-gather
 
-The finalizers are the model's gradient fix-ups after the reduction (Megatron's `finalize_model_grads`),
-each a small class chosen at build where it applies, not a branch in the step: `TiedSum` (a pipeline's
-weight held by two stages: its gradient summed over them) and `TPPartialSum` (a replicated parameter
-whose gradient each tensor-parallel rank holds a part of).
+The finalizers (finalize.py: `TiedSum`, `TPPartialSum`) are the model's gradient fix-ups after the
+reduction, each chosen at build where it applies, not a branch in the step.
 """
 
 from __future__ import annotations
@@ -128,17 +126,15 @@ class Strategy:
         tied: Tied | None = None,
         experts: frozenset[str] = frozenset(),
     ):
-        """The strategy `sharding.strategy` names. `model` may be on the meta device when `source`
-        gives each parameter's initial fp32 values (a `ParamSource`, or a `fill(name, out)`
-        function); without it the model's current values are copied. Parameters with
-        `requires_grad=False` stay frozen: they get buckets of their own, with no gradient, main
-        copy or optimizer state. `tp`: what tensor parallelism split (the model's parameters are
-        then this rank's local shards). `mesh`: a connected one (its groups) on a rank; its shape
-        alone builds on the meta device. `tied`: a pipeline stage's parameters shared with
-        another stage. `experts`: a model's expert parameters, a bucket group of their own."""
+        """The strategy `sharding.strategy` names. `model` may be on the meta device when `source` gives each
+        parameter's initial fp32 values (a `ParamSource`, or a `fill(name, out)` function); without it the
+        model's current values are copied. Parameters with `requires_grad=False` stay frozen: they get buckets of
+        their own, with no gradient, main copy or optimizer state. `tp`: what tensor parallelism split (the
+        model's parameters are then this rank's local shards). `mesh`: a connected one (its groups) on a rank;
+        its shape alone builds on the meta device. `tied`: a pipeline stage's parameters shared with another
+        stage. `experts`: a model's expert parameters, a bucket group of their own."""
         self.name, self.model, self.mesh = sharding.strategy, model, mesh
-        self.cfg = sharding
-        self.optim_cfg = optim
+        self.cfg, self.optim_cfg = sharding, optim
         self.tp = tp if tp is not None and (tp.size > 1 or tp.split) else None  # what TP (or ep) split
         self.tied = tied if tied is not None and tied.names else None
         self.pp_axis = mesh.axis("pp")
@@ -170,10 +166,10 @@ class Strategy:
     @staticmethod
     def layout(model: nn.Module, sharding: ShardingConfig, dp_size: int, alone: frozenset[str] = frozenset(),
                experts: frozenset[str] = frozenset(), cpu: bool = False) -> tuple[list, Layout]:
-        """The parameters in buffer order and the buckets they fall in: what the strategy builds
-        (the dry run asks it of a model on meta). `alone`: parameters each in a bucket of their own
-        (a pipeline's tied ones); `experts`: in buckets apart from the rest; `cpu`: for CPU ranks,
-        to which `bucket_numel=auto` gives larger buckets."""
+        """The parameters in buffer order and the buckets they fall in: what the strategy builds (the dry run asks
+        it of a model on meta). `alone`: parameters each in a bucket of their own (a pipeline's tied ones);
+        `experts`: in buckets apart from the rest; `cpu`: for CPU ranks, to which `bucket_numel=auto` gives
+        larger buckets."""
         return STRATEGIES[sharding.strategy].params.layout(model, sharding, dp_size, alone, experts, cpu)
 
     def _bucket_groups(self, experts: frozenset[str]) -> list[BucketGroup]:
@@ -189,8 +185,8 @@ class Strategy:
                 for key, buckets in by_key.items()]
 
     def _initial_values(self, b: Bucket, source: ParamSource) -> torch.Tensor:
-        """The bucket's fp32 values. From a partial source (weights in storage) each rank reads
-        only its shard; the shards are all-gathered where parameters are whole at rest."""
+        """The bucket's fp32 values. From a partial source (weights in storage) each rank reads only its shard; the
+        shards are all-gathered where parameters are whole at rest."""
         if not source.partial:
             return self.buffer.initial_values(b, source)
         part = self._of[b.index]
@@ -254,10 +250,10 @@ class Strategy:
             g.zero_()
 
     def backward(self, loss, last_microbatch: bool, grad: list[torch.Tensor] | None = None) -> None:
-        """Backward from `loss`, scaled by the loss scale; or, with `grad`, from a pipeline stage's
-        outputs (a list) and the gradients the next stage sent (scaled there already), as the sum of
-        outputs x gradients, whose gradient is exactly `grad` (handed `grad`, torch checks its size
-        through torch.fx's symbolic shapes: sympy's import, 0.55 s at a new process's first backward)."""
+        """Backward from `loss`, scaled by the loss scale; or, with `grad`, from a pipeline stage's outputs (a list)
+        and the gradients the next stage sent (scaled there already), as the sum of outputs x gradients, whose
+        gradient is exactly `grad` (handed `grad`, torch checks its size through torch.fx's symbolic shapes:
+        sympy's import, 0.55 s at a new process's first backward)."""
         outs, grads = self.scaled(loss, grad)
         outs = outs if grads is None else [(o * g).sum() for o, g in zip(outs, grads)]
         self._run_backward(lambda: torch.autograd.backward(outs), last_microbatch)
@@ -271,8 +267,8 @@ class Strategy:
         return [o * scale if scale != 1.0 else o for o in outs], None
 
     def backward_inputs(self, run: Callable):
-        """A pipeline stage's input-gradient half of a backward (`run()`; zero_bubble's I): no
-        weight gradient lands, ZeRO-3 gathers as for a backward. Returns what `run` returns."""
+        """A pipeline stage's input-gradient half of a backward (`run()`; zero_bubble's I): no weight gradient
+        lands, ZeRO-3 gathers as for a backward. Returns what `run` returns."""
         for part in self.groups:
             part.placement.begin_backward()
         try:
@@ -282,8 +278,8 @@ class Strategy:
                 part.placement.after_backward()
 
     def backward_weights(self, run: Callable, params: list, last_microbatch: bool) -> None:
-        """The weight-gradient half (zero_bubble's W): `run()` writes `.grad`s without autograd's
-        accumulation hooks, so each parameter's gradient is handed over once it has run."""
+        """The weight-gradient half (zero_bubble's W): `run()` writes `.grad`s without autograd's accumulation
+        hooks, so each parameter's gradient is handed over once it has run."""
         def weights():
             run()
             for i, p in enumerate(self.buffer.params):
@@ -337,24 +333,29 @@ class Strategy:
                 if all(self.buffer.names[i] in self.tied.names for i in b.params)]
 
     def step(self, lr: float) -> float:
-        """Clip to the global gradient norm, update the owned shard, start the all-gather.
-        With loss scaling, a step whose gradients are not finite is skipped."""
+        """Clip to the global gradient norm, update the owned shard, start the all-gather; skip a step whose
+        gradients are not finite. Without loss scaling, the norm and the clipping stay on the device (the
+        kernel skips through `found_inf`) and the host reads the norm once the step's kernels are launched."""
         self.finish_param_sync()  # the update must not race a gather still writing the buffer
-        scale = self.scaler.scale if self.scaler is not None else 1.0
-        norm = self.grad_norm() / scale
+        norm, clip, skip = self.grad_norm(), self.optim_cfg.grad_clip, None
         if self.scaler is not None:
+            scale, norm = self.scaler.scale, float(norm) / self.scaler.scale  # the scale's update is the host's
             self.scaler.update(math.isfinite(norm))
-        self.last_step_skipped = not math.isfinite(norm)
-        if self.last_step_skipped:
-            return norm
-        coef = 1.0 / scale
-        clip = self.optim_cfg.grad_clip
-        if clip > 0:
-            coef *= min(clip / (norm + 1e-6), 1.0)  # as torch.nn.utils.clip_grad_norm_
-        self.optimizer.step(self.main_grads, lr, grad_scale=coef)
+            if not math.isfinite(norm):
+                self.last_step_skipped = True
+                return norm
+            coef = 1.0 / scale * (min(clip / (norm + 1e-6), 1.0) if clip > 0 else 1.0)
+        else:  # as torch.nn.utils.clip_grad_norm_, on the device
+            coef = torch.clamp(torch.full_like(norm, clip) / (norm + 1e-6), max=1.0) if clip > 0 else 1.0
+            skip = (~torch.isfinite(norm)).float()
+        self.optimizer.step(self.main_grads, lr, grad_scale=coef, found_inf=skip)
         self._write_back()
         for part in self.groups:
             part.owner.start()
+        if skip is not None:
+            norm = float(norm)
+            self.optimizer.step_count -= not math.isfinite(norm)  # the kernel skipped it
+        self.last_step_skipped = not math.isfinite(norm)
         return norm
 
     def _write_back(self) -> None:
@@ -375,11 +376,11 @@ class Strategy:
         for part in self.groups:
             part.placement.after_forward_only()
 
-    def grad_norm(self) -> float:
-        """The L2 norm of the full gradient; each element counted once across the group: with
-        tensor parallelism, a split parameter's shards summed over the TP ranks, a replicated
-        one (the same on each) counted once. Each bucket group's squares are summed over the
-        ranks its owned ranges tile (in one sum where the same), the experts' over ep too."""
+    def grad_norm(self) -> torch.Tensor:
+        """The L2 norm of the full gradient, a float64 scalar on the device; each element counted once across
+        the group: with tensor parallelism, a split parameter's shards summed over the TP ranks, a replicated
+        one (the same on each) counted once. Each bucket group's squares are summed over the ranks its owned
+        ranges tile (in one sum where the same), the experts' over ep too."""
         skip = set(self._tied_buckets) if self.tied is not None and not self.tied.counts else set()
         sums: dict[tuple[int, bool], tuple] = {}  # (id of the axis owned ranges tile, over ep) -> (axis, squares)
         tp = self.mesh.size("tp")
@@ -412,7 +413,7 @@ class Strategy:
             dist.all_reduce(total, group=self.mesh.axis("tp").group)
         if self.pp_axis.size > 1:  # every stage's part of the model
             dist.all_reduce(total, group=self.pp_axis.group)
-        return float(total.sqrt())
+        return total.sqrt()
 
     @functools.cached_property
     def _owned_params(self) -> list[tuple[int, slice, str]]:
@@ -428,9 +429,9 @@ class Strategy:
 
     # -- outside the iteration -------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The fp32 main parameters, whole, on CPU, by `model.state_dict()` names. Every rank
-        must call it (owned pieces are summed into place across the owner axis); bucket by
-        bucket, so only one bucket is ever whole on the device."""
+        """The fp32 main parameters, whole, on CPU, by `model.state_dict()` names. Every rank must call it (owned
+        pieces are summed into place across the owner axis); bucket by bucket, so only one bucket is ever whole
+        on the device."""
         self.finish_param_sync()
         by_name: dict[str, torch.Tensor] = {}
         for b, main in zip(self.buffer.buckets, self.main_params):
@@ -473,12 +474,11 @@ class Strategy:
 
     # -- checkpoints -----------------------------------------------------------------------
     def pieces(self, saved: bool = False) -> list[tuple[Range, int]]:
-        """This rank's part of a checkpoint, as each bucket group's public view gives it: the
-        world ranges it owns, in order, each with its offset in the rank's flat shard (its main
-        parameters and AdamW state, concatenated). Frozen parameters never change, so no
-        checkpoint holds them. With `saved`, only the groups this rank writes: one copy of
-        every element is written, so a group's replicas (DDP ranks, HSDP replicas) other than
-        the first leave its pieces to that one; a rank loads every piece it owns."""
+        """This rank's part of a checkpoint, as each bucket group's public view gives it: the world ranges it owns,
+        in order, each with its offset in the rank's flat shard (its main parameters and AdamW state,
+        concatenated). Frozen parameters never change, so no checkpoint holds them. With `saved`, only the groups
+        this rank writes: one copy of every element is written, so a group's replicas (DDP ranks, HSDP replicas)
+        other than the first leave its pieces to that one; a rank loads every piece it owns."""
         out, offset = [], 0
         for b in self.buffer.buckets:
             own = self.owned(b)

@@ -6,6 +6,7 @@ configurations' mixtures of experts, against their oracle)."""
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 import torch.nn as nn
@@ -108,3 +109,36 @@ def test_a_checkpoint_holds_the_pieces_of_the_groups_this_rank_writes():
     flat = torch.arange(sum(r.size for r, _ in every), dtype=torch.float32)
     assert torch.equal(_pick(flat, saved), torch.cat([flat[o:o + r.size] for r, o in saved]))
     assert _pick(flat, every) is flat
+
+
+def test_a_step_whose_gradients_are_not_finite_is_skipped_on_the_device():
+    """Without a loss scale the norm and the clipping stay on the device and the fused AdamW
+    skips a step whose gradients are not finite (`found_inf`): the parameters, the AdamW state
+    and its step count stay as they were, and the steps after it are those of a run that never
+    met it, bit for bit."""
+    base = model()
+    torch.manual_seed(1)
+    batches = [torch.randn(2, 5, 8) for _ in range(3)]
+    runs = {}
+    for bad in (False, True):
+        m = copy.deepcopy(base)
+        s = strategy(m, experts=True, name="optim_grads_params")
+        for k, x in enumerate(batches):
+            for poisoned in ((False, True) if bad and k == 1 else (False,)):
+                before = (s.full_state_dict(), s.optimizer.step_count, [t.clone() for t in s.optimizer.exp_avg])
+                s.begin_step()
+                loss = m(x).square().mean()
+                s.backward(loss * float("nan") if poisoned else loss, last_microbatch=True)
+                s.finish_grad_sync()
+                norm = s.step(lr=1e-2)
+                assert s.last_step_skipped == poisoned == math.isnan(norm)
+                if poisoned:
+                    state = s.full_state_dict()
+                    assert all(torch.equal(state[n], before[0][n]) for n in state)
+                    assert s.optimizer.step_count == before[1]
+                    assert all(torch.equal(a, b) for a, b in zip(s.optimizer.exp_avg, before[2]))
+        runs[bad] = (s.full_state_dict(), s.optimizer.state_dict())
+    (clean, clean_opt), (skipped, skipped_opt) = runs[False], runs[True]
+    assert all(torch.equal(clean[n], skipped[n]) for n in clean)
+    assert clean_opt["step"] == skipped_opt["step"] == 3
+    assert all(torch.equal(a, b) for a, b in zip(clean_opt["exp_avg_sq"], skipped_opt["exp_avg_sq"]))
