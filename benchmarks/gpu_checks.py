@@ -126,6 +126,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", metavar="PATH", help="the figures, written again after each part")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"which of {', '.join(PARTS)} to run (all)")
+    ap.add_argument("--rounds", type=int, default=ROUNDS, help="rounds of the ZeRO-3 comparison (5)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
@@ -141,7 +142,7 @@ def main() -> int:
     data_path = ensure_default_corpus("~/.cache/rayzero/datasets")
     cfg = load_config(None, CONFIG + [f"data.path={data_path}"])
     resolve_data(cfg)
-    run = {"tests": lambda: check_tests(), "zero3": lambda: check_zero3(cfg, data_path),
+    run = {"tests": lambda: check_tests(), "zero3": lambda: check_zero3(cfg, data_path, args.rounds),
            "compile": lambda: check_compile(cfg, data_path), "cli": lambda: check_cli(),
            "profile": lambda: check_profile(cfg, data_path)}
     figures, rc = {}, 0
@@ -165,12 +166,12 @@ def check_tests() -> dict:
                                    str(ROOT / "tests" / "gpu")], cwd=ROOT)}
 
 
-def check_zero3(cfg, data_path: str) -> dict:
+def check_zero3(cfg, data_path: str, rounds: int = ROUNDS) -> dict:
     from rayzero.sharding.memory import formula_bytes_per_param
     from tests.conftest import free_port
 
     ratios, info = [], {}
-    for r in range(ROUNDS):
+    for r in range(rounds):
         plain_times, plain_host = time_plain(cfg, data_path)
         plain = statistics.median(plain_times[WARMUP:])
         times, info = time_rayzero(cfg, data_path, free_port())
@@ -192,10 +193,10 @@ def check_zero3(cfg, data_path: str) -> dict:
 
 def check_profile(cfg, data_path: str) -> dict:
     """The GPU's busy time a step against the step's wall time, run last: once torch.profiler has
-    traced CUDA in a process, CUPTI stays attached to it, and a step bound by its launches is
-    timed with CUPTI's callbacks on every launch after it (on an H200, 2026-11-29: plain torch's
-    step 88.1 ms after the profile, 59-67 ms before it in the same process). Plain torch's step
-    is timed again after the profile to show by how much."""
+    traced CUDA in a process, CUPTI stays attached to it, and nothing timed for the other parts
+    should run under it. Plain torch's step is timed again after the profile (on H200s,
+    2026-11-29: 88.1 ms after it against 59-67 ms before it in one process, 52.4 ms against
+    40-56 ms in another: no clear effect beyond the machines' own noise)."""
     import cProfile
     import io
     import pstats
