@@ -3,7 +3,8 @@
 One run, in rounds (default 3), each round all of:
   1. `rayzero train train.steps=1 --no-progress` as a user's first command: the CLI in a
      process of its own, starting a local Ray of its own (no RAY_ADDRESS) beside its imports
-     and checks (`LocalRay`), the default model (`tiny`) and data (the stdlib corpus, prepared
+     and checks (`LocalRay`), its ranks placed as soon as Ray is up (`place_ahead`), the
+     default model (`tiny`) and data (the stdlib corpus, prepared
      before the first round: its first-use preparation is not timed), MLflow and checkpoints
      on, as the defaults have them;
   1a. the same through the CLI's `main` called from Python, which starts Ray after the checks:
@@ -14,6 +15,9 @@ One run, in rounds (default 3), each round all of:
      MLflow begins only after the first step: `Tracker.begin`);
   2. the same joining a Ray that is already running (`ray start --head`, started once before
      the rounds, as on a cluster or under `ray job submit`): Ray's own start left out;
+  2a. the same through the CLI's `main` called from Python, which joins Ray after the checks
+     and places the ranks after that: the sequence before the join and the ranks' placement
+     were begun beside the checks (the baseline of that change);
   3. the same as 2 with `tracking.enabled=false`: MLflow's share left out as well;
   4. `torchrun --standalone --nproc_per_node 2 benchmarks/torchrun_first_step.py`: the same
      GPT, batch and world size, DDP over gloo, one step;
@@ -100,8 +104,9 @@ def start_head(env: dict) -> tuple[str, Path]:
     return f"127.0.0.1:{port}", temp
 
 
-# The CLI's `main` called from Python, not as the program: Ray's start begins after the checks
-# (the sequence every local run had before `LocalRay` began it beside the imports and checks).
+# The CLI's `main` called from Python, not as the program: Ray's start (or join) begins after the
+# checks, and the ranks' placement after that (the sequence every run had before `LocalRay` began
+# them beside the imports and checks).
 AFTER_CHECKS = [sys.executable, "-c", "import sys; from rayzero.jobs.cli import main; sys.exit(main(sys.argv[1:]))"]
 
 
@@ -167,6 +172,7 @@ VARIANTS = {  # name: (what it is, whether it joins the running head, extra over
     "join": ("rayzero, joining a running Ray", True, [], None),
     "join_no_mlflow": ("rayzero, joining a running Ray, tracking.enabled=false", True, ["tracking.enabled=false"],
                        None),
+    "join_after_checks": ("rayzero, joining a running Ray after the checks", True, [], AFTER_CHECKS),
 }
 
 

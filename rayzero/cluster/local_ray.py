@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import threading
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,55 @@ def check_local_capacity(cfg) -> None:
                 f"{have[kind]:g}; {fewer + ', or ' if fits else ''}set cluster.address to run on a Ray cluster")
 
 
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Fail fast on a host:port nobody listens on (ray.init would retry for minutes), and on a
+    cluster that refuses this process's authentication (ray.init would print Ray's refusal
+    every second for 20 s, then say only that it cannot connect)."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():
+        return  # "", "auto", or a form ray.init resolves itself
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ConnectionError(f"{host}:{port} is not reachable ({e})") from None
+    if not address.startswith("ray://"):  # a GCS address: ask it, as ray.init will, once
+        _check_authentication(f"{host}:{port}", timeout_s)
+
+
+def _check_authentication(gcs: str, timeout_s: float) -> None:
+    """One GCS call with this process's credentials (RAY_AUTH_MODE=token: its token): a
+    refusal is a ConnectionError that says what to set. Anything else is left to ray.init."""
+    try:
+        import grpc
+        from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+    except ImportError:
+        return
+    token = os.environ.get("RAY_AUTH_MODE", "").lower() == "token"
+    metadata = ()
+    if token:
+        try:
+            from ray._private.authentication.grpc_authentication_client_interceptor import (
+                _get_authentication_metadata_tuple,
+            )
+            metadata = _get_authentication_metadata_tuple()
+        except Exception:  # noqa: BLE001 (Ray's internals moved: ray.init checks the token itself)
+            return
+    with grpc.insecure_channel(gcs) as channel:
+        try:
+            gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
+                gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s, metadata=metadata)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAUTHENTICATED:
+                return
+            where = ("the token `ray get-auth-token` prints on its head node, as RAY_AUTH_TOKEN or in "
+                     "~/.ray/auth_token")
+            raise ConnectionError(
+                f"the cluster uses token authentication and refused this process's token: give it {where}"
+                if token else
+                f"the cluster uses token authentication: export RAY_AUTH_MODE=token before the command, with "
+                f"{where}") from None
+
+
 def local_ray_options(cfg) -> dict:
     """`ray.init`'s options for a run of `cfg` from here: where it starts a Ray of its own
     (`starts_local_ray`), no dashboard unless `cluster.dashboard` asks for one (it costs about
@@ -87,18 +137,24 @@ def shutdown_ray() -> None:
 
 
 class LocalRay:
-    """A local Ray's start, begun in a thread of its own while the driver goes on with its
-    imports and checks; `wait()` where the run needs it, `stop()` when the run ends (a refusal
-    found after the start began included: what was started is shut down, nothing left behind).
+    """A run's Ray, its start begun in a thread of its own while the driver goes on with its
+    imports and checks: a local Ray started, or a running one joined (`cluster.address`,
+    RAY_ADDRESS). Once Ray is up, the same thread begins placing the run's ranks and starting
+    their processes (`place_ahead`), which the run's placement then takes. `wait()` where the
+    run needs Ray, `stop()` when the run ends (a refusal found after the start began included:
+    what was started is shut down, nothing left behind).
 
-    The thread lives as long as the Ray it started: Ray's processes are started with the
+    The thread lives as long as a local Ray it started: Ray's processes are started with the
     kernel's parent-death signal (PR_SET_PDEATHSIG), which Linux sends when the *thread* that
     started them ends. So it waits until Ray is shut down (the run's end, or the release of
     ranks a notebook kept) or until `stop()`."""
 
-    def __init__(self, options: dict, began_s: float = 0.0):
+    def __init__(self, options: dict, began_s: float = 0.0, cfg=None, clock=None):
+        """`cfg`: the run's, whose ranks are placed once Ray is up (None: they are not); `clock`:
+        the run's start-up clock, for when that began."""
         self._options = options
         self.began_s = began_s  # when it began, in the run's start-up clock (said in the Ray stage's line)
+        self._cfg, self._clock = cfg, clock
         self._ready = threading.Event()
         self._release = threading.Event()
         self._error: BaseException | None = None
@@ -106,31 +162,55 @@ class LocalRay:
         self._thread.start()
 
     @classmethod
-    def begin(cls, cfg, began_s: float = 0.0) -> "LocalRay | None":
-        """The start of the local Ray a run of `cfg` needs, begun; None where the run joins a
-        Ray (an address, RAY_ADDRESS, one this process is connected to). A run that would not
-        fit this machine is refused first (ConfigError), before anything starts."""
-        if not starts_local_ray(cfg):
+    def begin(cls, cfg, clock=None) -> "LocalRay | None":
+        """The start of the Ray a run of `cfg` needs, begun: a local one (a run that would not
+        fit this machine is refused first, ConfigError, before anything starts), or the cluster
+        at `cluster.address` or RAY_ADDRESS joined; None where this process is connected to a
+        Ray already. `clock()`: seconds since the run's start."""
+        import ray
+
+        if ray.is_initialized():
             return None
-        check_local_capacity(cfg)
+        began_s = clock() if clock is not None else 0.0
+        options = {"logging_level": "WARNING", "log_to_driver": True}
         quiet_logs()
-        return cls({"logging_level": "WARNING", "log_to_driver": True, **local_ray_options(cfg)}, began_s)
+        if starts_local_ray(cfg):
+            check_local_capacity(cfg)
+            return cls({**options, **local_ray_options(cfg)}, began_s, cfg, clock)
+        address = cfg.cluster.address or os.environ.get("RAY_ADDRESS", "")
+        return cls({**options, "address": cfg.cluster.address or None, "joins": address}, began_s, cfg, clock)
+
+    @property
+    def joins(self) -> bool:
+        """Whether this start joins a running Ray (else it starts one here)."""
+        return "joins" in self._options
 
     def _keep(self) -> None:
         import ray
 
+        options = dict(self._options)
+        address = options.pop("joins", None)
         try:
-            ray.init(**self._options)
+            if address is not None:
+                check_reachable(address)  # an address nobody listens on fails now, not after minutes
+            ray.init(**options)
+            ahead = False
+            if self._cfg is not None:  # before `wait` returns: the run's placement waits for it
+                from rayzero.cluster.worker_group import begin_ahead, place_ahead
+
+                ahead = begin_ahead(self._cfg, self._clock() if self._clock is not None else 0.0)
         except BaseException as e:  # noqa: BLE001 (given to the run by wait(); the thread's end stops the rest)
             self._error = e
             return
         finally:
             self._ready.set()
-        while not self._release.wait(1.0) and ray.is_initialized():
+        if ahead:
+            place_ahead(self._cfg)
+        while address is None and not self._release.wait(1.0) and ray.is_initialized():
             pass
 
     def wait(self) -> None:
-        """Until Ray is up; raises what `ray.init` raised."""
+        """Until Ray is up; raises what `ray.init` (or the address's check) raised."""
         self._ready.wait()
         if self._error is not None:
             raise self._error

@@ -126,12 +126,17 @@ class Placing(State):
     def next(self, run) -> State:
         run.record.world = self.world
         c = run.cfg.cluster
-        if c.keep_ranks and run.cluster.kept(run.actor_cls, self.world, run.bundle, c.placement_strategy,
-                                             run.cfg.parallel.tp):
+        processes = "their processes" if self.world > 1 else "its process"
+        ahead = run.cluster.placed_ahead(run.actor_cls, self.world, run.bundle, c.placement_strategy,
+                                         run.cfg.parallel.tp)
+        if ahead is not None:
+            run.startup.stage("placement", f"placing {ranks_words(self.world)} ({bundle_words(run.bundle)} each) "
+                                           f"and starting {processes} (begun at {ahead:.1f}s, as Ray came up)")
+        elif c.keep_ranks and run.cluster.kept(run.actor_cls, self.world, run.bundle, c.placement_strategy,
+                                               run.cfg.parallel.tp):
             run.startup.stage("placement", f"taking the {ranks_words(self.world)} the last run kept "
                                            f"({bundle_words(run.bundle)} each)")
         else:
-            processes = "their processes" if self.world > 1 else "its process"
             run.startup.stage("placement", f"placing {ranks_words(self.world)} ({bundle_words(run.bundle)} each) "
                                            f"and starting {processes}")
         group, world = self.place(run)

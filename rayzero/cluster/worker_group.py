@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass
+import threading
 from typing import Any, Callable
 
 import ray
 from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rayzero.cluster.spares import Spare, Spares, free_bundles, remove_groups
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +50,24 @@ class WorkerGroup:
         (`cluster.keep_ranks`): take the ranks an earlier run of this process kept, if they
         were placed alike, and keep these at `shutdown` (see `Kept`)."""
         key = placement_key(actor_cls, num_workers, bundle, strategy)
-        if keep:
+        KEPT.wait_ahead()
+        if key == KEPT.ahead_key and KEPT.ahead_error is not None:  # it waited the placement's time: said so
+            error, KEPT.ahead_key, KEPT.ahead_error = KEPT.ahead_error, None, None
+            raise error
+        if keep or key == KEPT.ahead_key:
             group = KEPT.take(key, actor_args, same_node)
             if group is not None:
+                group.keep_as = key if keep else None
                 return group
         KEPT.discard()  # placed otherwise: the kept ranks' room is this run's
+        group = cls.place(actor_cls, num_workers, bundle, actor_args, strategy, placement_timeout_s, same_node)
+        group.keep_as = key if keep else None
+        return group
+
+    @classmethod
+    def place(cls, actor_cls, num_workers: int, bundle: dict[str, float], actor_args: Callable[[int], tuple],
+              strategy: str, placement_timeout_s: float, same_node: int) -> "WorkerGroup":
+        """The placement group, then one actor in each bundle (`create`, without the kept ranks)."""
         bundles = [dict(bundle) for _ in range(num_workers)]
         pg = placement_group(bundles, strategy=strategy)
         try:
@@ -91,9 +105,7 @@ class WorkerGroup:
         except BaseException:
             cls(actors, pg).shutdown()
             raise
-        group = cls(actors, pg)
-        group.keep_as = key if keep else None
-        return group
+        return cls(actors, pg)
 
     def replace(self, rank: int, actor, pg, bundle_index: int = 0) -> None:
         """Put `actor` (a warm spare, `Spares.take`) at `rank`, in bundle `bundle_index` of `pg`
@@ -208,7 +220,7 @@ class WorkerGroup:
         self.actors = []
         groups = [*self.spare_pgs, *([self.pg] if self.pg is not None else [])]
         self.pg, self.spare_pgs, self.vacant = None, [], []
-        _remove(groups)
+        remove_groups(groups)
 
 
 def split_groups(pg, num_workers: int, same_node: int) -> list[list[int]]:
@@ -242,6 +254,18 @@ class Kept:
         # The address of a Ray connection a run made and left open for the kept ranks (they end
         # with it); `release` shuts it down. None: the connection, if any, is not the kept ranks'.
         self.connection: str | None = None
+        # A placement begun ahead of its run (`begin_ahead`, `place_ahead`): set once it is done;
+        # the placement it made (its key), when it began in the run's start-up clock, and its
+        # PlacementError, until the run's placement takes them.
+        self.ahead: threading.Event | None = None
+        self.ahead_key: tuple | None = None
+        self.ahead_began_s: float | None = None
+        self.ahead_error: PlacementError | None = None
+
+    def wait_ahead(self) -> None:
+        """Until a placement begun ahead of the run (if any) is done."""
+        if self.ahead is not None:
+            self.ahead.wait()
 
     @staticmethod
     def _cluster() -> str | None:
@@ -256,16 +280,16 @@ class Kept:
         self.group, self.cluster = WorkerGroup(group.actors, group.pg), self._cluster()
         self.group.keep_as = group.keep_as
 
-    def _serves(self, key, same_node: int) -> bool:
+    def serves(self, key, same_node: int) -> bool:
         """Whether the kept group was placed as `key` asks, on this process's present Ray, with
         each run of `same_node` ranks on one node."""
         return (self.group is not None and key == self.group.keep_as and self._cluster() == self.cluster
                 and not split_groups(self.group.pg, len(self.group.actors), same_node))
 
     def ready(self, key, same_node: int = 1, timeout_s: float = 2.0) -> bool:
-        """Whether a group placed as `key` asks is kept (`_serves`) and each of its ranks answers;
+        """Whether a group placed as `key` asks is kept (`serves`) and each of its ranks answers;
         a kept group with a rank that does not (it died while idle) is discarded."""
-        if not self._serves(key, same_node):
+        if not self.serves(key, same_node):
             return False
         try:
             ray.get([a.progress.remote() for a in self.group.actors], timeout=timeout_s)
@@ -277,11 +301,11 @@ class Kept:
 
     def take(self, key, actor_args: Callable[[int], tuple[Any, ...]], same_node: int = 1,
              timeout_s: float = 30.0) -> "WorkerGroup | None":
-        """The kept group if it serves (`_serves`), each rank renewed with `actor_args(rank)`;
+        """The kept group if it serves (`serves`), each rank renewed with `actor_args(rank)`;
         None otherwise (a group that cannot be renewed is killed)."""
-        if not self._serves(key, same_node):
+        if not self.serves(key, same_node):
             return None
-        group, self.group = self.group, None
+        group, self.group, self.ahead_key = self.group, None, None
         try:
             ray.get([a.renew.remote(*actor_args(r)) for r, a in enumerate(group.actors)], timeout=timeout_s)
         except Exception as e:  # a kept rank died while idle, or hangs: start afresh
@@ -308,160 +332,46 @@ class Kept:
 KEPT = Kept()
 
 
+def begin_ahead(cfg, began_s: float) -> bool:
+    """Whether the ranks of a run of `cfg` are placed ahead of it (`place_ahead`), and if so, what
+    the run's placement is to wait for: said before the driver goes on from its Ray's start."""
+    from rayzero.workers.actor import RankActor
+
+    worlds, c = cfg.world_sizes(), cfg.cluster
+    if len(worlds) > 1 or KEPT.group is not None:  # elastic: the cluster's room decides its world
+        return False
+    bundle = {"CPU": c.cpus_per_worker, **({"GPU": 1} if c.use_gpu else {})}
+    KEPT.ahead, KEPT.ahead_error = threading.Event(), None
+    KEPT.ahead_key, KEPT.ahead_began_s = placement_key(RankActor, worlds[0], bundle, c.placement_strategy), began_s
+    return True
+
+
+def place_ahead(cfg) -> None:
+    """Place a run's ranks and start their processes before the run gets to it (`begin_ahead`
+    said so): the driver has just connected to Ray and its own imports and checks go on, while
+    the processes import torch and the model's code. The group is left with `KEPT`, each process
+    without a rank, until the run's placement takes it and renews every one with the run's
+    arguments (`Kept.take`); a run placed otherwise kills it. A placement that fails within
+    `cluster.placement_timeout_s` is the run's error, raised where it places its ranks; any
+    other failure leaves the placement to the run."""
+    actor_cls, world, bundle, strategy = KEPT.ahead_key
+    try:
+        group = WorkerGroup.place(actor_cls, world, dict(bundle), lambda r: (None, None, world, "", None), strategy,
+                                  cfg.cluster.placement_timeout_s, cfg.parallel.tp)
+        group.keep_as = KEPT.ahead_key
+        KEPT.keep(group)
+    except PlacementError as e:
+        KEPT.ahead_error = e
+    except Exception as e:  # noqa: BLE001 (the run's own placement tries again, and says why)
+        log.debug("placing the ranks ahead of the run failed: %s", e)
+        KEPT.ahead_key = None
+    finally:
+        KEPT.ahead.set()
+
+
 def release_ranks() -> None:
     """Release the rank processes kept by a run with `cluster.keep_ranks` (none: nothing to do)."""
     KEPT.release()
-
-
-def _remove(groups: list) -> None:
-    """Remove placement groups and wait (5 s at most) until Ray has freed their resources."""
-    for pg in groups:
-        remove_placement_group(pg)
-    deadline = time.monotonic() + 5
-    for pg in groups:
-        while time.monotonic() < deadline and placement_group_table(pg).get("state") != "REMOVED":
-            time.sleep(0.01)
-
-
-def spares_warning(requested: int, placed: int, bundle: dict[str, float]) -> str | None:
-    """The one line a run logs when the cluster holds fewer spares than `failure.spares` asks."""
-    if placed >= requested:
-        return None
-    each = ", ".join(f"{v:g} {k}" for k, v in bundle.items())
-    return (f"failure.spares={requested}: only {placed} of {requested} spares could be placed ({each} each); "
-            f"the cluster has no free resources for more, and a lost rank beyond them restarts every rank")
-
-
-@dataclass
-class Spare:
-    """A standby rank actor: where it lives, and its `warm()` call's result."""
-
-    actor: Any
-    pg: Any
-    bundle_index: int
-    owns_pg: bool  # its own single-bundle group (else a vacant bundle of a worker group's)
-    warmed: Any  # ObjectRef of `actor.warm()`
-
-
-class Spares:
-    """Warm standby rank actors (`failure.spares`): each started with no rank, in a bundle of a
-    rank's shape, and warmed (`Rank.warm`: torch and the model's code loaded), ready to take a
-    lost rank's place (`take`, then `WorkerGroup.replace`)."""
-
-    def __init__(self, actor_cls, bundle: dict[str, float], actor_args: Callable[[], tuple[Any, ...]]):
-        """`actor_args()`: the spare's constructor arguments, its rank None."""
-        self.actor_cls, self.bundle, self.actor_args = actor_cls, dict(bundle), actor_args
-        self.spares: list[Spare] = []
-        self.owed: list[tuple[Any, int] | None] = []  # homes of spares to start later (`owe`)
-
-    @classmethod
-    def start(cls, actor_cls, count: int, bundle: dict[str, float], actor_args: Callable[[], tuple[Any, ...]],
-              *, wait_s: float = 2.0) -> "Spares":
-        """Up to `count` spares, each in a single-bundle placement group of its own, given
-        `wait_s` to be placed; the first that cannot be stops the count (the others would not
-        fit either), with one warning naming how many were placed."""
-        pool = cls(actor_cls, bundle, actor_args)
-        for _ in range(count):
-            pg = placement_group([dict(bundle)])
-            try:
-                ray.get(pg.ready(), timeout=wait_s)
-            except GetTimeoutError:
-                remove_placement_group(pg)
-                break
-            pool._start(pg, 0, owns_pg=True)
-        warning = spares_warning(count, len(pool.spares), bundle)
-        if warning:
-            log.warning(warning)
-        return pool
-
-    def _start(self, pg, bundle_index: int, owns_pg: bool) -> None:
-        actor = self.actor_cls.options(
-            num_cpus=self.bundle.get("CPU", 0),
-            num_gpus=self.bundle.get("GPU", 0),
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_index),
-        ).remote(*self.actor_args())
-        self.spares.append(Spare(actor, pg, bundle_index, owns_pg, actor.warm.remote()))
-
-    def __len__(self) -> int:
-        return len(self.spares)
-
-    def take(self, timeout_s: float = 0.0) -> Spare | None:
-        """A spare whose `warm()` has finished, out of the pool, waiting up to `timeout_s` for
-        one; None if none is ready. A spare that died is dropped on the way."""
-        deadline = time.monotonic() + timeout_s
-        while self.spares:
-            refs = [s.warmed for s in self.spares]
-            ready, _ = ray.wait(refs, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                return None
-            spare = self.spares.pop(refs.index(ready[0]))
-            try:
-                ray.get(spare.warmed)
-            except Exception as e:
-                log.warning("a spare failed to warm up and is dropped: %s", e)
-                self._kill(spare)
-                continue
-            return spare
-        return None
-
-    def replenish(self, home: tuple[Any, int] | None = None) -> None:
-        """Start one more spare without waiting for it: in `home` (a worker group's vacant
-        bundle, `WorkerGroup.vacant_bundle`) if given, else in a new single-bundle group that
-        Ray places when resources allow. `take` offers it once it is warm."""
-        if home is not None:
-            self._start(home[0], home[1], owns_pg=False)
-        else:
-            self._start(placement_group([dict(self.bundle)]), 0, owns_pg=True)
-
-    def owe(self, home: tuple[Any, int] | None = None) -> None:
-        """`replenish(home)` later, at `settle`: a spare's start (its process importing torch,
-        ~1.5 s of CPU) would otherwise run beside the group's rendezvous, load and first step,
-        on the same cores. (Measured, benchmarks/recovery.py: 4 ranks on 2 cores.)"""
-        self.owed.append(home)
-
-    def settle(self) -> None:
-        """Start the spares owed (`owe`): the group they stood in for trains again."""
-        owed, self.owed = self.owed, []
-        for home in owed:
-            self.replenish(home)
-
-    def forget_owed(self) -> None:
-        """The group whose bundles the spares were owed in is gone (a restart places a fresh
-        one): its vacant bundles with it."""
-        self.owed = []
-
-    def _kill(self, spare: Spare) -> None:
-        try:
-            ray.kill(spare.actor, no_restart=True)
-        except Exception as e:
-            log.debug("kill of a spare failed: %s", e)
-        if spare.owns_pg:
-            _remove([spare.pg])
-
-    def kill(self) -> None:
-        """Kill every spare and remove the placement groups of their own."""
-        spares, self.spares, self.owed = self.spares, [], []
-        for spare in spares:
-            self._kill(spare)
-
-
-def free_bundles(bundle: dict[str, float], settle_s: float = 2.0) -> int:
-    """How many `bundle`s the cluster's free resources hold now, summed over nodes (an upper
-    bound for PACK and SPREAD placement). Waits until the view settles: freed resources reach
-    it some 100 ms after a placement group is removed."""
-    def count() -> int:
-        free = ray.available_resources()
-        return int(min(free.get(k, 0.0) / v for k, v in bundle.items() if v > 0) + 1e-9)
-
-    deadline = time.monotonic() + settle_s
-    last = count()
-    while time.monotonic() < deadline:
-        time.sleep(0.2)
-        now = count()
-        if now == last:
-            return now
-        last = now
-    return last
 
 
 class RayCluster:
@@ -477,6 +387,13 @@ class RayCluster:
         """Whether ranks kept by an earlier run (`cluster.keep_ranks`), placed as these are asked,
         are there and answer (see `Kept.ready`)."""
         return KEPT.ready(placement_key(actor_cls, world, bundle, strategy), same_node)
+
+    @staticmethod
+    def placed_ahead(actor_cls, world: int, bundle: dict[str, float], strategy: str = "PACK",
+                     same_node: int = 1) -> float | None:
+        """When a placement begun ahead of the run (`place_ahead`) as these ranks are asked began,
+        in the start-up's clock; None if none did (`create` waits for it, and takes its group)."""
+        return KEPT.ahead_began_s if KEPT.ahead_key == placement_key(actor_cls, world, bundle, strategy) else None
 
     @staticmethod
     def free(bundle: dict[str, float], settle_s: float = 2.0) -> int:

@@ -79,7 +79,7 @@ def _train(args, after: ExitStack, own_process: bool = False) -> int:
             from rayzero.jobs.data_checks import check_data_paths
 
             check_data_paths(cfg)  # a mistyped path refused before anything starts
-            local_ray = LocalRay.begin(cfg, began_s=startup.elapsed())  # None: the run joins a Ray
+            local_ray = LocalRay.begin(cfg, clock=startup.elapsed)  # None: this process has a Ray already
             if local_ray is not None:
                 after.callback(local_ray.stop)
         code, summary = _run_train(args, cfg, startup, local_ray)
@@ -174,14 +174,14 @@ def _prepare(args) -> int:
 
     from rayzero.cluster.worker_group import release_ranks
     from rayzero.cluster.local_ray import quiet_logs, shutdown_ray
-    from rayzero.jobs.train import _check_reachable
+    from rayzero.cluster.local_ray import check_reachable
 
     quiet_logs()
     release_ranks()  # ranks an earlier `train` of this process kept would hold the CPUs its tasks need
     if ray.is_initialized():
         return _tokenize(args, storage)
     try:
-        _check_reachable(args.address)
+        check_reachable(args.address)
         ray.init(address=args.address or None, logging_level="WARNING", log_to_driver=False)
     except ConnectionError as e:
         raise _UserError(f"--address: cannot connect to a Ray cluster at {args.address!r}: {e}") from None

@@ -11,10 +11,10 @@ import ray
 
 from rayzero.cluster.checkpoints import Checkpoints
 from rayzero.config import ConfigError, RootConfig
-from rayzero.cluster.local_ray import check_local_capacity, quiet_logs, starts_local_ray
+from rayzero.cluster.local_ray import check_local_capacity, check_reachable, quiet_logs, starts_local_ray
 from rayzero.jobs.preflight import nothing_to_train, resume_preview
 from rayzero.jobs.train import (
-    ModelUnreachable, _check_reachable, absolute_data_paths, absolute_model_path, adapter_start, prepare_model,
+    ModelUnreachable, absolute_data_paths, absolute_model_path, adapter_start, prepare_model,
     given_compile_cache, resolve_factory, vocab_note,
 )
 from rayzero.models import ModelSpec, spec_class
@@ -208,7 +208,7 @@ def cluster_free(address: str) -> dict[str, float]:
     ConnectionError if it cannot be reached. A connection made here is closed again."""
     if ray.is_initialized():
         return dict(ray.available_resources())
-    _check_reachable(address)
+    check_reachable(address)
     quiet_logs()
     try:
         ray.init(address=address or None, logging_level="ERROR", log_to_driver=False)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-import socket
 import sys
 import time
 from pathlib import Path
@@ -17,7 +16,7 @@ from rayzero.storage import StorageError
 from rayzero.cluster.checkpoints import Checkpoints
 from rayzero.cluster.controller import Controller
 from rayzero.cluster.local_ray import (
-    LocalRay, check_local_capacity, local_ray_options, quiet_logs, shutdown_ray, starts_local_ray,
+    LocalRay, check_local_capacity, check_reachable, local_ray_options, quiet_logs, shutdown_ray, starts_local_ray,
 )
 from rayzero.cluster.startup import CHECKS, Startup
 from rayzero.cluster.tracking import UNSENT, NullTracker, Tracker
@@ -257,55 +256,6 @@ def tracking_uri(cfg: RootConfig, run_dir: Path) -> str:
     return cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{run_dir / 'mlflow.db'}"
 
 
-def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
-    """Fail fast on a host:port nobody listens on (ray.init would retry for minutes), and on a
-    cluster that refuses this process's authentication (ray.init would print Ray's refusal
-    every second for 20 s, then say only that it cannot connect)."""
-    host, sep, port = address.removeprefix("ray://").rpartition(":")
-    if not sep or not port.isdigit():
-        return  # "", "auto", or a form ray.init resolves itself
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
-    except OSError as e:
-        raise ConnectionError(f"{host}:{port} is not reachable ({e})") from None
-    if not address.startswith("ray://"):  # a GCS address: ask it, as ray.init will, once
-        _check_authentication(f"{host}:{port}", timeout_s)
-
-
-def _check_authentication(gcs: str, timeout_s: float) -> None:
-    """One GCS call with this process's credentials (RAY_AUTH_MODE=token: its token): a
-    refusal is a ConnectionError that says what to set. Anything else is left to ray.init."""
-    try:
-        import grpc
-        from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
-    except ImportError:
-        return
-    token = os.environ.get("RAY_AUTH_MODE", "").lower() == "token"
-    metadata = ()
-    if token:
-        try:
-            from ray._private.authentication.grpc_authentication_client_interceptor import (
-                _get_authentication_metadata_tuple,
-            )
-            metadata = _get_authentication_metadata_tuple()
-        except Exception:  # noqa: BLE001 (Ray's internals moved: ray.init checks the token itself)
-            return
-    with grpc.insecure_channel(gcs) as channel:
-        try:
-            gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
-                gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s, metadata=metadata)
-        except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.UNAUTHENTICATED:
-                return
-            where = ("the token `ray get-auth-token` prints on its head node, as RAY_AUTH_TOKEN or in "
-                     "~/.ray/auth_token")
-            raise ConnectionError(
-                f"the cluster uses token authentication and refused this process's token: give it {where}"
-                if token else
-                f"the cluster uses token authentication: export RAY_AUTH_MODE=token before the command, with "
-                f"{where}") from None
-
-
 def run_train(cfg: RootConfig, progress: bool = True, factory=None, startup: Startup | None = None,
               local_ray: LocalRay | None = None) -> dict:
     """Train; the run's summary (what `rayzero train --summary-json` writes)."""
@@ -392,7 +342,7 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None, startup: Sta
             if local_ray is not None:
                 local_ray.wait()
             else:
-                _check_reachable(address)
+                check_reachable(address)
                 ray.init(address=cfg.cluster.address or None, logging_level="WARNING", log_to_driver=True,
                          **local_ray_options(cfg))
         except ConnectionError as e:

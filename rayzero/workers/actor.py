@@ -1,32 +1,39 @@
-"""The Ray actor hosting one rank: a thin shim that forwards every call to `Rank`."""
+"""The Ray actor hosting one rank: a thin shim that forwards every call to `Rank`.
+
+This module imports neither torch nor the rank's code (its process does, as it starts): the
+driver names `RankActor` to place ranks while its own imports go on (`place_ahead`)."""
 
 from __future__ import annotations
 
 import os
 import threading
+from typing import TYPE_CHECKING
 
 import ray
-import torch
 
-from rayzero.config import RootConfig
-from rayzero.workers.membership import collect_and_freeze
 from rayzero.workers.phases import CALLS
-from rayzero.workers.rank import Rank
+
+if TYPE_CHECKING:
+    from rayzero.config import RootConfig
 
 
 class RankShim:
     """Forwards every call to a `Rank`; `RankActor` is this as a Ray actor. The calls of
     `phases.CALLS` (setup, checkpoints, the iteration's phases) are added below, one each."""
 
-    def __init__(self, cfg: RootConfig, rank: int | None, world_size: int, data_path: str, factory=None):
-        """`rank`: None for a warm spare (see `Rank`)."""
+    def __init__(self, cfg: RootConfig | None, rank: int | None, world_size: int, data_path: str, factory=None):
+        """`rank`: None for a warm spare (see `Rank`); `cfg`: None for a process started ahead of
+        its run (`place_ahead`), which imports what a rank needs and waits for `renew`."""
+        from rayzero.workers.membership import collect_and_freeze
+        from rayzero.workers.rank import Rank  # torch and the model code: the process's start
+
         collect_and_freeze()  # the process has just started: what it holds now is its imports
-        self.rank = Rank(cfg, rank, world_size, data_path, factory)
+        self.rank = Rank(cfg, rank, world_size, data_path, factory) if cfg is not None else None
 
     # In its own thread, so the controller's watchdog gets an answer while a phase runs.
     @ray.method(concurrency_group="control")
     def progress(self) -> dict:
-        return self.rank.progress()
+        return self.rank.progress() if self.rank is not None else {"phase": None, "ahead": True}
 
     # In a thread of its own, and never returning: a call the driver waits on (`ray.wait`,
     # which does not spin) until this process ends, when it fails at once. The compiled graph's
@@ -40,13 +47,19 @@ class RankShim:
         return self.rank.address(ray.util.get_node_ip_address())
 
     def close(self) -> None:
-        self.rank.close()
+        if self.rank is not None:  # (a process started ahead has no rank until `renew`)
+            self.rank.close()
 
     def renew(self, cfg: RootConfig, rank: int | None, world_size: int, data_path: str, factory=None) -> dict:
-        """A kept process (`cluster.keep_ranks`) becomes a new run's rank: its closed `Rank` goes,
-        a new one is made as `__init__` makes it, and torch's global generator is seeded from the
-        system's entropy as a new process's is (nothing of the run before decides a draw); torch
-        and the model's code stay imported."""
+        """A kept process (`cluster.keep_ranks`, or one started ahead of its run) becomes a new
+        run's rank: its closed `Rank` goes (if any), a new one is made as `__init__` makes it, and
+        torch's global generator is seeded from the system's entropy as a new process's is
+        (nothing of the run before decides a draw); torch and the model's code stay imported."""
+        import torch
+
+        from rayzero.workers.membership import collect_and_freeze
+        from rayzero.workers.rank import Rank
+
         self.rank = Rank(cfg, rank, world_size, data_path, factory)
         collect_and_freeze()  # the closed rank's leftovers go; what lives on is not scanned again
         torch.seed()

@@ -74,6 +74,9 @@ def test_train_on_a_local_ray_with_defaults(tmp_path, small_dataset):
     # Ray's start began with the checks, before torch was imported (LocalRay), not after them
     began = float(r.stderr.split("starting a local Ray (begun at ", 1)[1].split("s, beside the checks)")[0])
     assert began < 1.0, r.stderr
+    # and the ranks' placement as soon as Ray was up, in the same thread (place_ahead), taken by the run
+    placed = r.stderr.split("placing 2 ranks (1 CPU each) and starting their processes (begun at ", 1)[1]
+    assert began < float(placed.split("s, as Ray came up)")[0]), r.stderr
     assert "building and sharding the model on the ranks (initial values, seed 0)" in r.stderr
     (session,) = local_ray_sessions() - sessions  # the CLI started a Ray of its own
     # with no dashboard (cluster.dashboard=false): Ray's head process keeps only its minimal part
@@ -196,6 +199,11 @@ def test_train_on_a_running_cluster_leaves_nothing_behind(tmp_path, ray_cluster,
                 f"data.path={rayzero_sources}", "train.steps=4", "tracking.enabled=false", *FAST,
                 "--no-progress", "--summary-json", str(tmp_path / "s.json"), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
+    # Joined and placed beside the checks (LocalRay, place_ahead): both said begun before the checks ended
+    said = {line.split("] ", 1)[1].split(" (")[0]: line for line in r.stderr.splitlines() if line.startswith("rayzero: [")}
+    checks_end = float(said[f"joining the Ray cluster at {ray_cluster}"].split("[")[1].split("s]")[0])
+    placing = said["placing 2 ranks"]
+    assert "(begun at " in placing and float(placing.split("(begun at ")[1].split("s, ")[0]) < checks_end, r.stderr
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["strategy"] == strategy and summary["dispatch"] == dispatch
     assert summary["final_loss"] < summary["first_loss"]

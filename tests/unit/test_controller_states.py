@@ -125,6 +125,9 @@ class FakeCluster:
     def free(self, bundle, settle_s=0.0) -> int:
         return max(0, self.events.capacity - self.events.placed)
 
+    def placed_ahead(self, actor_cls, world, bundle, strategy="PACK", same_node=1):
+        return None  # no placement begun ahead of the run
+
     def start_spares(self, actor_cls, count, bundle, actor_args):
         return FakeSpares(count, self.events)
 

@@ -8,6 +8,8 @@ Checked on the source with `ast`, so nothing here imports the modules (or ray).
 from __future__ import annotations
 
 import ast
+import importlib
+import inspect
 import sys
 from fnmatch import fnmatchcase
 from functools import lru_cache
@@ -149,10 +151,23 @@ def imported_at_start(start: str) -> set[str]:
     return seen
 
 
+# What a rank's actor imports as its process starts (`RankShim.__init__`), besides its module.
+RANK_START = ("rayzero.workers.actor", "rayzero.workers.membership", "rayzero.workers.rank")
+
+
 def test_a_rank_process_starts_without_what_only_some_runs_use():
-    started = imported_at_start("rayzero.workers.actor")
-    assert "rayzero.workers.rank" in started and "torch" in started  # the walk follows real imports
+    started = set().union(*(imported_at_start(m) for m in RANK_START))
+    assert "rayzero.workers.assembly" in started and "torch" in started  # the walk follows real imports
     assert sorted(n for n in started if any(hits(n, bad) for bad in RANK_START_FORBIDDEN)) == []
+
+
+def test_the_driver_names_the_rank_actor_without_torch():
+    """The CLI places its ranks ahead of its own imports (`place_ahead`): the actor's module
+    imports neither torch nor the rank's code; its process imports them as it starts."""
+    started = imported_at_start("rayzero.workers.actor")
+    assert not [n for n in started if hits(n, "torch") or hits(n, "rayzero.workers.rank")]
+    init = inspect.getsource(importlib.import_module("rayzero.workers.actor").RankShim.__init__)
+    assert all(f"from {m} import" in init for m in RANK_START[1:])
 
 
 # The pure layers must stay free of ray even through another rayzero module they import.

@@ -3,7 +3,7 @@ are reserved, and a group split across nodes is refused by name (Ray's placement
 
 import pytest
 
-from rayzero.cluster import worker_group
+from rayzero.cluster import spares, worker_group
 from rayzero.cluster.worker_group import PlacementError
 
 
@@ -23,10 +23,11 @@ def placed(monkeypatch):
         pg = Placed(nodes)
         monkeypatch.setattr(worker_group, "placement_group", lambda bundles, strategy: pg)
         monkeypatch.setattr(worker_group.ray, "get", lambda ref, timeout=None: None)
-        monkeypatch.setattr(worker_group, "placement_group_table",  # as Ray's table shows a group, removed or not
-                            lambda g: {"bundles_to_node_id": dict(enumerate(g.nodes)),
-                                       "state": "REMOVED" if g in removed else "CREATED"})
-        monkeypatch.setattr(worker_group, "remove_placement_group", removed.append)
+        for module in (worker_group, spares):  # (spares.remove_groups gives a group back)
+            monkeypatch.setattr(module, "placement_group_table",  # as Ray's table shows a group, removed or not
+                                lambda g: {"bundles_to_node_id": dict(enumerate(g.nodes)),
+                                           "state": "REMOVED" if g in removed else "CREATED"})
+            monkeypatch.setattr(module, "remove_placement_group", removed.append)
         return pg
 
     return place, removed
@@ -92,10 +93,11 @@ def cluster_of(monkeypatch):
             placed.append(pg)
             return pg
 
-        monkeypatch.setattr(worker_group, "placement_group", group)
+        for module in (worker_group, spares):  # a worker group's placement calls, and the spares'
+            monkeypatch.setattr(module, "placement_group", group)
+            monkeypatch.setattr(module, "remove_placement_group", removed.append)
+            monkeypatch.setattr(module, "placement_group_table", lambda g: {"state": "REMOVED"})
         monkeypatch.setattr(worker_group.ray, "get", get)
-        monkeypatch.setattr(worker_group, "remove_placement_group", removed.append)
-        monkeypatch.setattr(worker_group, "placement_group_table", lambda g: {"state": "REMOVED"})
         monkeypatch.setattr(worker_group.ray, "kill", lambda actor, no_restart=True: None)
         FakeSpare.started = []
         return placed
@@ -106,7 +108,7 @@ def cluster_of(monkeypatch):
 def test_spares_beyond_the_free_resources_are_left_out_with_one_warning(cluster_of, caplog):
     make, removed = cluster_of
     placed = make(free=1)
-    pool = worker_group.Spares.start(FakeSpare, 3, {"CPU": 1}, lambda: ("cfg", None, 2, "data"), wait_s=0.1)
+    pool = spares.Spares.start(FakeSpare, 3, {"CPU": 1}, lambda: ("cfg", None, 2, "data"), wait_s=0.1)
     assert len(pool) == 1 and len(FakeSpare.started) == 1
     assert removed == [placed[1]], "the group that could not be placed is given back; no third is tried"
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
@@ -117,7 +119,7 @@ def test_spares_beyond_the_free_resources_are_left_out_with_one_warning(cluster_
 def test_all_spares_placed_warn_nothing(cluster_of, caplog):
     make, _ = cluster_of
     make(free=2)
-    assert len(worker_group.Spares.start(FakeSpare, 2, {"CPU": 1}, lambda: ("cfg", None, 2, "data"))) == 2
+    assert len(spares.Spares.start(FakeSpare, 2, {"CPU": 1}, lambda: ("cfg", None, 2, "data"))) == 2
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
 
 
