@@ -3,7 +3,7 @@
 One run, in rounds (default 3), each round all of:
   1. `rayzero train train.steps=1 --no-progress` as a user's first command: the CLI in a
      process of its own, starting a local Ray of its own (no RAY_ADDRESS) beside its imports
-     and checks (`LocalRay`), its ranks placed as soon as Ray is up (`place_ahead`), the
+     and checks (`RayStart`), its ranks placed as soon as Ray is up (`place_ahead`), the
      default model (`tiny`) and data (the stdlib corpus, prepared
      before the first round: its first-use preparation is not timed), MLflow and checkpoints
      on, as the defaults have them;
@@ -105,7 +105,7 @@ def start_head(env: dict) -> tuple[str, Path]:
 
 
 # The CLI's `main` called from Python, not as the program: Ray's start (or join) begins after the
-# checks, and the ranks' placement after that (the sequence every run had before `LocalRay` began
+# checks, and the ranks' placement after that (the sequence every run had before `RayStart` began
 # them beside the imports and checks).
 AFTER_CHECKS = [sys.executable, "-c", "import sys; from rayzero.jobs.cli import main; sys.exit(main(sys.argv[1:]))"]
 

@@ -1,5 +1,6 @@
-"""The Ray a run starts on this machine: whether it starts one, whether it fits, what Ray's
-start-up says, and its start begun beside the driver's checks (`LocalRay`).
+"""The Ray a run starts on this machine, or joins: whether it starts one, whether it fits, whether
+a cluster's address answers, what Ray's start-up says, and the start (or the join) begun beside
+the driver's checks, the ranks' placement after it (`RayStart`).
 
 Standard library at import (Ray and torch are imported by the functions that need them): the
 CLI, in a process of its own, begins Ray's start before it imports torch and the model code.
@@ -136,7 +137,7 @@ def shutdown_ray() -> None:
         signal.signal(signal.SIGINT, previous)
 
 
-class LocalRay:
+class RayStart:
     """A run's Ray, its start begun in a thread of its own while the driver goes on with its
     imports and checks: a local Ray started, or a running one joined (`cluster.address`,
     RAY_ADDRESS). Once Ray is up, the same thread begins placing the run's ranks and starting
@@ -158,11 +159,11 @@ class LocalRay:
         self._ready = threading.Event()
         self._release = threading.Event()
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._keep, name="rayzero-local-ray", daemon=True)
+        self._thread = threading.Thread(target=self._keep, name="rayzero-ray-start", daemon=True)
         self._thread.start()
 
     @classmethod
-    def begin(cls, cfg, clock=None) -> "LocalRay | None":
+    def begin(cls, cfg, clock=None) -> "RayStart | None":
         """The start of the Ray a run of `cfg` needs, begun: a local one (a run that would not
         fit this machine is refused first, ConfigError, before anything starts), or the cluster
         at `cluster.address` or RAY_ADDRESS joined; None where this process is connected to a
@@ -215,7 +216,7 @@ class LocalRay:
         if self._error is not None:
             raise self._error
 
-    # Whether a LocalRay was left starting by `stop`: the program then ends its process at once
+    # Whether a RayStart was left starting by `stop`: the program then ends its process at once
     # (`cli.command`), which ends what Ray had started with it.
     abandoned = False
 
@@ -227,7 +228,7 @@ class LocalRay:
         whose end the kernel passes on to them (PR_SET_PDEATHSIG). The CLI, in a process of its
         own, is the one user: it ends at once after this (`cli.command`)."""
         if not self._ready.is_set():
-            LocalRay.abandoned = True
+            RayStart.abandoned = True
             previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C: nothing cut short
             try:
                 for _ in range(2):  # the raylet may have started its agents while the first pass ran
@@ -277,7 +278,7 @@ class _DropNotice(logging.Filter):
 
 
 # Ray's notes at a start that say nothing a user must act on: token authentication being on
-# (its warning that it is off stays), and, for `LocalRay`'s start off the main thread, that
+# (its warning that it is off stays), and, for `RayStart`'s start off the main thread, that
 # Ray set no SIGTERM handler (the CLI's and the controller's handle SIGTERM: cli._on_sigterm).
 QUIET = {"ray._private.authentication.authentication_token_setup": ("Token authentication is enabled",),
          "ray._private.worker": ("SIGTERM handler is not set because current thread is not the main thread",)}

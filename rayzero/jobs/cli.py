@@ -54,7 +54,7 @@ def _ckpt(args) -> int:
 
 def _train(args, after: ExitStack, own_process: bool = False) -> int:
     """`rayzero train`. `own_process`: the CLI runs in a process of its own (`command`), where
-    Ray's start begins before torch is imported (`LocalRay`), and is stopped by `after` once the
+    Ray's start begins before torch is imported (`RayStart`), and is stopped by `after` once the
     run's outcome is said (a refusal found while Ray was starting is said first; then Ray is
     shut down, or, still starting, its processes are killed); a caller's process (tests, Python
     calling `main`) has imported torch already, and starts Ray after the checks."""
@@ -72,17 +72,17 @@ def _train(args, after: ExitStack, own_process: bool = False) -> int:
     startup = Startup()
     startup.stage("checks", CHECKS)  # said before the imports below: torch and Ray take seconds
     previous = _on_sigterm()  # before training; the controller takes SIGTERM over while it trains
-    local_ray = None
+    ray_start = None
     try:
         if own_process:
-            from rayzero.cluster.local_ray import LocalRay
+            from rayzero.cluster.local_ray import RayStart
             from rayzero.jobs.data_checks import check_data_paths
 
             check_data_paths(cfg)  # a mistyped path refused before anything starts
-            local_ray = LocalRay.begin(cfg, clock=startup.elapsed)  # None: this process has a Ray already
-            if local_ray is not None:
-                after.callback(local_ray.stop)
-        code, summary = _run_train(args, cfg, startup, local_ray)
+            ray_start = RayStart.begin(cfg, clock=startup.elapsed)  # None: this process has a Ray already
+            if ray_start is not None:
+                after.callback(ray_start.stop)
+        code, summary = _run_train(args, cfg, startup, ray_start)
     except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: one line, the shell's code for the signal, no traceback
         # (not imported here: a signal that came during the imports left torch half imported)
         failure = sys.modules.get("rayzero.cluster.failure")
@@ -105,7 +105,7 @@ def _train(args, after: ExitStack, own_process: bool = False) -> int:
     return 0
 
 
-def _run_train(args, cfg, startup, local_ray) -> tuple[int, dict | None]:
+def _run_train(args, cfg, startup, ray_start) -> tuple[int, dict | None]:
     """The run itself, its failures said in one line: (exit code, summary)."""
     from rayzero.checkpoint.manifest import CheckpointError
     from rayzero.storage import StorageError
@@ -114,7 +114,7 @@ def _run_train(args, cfg, startup, local_ray) -> tuple[int, dict | None]:
     from rayzero.jobs.train import ClusterUnreachable, run_train
 
     try:
-        return 0, run_train(cfg, progress=not args.no_progress, startup=startup, local_ray=local_ray)
+        return 0, run_train(cfg, progress=not args.no_progress, startup=startup, ray_start=ray_start)
     except (PlacementError, ClusterUnreachable, CheckpointError, StorageError) as e:
         raise _UserError(str(e)) from None
     except TrainingFailed as e:
@@ -297,9 +297,9 @@ def command() -> int:
     the command ends (a refusal, a Ctrl-C during the checks) ends with the process, at once:
     nothing of the interpreter's own shutdown (atexit, imports) waits on that start."""
     code = main(own_process=True)
-    from rayzero.cluster.local_ray import LocalRay
+    from rayzero.cluster.local_ray import RayStart
 
-    if LocalRay.abandoned:
+    if RayStart.abandoned:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -16,7 +16,7 @@ from rayzero.storage import StorageError
 from rayzero.cluster.checkpoints import Checkpoints
 from rayzero.cluster.controller import Controller
 from rayzero.cluster.local_ray import (
-    LocalRay, check_local_capacity, check_reachable, local_ray_options, quiet_logs, shutdown_ray, starts_local_ray,
+    RayStart, check_local_capacity, check_reachable, local_ray_options, quiet_logs, shutdown_ray, starts_local_ray,
 )
 from rayzero.cluster.startup import CHECKS, Startup
 from rayzero.cluster.tracking import UNSENT, NullTracker, Tracker
@@ -257,27 +257,28 @@ def tracking_uri(cfg: RootConfig, run_dir: Path) -> str:
 
 
 def run_train(cfg: RootConfig, progress: bool = True, factory=None, startup: Startup | None = None,
-              local_ray: LocalRay | None = None) -> dict:
+              ray_start: RayStart | None = None) -> dict:
     """Train; the run's summary (what `rayzero train --summary-json` writes)."""
-    return train_run(cfg, progress, factory, startup, local_ray)[0]
+    return train_run(cfg, progress, factory, startup, ray_start)[0]
 
 
 def train_run(cfg: RootConfig, progress: bool = True, factory=None, startup: Startup | None = None,
-              local_ray: LocalRay | None = None) -> tuple[dict, list[dict]]:
+              ray_start: RayStart | None = None) -> tuple[dict, list[dict]]:
     """Train; the run's summary and each step's metrics (one dict per step, from step 0 on a
     resumed run too). `factory`: the model's callable, given from Python (`model.kind=module`);
-    `startup`: the start-up's status lines, begun by the caller (None: begun here); `local_ray`:
-    the start of the local Ray this run uses, begun by the caller beside its imports (the CLI in
-    a process of its own; None: a local Ray, if the run needs one, is started after the checks).
-    The caller stops it (`LocalRay.stop`) once this returns or raises."""
+    `startup`: the start-up's status lines, begun by the caller (None: begun here); `ray_start`:
+    the start (or join) of the Ray this run uses, and its ranks' placement, begun by the caller
+    beside its imports (the CLI in a process of its own; None: Ray is started or joined after the
+    checks, and the ranks placed after that). The caller stops it (`RayStart.stop`) once this
+    returns or raises."""
     if startup is None:
         startup = Startup()
         startup.stage("checks", CHECKS)
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS", "")
     if KEPT.connection is not None and (not cfg.cluster.keep_ranks or KEPT.connection != address):
         KEPT.release()  # ranks kept by an earlier run, and its Ray connection, are not this run's
-    if local_ray is None and starts_local_ray(cfg):  # before anything is written: not after the placement wait
-        check_local_capacity(cfg)  # (a begun LocalRay checked it before it began)
+    if ray_start is None and starts_local_ray(cfg):  # before anything is written: not after the placement wait
+        check_local_capacity(cfg)  # (a begun RayStart checked it before it began)
     # S3 settings left to the AWS variables are resolved here, once, for the driver's checks and
     # for the ranks alike (Ray starts them without this environment); the run directory's
     # config.json and MLflow show the settings as given.
@@ -334,13 +335,13 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None, startup: Sta
     (run_dir / "config.json").write_text(shown.model_dump_json(indent=2, by_alias=True))
     cfg = with_compile_cache(cfg, run_dir)
     quiet_logs()
-    started_ray = local_ray is not None or not ray.is_initialized()
+    started_ray = ray_start is not None or not ray.is_initialized()
     startup.stage("ray", ray_words(address, started_ray)
-                  + (f" (begun at {local_ray.began_s:.1f}s, beside the checks)" if local_ray is not None else ""))
+                  + (f" (begun at {ray_start.began_s:.1f}s, beside the checks)" if ray_start is not None else ""))
     if started_ray:
         try:
-            if local_ray is not None:
-                local_ray.wait()
+            if ray_start is not None:
+                ray_start.wait()
             else:
                 check_reachable(address)
                 ray.init(address=cfg.cluster.address or None, logging_level="WARNING", log_to_driver=True,

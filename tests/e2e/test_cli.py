@@ -71,7 +71,7 @@ def test_train_on_a_local_ray_with_defaults(tmp_path, small_dataset):
                 "optim.warmup_steps=2", *FAST, "--summary-json", str(summary_path), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert startup_said(r.stderr) == startup_stages("starting a local Ray", 2, steps)
-    # Ray's start began with the checks, before torch was imported (LocalRay), not after them
+    # Ray's start began with the checks, before torch was imported (RayStart), not after them
     began = float(r.stderr.split("starting a local Ray (begun at ", 1)[1].split("s, beside the checks)")[0])
     assert began < 1.0, r.stderr
     # and the ranks' placement as soon as Ray was up, in the same thread (place_ahead), taken by the run
@@ -199,7 +199,7 @@ def test_train_on_a_running_cluster_leaves_nothing_behind(tmp_path, ray_cluster,
                 f"data.path={rayzero_sources}", "train.steps=4", "tracking.enabled=false", *FAST,
                 "--no-progress", "--summary-json", str(tmp_path / "s.json"), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    # Joined and placed beside the checks (LocalRay, place_ahead): both said begun before the checks ended
+    # Joined and placed beside the checks (RayStart, place_ahead): both said begun before the checks ended
     said = {line.split("] ", 1)[1].split(" (")[0]: line for line in r.stderr.splitlines() if line.startswith("rayzero: [")}
     checks_end = float(said[f"joining the Ray cluster at {ray_cluster}"].split("[")[1].split("s]")[0])
     placing = said["placing 2 ranks"]

@@ -366,8 +366,11 @@ class Walk:
         elif cmd.starts_with("ray job logs"):
             assert f"trained {steps} steps" in out, out
             said = [line.split("] ", 1)[1] for line in out.splitlines() if line.startswith("rayzero: [")]
-            assert said[1:3] == ["joining the Ray cluster this machine is part of",
-                                 "placing 2 ranks (1 CPU each) and starting their processes"], out  # start-up lines
+            # start-up lines: the job's driver joined its cluster and placed the ranks beside its checks
+            assert [line.split(" (begun at ")[0] for line in said[1:3]] == [
+                "joining the Ray cluster this machine is part of",
+                "placing 2 ranks (1 CPU each) and starting their processes"], out
+            assert said[1].endswith("beside the checks)") and said[2].endswith("as Ray came up)"), out
         return out
 
 

@@ -210,7 +210,7 @@ def test_a_given_up_run_exits_1_with_the_cause(monkeypatch, capsys):
     from rayzero.cluster.failure import TrainingFailed
     from rayzero.jobs import cli, train
 
-    def fails(cfg, progress, startup, local_ray):
+    def fails(cfg, progress, startup, ray_start):
         raise TrainingFailed("training stopped after 3 restarts (…): rank 1 died at step 9 (last seen in phase step)")
 
     monkeypatch.setattr(train, "run_train", fails)
