@@ -380,10 +380,13 @@ def test_every_page_s_examples_run_in_order_in_a_fresh_clone(tmp_path, ray_head,
     if not CRDS.is_dir():
         warnings.warn(f"{CRDS} is absent: `rayzero deploy check` runs without KubeRay's schema")
     walked = []
-    for i, page in enumerate(pages()):
-        if blocks(page):
-            walk.page(page, clone_of_the_repository(tmp_path / f"{i:02d}-{Path(page).stem}"))
-            walked.append(page)
+    try:
+        for i, page in enumerate(pages()):
+            if blocks(page):
+                walk.page(page, clone_of_the_repository(tmp_path / f"{i:02d}-{Path(page).stem}"))
+                walked.append(page)
+    finally:  # the Python blocks' kept ranks, and this process's connection to the head, end with the walk
+        release_ranks()
     print("".join(f"{s:6.1f} s  {what[:110]}\n" for s, what in walk.seconds))  # shown with -rP
     assert {"README.md", "docs/getting-started.md", "docs/guides/ray-cluster.md"} <= set(walked), walked
     assert walk.trained >= 15, "\n".join(walk.transcript)
