@@ -75,6 +75,11 @@ class ClusterConfig(Frozen):
         "fallback where compiled graphs are unavailable.",
     )
 
+    @property
+    def bundle(self) -> dict[str, float]:
+        """The resources one rank takes: a bundle of the run's placement group."""
+        return {"CPU": self.cpus_per_worker, **({"GPU": 1} if self.use_gpu else {})}
+
 
 class TrackingConfig(Frozen):
     """MLflow tracking of each run's parameters and metrics."""

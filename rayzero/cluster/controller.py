@@ -70,7 +70,7 @@ class Controller:
         self.dispatcher = dispatcher or DISPATCHERS[cfg.cluster.dispatch]
         self.make_watchdog = watchdog or (
             lambda actors, on_fire: Watchdog(actors, f.phase_timeout_s, on_fire=on_fire).start())
-        self.bundle = {"CPU": cfg.cluster.cpus_per_worker, **({"GPU": 1} if cfg.cluster.use_gpu else {})}
+        self.bundle = cfg.cluster.bundle
         self.validates = bool(cfg.data.val_path or cfg.data.val_fraction)
         self.eval_at_start = self.validates if t.eval_at_start is None else (t.eval_at_start and self.validates)
         self.record = RunRecord(world=self.scaling.start(), schedule_steps=t.steps)

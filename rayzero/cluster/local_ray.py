@@ -52,7 +52,7 @@ def check_local_capacity(cfg) -> None:
     c = cfg.cluster
     have = local_capacity(gpus=c.use_gpu)
     smallest = min(cfg.world_sizes())
-    need = {"CPU": c.cpus_per_worker, **({"GPU": 1.0} if c.use_gpu else {})}
+    need = c.bundle
     for kind, each in need.items():
         if smallest * each > have[kind] + 1e-9:
             ask = (f"cluster.num_workers={c.num_workers} x {each:g} {kind}"

@@ -340,9 +340,8 @@ def begin_ahead(cfg, began_s: float) -> bool:
     worlds, c = cfg.world_sizes(), cfg.cluster
     if len(worlds) > 1 or KEPT.group is not None:  # elastic: the cluster's room decides its world
         return False
-    bundle = {"CPU": c.cpus_per_worker, **({"GPU": 1} if c.use_gpu else {})}
     KEPT.ahead, KEPT.ahead_error = threading.Event(), None
-    KEPT.ahead_key, KEPT.ahead_began_s = placement_key(RankActor, worlds[0], bundle, c.placement_strategy), began_s
+    KEPT.ahead_key, KEPT.ahead_began_s = placement_key(RankActor, worlds[0], c.bundle, c.placement_strategy), began_s
     return True
 
 

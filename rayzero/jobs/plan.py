@@ -116,7 +116,7 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
         "mesh": mesh.describe(),
         "world_sizes": cfg.world_sizes(),
         "cluster": c.address or "local Ray",
-        "bundle": {"CPU": c.cpus_per_worker, **({"GPU": 1} if c.use_gpu else {})},
+        "bundle": c.bundle,
         "strategy": sh.strategy,
         "dp_outer": sh.dp_outer,
         "param_dtype": sh.param_dtype,
@@ -185,7 +185,7 @@ def spare_room(cfg: RootConfig, local: bool) -> dict:
     cluster at `cluster.address` (its free resources now) when this process can reach it:
     {"fit": n, "on": what was measured} ("fit" None: not measured, "on" says why)."""
     c = cfg.cluster
-    need = {"CPU": c.cpus_per_worker, **({"GPU": 1.0} if c.use_gpu else {})}
+    need = c.bundle
     if local:
         from rayzero.cluster.local_ray import local_capacity
 
