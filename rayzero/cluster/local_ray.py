@@ -150,12 +150,12 @@ class RayStart:
     started them ends. So it waits until Ray is shut down (the run's end, or the release of
     ranks a notebook kept) or until `stop()`."""
 
-    def __init__(self, options: dict, began_s: float = 0.0, cfg=None, clock=None):
-        """`cfg`: the run's, whose ranks are placed once Ray is up (None: they are not); `clock`:
-        the run's start-up clock, for when that began."""
-        self._options = options
-        self.began_s = began_s  # when it began, in the run's start-up clock (said in the Ray stage's line)
-        self._cfg, self._clock = cfg, clock
+    def __init__(self, options: dict, cfg=None, clock=lambda: 0.0, joins: str | None = None):
+        """`ray.init(**options)`; `cfg`: the run's, whose ranks are placed once Ray is up (None:
+        they are not); `clock()`: seconds since the run's start; `joins`: the address of the Ray
+        it joins ("" for RAY_ADDRESS's; None: it starts one here)."""
+        self._options, self._cfg, self._clock, self._joins = options, cfg, clock, joins
+        self.began_s = clock()  # when it began, in the run's start-up clock (said in the Ray stage's line)
         self._ready = threading.Event()
         self._release = threading.Event()
         self._error: BaseException | None = None
@@ -163,7 +163,7 @@ class RayStart:
         self._thread.start()
 
     @classmethod
-    def begin(cls, cfg, clock=None) -> "RayStart | None":
+    def begin(cls, cfg, clock=lambda: 0.0) -> "RayStart | None":
         """The start of the Ray a run of `cfg` needs, begun: a local one (a run that would not
         fit this machine is refused first, ConfigError, before anything starts), or the cluster
         at `cluster.address` or RAY_ADDRESS joined; None where this process is connected to a
@@ -172,34 +172,26 @@ class RayStart:
 
         if ray.is_initialized():
             return None
-        began_s = clock() if clock is not None else 0.0
         options = {"logging_level": "WARNING", "log_to_driver": True}
         quiet_logs()
         if starts_local_ray(cfg):
             check_local_capacity(cfg)
-            return cls({**options, **local_ray_options(cfg)}, began_s, cfg, clock)
-        address = cfg.cluster.address or os.environ.get("RAY_ADDRESS", "")
-        return cls({**options, "address": cfg.cluster.address or None, "joins": address}, began_s, cfg, clock)
-
-    @property
-    def joins(self) -> bool:
-        """Whether this start joins a running Ray (else it starts one here)."""
-        return "joins" in self._options
+            return cls({**options, **local_ray_options(cfg)}, cfg, clock)
+        return cls({**options, "address": cfg.cluster.address or None}, cfg, clock,
+                   joins=cfg.cluster.address or os.environ.get("RAY_ADDRESS", ""))
 
     def _keep(self) -> None:
         import ray
 
-        options = dict(self._options)
-        address = options.pop("joins", None)
         try:
-            if address is not None:
-                check_reachable(address)  # an address nobody listens on fails now, not after minutes
-            ray.init(**options)
+            if self._joins is not None:
+                check_reachable(self._joins)  # an address nobody listens on fails now, not after minutes
+            ray.init(**self._options)
             ahead = False
             if self._cfg is not None:  # before `wait` returns: the run's placement waits for it
                 from rayzero.cluster.worker_group import begin_ahead, place_ahead
 
-                ahead = begin_ahead(self._cfg, self._clock() if self._clock is not None else 0.0)
+                ahead = begin_ahead(self._cfg, self._clock())
         except BaseException as e:  # noqa: BLE001 (given to the run by wait(); the thread's end stops the rest)
             self._error = e
             return
@@ -207,8 +199,8 @@ class RayStart:
             self._ready.set()
         if ahead:
             place_ahead(self._cfg)
-        while address is None and not self._release.wait(1.0) and ray.is_initialized():
-            pass
+        while self._joins is None and not self._release.wait(1.0) and ray.is_initialized():
+            pass  # a local Ray's processes end with the thread that started them
 
     def wait(self) -> None:
         """Until Ray is up; raises what `ray.init` (or the address's check) raised."""
