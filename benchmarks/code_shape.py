@@ -3,7 +3,8 @@
 - **A step's reach**: two ranks (gloo, plain processes) train a small GPT; the third iteration
   of rank 0 runs under `sys.setprofile`, which records every rayzero function called (Python
   functions only; torch's are not counted). Reported per strategy: the files and the functions,
-  and the files listed.
+  and the files listed; the JSON also has each file's functions (`by_file`) and where each file
+  is entered from another (`entered_from`: the callee and the caller's file:line).
 - **Policies reading the strategy**: reads of `self.s` (the strategy a policy once held) in the
   policy files of `rayzero/sharding/` (grad_sync, placement, fsdp, ownership).
 - **Axis names asked for outside mesh.py**: `mesh.axis/size/coord/groups("<axis>")` calls whose
@@ -46,12 +47,17 @@ def _rank(rank: int, world: int, port: int, data: str, strategy: str, out) -> No
     for k in range(2):
         r.iteration({"step": k, "lr": 1e-3})
     seen: set[tuple[str, str]] = set()
+    calls: set[tuple[str, str, str]] = set()  # (callee's file, its function, the caller's file:line) across files
 
     def profile(frame, event, _arg):
         if event == "call":
             code = frame.f_code
             if code.co_filename.startswith(str(PKG)):
-                seen.add((os.path.relpath(code.co_filename, ROOT), code.co_qualname))
+                where = os.path.relpath(code.co_filename, ROOT)
+                seen.add((where, code.co_qualname))
+                back = frame.f_back
+                if back is not None and back.f_code.co_filename != code.co_filename:
+                    calls.add((where, code.co_qualname, f"{os.path.relpath(back.f_code.co_filename, ROOT)}:{back.f_lineno}"))
 
     sys.setprofile(profile)
     try:
@@ -59,7 +65,7 @@ def _rank(rank: int, world: int, port: int, data: str, strategy: str, out) -> No
     finally:
         sys.setprofile(None)
     if rank == 0:
-        out[strategy] = sorted(seen)
+        out[strategy] = (sorted(seen), sorted(calls))
     r.close()
 
 
@@ -81,10 +87,11 @@ def step_reach(strategies: list[str]) -> dict[str, dict]:
         for strategy in strategies:
             mp.spawn(_rank, args=(2, free_port(), str(tmp / "data"), strategy, out), nprocs=2)
         for strategy in strategies:
-            seen = out[strategy]
+            seen, calls = out[strategy]
             files = sorted({f for f, _ in seen})
             result[strategy] = {"files": len(files), "functions": len(seen), "list": files,
-                                "by_file": {f: sorted(q for g, q in seen if g == f) for f in files}}
+                                "by_file": {f: sorted(q for g, q in seen if g == f) for f in files},
+                                "entered_from": {f: sorted(f"{q} <- {c}" for g, q, c in calls if g == f) for f in files}}
     return result
 
 

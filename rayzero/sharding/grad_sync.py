@@ -83,6 +83,7 @@ class AllReduceAtEnd:
         self.reduced: set[int] = set()  # buckets whose reduction started in this backward
         self.in_backward = False
         self._views = g.precision.grad == g.precision.param
+        self._inner: dict[int, torch.Tensor] = {}  # bucket index -> its gradient's part this rank's shard axis assigns it
 
     def allocate(self, b: Bucket, owned: Range) -> tuple[torch.Tensor, torch.Tensor]:
         """The bucket's gradient storage, and its part over what this rank owns (the optimizer's)."""
@@ -93,6 +94,7 @@ class AllReduceAtEnd:
             for i in b.params:  # autograd accumulates straight into the bucket
                 p = g.buffer.params[i]
                 p.grad = grad[g.buffer.spans[i]].view(p.shape)
+        self._inner[b.index] = grad[b.local(g.inner(b))]
         return grad, grad[b.local(owned)]
 
     def landing(self, b: Bucket) -> torch.Tensor:
@@ -101,7 +103,7 @@ class AllReduceAtEnd:
 
     def inner_grad(self, b: Bucket) -> torch.Tensor:
         """This rank's reduced shard of `b`'s gradient."""
-        return self.g.grads[b.index][b.local(self.g.inner(b))]
+        return self._inner[b.index]
 
     def begin_backward(self, last_microbatch: bool) -> None:
         self.in_backward = self.g.overlap_grad_reduce and last_microbatch
@@ -156,7 +158,7 @@ class ReduceScatterAtEnd(AllReduceAtEnd):
         return self.g.axis.start_reduce_scatter(comm)
 
     def _keep(self, b: Bucket, grad: torch.Tensor, comm: torch.Tensor) -> None:
-        grad[b.local(self.g.inner(b))].copy_(self.g.axis.chunk(comm))
+        self._inner[b.index].copy_(self.g.axis.chunk(comm))
 
 
 class ReduceScatterPerBucket:

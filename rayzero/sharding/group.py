@@ -26,6 +26,7 @@ Where the next axes plug in:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -77,7 +78,8 @@ class BucketGroup:
         """The part of `b` this rank's shard axis assigns to it (world coordinates)."""
         return b.shard(self.axis.rank, self.axis.size)
 
-    @property
+    @functools.cached_property
     def trainable(self) -> list[Bucket]:
+        """The buckets whose parameters train (fixed once the model is built)."""
         return [b for b in self.buckets if self.buffer.trainable(b)]
 

@@ -14,7 +14,7 @@ world size without a process group.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Sequence
 
@@ -25,14 +25,12 @@ class Range:
 
     start: int
     end: int
+    size: int = field(init=False, repr=False, compare=False)  # end - start
 
     def __post_init__(self):
         if not 0 <= self.start <= self.end:
             raise ValueError(f"bad range [{self.start}, {self.end})")
-
-    @property
-    def size(self) -> int:
-        return self.end - self.start
+        object.__setattr__(self, "size", self.end - self.start)
 
     def shift(self, by: int) -> "Range":
         return Range(self.start + by, self.end + by)

@@ -4,7 +4,7 @@ fp16 adds dynamic loss scaling."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -20,15 +20,14 @@ class Precision:
     grad: torch.dtype
     comm: torch.dtype
     main: torch.dtype = torch.float32
+    main_is_param: bool = field(init=False)  # fp32 compute parameters are their own main copy: no second fp32 buffer
+
+    def __post_init__(self):
+        object.__setattr__(self, "main_is_param", self.param == self.main)
 
     @classmethod
     def from_config(cls, cfg: ShardingConfig) -> "Precision":
         return cls(DTYPES[cfg.param_dtype], DTYPES[cfg.grad_dtype], DTYPES[cfg.effective_comm_dtype])
-
-    @property
-    def main_is_param(self) -> bool:
-        """fp32 compute parameters are their own main copy: no second fp32 buffer."""
-        return self.param == self.main
 
 
 def check_device_supports(dtype: torch.dtype, device: torch.device) -> None:

@@ -137,7 +137,7 @@ class Strategy:
         self.cfg, self.optim_cfg = sharding, optim
         self.tp = tp if tp is not None and (tp.size > 1 or tp.split) else None  # what TP (or ep) split
         self.tied = tied if tied is not None and tied.names else None
-        self.pp_axis = mesh.axis("pp")
+        self.pp_axis, self.tp_ranks = mesh.axis("pp"), mesh.size("tp")
         self.precision = Precision.from_config(sharding)
         self.scaler = build_loss_scaler(sharding)
         self.ledger = MemoryLedger()
@@ -383,7 +383,7 @@ class Strategy:
         ranges tile (in one sum where the same), the experts' over ep too."""
         skip = set(self._tied_buckets) if self.tied is not None and not self.tied.counts else set()
         sums: dict[tuple[int, bool], tuple] = {}  # (id of the axis owned ranges tile, over ep) -> (axis, squares)
-        tp = self.mesh.size("tp")
+        tp = self.tp_ranks
 
         def add(b: int, sq: torch.Tensor, experts: bool = False) -> None:
             axis = self._of[b].owner.axis

@@ -105,28 +105,26 @@ def hooks_stay_eager(model: nn.Module, blocks: list[str]) -> int:
 
 
 class Compiling:
-    """Which of a rank's iterations compile with `train.compile` (`on`), and what they spent:
-    the first after `setup` (training's graphs, forward and backward) and the first that
-    evaluates (the graphs of the model in eval mode). The watchdog gives an iteration that
+    """Which of a rank's iterations compile with `train.compile`, and what they spent (a rank
+    without it holds none): the first after `setup` (training's graphs, forward and backward)
+    and the first that evaluates (the graphs of the model in eval mode). The watchdog gives an iteration that
     compiles the grace of a rank still starting (`progress()`'s `compiling`): a cold compile
     takes longer than a step, and a rank killed in it may leave its half-written kernels
     behind (`broken_kernels`)."""
 
-    def __init__(self, on: bool):
-        self.on, self.now = on, False
+    def __init__(self):
+        self.now = False
         self.trained = self.evaluated = False
         self._began_s = 0.0  # compile_seconds() as the iteration began
 
     def begin(self, plan: dict) -> None:
         """An iteration of `plan` begins."""
         evaluates = bool(plan.get("evaluate") or plan.get("evaluate_first"))
-        self.now = self.on and (not self.trained or (evaluates and not self.evaluated))
-        self._began_s = compile_seconds() if self.on else 0.0
+        self.now = not self.trained or (evaluates and not self.evaluated)
+        self._began_s = compile_seconds()
 
-    def end(self, plan: dict) -> float | None:
-        """The iteration ends: the seconds it spent compiling (None without `train.compile`)."""
-        if not self.on:
-            return None
+    def end(self, plan: dict) -> float:
+        """The iteration ends: the seconds it spent compiling."""
         self.trained, self.now = True, False
         self.evaluated |= bool(plan.get("evaluate") or plan.get("evaluate_first"))
         return compile_seconds() - self._began_s

@@ -9,9 +9,6 @@ its actor, the controller's dispatch, its watchdog and the run's history all rea
 
 from __future__ import annotations
 
-import functools
-import time
-
 ITERATION = ("gather", "forward", "backward", "reduce_scatter", "step", "evaluate")
 MICRO_BATCH = ("forward", "backward")  # run once per micro-batch, in this order
 BEFORE = ("setup", "load_checkpoint", "apply_checkpoint")
@@ -27,19 +24,3 @@ def iteration(num_microbatches: int, pipelined: bool = False) -> list[str]:
     middle = [PIPELINE] if pipelined else [*MICRO_BATCH * num_microbatches]
     return [*ITERATION[:first], *middle, *ITERATION[after:]]
 
-
-def watched(fn):
-    """Mark a method as the call of its name, one of `phases.CALLS`, for `Rank.progress` (what
-    the controller's watchdog reads)."""
-    name = fn.__name__
-    assert name in CALLS, f"{name} is not in phases.CALLS"
-
-    @functools.wraps(fn)
-    def inner(self, *args, **kwargs):
-        self._current = (name, time.monotonic())
-        try:
-            return fn(self, *args, **kwargs)
-        finally:
-            self._current = None
-
-    return inner

@@ -7,6 +7,7 @@ the controller can chain them into one compiled graph per iteration.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from datetime import timedelta
@@ -31,8 +32,25 @@ from rayzero.workers import pipelined, preference
 from rayzero.workers.disconnect import opened_while
 from rayzero.workers.membership import Membership
 from rayzero.workers.rendezvous import rendezvous_port
-from rayzero.workers.phases import watched
+from rayzero.workers.phases import CALLS
 from rayzero.workers.steps import runner_for
+
+
+def watched(fn):
+    """Mark a method as the call of its name, one of `phases.CALLS`, for `Rank.progress` (what
+    the controller's watchdog reads)."""
+    name = fn.__name__
+    assert name in CALLS, f"{name} is not in phases.CALLS"
+
+    @functools.wraps(fn)
+    def inner(self, *args, **kwargs):
+        self._current = (name, time.monotonic())
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            self._current = None
+
+    return inner
 
 
 class Rank(Membership):
@@ -50,7 +68,7 @@ class Rank(Membership):
         self.mesh = cfg.mesh(world_size, rank) if rank is not None else None
         self.data_path = data_path
         self.device = torch.device("cpu")
-        self.compiling = Compiling(cfg.train.compile)  # which iterations compile (train.compile), for how long
+        self.compiling = Compiling() if cfg.train.compile else None  # which iterations compile, for how long
         self._finished: int | None = None  # the last step whose iteration this rank finished (`progress`)
         self._times: dict[str, float] = {}
         self.saver: ShardSaver | None = None
@@ -77,8 +95,8 @@ class Rank(Membership):
             # Waiting on its checkpoint upload: slow is not stuck while bytes still move.
             elapsed = min(elapsed, now - saver.moved_at)
         return {"rank": self.mesh.rank if self.mesh is not None else None, "step": self.plan.get("step"),
-                "phase": current[0] if current else None, "elapsed_s": elapsed, "compiling": self.compiling.now,
-                "finished": self._finished}
+                "phase": current[0] if current else None, "elapsed_s": elapsed,
+                "compiling": self.compiling is not None and self.compiling.now, "finished": self._finished}
 
     # -- setup -------------------------------------------------------------------------
     @staticmethod
@@ -121,7 +139,7 @@ class Rank(Membership):
         if self.model is not None or dist.is_initialized():
             self.leave()
         cfg = self.cfg
-        self.compiling = Compiling(cfg.train.compile)  # a rank set up again compiles again (`forget_compiled`)
+        self.compiling = Compiling() if cfg.train.compile else None  # set up again, it compiles again (`forget_compiled`)
         backend = self._join(master_addr, master_port)
         self.spec = make_spec(cfg, self.factory)
         # Dropout's streams, seeded afresh at each micro-batch's forward (`sharding/rng.py`):
@@ -237,7 +255,8 @@ class Rank(Membership):
         parameter all-gather (unless the strategy waits for it inside forward)."""
         t0 = time.perf_counter()
         self.plan = plan
-        self.compiling.begin(plan)
+        if self.compiling is not None:
+            self.compiling.begin(plan)
         # Before the first step, when asked: the validation loss of the initial weights.
         self._baseline = self._validation_loss() if plan.get("evaluate_first") and self.val is not None else None
         self.strategy.begin_step()
@@ -319,8 +338,8 @@ class Rank(Membership):
         # done_at: when this rank finished the iteration, on its wall clock (the driver sleeps
         # until the next one should be done, counting from here)
         phase_s = {**result["phase_s"], "evaluate": time.perf_counter() - t0}
-        if (compiled_s := self.compiling.end(self.plan)) is not None:  # what `train.compile` spent, in its phases
-            phase_s["torch_compile"] = compiled_s
+        if self.compiling is not None:  # what `train.compile` spent, in its phases
+            phase_s["torch_compile"] = self.compiling.end(self.plan)
         self._finished = self.plan["step"]
         return {**result, "phase_s": phase_s, "done_at": time.time()}
 

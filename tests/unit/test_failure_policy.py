@@ -377,15 +377,12 @@ def test_an_iteration_that_compiles_gets_the_compile_grace():
     from rayzero.cluster.watchdog import COMPILE_GRACE_S
     from rayzero.workers.compile import Compiling
 
-    c, seen = Compiling(True), []
+    c, seen = Compiling(), []
     for plan in ({"step": 0}, {"step": 1}, {"step": 2, "evaluate": True}, {"step": 3, "evaluate": True}):
         c.begin(plan)
         seen.append(c.now)
         assert c.end(plan) == 0.0  # nothing compiled in this process
     assert seen == [True, False, True, False] and not c.now
-    off = Compiling(False)
-    off.begin({"step": 0})
-    assert not off.now and off.end({"step": 0}) is None
 
     compiling = {0: {"step": 0, "phase": "forward", "elapsed_s": COMPILE_GRACE_S - 1, "compiling": True}}
     assert verdict(compiling) is None
