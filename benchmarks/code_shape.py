@@ -9,7 +9,8 @@
   policy files of `rayzero/sharding/` (grad_sync, placement, fsdp, ownership).
 - **Axis names asked for outside mesh.py**: `mesh.axis/size/coord/groups("<axis>")` calls whose
   literal argument is an axis name but not a role (the mesh refuses them, so this should be 0),
-  and direct `cfg.parallel.*` reads outside the config and mesh modules.
+  and direct `cfg.parallel.*` reads outside the config and mesh modules: of an axis's size
+  (`tp`, `pp`, `cp`, `ep`: the mesh's to answer, by role) and of its options (a schedule, a mode).
 - **Long functions**: functions over 60 lines in `rayzero/sharding`, `rayzero/workers`,
   `rayzero/pipeline`.
 
@@ -111,10 +112,11 @@ def policy_strategy_reads() -> dict[str, int]:
 
 
 def axis_lookups() -> dict[str, int]:
-    from rayzero.sharding.mesh import ORDER, ROLES
+    from rayzero.sharding.mesh import KEYS, ORDER, ROLES
 
     axis_only = set(ORDER) - set(ROLES)
-    names, parallel = 0, 0
+    size_keys = {key.partition(".")[2] for key in KEYS.values() if key.startswith("parallel.")}  # tp, pp, cp, ep
+    names, parallel, sizes = 0, 0, 0
     for path, tree in _sources("", "sharding", "workers", "pipeline", "jobs", "cluster", "checkpoint", "models",
                                "objectives", "data"):
         if path.name in ("mesh.py", "config.py"):
@@ -127,7 +129,8 @@ def axis_lookups() -> dict[str, int]:
             if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
                     and node.value.attr == "parallel"):
                 parallel += 1
-    return {"axis_names_outside_mesh": names, "cfg_parallel_reads": parallel}
+                sizes += node.attr in size_keys
+    return {"axis_names_outside_mesh": names, "cfg_parallel_reads": parallel, "cfg_axis_size_reads": sizes}
 
 
 def long_functions(limit: int = 60) -> list[str]:
@@ -156,7 +159,8 @@ def main(argv=None) -> dict:
     print(f"policies reading the strategy: {sum(report['policy_reads_of_strategy'].values())} "
           f"{report['policy_reads_of_strategy']}")
     print(f"axis names asked for outside mesh.py: {report['axis_names_outside_mesh']}; "
-          f"cfg.parallel reads outside config/mesh: {report['cfg_parallel_reads']}")
+          f"cfg.parallel reads outside config/mesh: {report['cfg_parallel_reads']} "
+          f"(axis sizes: {report['cfg_axis_size_reads']}; the rest an axis's options: schedules, modes)")
     print(f"functions over 60 lines: {len(report['functions_over_60_lines'])}")
     for f in report["functions_over_60_lines"]:
         print(f"    {f}")

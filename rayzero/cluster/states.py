@@ -127,13 +127,12 @@ class Placing(State):
         run.record.world = self.world
         c = run.cfg.cluster
         processes = "their processes" if self.world > 1 else "its process"
-        ahead = run.cluster.placed_ahead(run.actor_cls, self.world, run.bundle, c.placement_strategy,
-                                         run.cfg.parallel.tp)
+        node = run.cfg.mesh().size("node")  # ranks kept on one node
+        ahead = run.cluster.placed_ahead(run.actor_cls, self.world, run.bundle, c.placement_strategy, node)
         if ahead is not None:
             run.startup.stage("placement", f"placing {ranks_words(self.world)} ({bundle_words(run.bundle)} each) "
                                            f"and starting {processes} (begun at {ahead:.1f}s, as Ray came up)")
-        elif c.keep_ranks and run.cluster.kept(run.actor_cls, self.world, run.bundle, c.placement_strategy,
-                                               run.cfg.parallel.tp):
+        elif c.keep_ranks and run.cluster.kept(run.actor_cls, self.world, run.bundle, c.placement_strategy, node):
             run.startup.stage("placement", f"taking the {ranks_words(self.world)} the last run kept "
                                            f"({bundle_words(run.bundle)} each)")
         else:
@@ -158,7 +157,7 @@ class Placing(State):
                     strategy=c.placement_strategy,
                     # The first try waits for resources to appear; smaller ones only take what is free.
                     placement_timeout_s=c.placement_timeout_s if first_error is None else min(c.placement_timeout_s, 2.0),
-                    same_node=cfg.parallel.tp, keep=c.keep_ranks,
+                    same_node=cfg.mesh().size("node"), keep=c.keep_ranks,
                 )
             except PlacementError as e:
                 first_error = first_error or e
@@ -279,8 +278,9 @@ class Training(State):
         prepare = run.dispatcher.preparing
         if prepare:
             run.startup.stage("compile", prepare)
-        self.live.dispatch = run.dispatcher(self.live.group.actors, cfg.grad_accum_for(cfg.mesh(rec.world)),
-                                            timeout_s=cfg.cluster.pg_timeout_s, pipelined=cfg.parallel.pp > 1)
+        mesh = cfg.mesh(rec.world)
+        self.live.dispatch = run.dispatcher(self.live.group.actors, cfg.grad_accum_for(mesh),
+                                            timeout_s=cfg.cluster.pg_timeout_s, pipelined=mesh.size("pp") > 1)
         run.clock.mark("graph")  # after a failure: the iteration's graph built again, for the new group
         self.train(run)
         dispatch, self.live.dispatch = self.live.dispatch, None

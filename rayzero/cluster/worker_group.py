@@ -356,7 +356,7 @@ def place_ahead(cfg) -> None:
     actor_cls, world, bundle, strategy = KEPT.ahead_key
     try:
         group = WorkerGroup.place(actor_cls, world, dict(bundle), lambda r: (None, None, world, "", None), strategy,
-                                  cfg.cluster.placement_timeout_s, cfg.parallel.tp)
+                                  cfg.cluster.placement_timeout_s, cfg.mesh().size("node"))
         group.keep_as = KEPT.ahead_key
         KEPT.keep(group)
     except PlacementError as e:

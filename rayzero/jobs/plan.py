@@ -57,14 +57,14 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
         lora = lora_line(cfg, model)
         vocab = {"parallel": built.tp is not None and built.tp.vocab is not None, "note": vocab_note(cfg, built)}
         stages = None
-        if cfg.parallel.pp > 1:
+        if cfg.mesh().size("pp") > 1:
             from rayzero.jobs.pipeline_plan import check_pipeline
 
             stages = check_pipeline(cfg, spec, model)
     except ModelUnreachable as e:
         spec, note, num_params, trainable, buckets = None, f"not read from here: {e}", None, None, None
         whole_params = whole_trainable = None
-        lora, vocab = None, {"parallel": cfg.parallel.tp > 1 and cfg.parallel.vocab_parallel, "note": None}
+        lora, vocab = None, {"parallel": cfg.mesh().size("tp") > 1 and cfg.parallel.vocab_parallel, "note": None}
         record = {"kind": cfg.model.kind, "source": cfg.model.path, "init": cfg.model.init}
         shape = stages = built = None
     sh, t, c = cfg.sharding, cfg.train, cfg.cluster
@@ -88,8 +88,8 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
                               + (e_frozen - frozen_per_param) * (experts["params_per_rank"] - experts["trainable_per_rank"]))
         experts["bytes_per_param"] = e_param
     act = activation_bytes(  # a cp rank holds its 1/cp of each sequence
-        shape, t.seq_len // cfg.parallel.cp, t.micro_batch_size, param_bytes, cfg.model.checkpoint_every,
-        cfg.model.activation_checkpointing == "selective", cfg.parallel.tp,
+        shape, t.seq_len // mesh.size("cp"), t.micro_batch_size, param_bytes, cfg.model.checkpoint_every,
+        cfg.model.activation_checkpointing == "selective", mesh.size("tp"),
         cfg.parallel.sequence_parallel, vocab["parallel"]) if shape is not None else None
     pipeline = None
     if stages is not None:
@@ -105,10 +105,10 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
         "objective": objective_plan(cfg, num_params, frozen_per_param, sh.param_dtype),
         "pipeline": pipeline,
         "world_size": c.num_workers,
-        "tp": cfg.parallel.tp,
-        "cp": cfg.parallel.cp,
+        "tp": mesh.size("tp"),
+        "cp": mesh.size("cp"),
         "cp_mode": cfg.parallel.cp_mode,
-        "ep": cfg.parallel.ep,
+        "ep": mesh.size("ep"),
         "experts": experts,  # expert parallelism: each rank's experts and their state
         "sequence_parallel": cfg.parallel.sequence_parallel,
         "vocab_parallel": vocab["parallel"],
@@ -225,7 +225,7 @@ def cluster_free(address: str) -> dict[str, float]:
 def experts_plan(cfg: RootConfig, built, mesh) -> dict | None:
     """With `parallel.ep`: the experts a rank holds of each MoE layer and their parameters (the
     tensors expert parallelism split), and the ranks their bucket group reduces over."""
-    if cfg.parallel.ep == 1 or built.tp is None:
+    if mesh.size("ep") == 1 or built.tp is None:
         return None
     split = [n for n, s in built.tp.split.items() if s.axis == "ep"]
     if not split:

@@ -124,10 +124,11 @@ def prepare_model(cfg: RootConfig, factory=None, data_vocab: int | None = None) 
         spec.check(cfg.train.seq_len, data_vocab)
         check_buildable(cfg, None if cfg.cluster.use_gpu else torch.device("cpu"), spec,
                         build=lambda: prepared.built.model)
-        if cfg.parallel.cp > 1 or cfg.parallel.ep > 1 or cfg.moe.router_z_loss:
+        mesh = cfg.mesh()
+        if mesh.size("cp") > 1 or mesh.size("ep") > 1 or cfg.moe.router_z_loss:
             prepared.built  # noqa: B018 -- the seam reaches the attention (ulysses splits its heads), the experts,
             # the router's loss
-        if cfg.parallel.pp > 1:
+        if mesh.size("pp") > 1:
             from rayzero.jobs.pipeline_plan import check_pipeline
 
             check_pipeline(cfg, spec, prepared.built.model)
@@ -308,7 +309,7 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None, startup: Sta
     cfg = limit_to_epochs(cfg, dataset)
     prepared = prepare_model(cfg, factory, data_vocab=meta["vocab_size"])
     spec = prepared.spec
-    note = vocab_note(cfg, prepared.built) if cfg.parallel.tp > 1 and cfg.parallel.vocab_parallel else None
+    note = vocab_note(cfg, prepared.built) if cfg.mesh().size("tp") > 1 and cfg.parallel.vocab_parallel else None
     if note:
         print(f"rayzero: note: {note}", file=sys.stderr)
     if cfg.train.save_final:
@@ -399,5 +400,5 @@ def vocab_note(cfg: RootConfig, built) -> str | None:
     if built.tp is None or built.tp.vocab_note is None:  # a note only where the split was asked for
         return None
     return (f"parallel.vocab_parallel: {type(built.model).__name__}'s vocabulary is not split over the "
-            f"{cfg.parallel.tp} tensor-parallel ranks, as {built.tp.vocab_note}; its embedding and head stay whole "
+            f"{cfg.mesh().size('tp')} tensor-parallel ranks, as {built.tp.vocab_note}; its embedding and head stay whole "
             "on every TP rank, with the full logits on each (parallel.vocab_parallel=false asks for that)")

@@ -48,6 +48,8 @@ that a new axis changes the roles' table, not the code that uses them:
     cp              cp                            context parallelism's ring or all-to-all
     tp              tp                            tensor parallelism's collectives
     pp              pp                            a pipeline's sends, stage to stage
+    node            tp                            ranks placed on one node (TP's collectives need
+                                                  its links): the placement keeps each group together
     stage           replicate x shard x ep x cp x tp  one pipeline stage's ranks (its norms and sums)
     world           every axis                    the global norm's and the loss's sums
 
@@ -110,6 +112,7 @@ ROLES: dict[str, tuple[str, ...]] = {
     "cp": ("cp",),
     "tp": ("tp",),
     "pp": ("pp",),
+    "node": ("tp",),
     "stage": ("replicate", "shard", "ep", "cp", "tp"),
     "world": ORDER,
 }

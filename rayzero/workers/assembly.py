@@ -161,7 +161,7 @@ def context_parallel(built: Built, cfg: RootConfig, spec: ModelSpec, mesh: Mesh,
 def context_of(cfg: RootConfig, mesh: Mesh):
     """This rank's place in its cp group (None without context parallelism): what splits its
     sequences and runs attention across them."""
-    if cfg.parallel.cp == 1:
+    if mesh.size("cp") == 1:
         return None
     from rayzero.sharding.context_parallel import ContextParallel
 
@@ -312,7 +312,7 @@ def check_buildable(cfg: RootConfig, device: torch.device | None, spec: ModelSpe
     The model is built only where a check needs it (`build`: how, if the caller keeps one)."""
     sh = cfg.sharding
     if model is None and (sh.strategy == "optim_grads_params" or cfg.model.checkpoint_every or cfg.model.lora
-                          or cfg.parallel.tp > 1):
+                          or cfg.mesh().size("tp") > 1):
         spec = spec if spec is not None else make_spec(cfg)
         model = build() if build is not None else build_model(cfg, spec).model
     if sh.strategy == "optim_grads_params":
