@@ -15,6 +15,10 @@ with `--llama`, an HF Llama of 9.7M parameters at 1,024 tokens. At each point, e
                       least with these kernels; a target below it is out of every strategy's reach
     rayzero <s>       every sharding.strategy, in Ray actors driven by one compiled graph
                       per iteration, as `rayzero train` drives them
+    rayzero <s> looped  with `--looped`: the same actors, each rank running the point's
+                      iterations itself, one after another (`Rank.iteration`), with no compiled
+                      graph and no driver between them: what the graph's dispatch costs a step
+                      (no target; the iterations' results are read at the end)
 
 Plain torch and rayzero start fresh processes (actors) at each point, as a user's job does;
 Ray Train's two trainers start once, before anything is measured, and take the points one by
@@ -37,7 +41,7 @@ those overrides (its name ends in `*`), side by side with the first in the same 
 of a setting or its default measured against the same DDP steps.
 
     python benchmarks/step_time.py [--rounds 2] [--points SUBSTR ...] [--runs NAME ...] [--llama]
-                                   [--set KEY=VALUE ...] [--variant KEY=VALUE ...] [--json PATH]
+                                   [--set KEY=VALUE ...] [--variant KEY=VALUE ...] [--looped] [--json PATH]
 """
 
 from __future__ import annotations
@@ -140,6 +144,11 @@ class BenchShim(RankShim):
     def pid(self) -> int:
         return os.getpid()
 
+    def loop(self, plans: list[dict]) -> list[dict]:
+        """`--looped`: the point's iterations run by this rank itself, one after another in this
+        process (`Rank.iteration`), with no compiled graph and no driver between them."""
+        return [self.rank.iteration(plan) for plan in plans]
+
     def close(self) -> None:
         self.release()
 
@@ -152,8 +161,8 @@ class BenchShim(RankShim):
 
 
 class RayzeroRun:
-    def __init__(self, strategy: str, data_path: str, extra: list[str]):
-        self.strategy, self.data_path, self.extra = strategy, data_path, extra
+    def __init__(self, strategy: str, data_path: str, extra: list[str], looped: bool = False):
+        self.strategy, self.data_path, self.extra, self.looped = strategy, data_path, extra, looped
         self.group = WorkerGroup.create(rank_actor(BenchShim), WORLD, {"CPU": 1}, lambda rank: ())
 
     def ready(self) -> None:
@@ -164,29 +173,44 @@ class RayzeroRun:
         actors = self.group.actors
         ray.get([a.reset.remote(cfg, r, WORLD, self.data_path) for r, a in enumerate(actors)])
         self.group.rendezvous()
-        dispatch = CompiledDispatch(actors, cfg.grad_accum, timeout_s=3600)
-        try:
-            times, losses, phases = [], [], []
-            # As the Controller drives it: the next iteration is queued before this one is read.
-            # A step's time is the ranks' pace, as the plain runs time theirs: from the end of
-            # one iteration to the end of the next on the slowest rank (`done_at`, a wall clock
-            # on this one machine), not when the driver got round to reading it.
-            plan = lambda k: {"step": k, "lr": lr_at(k, cfg.train.steps, cfg.optim)}  # noqa: E731
-            pending, last = dispatch.submit(plan(0)), time.time()
-            for k in range(cfg.train.steps):
-                queued = dispatch.submit(plan(k + 1)) if k + 1 < cfg.train.steps else None
-                results = dispatch.collect(pending)
-                end = max(r["done_at"] for r in results)
-                times.append(end - last)
-                last, pending = end, queued
-                phases.append({p: max(r["phase_s"][p] for r in results) for p in results[0]["phase_s"]})
-                losses.append(sum(r["loss_sum"] for r in results) / sum(r["tokens"] for r in results))
-        finally:
-            dispatch.close()
+        plan = lambda k: {"step": k, "lr": lr_at(k, cfg.train.steps, cfg.optim)}  # noqa: E731
+        # A step's time is the ranks' pace, as the plain runs time theirs: from the end of one
+        # iteration to the end of the next on the slowest rank (`done_at`, a wall clock on this
+        # one machine), not when the driver got round to reading it.
+        if self.looped:
+            last = time.time()
+            by_rank = ray.get([a.loop.remote([plan(k) for k in range(cfg.train.steps)]) for a in actors])
+            steps = [list(results) for results in zip(*by_rank)]
+        else:
+            steps, last = self._dispatched(actors, cfg, plan)
+        times, losses, phases = [], [], []
+        for results in steps:
+            end = max(r["done_at"] for r in results)
+            times.append(end - last)
+            last = end
+            phases.append({p: max(r["phase_s"][p] for r in results) for p in results[0]["phase_s"]})
+            losses.append(sum(r["loss_sum"] for r in results) / sum(r["tokens"] for r in results))
         peaks = ray.get([a.peak.remote() for a in actors])
         ray.get([a.release.remote() for a in actors])
         return {"step_s": times, "losses": losses, "peak_rss_mib": [p[0] for p in peaks],
                 "growth_mib": [p[1] for p in peaks], "phase_s": phases}
+
+    @staticmethod
+    def _dispatched(actors: list, cfg, plan) -> tuple[list[list[dict]], float]:
+        """The point's iterations through one compiled graph, as the Controller drives them (the
+        next iteration queued before this one is read): each one's results, and when the first
+        was submitted."""
+        dispatch = CompiledDispatch(actors, cfg.grad_accum, timeout_s=3600)
+        try:
+            out = []
+            pending, began = dispatch.submit(plan(0)), time.time()
+            for k in range(cfg.train.steps):
+                queued = dispatch.submit(plan(k + 1)) if k + 1 < cfg.train.steps else None
+                out.append(dispatch.collect(pending))
+                pending = queued
+            return out, began
+        finally:
+            dispatch.close()
 
     def close(self) -> None:
         pids = ray.get([a.pid.remote() for a in self.group.actors])
@@ -229,6 +253,8 @@ def main() -> None:
                     help="config overrides for the rayzero runs only, e.g. sharding.bucket_numel=262144")
     ap.add_argument("--variant", nargs="*", default=[], metavar="KEY=VALUE",
                     help="also run each rayzero run with these overrides (named with a trailing *)")
+    ap.add_argument("--looped", action="store_true",
+                    help="also run each rayzero run with its ranks looping their iterations, no compiled graph")
     args = ap.parse_args()
     data_path = ensure_default_corpus("~/.cache/rayzero/datasets")
     tmp = tempfile.TemporaryDirectory()
@@ -241,6 +267,8 @@ def main() -> None:
     runs = [r for r in RUNS if not args.runs or r in ("DDP", "FSDP2") or r in args.runs]
     if args.variant:
         runs += [f"{r}*" for r in runs if r.startswith("rayzero ")]
+    if args.looped:
+        runs += [f"{r} looped" for r in runs if r.startswith("rayzero ") and not r.endswith("*")]
     print(f"{len(points)} points x {len(runs)} runs x {args.rounds} round(s), {WORLD} ranks, gloo"
           + (f"; * = with {' '.join(args.variant)}" if args.variant else "") + "\n")
 
@@ -260,8 +288,8 @@ def main() -> None:
         elif r.startswith("Ray Train"):
             w = RayTrainRun(WORLD, r.endswith("FSDP2"), data_path, str(Path(tmp.name) / "ray-train"))
         else:
-            w = RayzeroRun(r.removeprefix("rayzero ").rstrip("*"), data_path,
-                           [*args.set, *(args.variant if r.endswith("*") else [])])
+            w = RayzeroRun(r.removeprefix("rayzero ").rstrip("*").removesuffix(" looped"), data_path,
+                           [*args.set, *(args.variant if r.endswith("*") else [])], looped=r.endswith(" looped"))
         w.ready()
         return w
 
@@ -332,7 +360,7 @@ def report(points, runs, cells, args) -> None:
                 row.append("failed")
                 continue
             ratio = statistics.median(c.ratio_ddp)
-            extra = f"[{statistics.median(c.ratio_fsdp2):.2f}]" if r.rstrip("*").endswith(
+            extra = f"[{statistics.median(c.ratio_fsdp2):.2f}]" if r.rstrip("*").removesuffix(" looped").endswith(
                 ("FSDP2", "optim_grads_params", "alone")) else ""
             row.append(f"{ratio:6.3f}{extra:>7} {c.peak_rss_mib:4.0f}/{c.growth_mib:<4.0f}")
         print(f"{p.name:<18} " + " ".join(f"{x:>24}" for x in row))
