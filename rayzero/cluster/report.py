@@ -54,7 +54,7 @@ def run_summary(cfg, rec, h, ckpt, early, tracker, run_dir: str) -> dict:
     """The run's summary (what `--summary-json` writes and `Result.summary` holds), from the
     run record `rec` and history `h` at the end of `fit`, the checkpoints `ckpt` (None: off),
     the early-stopping policy and the tracker. `rec.build`: the whole model's (`whole_build`)."""
-    info = rec.build
+    info, mesh = rec.build, cfg.mesh(rec.world)
     trained = bool(h.losses)
     step_s = mean(h.timed(h.step_s)) if trained else None
     memory = h.memory or [info["memory"]]
@@ -74,7 +74,7 @@ def run_summary(cfg, rec, h, ckpt, early, tracker, run_dir: str) -> dict:
            if cfg.moe.router_z_loss else {}),
         # expert parallelism: the last step's busiest expert against the mean (1: even), pairs dropped
         **({"final_expert_load": last_of(h.rows, ["expert_load_max_over_mean", "dropped_pairs"])}
-           if cfg.mesh(rec.world).size("ep") > 1 else {}),
+           if mesh.size("ep") > 1 else {}),
         # preference tuning: the last step's (and the last validation's) pair metrics, by TRL's names
         **({"final_preferences": last_of(h.rows, PAIR_METRICS), "final_val_preferences":
             last_of(h.rows, [f"val_{k}" for k in PAIR_METRICS])} if cfg.train.objective == "dpo" else {}),
@@ -94,7 +94,7 @@ def run_summary(cfg, rec, h, ckpt, early, tracker, run_dir: str) -> dict:
         "world_size": rec.world,
         "num_workers": cfg.cluster.num_workers,
         "strategy": cfg.sharding.strategy,
-        "tp": cfg.mesh(rec.world).size("tp"),
+        "tp": mesh.size("tp"),
         "pp": info.get("pp", 1),  # pipeline stages; each stage's own figures under "stages"
         "pp_schedule": cfg.parallel.pp_schedule if info.get("pp", 1) > 1 else None,
         "stages": info.get("stages"),  # None without stages (`checkpoint/stages.py`)

@@ -148,7 +148,7 @@ class Placing(State):
 
     def place(self, run):
         cfg, c = run.cfg, run.cfg.cluster
-        first_error = None
+        first_error, node = None, cfg.mesh().size("node")
         candidates = run.scaling.to_place(self.world)
         for w in candidates:
             try:
@@ -157,7 +157,7 @@ class Placing(State):
                     strategy=c.placement_strategy,
                     # The first try waits for resources to appear; smaller ones only take what is free.
                     placement_timeout_s=c.placement_timeout_s if first_error is None else min(c.placement_timeout_s, 2.0),
-                    same_node=cfg.mesh().size("node"), keep=c.keep_ranks,
+                    same_node=node, keep=c.keep_ranks,
                 )
             except PlacementError as e:
                 first_error = first_error or e

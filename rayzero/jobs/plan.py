@@ -42,6 +42,7 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
     if local:
         check_local_capacity(cfg)
 
+    mesh = cfg.mesh()  # rank 0's place: the axes' sizes, by role (the adapter's start changes none of them)
     try:
         if not read_model:
             raise ModelUnreachable(f"model.path {cfg.model.path} is on the cluster's machines")
@@ -57,18 +58,17 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
         lora = lora_line(cfg, model)
         vocab = {"parallel": built.tp is not None and built.tp.vocab is not None, "note": vocab_note(cfg, built)}
         stages = None
-        if cfg.mesh().size("pp") > 1:
+        if mesh.size("pp") > 1:
             from rayzero.jobs.pipeline_plan import check_pipeline
 
             stages = check_pipeline(cfg, spec, model)
     except ModelUnreachable as e:
         spec, note, num_params, trainable, buckets = None, f"not read from here: {e}", None, None, None
         whole_params = whole_trainable = None
-        lora, vocab = None, {"parallel": cfg.mesh().size("tp") > 1 and cfg.parallel.vocab_parallel, "note": None}
+        lora, vocab = None, {"parallel": mesh.size("tp") > 1 and cfg.parallel.vocab_parallel, "note": None}
         record = {"kind": cfg.model.kind, "source": cfg.model.path, "init": cfg.model.init}
         shape = stages = built = None
     sh, t, c = cfg.sharding, cfg.train, cfg.cluster
-    mesh = cfg.mesh()
     d = mesh.size("grad_shard")  # ranks a shard is split over
     param_bytes = DTYPES[sh.param_dtype].itemsize
     grad_bytes = DTYPES[sh.grad_dtype].itemsize
