@@ -111,9 +111,11 @@ class FakeCluster:
     def __init__(self, events: Events):
         self.events = events
         self.asked: list[int] = []
+        self.same_node: list[int] = []  # each placement's run of ranks kept on one node
 
     def place(self, actor_cls, world, bundle, actor_args, **options):
         self.asked.append(world)
+        self.same_node.append(options["same_node"])
         if world > self.events.capacity - self.events.placed:
             raise PlacementError(f"no room for {world}")
         self.events.placed += world
@@ -381,6 +383,13 @@ def test_elastic_placement_takes_the_largest_world_the_cluster_holds(tmp_path):
     c = run(tmp_path, ELASTIC, events, checkpoints=False)
     c.fit()
     assert c.cluster.asked == [4, 3] and c.world == 3
+
+
+def test_a_tensor_parallel_group_is_placed_on_one_node(tmp_path):
+    """The placement asks the mesh which ranks share a node (its `node` role: a TP group)."""
+    c = run(tmp_path, [*FIXED, "parallel.tp=2", "train.global_batch_size=4"], Events(capacity=2), checkpoints=False)
+    c.fit()
+    assert c.cluster.same_node == [2] and c.world == 2
 
 
 def test_a_warm_spare_takes_a_lost_ranks_place_and_the_other_ranks_stay(tmp_path):

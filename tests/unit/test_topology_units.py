@@ -46,6 +46,7 @@ def test_the_mesh_has_every_rank_once_per_axis_and_tp_groups_are_consecutive(wor
         assert sorted(r for g in groups for r in g) == list(range(world)), axis
         assert all(len(g) == size for g in groups), axis
     assert all(g == list(range(g[0], g[0] + tp)) for g in t0.groups("tp"))
+    assert t0.groups("node") == t0.groups("tp")  # the ranks the placement keeps on one node
     for rank in range(world):
         t = Mesh(world, rank, outer, tp)
         for axis in ("shard", "replicate", "tp", "batch"):
