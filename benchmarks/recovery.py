@@ -19,7 +19,11 @@ each recovery, split into:
 Target: detection + replacement <= 3 s with one spare. With --hang, the 0-spare run also
 freezes a rank once (SIGSTOP, `failure.phase_timeout_s=5`) and reports its detection.
 
-    python benchmarks/recovery.py [--kills 3] [--hang] [--ranks 4] [--set KEY=VALUE ...] [--json PATH]
+With `--before REF`, the same runs again right after from git revision REF (a worktree), and
+each stage's median of the two side by side, as a ratio.
+
+    python benchmarks/recovery.py [--kills 3] [--hang] [--ranks 4] [--set KEY=VALUE ...] [--only 0|1]
+                                  [--before REF] [--json PATH]
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import os
 import random
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -46,6 +51,7 @@ from rayzero.cluster.tracking import NullTracker  # noqa: E402
 from rayzero.config import load_config  # noqa: E402
 from rayzero.jobs.train import resolve_data  # noqa: E402
 
+ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("detection", "replacement", "load", "first_step")
 # the controller's timings (failure.timings) that make up each stage after detection
 PARTS = {"replacement": ("teardown", "leave", "backoff", "placement", "replacement", "rendezvous"),
@@ -142,6 +148,48 @@ def measure(spares: int, kills: int, hang: bool, root: Path, ranks: int = 4, ext
     return rows
 
 
+def before(ref: str, args) -> list[dict]:
+    """The rows of `measure` as it is at git revision `ref`, for the same arguments, run in a
+    process of its own from a worktree of `ref` (its own rayzero first on the path: the
+    driver's and the ranks')."""
+    where = Path(tempfile.mkdtemp(prefix="rayzero-recovery-before-")) / "tree"
+    subprocess.run(["git", "worktree", "add", "--detach", "-q", str(where), ref], cwd=ROOT, check=True)
+    call = ("import json, sys, tempfile; from pathlib import Path; sys.path.insert(0, 'benchmarks'); "
+            "import recovery; a = json.loads(sys.argv[1]); rows = []\n"
+            "for s in a['spares']:\n"
+            "    rows += recovery.measure(s, a['kills'], a['hang'] and s == 0, "
+            "Path(tempfile.mkdtemp(prefix='rayzero-recovery-')), a['ranks'], tuple(a['set']))\n"
+            "Path(a['out']).write_text(json.dumps(rows))")
+    out = where / "rows.json"
+    given = {"spares": (0, 1) if args.only is None else (args.only,), "kills": args.kills, "hang": args.hang,
+             "ranks": args.ranks, "set": args.set, "out": str(out)}
+    try:
+        subprocess.run([sys.executable, "-c", call, json.dumps(given)], cwd=where,
+                       env={**os.environ, "PYTHONPATH": str(where)}, check=True)
+        return json.loads(out.read_text())
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(where)], cwd=ROOT, check=False)
+
+
+def compare(rows: list[dict], old: list[dict], ref: str) -> None:
+    """Each stage's median (kills only), this tree against `ref`'s, per number of spares."""
+    keys = ("steady_step", "graph", *STAGES, "total")
+    for spares in sorted({r["spares"] for r in rows}):
+        mine = [r for r in rows if r["spares"] == spares and r["how"] == "kill"]
+        theirs = [r for r in old if r["spares"] == spares and r["how"] == "kill"]
+        if not mine or not theirs:
+            continue
+        print(f"\n{spares} spare{'s' if spares != 1 else ''}, medians of {len(mine)} / {len(theirs)} kills (seconds):")
+        print(f"| stage | {ref} | this tree | ratio |\n|---|---|---|---|")
+        for k in keys:
+            a, b = (statistics.median(_value(r, k) for r in rs) for rs in (theirs, mine))
+            print(f"| {k} | {a:.2f} | {b:.2f} | {b / a if a else float('nan'):.2f} |")
+
+
+def _value(row: dict, key: str) -> float:
+    return row["timings"].get("graph_s", 0.0) if key == "graph" else row[key]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the results here")
@@ -150,18 +198,27 @@ def main() -> None:
     ap.add_argument("--only", type=int, choices=(0, 1), help="one run only, with this many spares")
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more overrides, e.g. parallel.tp=2")
+    ap.add_argument("--before", metavar="REF", help="the same runs again from git revision REF, compared")
     args = ap.parse_args()
 
     rows = []
     for spares in (0, 1) if args.only is None else (args.only,):
         root = Path(tempfile.mkdtemp(prefix=f"rayzero-recovery-{spares}-"))
         rows += measure(spares, args.kills, args.hang and spares == 0, root, args.ranks, tuple(args.set))
+    if args.before:
+        old = before(args.before, args)
+        compare(rows, old, args.before)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"rows": rows, "before": {"ref": args.before, "rows": old}}, indent=2))
+        return
 
     keys = (*STAGES, "total", "detection+replacement")
     med = {s: {k: statistics.median(r[k] for r in rows if r["spares"] == s and r["how"] == "kill") for k in keys}
            for s in {r["spares"] for r in rows}}
     if len(med) < 2:
         print(json.dumps(med, indent=2))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"rows": rows, "median_kill": med}, indent=2))
         return
     print(f"\nmedian of {args.kills} kills each, small model, {args.ranks} ranks {' '.join(args.set)} (seconds):")
     print("| stage | 0 spares | 1 spare | 1 spare / 0 spares |\n|---|---|---|---|")
