@@ -152,8 +152,9 @@ def before(ref: str, args) -> list[dict]:
     """The rows of `measure` as it is at git revision `ref`, for the same arguments, run in a
     process of its own from a worktree of `ref` (its own rayzero first on the path: the
     driver's and the ranks')."""
-    where = Path(tempfile.mkdtemp(prefix="rayzero-recovery-before-")) / "tree"
-    subprocess.run(["git", "worktree", "add", "--detach", "-q", str(where), ref], cwd=ROOT, check=True)
+    from rank_step import worktree  # (its checkout, as zero3_gathers.py takes it)
+
+    where = Path(worktree(ref, Path(tempfile.mkdtemp(prefix="rayzero-recovery-before-")) / "tree"))
     call = ("import json, sys, tempfile; from pathlib import Path; sys.path.insert(0, 'benchmarks'); "
             "import recovery; a = json.loads(sys.argv[1]); rows = []\n"
             "for s in a['spares']:\n"
@@ -205,35 +206,30 @@ def main() -> None:
     for spares in (0, 1) if args.only is None else (args.only,):
         root = Path(tempfile.mkdtemp(prefix=f"rayzero-recovery-{spares}-"))
         rows += measure(spares, args.kills, args.hang and spares == 0, root, args.ranks, tuple(args.set))
-    if args.before:
-        old = before(args.before, args)
-        compare(rows, old, args.before)
-        if args.json:
-            Path(args.json).write_text(json.dumps({"rows": rows, "before": {"ref": args.before, "rows": old}}, indent=2))
-        return
+    old = before(args.before, args) if args.before else None
 
     keys = (*STAGES, "total", "detection+replacement")
     med = {s: {k: statistics.median(r[k] for r in rows if r["spares"] == s and r["how"] == "kill") for k in keys}
            for s in {r["spares"] for r in rows}}
     if len(med) < 2:
         print(json.dumps(med, indent=2))
-        if args.json:
-            Path(args.json).write_text(json.dumps({"rows": rows, "median_kill": med}, indent=2))
-        return
-    print(f"\nmedian of {args.kills} kills each, small model, {args.ranks} ranks {' '.join(args.set)} (seconds):")
-    print("| stage | 0 spares | 1 spare | 1 spare / 0 spares |\n|---|---|---|---|")
-    for k in keys:
-        print(f"| {k} | {med[0][k]:.2f} | {med[1][k]:.2f} | {med[1][k] / med[0][k]:.2f} |")
-    got = med[1]["detection+replacement"]
-    print(f"\ndetection + replacement with 1 spare <= {TARGET_S:g} s: {'PASS' if got <= TARGET_S else 'FAIL'} "
-          f"({got:.2f} s; {med[0]['detection+replacement']:.2f} s without)")
+    else:
+        print(f"\nmedian of {args.kills} kills each, small model, {args.ranks} ranks {' '.join(args.set)} (seconds):")
+        print("| stage | 0 spares | 1 spare | 1 spare / 0 spares |\n|---|---|---|---|")
+        for k in keys:
+            print(f"| {k} | {med[0][k]:.2f} | {med[1][k]:.2f} | {med[1][k] / med[0][k]:.2f} |")
+        got = med[1]["detection+replacement"]
+        print(f"\ndetection + replacement with 1 spare <= {TARGET_S:g} s: {'PASS' if got <= TARGET_S else 'FAIL'} "
+              f"({got:.2f} s; {med[0]['detection+replacement']:.2f} s without)")
     hang = [r for r in rows if r["how"] == "hang"]
     if hang:
         print(f"hang: caught {hang[0]['detection']:.2f} s after failure.phase_timeout_s={HANG_TIMEOUT_S:g}; "
               f"back training {hang[0]['total'] + HANG_TIMEOUT_S:.1f} s after the rank froze")
+    if old is not None:
+        compare(rows, old, args.before)
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "median_kill": med}, indent=2))
-
+        Path(args.json).write_text(json.dumps({"rows": rows, "median_kill": med,
+                                               **({"before": {"ref": args.before, "rows": old}} if old else {})}, indent=2))
 
 if __name__ == "__main__":
     main()

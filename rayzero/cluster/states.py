@@ -138,7 +138,7 @@ class Placing(State):
         else:
             run.startup.stage("placement", f"placing {ranks_words(self.world)} ({bundle_words(run.bundle)} each) "
                                            f"and starting {processes}")
-        group, world = self.place(run)
+        group, world = self.place(run, node)
         run.record.world = world
         run.start_spares(world)
         run.clock.mark("placement")
@@ -146,9 +146,10 @@ class Placing(State):
         live.watchdog = run.make_watchdog(group.actors, on_fire=group.kill)
         return Building(live)
 
-    def place(self, run):
+    def place(self, run, node: int):
+        """`node`: how many consecutive ranks to keep on one node (the mesh's `node` role)."""
         cfg, c = run.cfg, run.cfg.cluster
-        first_error, node = None, cfg.mesh().size("node")
+        first_error = None
         candidates = run.scaling.to_place(self.world)
         for w in candidates:
             try:
