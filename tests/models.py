@@ -97,8 +97,14 @@ def save_chat_model(path: str | Path, texts: list[str], arch: str = "qwen2") -> 
     return path
 
 
-def causal_attention(q, k, v, dropout_p: float = 0.0):
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+def causal_attention(q, k, v, dropout_p: float = 0.0, documents=None):
+    """Causal attention; with `documents` (where each token's example starts in its row), within
+    each example only: key j for query i when documents[i] <= j <= i."""
+    if documents is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    index = torch.arange(q.shape[2], device=q.device)
+    mask = (index[None, :] <= index[:, None])[None] & (index[None, None, :] >= documents[:, :, None])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], dropout_p=dropout_p)
 
 
 class Block(nn.Module):
@@ -117,21 +123,23 @@ class Block(nn.Module):
         self.drop = nn.Dropout(dropout)
         self.attend = causal_attention
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self._attention(self.ln1(x)))
+    def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.drop(self._attention(self.ln1(x), document_ids))
         return x + self.drop(self.proj(F.gelu(self.fc(self.ln2(x)))))
 
-    def _attention(self, h: torch.Tensor) -> torch.Tensor:
+    def _attention(self, h: torch.Tensor, document_ids: torch.Tensor | None) -> torch.Tensor:
         b, t, d = h.shape
         q, k, v = F.linear(h, self.attn.in_proj_weight, self.attn.in_proj_bias).chunk(3, dim=-1)
         q, k, v = (z.view(b, t, self.attn.num_heads, -1).transpose(1, 2) for z in (q, k, v))
-        y = self.attend(q, k, v, self.attn.dropout if self.training else 0.0)
+        drop = self.attn.dropout if self.training else 0.0
+        y = self.attend(q, k, v, drop) if document_ids is None else self.attend(q, k, v, drop, documents=document_ids)
         return self.attn.out_proj(y.transpose(1, 2).reshape(b, t, d))
 
 
 class TinyLM(nn.Module):
     """A user's own decoder: torch layers only, a non-persistent position buffer, optionally a
-    tied head. Forward: token ids [B, T] -> logits [B, T, V]."""
+    tied head. Forward: token ids [B, T] -> logits [B, T, V]; packed rows' examples kept apart by
+    `position_ids` and `document_ids` (rayzero's keywords for them)."""
 
     def __init__(self, vocab: int = VOCAB, dim: int = 32, heads: int = 4, n_layer: int = 2, max_len: int = 128,
                  tie: bool = True, dropout: float = 0.0):
@@ -153,13 +161,24 @@ class TinyLM(nn.Module):
 
     global_positions = None
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         t = idx.shape[1]
         pos = self.positions[:t] if self.global_positions is None else self.global_positions(t, idx.device)
-        x = self.emb(idx) + self.pos(pos)
+        x = self.emb(idx) + self.pos(pos if position_ids is None else position_ids)
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x) if document_ids is None else layer(x, document_ids)
         return self.head(self.ln_f(x))
+
+
+class RaisesInTraining(TinyLM):
+    """A forward that raises once it computes (its shape probe on the meta device passes): an
+    error in the user's training code."""
+
+    def forward(self, idx, **kwargs):
+        if idx.device.type != "meta":
+            raise ValueError("the model's own forward failed")
+        return super().forward(idx, **kwargs)
 
 
 class Scaled(nn.Module):

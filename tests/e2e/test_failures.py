@@ -161,6 +161,18 @@ def test_a_rank_killed_during_an_upload_then_a_hung_rank_both_resume(tmp_path, r
     assert leftovers(ray_cluster) == ([], [])
 
 
+def test_an_error_in_the_first_step_fails_the_run_with_it(train_here, small_dataset):
+    """The model's own forward raising on every rank at step 0, while the driver has the next
+    step queued (the ranks begin it on the error): the run ends with the error, not a wait on the
+    step that will never finish (it waited the dispatch's 600 s before)."""
+    code, _, err, _ = train_here(f"data.path={small_dataset}", "model.kind=module",
+                                 "model.factory=tests.models:RaisesInTraining", "train.steps=3", "train.seq_len=32",
+                                 "checkpoint.dir=", "tracking.enabled=false")
+    assert code == 1, err[-2000:]
+    assert "training failed at step 0: ValueError: the model's own forward failed" in err
+    assert "the error is in the training code, not a lost resource" in err
+
+
 def test_giving_up_after_max_restarts_names_the_cause_and_leaves_nothing(tmp_path, ray_cluster, small_dataset):
     controller, error = controller_run(tmp_path, ray_cluster, small_dataset, AlwaysDiesBetweenCommits,
                                        "failure.max_restarts=1")
