@@ -92,7 +92,8 @@ def plain_step(cfg, data_path: str):
     data = RankBatches(TokenDataset(data_path), seed=cfg.train.seed, global_batch=cfg.train.global_batch_size,
                        micro_batch=cfg.train.micro_batch_size, seq_len=cfg.train.seq_len, dp_rank=0, dp_size=1)
     def step(k: int) -> None:
-        for x, y in data.microbatches(k):
+        for batch in data.microbatches(k):
+            x, y = batch.tokens, batch.targets
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 logits = model(x.cuda(non_blocking=True))
             loss = F.cross_entropy(logits.flatten(0, 1).float(), y.cuda().flatten(), reduction="sum")

@@ -138,7 +138,8 @@ def baseline_first_step(cfg, model_dir: str, data_path: str, rank: int) -> tuple
     loaded = peak_rss()
     data = RankBatches(TokenDataset(data_path), seed=cfg.train.seed, global_batch=WORLD, micro_batch=1,
                        seq_len=cfg.train.seq_len, dp_rank=rank, dp_size=WORLD)
-    (x, y), = data.microbatches(0)
+    (batch,) = data.microbatches(0)
+    x, y = batch.tokens, batch.targets
     loss = F.cross_entropy(model(x).logits.flatten(0, 1).float(), y.flatten())
     loss.backward()
     opt.step()

@@ -85,7 +85,8 @@ class PlainTrainer:
             group["lr"] = lr_at(k, cfg.train.steps, o)
         micro = self.data.microbatches(k)
         loss_sum = torch.zeros((), dtype=torch.float64)
-        for i, (x, y) in enumerate(micro):
+        for i, batch in enumerate(micro):
+            x, y = batch.tokens, batch.targets
             last = i == len(micro) - 1
             sync = (contextlib.nullcontext() if last or self.fsdp2 or self.wrapped is self.model
                     else self.wrapped.no_sync())

@@ -137,8 +137,19 @@ class RootConfig(Frozen):
         return load_config(path, overrides, cls)
 
     def override(self, *overrides: str) -> "RootConfig":
-        """This config with `key=value` overrides applied, validated again."""
-        return build_config(apply_overrides(self.model_dump(by_alias=True), overrides), type(self))
+        """This config with `key=value` overrides applied, validated again. The keys it was given
+        stay the ones it was given, these added (`is_set`): a default is still a default."""
+        return build_config(apply_overrides(self.model_dump(by_alias=True, exclude_unset=True), overrides), type(self))
+
+    def is_set(self, key: str) -> bool:
+        """Whether the dotted `key` (`optim.lr`) was given, by the YAML file, an override or the
+        caller, rather than left to its default."""
+        node = self
+        for part in key.split("."):
+            if not isinstance(node, Frozen) or part not in node.model_fields_set:
+                return False
+            node = getattr(node, part)
+        return True
 
     cluster: ClusterConfig = ClusterConfig()
     model: ModelConfig = ModelConfig()

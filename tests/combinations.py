@@ -6,8 +6,10 @@ pairs, instead of a new product of tests.
 
 Each configuration trains `STEPS` steps of a global batch of `GLOBAL_BATCH` rows on
 `world = dp x cp x tp x pp` ranks (at most 4) and is held to its oracle (tests/dist/test_combinations.py):
-plain single-process torch for the language-model loss (PEFT for LoRA), the same run at world 1
-for the preference losses; bf16 follows the fp32 oracle's curve.
+plain single-process torch for the language-model loss (PEFT for LoRA) on text or on packed
+instruction examples (`sft`: each example attending to itself alone, as the model seam's unit
+test shows a packed window's loss to be its examples' one by one), the same run at world 1 for
+the preference losses; bf16 follows the fp32 oracle's curve.
 """
 
 from __future__ import annotations
@@ -50,12 +52,18 @@ AXES = {
     "recompute": ["none", "full", "selective", "every:2"],
     "compile": ["off", "aot_eager"],  # each block compiled (train.compile), torch's own kernels behind dynamo's trace
     "trainable": ["all", "lora", "frozen"],
-    "objective": ["lm", "dpo", "dpo-precomputed"],
+    # lm: text windows; sft: instruction examples packed into windows, each attending to itself alone
+    "objective": ["lm", "sft", "dpo", "dpo-precomputed"],
     "precision": ["fp32", "bf16", "bf16-comm"],  # bf16 compute; also bf16 gradients on the wire
     "overlap": [True, False],  # gradient reduction and parameter gathering overlapped with compute
     "micro": [2, 4],  # rows per micro-batch
     "resume": [False, True],  # saved after step SAVE_AT and resumed: bitwise the straight run
 }
+
+
+def pairs(objective: str) -> bool:
+    """Whether the objective is a preference loss over pairs."""
+    return objective.startswith("dpo")
 
 
 def tp_size(tp: str) -> int:
@@ -118,7 +126,8 @@ RULES.rule("zero-bubble's second backward through a block", ["pp", "recompute"],
            lambda pp, recompute: pp != "zb" or recompute != "selective")
 RULES.rule("a compiled block runs as one op to selective recomputation", ["compile", "recompute"],
            lambda compile, recompute: compile == "off" or recompute != "selective")
-RULES.rule("a preference pair in one micro-batch", ["objective", "micro"], lambda objective, micro: objective == "lm" or micro % 2 == 0)
+RULES.rule("a preference pair in one micro-batch", ["objective", "micro"],
+           lambda objective, micro: not pairs(objective) or micro % 2 == 0)
 
 # Where an interaction is known, the configuration is named rather than left to chance.
 NAMED = [
@@ -149,7 +158,7 @@ _C = dict(compile="aot_eager", tp="1", cp="1", ep="1", pp="1", recompute="none",
 COMPILED = [
     {**_C, "model": "gpt", "strategy": "optim_grads", "dp": 1, "cp": "ring", "pp": "1f1b", "objective": "dpo",
      "overlap": False},
-    {**_C, "model": "llama", "strategy": "no_shard", "dp": 1, "pp": "gpipe", "trainable": "frozen"},
+    {**_C, "model": "llama", "strategy": "no_shard", "dp": 1, "pp": "gpipe", "trainable": "frozen", "objective": "sft"},
     {**_C, "model": "llama-untied", "strategy": "no_shard", "dp": 1, "tp": "4", "recompute": "every:2",
      "trainable": "frozen", "precision": "bf16"},
     {**_C, "model": "qwen2", "strategy": "hfsdp", "dp": 2, "pp": "interleaved", "recompute": "every:2",
@@ -239,7 +248,7 @@ def overrides(c: dict, model_keys: list[str], data_kind: str = "text") -> list[s
         keys += [f"model.lora.target_modules={m['lora']}"] if "lora" in m else []
     elif c["trainable"] == "frozen":
         keys.append(f"model.freeze={m['freeze']}")
-    if c["objective"] != "lm":
+    if pairs(c["objective"]):
         keys.append("train.objective=dpo")
         keys += ["dpo.precompute_ref=true"] if c["objective"] == "dpo-precomputed" else []
     if c["precision"] != "fp32":

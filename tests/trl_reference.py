@@ -144,3 +144,57 @@ def trl_dpo(model_dir, tokenizer_dir, records: list[dict], *, steps: int, pairs_
         model = copy.deepcopy(model).merge_and_unload()
     result["state_dict"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return result
+
+
+def trl_sft(model_dir, records: list[dict], *, steps: int, lr: float, max_length: int = 1024, lora: Any = None,
+            weight_decay: float = 0.0, max_grad_norm: float = 1.0, adam_betas: tuple[float, float] = (0.9, 0.999),
+            adam_eps: float = 1e-8, optim: str = "adamw_torch", seed: int = 0,
+            lora_init_dir: str | None = None) -> dict:
+    """Train with TRL's `SFTTrainer` for `steps` steps, every one on all of `records` (TRL's
+    conversational prompt-completion records: `prompt` the turns before the assistant's,
+    `completion` its turn), each example padded on its own (TRL's default: no packing), the loss
+    on the completion only, summed over the step's completion tokens and divided by their count.
+    Pinned as `trl_dpo` pins DPO: fp32 on the CPU, no gradient checkpointing, `constant` schedule
+    without warmup, `optim`, `adam_betas`, `adam_eps`, `weight_decay` (not on biases and norms),
+    `max_grad_norm`. `lora`, `lora_init_dir`: as for `trl_dpo`.
+
+    Returns {"metrics": per step `loss`, `grad_norm` as TRL logged them; "state_dict": the final
+    weights (with LoRA the adapters merged in); "tokenized": each record's `input_ids` and
+    `labels` (-100 off the completion) as TRL made them}."""
+    import datasets
+    import transformers
+    from transformers import AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    datasets.disable_progress_bars()
+    transformers.logging.set_verbosity_error()
+    with tempfile.TemporaryDirectory() as out:
+        args = SFTConfig(
+            output_dir=out, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+            model_init_kwargs={"dtype": "float32"},
+            learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0,
+            optim=optim, adam_beta1=adam_betas[0], adam_beta2=adam_betas[1], adam_epsilon=adam_eps,
+            weight_decay=weight_decay, max_grad_norm=max_grad_norm,
+            per_device_train_batch_size=len(records), gradient_accumulation_steps=1, max_steps=steps,
+            train_sampling_strategy="sequential", dataloader_drop_last=False, dataloader_num_workers=0,
+            seed=seed, data_seed=seed, max_length=max_length, packing=False, completion_only_loss=True,
+            logging_steps=1, save_strategy="no", eval_strategy="no", report_to=[], disable_tqdm=True,
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        trainer = SFTTrainer(model=str(model_dir), args=args, train_dataset=datasets.Dataset.from_list(records),
+                             processing_class=tokenizer,
+                             peft_config=lora_config(lora) if lora is not None else None)
+        result: dict[str, Any] = {"tokenized": [{k: list(r[k]) for k in ("input_ids", "labels") if k in r}
+                                                for r in trainer.train_dataset]}
+        if lora is not None and lora_init_dir:
+            trainer.model.save_pretrained(lora_init_dir)
+        trainer.train()
+    logged = [e for e in trainer.state.log_history if "loss" in e and "step" in e]
+    if [e["step"] for e in logged] != list(range(1, steps + 1)):
+        raise AssertionError(f"TRL logged steps {[e['step'] for e in logged]}, not 1..{steps}")
+    result["metrics"] = [{k: e[k] for k in ("loss", "grad_norm")} for e in logged]
+    model = trainer.model
+    if lora is not None:
+        model = copy.deepcopy(model).merge_and_unload()
+    result["state_dict"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return result

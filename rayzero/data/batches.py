@@ -4,6 +4,11 @@ The global batch at step k is a function of (seed, k, global batch size) alone: 
 ``seq_len + 1`` tokens at offsets drawn from a generator seeded with (seed, k). Rank r of d
 reads rows [r·B/d, (r+1)·B/d). The same step therefore sees the same samples at any world
 size and under any strategy.
+
+A window is one sequence (`RankBatches`), or with `data.document_masking` each document in it
+stays alone (`DocumentBatches`): its tokens attend to its own earlier tokens only, its positions
+restart where it starts (the document cut by the window's start from the window's first token),
+and no target crosses from one document into the next.
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
+from rayzero.data.microbatch import MicroBatch, micro_batches
 from rayzero.data.tokens import TokenDataset
+from rayzero.sharding.vocab_parallel import IGNORE_INDEX
 
 
 def global_batch_offsets(seed: int, step: int, global_batch: int, num_tokens: int, seq_len: int) -> np.ndarray:
@@ -70,8 +77,8 @@ class RankBatches:
         rows = np.stack([self.dataset.window(int(o), self.seq_len + 1) for o in mine])
         return torch.from_numpy(rows)
 
-    def microbatches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(inputs, targets) per micro-batch; advances the data position past `step`."""
+    def microbatches(self, step: int) -> list[MicroBatch]:
+        """This rank's micro-batches of step `step`; advances the data position past `step`."""
         if self._ahead is not None and self._ahead[0] == step:
             rows = self._ahead[1].result()
         else:
@@ -86,8 +93,8 @@ class RankBatches:
         self._ahead = None
         self._reader.shutdown(wait=True, cancel_futures=True)
 
-    def _split(self, rows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(mb[:, :-1], mb[:, 1:]) for mb in rows.split(self.micro_batch)]
+    def _split(self, rows: torch.Tensor) -> list[MicroBatch]:
+        return [MicroBatch(mb[:, :-1], mb[:, 1:]) for mb in rows.split(self.micro_batch)]
 
     def state_dict(self) -> dict:
         return {
@@ -103,3 +110,36 @@ class RankBatches:
             if state[key] != mine[key]:
                 raise ValueError(f"data state was saved with {key}={state[key]!r}, this job has {mine[key]!r}")
         self.next_step = int(state["next_step"])
+
+
+def document_rows(ends: np.ndarray, offsets: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(labels, documents) of text windows `tokens` [rows, n] read at `offsets` of a corpus whose
+    documents end at `ends` (cumulative lengths): documents[r, t] is the index in row r where
+    token t's document starts (0 for the one the window cut), and a label is IGNORE_INDEX where
+    its token starts a document (it is never predicted from the one before)."""
+    at = offsets[:, None] + np.arange(tokens.shape[1])
+    starts = np.concatenate([[0], ends])[np.searchsorted(ends, at, side="right")]
+    documents = np.maximum(starts - offsets[:, None], 0)
+    labels = tokens.copy()
+    labels[:, 1:][documents[:, 1:] != documents[:, :-1]] = IGNORE_INDEX
+    return labels, documents
+
+
+class DocumentBatches(RankBatches):
+    """`RankBatches`' windows with each document in them alone (`data.document_masking`; see the
+    module doc): rows of (tokens, labels, documents)."""
+
+    masks_labels = True  # a document's first token is no target: the step's targets are counted
+
+    def __init__(self, dataset, **kwargs):
+        super().__init__(dataset, **kwargs)
+        self.ends = np.cumsum(dataset.document_lengths)
+
+    def rank_rows(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        offsets = global_batch_offsets(self.seed, step, self.global_batch, self.dataset.num_tokens, self.seq_len)
+        mine = offsets[self.dp_rank * self.rows_per_rank: (self.dp_rank + 1) * self.rows_per_rank]
+        tokens = np.stack([self.dataset.window(int(o), self.seq_len + 1) for o in mine]).astype(np.int64)
+        return tuple(torch.from_numpy(a) for a in (tokens, *document_rows(self.ends, mine, tokens)))
+
+    def _split(self, rows) -> list[MicroBatch]:
+        return micro_batches(*rows, self.micro_batch)

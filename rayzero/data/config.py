@@ -33,3 +33,10 @@ class DataConfig(Frozen):
         "per epoch, packed in an order drawn from the seed; preference pairs: every pair once per epoch; text: as "
         "many tokens as the dataset holds.",
     )
+    document_masking: bool = Field(
+        default=False,
+        description="Text data: each document in a training window attends to its own earlier tokens only and its "
+        "positions restart at its start, and no target crosses from one document into the next (as Llama 3 "
+        "trained); off, a window is one sequence, as most pretraining runs. Instruction examples are always kept "
+        "apart this way.",
+    )

@@ -15,12 +15,17 @@ def stdlib_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def ensure_default_corpus(cache_dir: str) -> str:
-    """Prepare the stdlib corpus under `cache_dir` on first use; return its path."""
+def default_corpus(cache_dir: str) -> Path:
+    """Where the stdlib corpus is kept under `cache_dir` (prepared there or not yet)."""
     import sys
 
-    root = Path(cache_dir).expanduser()
-    target = root / f"pystdlib-{sys.version_info.major}.{sys.version_info.minor}"
+    return Path(cache_dir).expanduser() / f"pystdlib-{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def ensure_default_corpus(cache_dir: str) -> str:
+    """Prepare the stdlib corpus under `cache_dir` on first use; return its path."""
+    target = default_corpus(cache_dir)
+    root = target.parent
     if (target / "meta.json").is_file():
         return str(target)
     root.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,9 @@ Training (`InstructionBatches`): in epoch e the examples are taken in a permutat
 the current window if it fits, else starts the next one (an example longer than a window is
 cut to it); the rest of a window is padding. A target counts only if its token is masked in
 and belongs to the same example as the token before it, so no label crosses an example
-boundary. Step k takes windows [k·B, (k+1)·B) of its epoch; the last step of an epoch is
+boundary, and every example stays alone in its window: each token's `documents` entry is where
+its example starts (`microbatch.py`), so that it attends to its own example only and its
+position restarts there, as if it had been trained by itself. Step k takes windows [k·B, (k+1)·B) of its epoch; the last step of an epoch is
 filled up with empty windows (no valid target), so every example is seen exactly once per
 epoch. All of this is a function of (seed, k) alone: the same step sees the same examples at
 any world size.
@@ -21,6 +23,7 @@ import torch
 
 from rayzero.data.batches import RankBatches
 from rayzero.data.errors import DataError
+from rayzero.data.microbatch import MicroBatch, micro_batches
 
 IGNORE_INDEX = -100
 
@@ -76,13 +79,16 @@ class Epochs:
 
 
 def window_rows(dataset, offsets: np.ndarray, windows: list[list[int]], seq_len: int,
-                pad: int) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens, labels) of shape (len(windows), seq_len + 1) for windows of examples (indices
-    into `offsets`): labels[t] is the target of position t - 1, IGNORE_INDEX where it takes no
-    part in the loss: masked out, padding, or the first token of an example."""
+                pad: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, labels, documents) of shape (len(windows), seq_len + 1) for windows of examples
+    (indices into `offsets`): labels[t] is the target of position t - 1, IGNORE_INDEX where it
+    takes no part in the loss: masked out, padding, or the first token of an example;
+    documents[t] the index where token t's example starts (the padding after the last example
+    is one of its own)."""
     n = seq_len + 1
     tokens = np.full((len(windows), n), pad, np.int64)
     labels = np.full((len(windows), n), IGNORE_INDEX, np.int64)
+    documents = np.zeros((len(windows), n), np.int64)
     for row, examples in enumerate(windows):
         at = 0
         for i in examples:
@@ -92,8 +98,10 @@ def window_rows(dataset, offsets: np.ndarray, windows: list[list[int]], seq_len:
             keep = mask.astype(bool)
             keep[0] = False  # the first token of an example is never predicted from the one before
             labels[row, at: at + length] = np.where(keep, ids, IGNORE_INDEX)
+            documents[row, at: at + length] = at
             at += length
-    return tokens, labels
+        documents[row, at:] = at
+    return tokens, labels, documents
 
 
 class InstructionBatches(RankBatches):
@@ -111,15 +119,14 @@ class InstructionBatches(RankBatches):
         self.epochs = Epochs(lengths, self.seed, self.global_batch, self.seq_len + 1)
         self.pad = int(dataset.meta["eot"])
 
-    def window_rows(self, windows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    def window_rows(self, windows: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return window_rows(self.dataset, self.offsets, windows, self.seq_len, self.pad)
 
-    def rank_rows(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rank_rows(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         windows = self.epochs.step_windows(step)
         mine = windows[self.dp_rank * self.rows_per_rank: (self.dp_rank + 1) * self.rows_per_rank]
-        tokens, labels = self.window_rows(mine)
-        return torch.from_numpy(tokens), torch.from_numpy(labels)
+        return tuple(torch.from_numpy(a) for a in self.window_rows(mine))
 
-    def _split(self, rows):
-        tokens, labels = rows
-        return [(t[:, :-1], lab[:, 1:]) for t, lab in zip(tokens.split(self.micro_batch), labels.split(self.micro_batch))]
+    def _split(self, rows) -> list[MicroBatch]:
+        return micro_batches(*rows, self.micro_batch)
+

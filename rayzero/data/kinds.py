@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from rayzero.data.batches import RankBatches
+from rayzero.data.batches import DocumentBatches, RankBatches
 from rayzero.data.instruct import InstructionBatches
 from rayzero.data.preferences import PreferenceBatches
 
 
-def batches_for(dataset) -> type:
-    """Text: windows at seeded offsets; instruction examples: packed windows with masked labels;
+def batches_for(dataset, document_masking: bool = False) -> type:
+    """Text: windows at seeded offsets (with `document_masking`, each document in a window
+    alone); instruction examples: packed windows with masked labels, each example alone;
     preference pairs: a pair's chosen and rejected in two rows, masked labels."""
     if dataset.kind == "preferences":
         return PreferenceBatches
     if dataset.kind == "instructions":
         return InstructionBatches
-    return RankBatches
+    return DocumentBatches if document_masking else RankBatches

@@ -30,6 +30,7 @@ import torch
 
 from rayzero.data.batches import RankBatches
 from rayzero.data.errors import DataError
+from rayzero.data.microbatch import MicroBatch, micro_batches
 from rayzero.data.instruct import window_rows
 
 EMPTY = -1  # a pair that fills a step or an evaluation batch up: no valid target
@@ -71,12 +72,13 @@ class Pairs:
 
     def rows(self, pairs: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """(tokens, labels) of shape (2·len(pairs), seq_len + 1): the i-th of `pairs` (an index
-        into `kept`, or EMPTY) as rows 2i (chosen) and 2i + 1 (rejected)."""
+        into `kept`, or EMPTY) as rows 2i (chosen) and 2i + 1 (rejected). A row holds one
+        sequence, padded after its end: causal attention keeps the padding out of it."""
         windows: list[list[int]] = []
         for p in pairs:
             q = int(self.kept[p]) if p != EMPTY else None
             windows += [[], []] if q is None else [[2 * q], [2 * q + 1]]
-        return window_rows(self.dataset, self.offsets, windows, self.seq_len, self.pad)
+        return window_rows(self.dataset, self.offsets, windows, self.seq_len, self.pad)[:2]
 
 
 def pair_counts(dataset, seq_len: int) -> PairCounts:
@@ -157,9 +159,8 @@ class PreferenceBatches(RankBatches):
         tokens, labels = self.index.rows(mine.tolist())
         return torch.from_numpy(tokens), torch.from_numpy(labels)
 
-    def _split(self, rows):
-        tokens, labels = rows
-        return [(t[:, :-1], lab[:, 1:]) for t, lab in zip(tokens.split(self.micro_batch), labels.split(self.micro_batch))]
+    def _split(self, rows) -> list[MicroBatch]:
+        return micro_batches(*rows, None, self.micro_batch)
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "seq_len": self.seq_len}  # which pairs are kept depends on it

@@ -6,8 +6,9 @@ same documents, and the training set is the rest, concatenated in order (`Subset
 `data.val_path` names a dataset of its own instead.
 
 Evaluation reads the same rows every time, a function of the data alone: for text, consecutive
-windows of `seq_len + 1` tokens from the start of the validation documents; for instruction
-examples, the examples in order, packed as in training; for preference pairs, the pairs in order
+windows of `seq_len + 1` tokens from the start of the validation documents (each document in
+them alone with `data.document_masking`, as in training); for instruction examples, the
+examples in order, packed as in training (each alone); for preference pairs, the pairs in order
 (those training keeps), two rows each as in training. Evaluation batch e holds rows
 [e·B, (e+1)·B) (pairs [e·B/2, (e+1)·B/2)), rank r of d its share of them, as in training;
 rows (pairs) past the end are padding (no valid target), so the validation loss (summed over valid targets, divided by their count)
@@ -19,8 +20,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from rayzero.data.batches import document_rows
 from rayzero.data.errors import DataError
 from rayzero.data.instruct import IGNORE_INDEX, pack, window_rows
+from rayzero.data.microbatch import MicroBatch, micro_batches
 from rayzero.data.preferences import EMPTY, Pairs, no_pairs_left
 
 VAL_SEED = 0x5A11D
@@ -108,8 +111,9 @@ class ValidationRows:
     data (`pairs`), pair i of a micro-batch in rows 2i (chosen) and 2i + 1 (rejected)."""
 
     def __init__(self, dataset, *, seq_len: int, global_batch: int, micro_batch: int, dp_rank: int,
-                 dp_size: int, max_batches: int):
+                 dp_size: int, max_batches: int, document_masking: bool = False):
         self.dataset, self.seq_len, self.global_batch, self.micro_batch = dataset, seq_len, global_batch, micro_batch
+        self.ends = np.cumsum(dataset.document_lengths) if document_masking and dataset.kind == "text" else None
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.rows_per_rank = global_batch // dp_size
         n = seq_len + 1
@@ -137,34 +141,41 @@ class ValidationRows:
         self.num_rows = min(available, max_batches * per_batch)  # pairs, for preference data
         self.num_batches = -(-self.num_rows // per_batch)
 
-    def _rows(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    def _rows(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(tokens, labels, where each token's example starts or None) of rows `ids`."""
         n = self.seq_len + 1
         real = [i for i in ids if i < self.num_rows]
+        documents = None
         if self.dataset.kind == "instructions":
-            tokens, labels = window_rows(self.dataset, self.offsets, [self.windows[i] for i in real], self.seq_len,
-                                         self.pad)
+            tokens, labels, documents = window_rows(self.dataset, self.offsets, [self.windows[i] for i in real],
+                                                    self.seq_len, self.pad)
         else:
             tokens = np.stack([self.dataset.window(i * n, n) for i in real]) if real else np.zeros((0, n), np.int64)
+            tokens = tokens.astype(np.int64)
             labels = tokens.copy()
+            if self.ends is not None:
+                labels, documents = document_rows(self.ends, np.asarray(real, np.int64) * n, tokens)
         missing = len(ids) - len(real)
         if missing:
             tokens = np.concatenate([tokens, np.full((missing, n), self.pad, np.int64)])
             labels = np.concatenate([labels, np.full((missing, n), IGNORE_INDEX, np.int64)])
-        return tokens, labels
+            if documents is not None:
+                documents = np.concatenate([documents, np.zeros((missing, n), np.int64)])
+        return tokens, labels, documents
 
     def _pair_rows(self, batch: int) -> tuple[np.ndarray, np.ndarray]:
         per_rank = self.rows_per_rank // 2
         first = batch * (self.global_batch // 2) + self.dp_rank * per_rank
         return self.index.rows([i if i < self.num_rows else EMPTY for i in range(first, first + per_rank)])
 
-    def microbatches(self, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def microbatches(self, batch: int) -> list[MicroBatch]:
         if self.pairs:
-            tokens, labels = self._pair_rows(batch)
+            tokens, labels, documents = *self._pair_rows(batch), None
         else:
             first = batch * self.global_batch + self.dp_rank * self.rows_per_rank
-            tokens, labels = self._rows(list(range(first, first + self.rows_per_rank)))
-        tokens, labels = torch.from_numpy(tokens), torch.from_numpy(labels)
-        return [(t[:, :-1], lab[:, 1:]) for t, lab in zip(tokens.split(self.micro_batch), labels.split(self.micro_batch))]
+            tokens, labels, documents = self._rows(list(range(first, first + self.rows_per_rank)))
+        return micro_batches(torch.from_numpy(tokens), torch.from_numpy(labels),
+                             None if documents is None else torch.from_numpy(documents), self.micro_batch)
 
 
 def validation_split(cfg, dataset):

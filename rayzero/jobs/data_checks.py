@@ -71,18 +71,69 @@ def steps_in_epochs(cfg: RootConfig, data_path) -> int:
     return math.ceil(cfg.data.epochs * ds.num_tokens / (t.global_batch_size * t.seq_len))
 
 
+def packs_examples(cfg: RootConfig, meta: dict) -> str | None:
+    """What packs several examples into each training row, in words (instruction data; text
+    with `data.document_masking`), or None: the model must then keep them apart."""
+    kind = meta.get("kind", "text")
+    if kind == "instructions":
+        return "instruction data"
+    return "data.document_masking" if kind == "text" and cfg.data.document_masking else None
+
+
+def cut_examples(cfg: RootConfig, data_path) -> dict | None:
+    """What the windows do to the training examples of instruction data (None for other data):
+    {"examples", "cut": how many are longer than a window, "most": the most tokens one loses,
+    "whole": the train.seq_len that keeps every one whole, "emptied": how many lose every
+    response token, "shortest_prompt"}. A DataError when no example keeps a response token:
+    there is nothing to train."""
+    from rayzero.data.validation import validation_split
+
+    ds, _ = validation_split(cfg, open_dataset(cfg, data_path))
+    if ds.kind != "instructions":
+        return None
+    n = cfg.train.seq_len + 1
+    lengths = ds.document_lengths
+    try:
+        prompts = ds.prompt_lengths
+    except DataError:  # prepared by an older rayzero: no prompt lengths recorded
+        prompts = None
+    # a response token at index p of its example is a target when p <= seq_len: p < n
+    emptied = int((prompts >= n).sum()) if prompts is not None else 0
+    if prompts is not None and emptied == lengths.size:
+        shortest = int(prompts.min())
+        raise DataError(f"data.path: {getattr(ds, 'uri', data_path)}: nothing to train at train.seq_len="
+                        f"{cfg.train.seq_len}: every one of the {lengths.size} instruction examples' prompts fills the "
+                        f"window of train.seq_len + 1 = {n} tokens, so no response token is left (the shortest prompt is "
+                        f"{shortest} tokens); train.seq_len={shortest} keeps a response token of it, "
+                        f"train.seq_len={int(lengths.max()) - 1} keeps every example whole")
+    cut = lengths > n
+    return {"examples": int(lengths.size), "cut": int(cut.sum()), "most": int((lengths - n).max()) if cut.any() else 0,
+            "whole": int(lengths.max()) - 1, "emptied": emptied,
+            "shortest_prompt": int(prompts.min()) if prompts is not None else None}
+
+
+def cut_words(cfg: RootConfig, cut: dict | None) -> str | None:
+    """`cut_examples` in one line (None: nothing is cut)."""
+    if not cut or not cut["cut"]:
+        return None
+    n = cfg.train.seq_len + 1
+    emptied = (f"; {cut['emptied']} of them keep no response token at all (their prompt fills the window)"
+               if cut["emptied"] else "")
+    return (f"{cut['cut']} of {cut['examples']} instruction examples are longer than a window (train.seq_len + 1 = {n} "
+            f"tokens) and are cut, by up to {cut['most']} tokens{emptied}; train.seq_len={cut['whole']} keeps every "
+            "one whole")
+
+
 def note_cut_examples(cfg: RootConfig, meta: dict, data_path) -> None:
     """Instruction examples longer than a window are cut to it, preference pairs are cut or
-    dropped: say how many."""
+    dropped: say how many; refuse data that leaves nothing to train."""
     if meta.get("kind") == "preferences":
         return note_pairs(cfg, data_path)
     if meta.get("kind") != "instructions":
         return
-    lengths = open_dataset(cfg, data_path).document_lengths
-    cut = int((lengths > cfg.train.seq_len + 1).sum())
-    if cut:
-        print(f"rayzero: note: {cut} of {lengths.size} instruction examples are longer than train.seq_len + 1 = "
-              f"{cfg.train.seq_len + 1} tokens and are cut to it (the longest: {int(lengths.max())})", file=sys.stderr)
+    words = cut_words(cfg, cut_examples(cfg, data_path))
+    if words:
+        print(f"rayzero: note: {words}", file=sys.stderr)
 
 
 def note_pairs(cfg: RootConfig, data_path) -> None:
@@ -117,16 +168,48 @@ def check_objective(objective: str, key: str, path, meta: dict) -> None:
                         f"train.objective={objective} does not learn from; set train.objective=dpo")
 
 
-def limit_to_epochs(cfg: RootConfig, data_path) -> RootConfig:
-    """`train.steps`, or fewer when `data.epochs` ends first."""
+def run_length(cfg: RootConfig, data_path) -> tuple[RootConfig, str | None, str]:
+    """How long the run is: the config with its `train.steps`, in words what sets it (None:
+    `train.steps` alone), and the key that does, as a resume's notes name it (`data.epochs=3
+    (120 steps)` or `train.steps=100`). `data.epochs` alone sets `train.steps` (the schedule
+    follows it); with both, the earlier ends the run."""
+    steps_key = f"train.steps={cfg.train.steps}"
     if not cfg.data.epochs:
-        return cfg
-    steps = steps_in_epochs(cfg, data_path)
-    if steps >= cfg.train.steps:
-        return cfg
-    print(f"rayzero: data.epochs={cfg.data.epochs:g} ends after {steps} steps, before train.steps="
-          f"{cfg.train.steps}", file=sys.stderr)
-    return cfg.override(f"train.steps={max(steps, 1)}")
+        return cfg, None, steps_key
+    steps = max(steps_in_epochs(cfg, data_path), 1)
+    epochs = f"data.epochs={cfg.data.epochs:g} ({steps} steps)"
+    if not cfg.is_set("train.steps"):
+        return cfg.override(f"train.steps={steps}"), f"{epochs} sets the run's length; the schedule follows it", epochs
+    if steps < cfg.train.steps:
+        return cfg.override(f"train.steps={steps}"), f"{epochs} ends the run before {steps_key}", epochs
+    if steps > cfg.train.steps:
+        return cfg, f"{steps_key} ends the run before {epochs}", steps_key
+    return cfg, f"{epochs} and {steps_key} end the run together", steps_key
+
+
+def data_plan(cfg: RootConfig) -> tuple[RootConfig, dict]:
+    """What the dry run says of the training data, read as the run reads it where it can be read
+    from here (not preparing the default corpus): the config with the run's length from
+    `data.epochs` (`run_length`), and {"path", "kind", "packs", "length", "cut"} ("note": why
+    the data was not read). DataError where the run would refuse it (nothing to train)."""
+    from rayzero.data.corpus import default_corpus
+    from rayzero.storage import StorageError
+
+    path = cfg.data.path or str(default_corpus(cfg.data.cache_dir))
+    shown = cfg.data.path or f"the default corpus at {path}"
+    try:
+        meta = read_meta(path, cfg.checkpoint)
+    except (DataError, StorageError, OSError) as e:
+        why = "it is prepared on first use" if not cfg.data.path else str(e)
+        length = (f"data.epochs={cfg.data.epochs:g}: its steps are counted once the data can be read"
+                  if cfg.data.epochs else None)
+        return cfg, {"path": "the default corpus" if not cfg.data.path else shown, "kind": None, "packs": None,
+                     "length": length, "cut": None, "note": f"not read from here: {why}"}
+    dataset = open_dataset(cfg, path)
+    cut = cut_words(cfg, cut_examples(cfg, dataset)) if meta.get("kind") == "instructions" else None
+    cfg, length, _ = run_length(cfg, dataset)
+    return cfg, {"path": shown, "kind": meta.get("kind", "text"), "packs": packs_examples(cfg, meta),
+                 "length": length, "cut": cut, "note": None}
 
 
 def check_validation(cfg: RootConfig, meta: dict, data_path) -> None:

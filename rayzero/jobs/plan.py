@@ -13,6 +13,8 @@ from rayzero.cluster.checkpoints import Checkpoints
 from rayzero.config import ConfigError, RootConfig
 from rayzero.cluster.local_ray import check_local_capacity, check_reachable, quiet_logs, starts_local_ray
 from rayzero.jobs.preflight import nothing_to_train, resume_preview
+from rayzero.jobs.data_checks import data_plan
+from rayzero.jobs.defaults import Defaults, with_defaults
 from rayzero.jobs.train import (
     ModelUnreachable, absolute_data_paths, absolute_model_path, adapter_start, prepare_model,
     given_compile_cache, resolve_factory, vocab_note,
@@ -43,11 +45,16 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
         check_local_capacity(cfg)
 
     mesh = cfg.mesh()  # rank 0's place: the axes' sizes, by role (the adapter's start changes none of them)
+    defaults = Defaults("pretraining", "model.path is read on the cluster's machines: the fine-tuning defaults "
+                        "apply if it holds weights")
+    data = None
     try:
         if not read_model:
             raise ModelUnreachable(f"model.path {cfg.model.path} is on the cluster's machines")
         cfg = adapter_start(cfg)
-        prepared, note = prepare_model(cfg, resolve_factory(cfg, factory)), None
+        cfg, defaults = with_defaults(cfg)
+        cfg, data = data_plan(cfg)
+        prepared, note = prepare_model(cfg, resolve_factory(cfg, factory), packs=data["packs"]), None
         spec, built = prepared.spec, prepared.built  # what the ranks will shard (one TP rank's share)
         model = built.model
         num_params, trainable = spec.num_params(model)  # per TP rank
@@ -148,7 +155,11 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
                         "resume": cfg.checkpoint.resume, "start": resume} if cfg.checkpoint.dir else None),
         "tracking": (cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite in the run directory")
         if cfg.tracking.enabled else None,
-        "data": cfg.data.path or "the default corpus (prepared on first use)",
+        "data": data["path"] if data else cfg.data.path or "the default corpus (prepared on first use)",
+        "defaults": defaults.line(),
+        "length": data["length"] if data else None,  # what sets the run's length (data.epochs)
+        "cut": data["cut"] if data else None,  # the instruction examples the windows cut
+        "data_note": data["note"] if data else None,
         "failure": {"max_restarts": cfg.failure.max_restarts, "phase_timeout_s": cfg.failure.phase_timeout_s,
                     "spares": cfg.failure.spares,  # a job's room is its cluster's, not measured from here
                     "spare_room": spare_room(cfg, local) if cfg.failure.spares and not job else None},

@@ -59,21 +59,23 @@ def nothing_to_train(cfg: RootConfig, resume) -> tuple[dict, list[dict]] | None:
     return summary, rows
 
 
-def say_resume(cfg: RootConfig, resume) -> None:
-    """Where the run picks up, and what happens to a schedule the run outgrew, at its start."""
+def say_resume(cfg: RootConfig, resume, length: str | None = None) -> None:
+    """Where the run picks up, and what happens to a schedule the run outgrew, at its start
+    (`length`: the key that sets the run's length, `train.steps=N` or `data.epochs=E (N steps)`)."""
     from rayzero.cluster.schedule import schedule_length
 
+    length = length or f"train.steps={cfg.train.steps}"
     print(f"rayzero: resuming from {resume.uri} at step {resume.step} of {cfg.train.steps}", file=sys.stderr)
     total = schedule_length(cfg.train.steps, cfg.optim, resume.manifest)
     if total < cfg.train.steps:
-        print(f"rayzero: warning: train.steps={cfg.train.steps} runs past the learning-rate schedule this run started "
-              f"with ({total} steps): from step {total - 1} on the learning rate stays at its final value "
-              f"{cfg.optim.final_lr:g}; optim.schedule_total=new stretches the schedule to {cfg.train.steps} steps "
-              "instead", file=sys.stderr)
+        print(f"rayzero: warning: {length} runs past the learning-rate schedule this run started with ({total} "
+              f"steps): the schedule wins (optim.schedule_total=original), so from step {total - 1} on the learning "
+              f"rate stays at its final value {cfg.optim.final_lr:g}; optim.schedule_total=new stretches the schedule "
+              f"to {cfg.train.steps} steps instead", file=sys.stderr)
     elif total > cfg.train.steps:
-        print(f"rayzero: note: train.steps={cfg.train.steps} ends before the learning-rate schedule this run started "
-              f"with ({total} steps) has decayed; optim.schedule_total=new fits it to {cfg.train.steps} steps",
-              file=sys.stderr)
+        print(f"rayzero: note: {length} ends the run before the learning-rate schedule this run started with "
+              f"({total} steps) has decayed: the schedule wins (optim.schedule_total=original), cut short at step "
+              f"{cfg.train.steps}; optim.schedule_total=new fits it to {cfg.train.steps} steps", file=sys.stderr)
 
 
 def resumed_run_dir(resume) -> Path | None:

@@ -48,7 +48,10 @@ def print_plan(p: dict) -> None:
         + ("data-parallel ranks" if p["dp_size"] < p["world_size"] else "ranks") + f" x {p['grad_accum']} "
         f"micro-batches x {p['micro_batch_size']}; {p['tokens_per_step']:,} tokens per step, {p['steps']} steps\n"
         f"  {p['schedule']}\n"
-        f"  data {p['data']}\n"
+        + (f"  {p['defaults']}\n" if p.get("defaults") else "")
+        + (f"  length: {p['length']}\n" if p.get("length") else "")
+        + f"  data {p['data']}" + (f" ({p['data_note']})" if p.get("data_note") else "") + "\n"
+        + (f"  note: {p['cut']}\n" if p.get("cut") else "")
         + (f"  checkpoints every {ck['every_steps']} steps to {ck['dir']} (resume {ck['resume']})\n" if ck
            else "  checkpoints off\n")
         + (f"  {_start_line(ck['start'], ck['resume'])}\n" if ck and ck.get("start") else "")

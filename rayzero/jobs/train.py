@@ -26,8 +26,10 @@ from rayzero.config import ConfigError, RootConfig
 from rayzero.data.tokens import MASKED_KINDS, DataError, read_meta
 from rayzero.models import ModelError, ModelSpec, ModelUnavailable, spec_class
 from rayzero.jobs.data_checks import (  # noqa: F401 (resolve_data, open_dataset: named from here too)
-    model_tokenizer_dir, resolve_data, open_dataset, steps_in_epochs, note_cut_examples, note_pairs, check_objective, limit_to_epochs, check_validation,
+    model_tokenizer_dir, resolve_data, open_dataset, steps_in_epochs, note_cut_examples, note_pairs, check_objective,
+    check_validation, packs_examples, run_length,
 )
+from rayzero.jobs.defaults import with_defaults
 from rayzero.jobs.preflight import nothing_to_train, resume_preview, resumed_run_dir, say_resume
 from rayzero.version import __version__
 from rayzero.workers.assembly import (
@@ -112,16 +114,19 @@ class Prepared:
         return build_model(self.cfg, self.spec)
 
 
-def prepare_model(cfg: RootConfig, factory=None, data_vocab: int | None = None) -> Prepared:
+def prepare_model(cfg: RootConfig, factory=None, data_vocab: int | None = None, packs: str | None = None) -> Prepared:
     """Everything about the model that can be checked before a cluster starts: that it builds
     (config.json, the factory), that pretrained weights match it, that it fits the sequence
-    length and the data's vocabulary, the FSDP units, the dtypes, the pipeline's split. A
-    ConfigError naming the culprit (ModelUnreachable where the model is not readable from
-    here); else the model, prepared."""
+    length and the data's vocabulary, that it keeps packed examples apart (`packs`: what packs
+    them, if anything), the FSDP units, the dtypes, the pipeline's split. A ConfigError naming
+    the culprit (ModelUnreachable where the model is not readable from here); else the model,
+    prepared."""
     try:
         prepared = Prepared(cfg, make_spec(cfg, factory))
         spec = prepared.spec
         spec.check(cfg.train.seq_len, data_vocab)
+        if packs:
+            spec.check_documents(prepared.built.model, packs)
         check_buildable(cfg, None if cfg.cluster.use_gpu else torch.device("cpu"), spec,
                         build=lambda: prepared.built.model)
         mesh = cfg.mesh()
@@ -197,8 +202,8 @@ def adapter_start(cfg: RootConfig) -> RootConfig:
         changes["path"] = _absolute(base)
         if not path and local:  # the kind of the base it names (an HF model's directory: hf)
             changes["kind"] = spec_class(m.kind).adapter_base_kind(Path(base).expanduser())
-    data = cfg.model_dump(by_alias=True)
-    data["model"].update(changes)
+    data = cfg.model_dump(by_alias=True, exclude_unset=True)  # what the user left unset stays a default
+    data.setdefault("model", {}).update(changes)
     return build_config(data, type(cfg))
 
 
@@ -286,6 +291,8 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None, startup: Sta
     given_storage = cfg.checkpoint
     cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.with_environment()})
     cfg = adapter_start(cfg)
+    cfg, defaults = with_defaults(cfg)
+    startup.say(defaults.line())
     cfg = absolute_data_paths(cfg)
     data_path = resolve_data(cfg)
     cfg = absolute_model_path(cfg)
@@ -306,8 +313,10 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None, startup: Sta
                                                 or meta.get("kind") in MASKED_KINDS) else None
     check_validation(cfg, meta, dataset)
     note_cut_examples(cfg, meta, dataset)
-    cfg = limit_to_epochs(cfg, dataset)
-    prepared = prepare_model(cfg, factory, data_vocab=meta["vocab_size"])
+    cfg, words, length = run_length(cfg, dataset)
+    if words:
+        startup.say(words)
+    prepared = prepare_model(cfg, factory, data_vocab=meta["vocab_size"], packs=packs_examples(cfg, meta))
     spec = prepared.spec
     note = vocab_note(cfg, prepared.built) if cfg.mesh().size("tp") > 1 and cfg.parallel.vocab_parallel else None
     if note:
@@ -329,7 +338,7 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None, startup: Sta
     if resume is not None and (done := nothing_to_train(cfg, resume)) is not None:
         return done
     if resume is not None:
-        say_resume(cfg, resume)
+        say_resume(cfg, resume, length)
     resumed_dir = resumed_run_dir(resume)
     run_dir = resumed_dir or make_run_dir(cfg)
     shown = cfg.model_copy(update={"checkpoint": given_storage})

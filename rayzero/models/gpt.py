@@ -22,9 +22,22 @@ from rayzero.sharding.flat_buffer import FillSource, ParamSource
 __all__ = ["GPT", "GPTSpec", "ModelConfig", "PRESETS", "build_model"]
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
-    """Causal attention over the whole sequence on this rank."""
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+                     documents: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention over the whole sequence on this rank; with `documents` (packed rows:
+    where each token's example starts, `data/microbatch.py`), each query attends to the keys of
+    its own example only, from its start to itself."""
+    if documents is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=example_mask(documents), dropout_p=dropout_p)
+
+
+def example_mask(documents: torch.Tensor) -> torch.Tensor:
+    """The [B, 1, T, T] boolean mask of causal attention within each example of packed rows: key
+    j is allowed for query i when documents[i] <= j <= i."""
+    t = documents.shape[-1]
+    index = torch.arange(t, device=documents.device)
+    return ((index[None, :] <= index[:, None])[None] & (index[None, None, :] >= documents[:, :, None]))[:, None]
 
 
 class CausalSelfAttention(nn.Module):
@@ -37,14 +50,14 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         # Head counts follow from the shapes, so a tensor-parallel rank (its share of the
         # heads in q|k|v) runs the same code.
         b, t, _ = x.shape
         q, k, v = self.qkv(x).chunk(3, dim=2)
         q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
         drop = self.dropout if self.training else 0.0
-        y = self.attend(q, k, v, drop)
+        y = self.attend(q, k, v, drop) if documents is None else self.attend(q, k, v, drop, documents=documents)
         return self.proj(y.transpose(1, 2).contiguous().view(b, t, -1))
 
 
@@ -67,8 +80,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), documents)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -114,12 +127,15 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of {t} tokens exceeds block_size {self.block_size}")
         return torch.arange(t, device=device)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Logits of shape (batch, time, vocab)."""
+    def forward(self, idx: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of shape (batch, time, vocab). `documents` (packed rows, `data/microbatch.py`):
+        each token attends within its example only, and its position restarts there."""
         pos = self.positions(idx.shape[1], idx.device)
+        if documents is not None:
+            pos = pos - documents
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if documents is None else block(x, documents)
         return self.lm_head(self.ln_f(x))
 
     def num_params(self) -> int:
@@ -155,6 +171,17 @@ class GPTSpec(ModelSpec):
         return cls(cfg, seed, block_size, storage_cfg)
 
     @classmethod
+    def context_length(cls, cfg: ModelConfig, storage_cfg=None) -> int | None:
+        """`model.block_size`, else the rows of the position embedding in the weights it starts from."""
+        if cfg.block_size:
+            return cfg.block_size
+        from rayzero.models.spec import pretrained_weights
+
+        weights = pretrained_weights(cfg, storage_cfg)
+        info = weights.tensors.get("wpe.weight") if weights is not None else None
+        return int(info.shape[0]) if info is not None else None
+
+    @classmethod
     def adapter_base_kind(cls, base: Path) -> str:
         """An adapter on a directory with a config.json was trained on an HF model: the kind
         left at its default (this one) gives way to `hf`."""
@@ -173,6 +200,9 @@ class GPTSpec(ModelSpec):
 
     def _build(self) -> GPT:
         return build_model(self.cfg, self.block_size, self.seed, device="meta")
+
+    def logits(self, model: GPT, batch):
+        return model(batch.tokens) if batch.documents is None else model(batch.tokens, batch.documents)
 
     def seeded(self, model: GPT) -> ParamSource:
         return FillSource(lambda name, out: model.init_parameter(name, out, self.seed))

@@ -70,6 +70,12 @@ class HFSpec(RouterLosses, ModelSpec):
         return cfg.path
 
     @classmethod
+    def context_length(cls, cfg: ModelConfig, storage_cfg=None) -> int | None:
+        """`max_position_embeddings` (`n_positions`) of the directory's config.json."""
+        c = load_hf_config(cfg.path, storage_cfg, cfg.trust_remote_code)[1].get_text_config()
+        return getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None)
+
+    @classmethod
     def architecture(cls, record: dict) -> str | None:
         return (record.get("architectures") or [None])[0]
 
@@ -208,6 +214,16 @@ class HFSpec(RouterLosses, ModelSpec):
         c = self.text_config
         heads = getattr(c, "num_attention_heads", None) or getattr(c, "n_head", None)
         cp.check_heads(heads, getattr(c, "num_key_value_heads", None) or heads)
+        what = type(model).__name__
+        if any(n.rpartition(".")[2] == "sinks" for n, _ in model.named_parameters()):
+            raise ModelError(f"parallel.cp: {what}'s attention has sinks (a learned logit per head that every query "
+                             "also attends to), which attention across the context-parallel split does not do yet; "
+                             "set parallel.cp=1")
+        window = sliding_window(c)
+        if window is not None and window < cp.seq_len:
+            raise ModelError(f"parallel.cp: {what}'s layers attend within a sliding window of {window} tokens, which "
+                             "attention across the context-parallel split does not do yet; set parallel.cp=1, or "
+                             f"train.seq_len={window} or less (a window that long is whole causal attention)")
         attend_across(model, cp)
         self._split_tokens(model, "cp", cp.axis)
 
@@ -254,10 +270,39 @@ class HFSpec(RouterLosses, ModelSpec):
         c = self.text_config
         return float(getattr(c, "router_aux_loss_coef", 0.0) or 0.0) if hasattr(c, "output_router_logits") else 0.0
 
-    def logits(self, model: nn.Module, x: torch.Tensor):
+    def logits(self, model: nn.Module, batch):
+        """The model's forward; packed rows' examples kept apart by their `position_ids`, which
+        restart at each example: transformers builds the block-diagonal causal mask from them
+        (sdpa, eager, flex; flash-attention takes them as its variable-length sequences), or,
+        across a context-parallel split, `cp.attend` takes each token's example start."""
+        kwargs = {"input_ids": batch.tokens}
         if self.aux_coef:
-            return model(input_ids=x, output_router_logits=True)
-        return model(input_ids=x)
+            kwargs["output_router_logits"] = True
+        if batch.documents is not None:
+            kwargs["use_cache"] = False  # transformers finds packed sequences only without a cache
+            t = batch.tokens.shape[1]
+            index = self.cp.local_positions(t, batch.tokens.device) if self.cp is not None else \
+                torch.arange(t, device=batch.tokens.device)
+            kwargs["position_ids"] = batch.positions(index)
+            if self.cp is not None:
+                from rayzero.models.hf_context import DOCUMENTS
+
+                kwargs[DOCUMENTS] = batch.documents
+        return model(**kwargs)
+
+    def check_documents(self, model: nn.Module, why: str) -> None:
+        """Packed examples are kept apart by `position_ids`, from which transformers' own masks
+        (`masking_utils`) find where each example starts: a family that builds its masks another
+        way, or takes no positions, is refused."""
+        import inspect
+        import sys
+
+        module = sys.modules.get(type(model).__module__)
+        takes = "position_ids" in inspect.signature(model.forward).parameters
+        if not takes or not hasattr(module, "create_causal_mask"):
+            raise ModelError(f"{self.where}: {why} packs several examples into each row, and {type(model).__name__} "
+                             "does not build its attention mask from position_ids (transformers' masking_utils), so "
+                             "they would attend to each other")
 
     def expert_parallel(self, model: nn.Module, ep) -> dict[str, tuple[int, ...]]:
         """Through transformers' experts registry (`hf_experts.py`)."""
@@ -359,6 +404,19 @@ def check_causal_lm(config, path: str, trust_remote_code: bool = False) -> None:
     if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not custom:
         raise ModelError(f"model.path: {path} holds a {name} (model_type {kind!r}), which transformers has no causal "
                          f"LM for; {trains}")
+
+
+def sliding_window(config) -> int | None:
+    """The sliding window some of the model's layers attend within (None: every layer attends
+    to the whole causal past): the config's `sliding_window` where its `layer_types` have
+    sliding layers or, without them, where `use_sliding_window` (if it has one) is on."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return int(window) if "sliding_attention" in types else None
+    return int(window) if getattr(config, "use_sliding_window", True) else None
 
 
 def config_from_dict(config: dict):

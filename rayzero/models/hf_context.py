@@ -1,9 +1,10 @@
 """Context parallelism for Hugging Face decoders through transformers' attention-function
 registry (`AttentionInterface`), with no model code edited: every attention layer calls
 `cp.attend` (with the key/value heads as the layer has them, before `repeat_kv`), and the model
-is given the tokens' global `position_ids`, which the rotary or learned positions take. An
-implementation name with no mask function of its own makes transformers build no mask:
-causality is over the global positions, in `cp.attend`."""
+is given the tokens' global `position_ids`, which the rotary or learned positions take (packed
+rows: the positions in each token's example, and the examples' starts, `DOCUMENTS`, passed on to
+`cp.attend`). An implementation name with no mask function of its own makes transformers build
+no mask: causality (and each example's bounds) is over the global positions, in `cp.attend`."""
 
 from __future__ import annotations
 
@@ -12,15 +13,20 @@ import functools
 import torch.nn as nn
 
 CP_ATTENTION = "rayzero_context_parallel"  # the attention implementation `attend_across` registers
+# The model call's keyword for packed rows' example starts (`data/microbatch.py`): transformers passes a forward's
+# extra keyword arguments on through its decoder layers to the attention function, which gives them to `cp.attend`.
+DOCUMENTS = "rayzero_documents"
 
 
 def _cp_attention(cp, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """An attention function of transformers' registry: this rank's queries against the whole
     sequence across the cp group; [batch, tokens, heads, head dim] as transformers' own return."""
-    if kwargs.get("sliding_window") or kwargs.get("s_aux") is not None:
+    window = kwargs.get("sliding_window")
+    if (window and window < cp.seq_len) or kwargs.get("s_aux") is not None:  # refused before training by the seam
         raise ValueError(f"{type(module).__name__}: sliding-window or sink attention across the context-parallel "
                          "split is not supported")
-    return cp.attend(query, key, value, dropout, scale=scaling).transpose(1, 2).contiguous(), None
+    return cp.attend(query, key, value, dropout, scale=scaling,
+                     documents=kwargs.get(DOCUMENTS)).transpose(1, 2).contiguous(), None
 
 
 def attend_across(model: nn.Module, cp) -> None:
@@ -33,6 +39,8 @@ def attend_across(model: nn.Module, cp) -> None:
     pretrained.set_attn_implementation(CP_ATTENTION)
 
     def positions(_module, args, kwargs):
+        if kwargs.get("position_ids") is not None:  # packed rows' own, restarting at each example
+            return None
         ids = kwargs.get("input_ids", args[0] if args else None)
         return args, {**kwargs, "position_ids": cp.local_positions(ids.shape[1], ids.device)[None]}
 

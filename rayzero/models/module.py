@@ -2,7 +2,11 @@
 
 `model.factory` is `package.module:callable` (from Python, any callable: `Trainer(config,
 model=callable)`), called with `model.kwargs`; it returns an `nn.Module` whose forward takes
-token ids [B, T] and returns logits [B, T, V] (or an object with `.logits`). It is called with
+token ids [B, T] and returns logits [B, T, V] (or an object with `.logits`). A forward that also
+takes `position_ids` and `document_ids` keywords trains on packed rows (instruction data, text
+with `data.document_masking`): each [B, T], a token's position in its example and the index in
+its row where its example starts; its attention must keep each token to the keys of its own
+example (from `document_ids` to itself). It is called with
 parameters on the meta device; each module's `reset_parameters()` (torch's layers all have
 one) initializes it, seeded by its name. ZeRO-3 units are the classes in
 `sharding.fsdp_units`, or else the class of the largest `nn.ModuleList`'s layers.
@@ -137,6 +141,22 @@ class ModuleSpec(ModelSpec):
                              f"{', '.join(missing) or 'no module'}, which the model does not have")
         return names
 
+    def logits(self, model: nn.Module, batch):
+        if batch.documents is None:
+            return model(batch.tokens)
+        t = batch.tokens.shape[1]
+        index = self.cp.local_positions(t, batch.tokens.device) if self.cp is not None else \
+            torch.arange(t, device=batch.tokens.device)
+        return model(batch.tokens, position_ids=batch.positions(index), document_ids=batch.documents)
+
+    def check_documents(self, model: nn.Module, why: str) -> None:
+        if not forward_takes(model, "document_ids"):
+            raise ModelError(f"{self.where}: {why} packs several examples into each row, and "
+                             f"{type(model).__name__}.forward takes no `document_ids` to keep them apart; give it "
+                             "`position_ids` and `document_ids` keywords ([batch, tokens]: each token's position in its "
+                             "example, and where in the row its example starts) and keep each token's attention to the keys "
+                             "from `document_ids` to itself")
+
     splits_sequence = True  # through the module's own hook, asked for when it is built
 
     def context_parallel(self, model: nn.Module, cp) -> None:
@@ -194,7 +214,7 @@ class ModuleSpec(ModelSpec):
         x = torch.zeros(2, min(seq_len, 8), dtype=torch.long, device="meta")
         try:
             with torch.no_grad():
-                out = self.logits(model, x)
+                out = model(x)
         except Exception:
             return
         from rayzero.models.spec import check_logits
@@ -217,6 +237,15 @@ class ModuleSpec(ModelSpec):
         desc = {"factory": self.cfg.factory, "kwargs": self.kwargs}
         return {"kind": self.kind, **desc, "config_sha256": config_hash(desc), "factory_source_sha256": code,
                 "seed": self.seed, **weights_record(self.weights, self.cfg.path), **self.adapter_record()}
+
+
+def forward_takes(model: nn.Module, name: str) -> bool:
+    """Whether the module's forward takes the keyword argument `name`."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def _hook(model: nn.Module, name: str, key: str, missing: str):

@@ -8,8 +8,10 @@ checkpoint tools and the CLI ask it, and never name a model class:
     spec.source(model)           initial values: a seeded init, or pretrained weights by range
     spec.fsdp_units(model)       the default ZeRO-3 unit classes
     spec.decays(name, p)         which parameters take weight decay
-    spec.loss(model, x, y)       a micro-batch's summed loss over valid tokens, their count, and
-                                 its auxiliary loss (a mixture of experts' router loss) if any
+    spec.loss(model, batch)      a micro-batch's summed loss over valid tokens, their count, and
+                                 its auxiliary loss (a mixture of experts' router loss) if any;
+                                 packed examples (`batch.documents`) kept apart in the model's
+                                 own way, each as if it were alone
     spec.parallelize(model, ...) tensor parallelism: its plan applied, its vocabulary split
     spec.record()                what a checkpoint notes of the model (kind, source, config hash)
     spec.export_plan(model)      the names an export writes, and what each one holds
@@ -35,6 +37,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from rayzero.data.microbatch import MicroBatch
 from rayzero.models.errors import ModelError, ModelUnavailable  # noqa: F401 (raised here, named from here too)
 from rayzero.sharding.flat_buffer import ParamSource
 from rayzero.sharding.vocab_parallel import IGNORE_INDEX  # labels equal to it take no part in the loss
@@ -106,6 +109,7 @@ class ModelSpec:
         self.seed = seed
         self.freeze = tuple(cfg.freeze)
         self.storage_cfg = storage_cfg  # S3 settings for model.path
+        self.cp = None  # this rank's `ContextParallel`, once `context_parallel` has split the model
 
     # -- the kind: what its class answers from a config or a record, with no spec made --------
     @classmethod
@@ -138,6 +142,12 @@ class ModelSpec:
         """The kind of the model a PEFT adapter goes onto, where the adapter names its base
         (`base`, a local path) and this kind is the one configured."""
         return cls.kind
+
+    @classmethod
+    def context_length(cls, cfg, storage_cfg=None) -> int | None:
+        """The most positions the model `cfg` describes takes, read before any spec is made (the
+        length a fine-tune's windows default to at most), or None where it does not say."""
+        return None
 
     @classmethod
     def architecture(cls, record: dict) -> str | None:
@@ -292,10 +302,16 @@ class ModelSpec:
         return param.dim() >= 2
 
     # -- training ------------------------------------------------------------------------
-    def logits(self, model: nn.Module, x: torch.Tensor):
-        return model(x)
+    def check_documents(self, model: nn.Module, why: str) -> None:
+        """A ModelError where the model cannot keep the examples of packed rows apart (`why`:
+        what packs them, for the message): each kind that can says how in `logits`."""
 
-    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, check: bool = False, vocab=None):
+    def logits(self, model: nn.Module, batch: MicroBatch):
+        """The forward of `batch` (a `MicroBatch`): each kind's own way of keeping packed
+        examples apart, where the rows hold them."""
+        return model(batch.tokens)
+
+    def loss(self, model: nn.Module, batch: MicroBatch, check: bool = False, vocab=None):
         """(summed cross-entropy over valid targets, their count, the model's auxiliary loss or
         None) for one micro-batch; with `check`, the forward's output is checked to be
         [B, T, V] logits first. The auxiliary loss (a mixture of experts' router
@@ -303,25 +319,27 @@ class ModelSpec:
         scaled by `aux_coef`. `vocab`: this rank's `VocabShard` when the head is split over the
         vocabulary: the logits are its rows, and the loss is computed on the shards."""
         loss_of = vocab.token_loss if vocab is not None else token_loss
-        logits, out = self._forward(model, x, y, check, vocab)
-        return (*loss_of(logits, y), self.aux_loss(out))
+        logits, out = self._forward(model, batch, check, vocab)
+        return (*loss_of(logits, batch.targets), self.aux_loss(out))
 
-    def token_losses(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, check: bool = False, vocab=None):
+    def token_losses(self, model: nn.Module, batch: MicroBatch, check: bool = False, vocab=None):
         """(each target's cross-entropy [B, T] in fp32, 0 where the target is IGNORE_INDEX; the
         model's auxiliary loss or None): what a loss over whole sequences (preference tuning)
         sums row by row. As `loss` otherwise."""
-        logits, out = self._forward(model, x, y, check, vocab)
+        y = batch.targets
+        logits, out = self._forward(model, batch, check, vocab)
         per_token = vocab.token_losses(logits, y) if vocab is not None else F.cross_entropy(
             logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE_INDEX, reduction="none").view(y.shape)
         return per_token, self.aux_loss(out)
 
-    def _forward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, check: bool, vocab):
+    def _forward(self, model: nn.Module, batch: MicroBatch, check: bool, vocab):
         """(the logits, the forward's whole output), checked with `check`."""
         if not check:
-            out = self.logits(model, x)
+            out = self.logits(model, batch)
             return getattr(out, "logits", out), out
+        x, y = batch.tokens, batch.targets
         try:
-            out = self.logits(model, x)
+            out = self.logits(model, batch)
         except IndexError as e:  # an embedding lookup past the table
             raise ModelError(f"{self.where}: the forward failed on token ids up to {int(x.max())} "
                              f"(IndexError: {e}): is its vocabulary smaller than the data's?") from None

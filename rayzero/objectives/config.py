@@ -48,6 +48,16 @@ class DPOConfig(Frozen):
         return self.loss in REFERENCE_LOSSES
 
 
+# A fine-tune's learning rate when `optim.lr` is left unset (`jobs/defaults.py`): TRL's SFTConfig and DPOConfig
+# defaults for full fine-tuning, and for LoRA about ten times that, as TRL's PEFT guide advises.
+FINE_TUNING_LR = {"lm": (2e-5, 2e-4), "dpo": (1e-6, 1e-5)}
+
+
+def fine_tuning_lr(objective: str, lora: bool) -> float:
+    """The learning rate a fine-tune of `objective` takes by default (full, or LoRA)."""
+    return FINE_TUNING_LR[objective][int(lora)]
+
+
 def objective_record(cfg, model: dict | None) -> dict:
     """What a checkpoint notes of the objective it was trained for: its name and, for a loss
     with a reference model, which reference (how it is made, and from what model, `model`:

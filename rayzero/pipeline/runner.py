@@ -105,7 +105,7 @@ class PipelineRun:
         self.progress = lambda: None  # called at each action: a rank's watchdog sees a long schedule move
         self.streams, self.meter, self.vocab = ctx.streams, ctx.meter, ctx.vocab
         self.runner = StageRunner(ctx.model, ctx.stages)
-        # The last stage's loss in place of the model seam's: `objective(model, x, y, check, micro)`
+        # The last stage's loss in place of the model seam's: `objective(model, batch, check, micro)`
         # gives (this micro-batch's part of the step's loss, 0, the auxiliary loss or None), the
         # loss divided already (preference tuning: `workers/preference.py`). None: `spec.loss`.
         self.objective = None
@@ -123,7 +123,7 @@ class PipelineRun:
 
     # -- one iteration -------------------------------------------------------------------
     def iteration(self, micro, step: int, first_micro: int, mean) -> Totals:
-        """Every action of this rank's schedule over `micro` ((x, y) per micro-batch); `mean`: a
+        """Every action of this rank's schedule over `micro` (its `MicroBatch`es); `mean`: a
         micro-batch's part of the step's mean loss from its loss sum and auxiliary loss (the
         step runner's `StepMean`, the one normalisation)."""
         totals = Totals(torch.zeros((), dtype=torch.float64, device=self.device),
@@ -172,15 +172,15 @@ class PipelineRun:
 
     # -- forward only ----------------------------------------------------------------------
     def forward_only(self, micro, last, runner: StageRunner | None = None) -> list:
-        """Each micro-batch of `micro` ((x, y) pairs) forward only through this rank's chunks of
-        `runner`'s model (the pipeline's own by default, or a reference model split the same
-        way), in stage order, receiving from the stage before and sending to the one after: what
-        `last(model, x, y)` gives for each micro-batch on the last stage, in order (nothing
-        elsewhere). Evaluation and preference tuning's reference pass use it."""
+        """Each micro-batch of `micro` forward only through this rank's chunks of `runner`'s model
+        (the pipeline's own by default, or a reference model split the same way), in stage order,
+        receiving from the stage before and sending to the one after: what `last(model, batch)`
+        gives for each micro-batch on the last stage, in order (nothing elsewhere). Evaluation
+        and preference tuning's reference pass use it."""
         runner = runner or self.runner
         stages, link = self.stages, self.link
         out = []
-        for index, (x, y) in enumerate(micro):
+        for index, batch in enumerate(micro):
             for c, s in enumerate(stages.chunks):
                 received = None
                 if not stages.is_first(c):
@@ -188,9 +188,9 @@ class PipelineRun:
                     for work in link.recv([received], s - 1, s - 1, index, False):
                         work.wait()
                 if stages.is_last(c):
-                    out.append(runner.run(c, received, lambda m: last(m, x, y)))
+                    out.append(runner.run(c, received, lambda m: last(m, batch)))
                 else:
-                    hidden = runner.run(c, received, lambda m: self.spec.logits(m, x))
+                    hidden = runner.run(c, received, lambda m: self.spec.logits(m, batch))
                     for work in link.send([hidden], s + 1, s, index, False):
                         work.wait()
         return out
@@ -231,7 +231,7 @@ class PipelineRun:
         return bufs
 
     def _forward(self, a: Action, micro, step, first_micro, mean, totals: Totals) -> None:
-        x, y = micro[a.micro]
+        batch = micro[a.micro]
         self._wait_s = 0.0
         received = []
         if not self.stages.is_first(a.chunk):
@@ -244,14 +244,14 @@ class PipelineRun:
         hidden = received[0] if received else None
         if self.routers is not None:
             self.routers.recording = []
-        with self.meter.sampled((a.chunk, tuple(x.shape))):
+        with self.meter.sampled((a.chunk, tuple(batch.tokens.shape))):
             if last and self.objective is not None:
-                out = self.runner.run(a.chunk, hidden, lambda m: self.objective(m, x, y, not self.checked, a.micro))
+                out = self.runner.run(a.chunk, hidden, lambda m: self.objective(m, batch, not self.checked, a.micro))
             elif last:
                 out = self.runner.run(a.chunk, hidden, lambda m: self.spec.loss(
-                    m, x, y, check=not self.checked, vocab=self.vocab))
+                    m, batch, check=not self.checked, vocab=self.vocab))
             else:
-                out = [self.runner.run(a.chunk, hidden, lambda m: self.spec.logits(m, x))]
+                out = [self.runner.run(a.chunk, hidden, lambda m: self.spec.logits(m, batch))]
             if self.routers is not None:  # this stage's router logits after those of the stages before
                 own = self.routers.recording
                 logits = torch.cat([*received[1:], *(t.unsqueeze(0) for t in own)])

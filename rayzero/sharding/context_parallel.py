@@ -25,10 +25,13 @@ attention has fewer key/value heads, each serving heads/kv_heads query heads as 
   split (each rank all tokens of heads/cp heads, and kv_heads/cp key/value heads), attention runs
   on the whole sequence, and the reverse all-to-all returns the rank's tokens of every head.
 
-Masks: causal over global positions; `seg` (one id per token, optional): a query attends only to
-keys of its own segment (the documents of a packed row) and never to a key whose id is negative
-(padding). A query with no key to attend gets zeros. The arithmetic is float32 whatever the
-inputs' dtype.
+Masks: causal over global positions; `documents` (packed rows, optional: for each query, the
+global index where its example starts, `data/microbatch.py`): a query attends only to the keys of
+its own example, from that index to itself. Examples are runs of a row, so the keys a query may
+see follow from its own example's start alone: no key's example travels with its block, and a
+chunk pair whose keys all end before every query's example starts is skipped, as the causal mask's
+are (read from the queries' starts once per call: a transfer to the host of 2 numbers a chunk).
+A query with no key to attend gets zeros. The arithmetic is float32 whatever the inputs' dtype.
 
 Attention dropout (`dropout_p`): the ring drops each chunk pair's probabilities with a mask drawn
 from a generator of its own, seeded by (a seed drawn from the rank's dropout stream, the pair's
@@ -98,36 +101,50 @@ def _runs(pos: torch.Tensor, chunk: int) -> list[tuple[slice, int, int]]:
     return [(slice(i, i + chunk), p[i], p[i + chunk - 1]) for i in range(0, len(p), chunk)]
 
 
-def _allowed(q_pos, k_pos, q_seg, k_seg, causal: bool):
-    """Which keys each query may attend ([batch or 1, 1, Lq, Lk]), or None for all of them."""
+def _allowed(q_pos, k_pos, q_doc, causal: bool):
+    """Which keys each query may attend ([batch or 1, 1, Lq, Lk]), or None for all of them:
+    causal over the positions, and with `q_doc` (each query's example start) within its example."""
     allowed = None
     if causal:
         allowed = (q_pos[:, None] >= k_pos[None, :])[None, None]
-    if q_seg is not None:
-        allowed = None if allowed is None else allowed.to(q_seg.device)
-        same = (q_seg[:, :, None] == k_seg[:, None, :]) & (k_seg[:, None, :] >= 0)
-        allowed = same[:, None] if allowed is None else allowed & same[:, None]
+    if q_doc is not None:
+        inside = (k_pos.to(q_doc.device)[None, None, :] >= q_doc[:, :, None])[:, None]
+        allowed = inside if allowed is None else allowed.to(q_doc.device) & inside
     return allowed
 
 
-def _pairs(q_pos, k_pos, q_seg, k_seg, causal: bool, chunk: int, device=None):
+def _starts(q_doc: torch.Tensor | None, chunk: int) -> list[tuple[int, int]] | None:
+    """For each of a rank's chunks, on the host: (the earliest, the latest) example start among
+    its queries over the rows (its first query's and its last's: starts grow along a row)."""
+    if q_doc is None:
+        return None
+    first, last = q_doc[:, ::chunk].min(0).values, q_doc[:, chunk - 1::chunk].max(0).values
+    return [tuple(p) for p in torch.stack([first, last], 1).tolist()]
+
+
+def _pairs(q_pos, k_pos, q_doc, causal: bool, chunk: int, device=None, starts=None):
     """The (query chunk, key chunk, how) pairs with something to attend: pairs the causal mask
-    hides entirely are left out; `how` is "full" for a pair it leaves whole, "diagonal" for a
-    chunk against itself (causal within it), else the mask (segments, or chunks that overlap) on
-    `device`. `q_pos`, `k_pos`: on the host (their chunks' bounds are read without a device sync)."""
+    hides entirely are left out, and with `q_doc` (`starts`: its chunks' bounds) those whose keys
+    all precede every query's example; `how` is "full" for a pair the masks leave whole, "diagonal"
+    for a chunk against itself within one example (causal within it), else the mask on `device`.
+    `q_pos`, `k_pos`, `starts`: on the host (the chunks' bounds are read without a device sync)."""
     out = []
-    for qs, q_lo, q_hi in _runs(q_pos, chunk):
+    for i, (qs, q_lo, q_hi) in enumerate(_runs(q_pos, chunk)):
+        first, last = starts[i] if starts is not None else (None, None)
         for ks, k_lo, k_hi in _runs(k_pos, chunk):
             if causal and k_lo > q_hi:
                 continue
+            if first is not None and k_hi < first:  # the keys end before any query's example starts
+                continue
             whole = not causal or k_hi <= q_lo
-            if q_seg is None and whole:
+            one = last is None or last <= k_lo  # every query's example began by the first key
+            if one and whole:
                 out.append((qs, ks, "full"))
-            elif q_seg is None and (q_lo, q_hi) == (k_lo, k_hi):
+            elif one and (q_lo, q_hi) == (k_lo, k_hi):
                 out.append((qs, ks, "diagonal"))
             else:
-                out.append((qs, ks, _allowed(q_pos[qs], k_pos[ks], None if q_seg is None else q_seg[:, qs],
-                                             None if k_seg is None else k_seg[:, ks], causal and not whole).to(device)))
+                out.append((qs, ks, _allowed(q_pos[qs], k_pos[ks], None if q_doc is None else q_doc[:, qs],
+                                             causal and not whole).to(device)))
     return out
 
 
@@ -143,7 +160,7 @@ def _mask(how, q_pos, k_pos, device):
     if how == "full":
         return None
     if how == "diagonal":
-        return _allowed(q_pos, k_pos, None, None, True).to(device)
+        return _allowed(q_pos, k_pos, None, True).to(device)
     return how
 
 
@@ -231,7 +248,7 @@ def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
     return grad.view(b, h // groups, groups, n, d).sum(2)
 
 
-def attention(q, k, v, q_pos, k_pos, q_seg=None, k_seg=None, causal: bool = True, scale: float | None = None,
+def attention(q, k, v, q_pos, k_pos, q_doc=None, causal: bool = True, scale: float | None = None,
               dropout_p: float = 0.0):
     """Attention of `q` against `k`, `v` on one rank (a whole sequence, or Ulysses' head split),
     with the masks described above (and dropout drawn from the default generator); differentiable
@@ -239,7 +256,7 @@ def attention(q, k, v, q_pos, k_pos, q_seg=None, k_seg=None, causal: bool = True
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     groups = q.shape[1] // k.shape[1]
     qf, kf, vf = q.float(), _expand(k, groups).float(), _expand(v, groups).float()
-    s = _scores(qf, kf, scale, _allowed(q_pos, k_pos, q_seg, k_seg, causal) if causal or q_seg is not None else None)
+    s = _scores(qf, kf, scale, _allowed(q_pos, k_pos, q_doc, causal) if causal or q_doc is not None else None)
     lse = torch.logsumexp(s, dim=-1)
     p = _probs(s, lse)
     if dropout_p:
@@ -270,24 +287,19 @@ class _Ring:
             w.wait()
 
 
-def _traveling(k, v, seg):
-    """What goes round the ring: the key/value block (its own heads only), and its segments."""
-    kv = torch.stack([k, v]).contiguous()
-    return [kv] if seg is None else [kv, seg.contiguous()]
-
-
-def _ring_steps(axis, k, v, seg, seq_len: int, groups: int):
-    """The blocks a rank holds in turn, one a step: (their positions, on the host; keys and values expanded to
-    the query heads in float32, their segments or None). The next block's exchange runs while
-    the caller computes on this one, and is waited for when the caller asks for the next."""
+def _ring_steps(axis, k, v, seq_len: int, groups: int):
+    """The blocks a rank holds in turn, one a step: (their positions, on the host; keys and values
+    expanded to the query heads in float32). Only the key/value heads travel. The next block's
+    exchange runs while the caller computes on this one, and is waited for when the caller asks
+    for the next."""
     cp, rank, ring = axis.size, axis.rank, _Ring(axis)
-    cur = _traveling(k, v, seg)
+    cur = [torch.stack([k, v]).contiguous()]
     for step in range(cp):
         works = None
         if step + 1 < cp:
             got, works = ring.start(cur)
         kf, vf = (_expand(t, groups).float() for t in cur[0])
-        yield positions(seq_len, cp, (rank - step) % cp), kf, vf, cur[1] if seg is not None else None
+        yield positions(seq_len, cp, (rank - step) % cp), kf, vf
         if works is not None:
             ring.finish(works)
             cur = got
@@ -295,25 +307,26 @@ def _ring_steps(axis, k, v, seg, seq_len: int, groups: int):
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, q_seg, k_seg, axis, seq_len: int, causal: bool, scale: float, drop: Dropout | None):
+    def forward(ctx, q, k, v, q_doc, axis, seq_len: int, causal: bool, scale: float, drop: Dropout | None):
         cp, groups, chunk = axis.size, q.shape[1] // k.shape[1], seq_len // (2 * axis.size)
         q_pos = positions(seq_len, cp, axis.rank)  # on the host: the chunks' bounds, no device sync
+        starts = _starts(q_doc, chunk)
         qf = q.float()
         out = torch.zeros(qf.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(qf.shape[:-1], NEG, dtype=torch.float32, device=q.device)
-        for k_pos, kf, vf, seg in _ring_steps(axis, k, v, k_seg, seq_len, groups):
-            for qs, ks, how in _pairs(q_pos, k_pos, q_seg, seg, causal, chunk, q.device):
+        for k_pos, kf, vf in _ring_steps(axis, k, v, seq_len, groups):
+            for qs, ks, how in _pairs(q_pos, k_pos, q_doc, causal, chunk, q.device, starts):
                 part, part_lse = _block_forward(qf[:, :, qs], kf[:, :, ks], vf[:, :, ks], scale, how,
                                                 q_pos[qs], k_pos[ks], drop)
                 _merge(out[:, :, qs], lse[:, :, qs], part, part_lse)
-        ctx.save_for_backward(q, k, v, out, lse, q_seg, k_seg)
-        ctx.axis, ctx.seq_len, ctx.causal, ctx.scale, ctx.drop = axis, seq_len, causal, scale, drop
+        ctx.save_for_backward(q, k, v, out, lse, q_doc)
+        ctx.axis, ctx.seq_len, ctx.causal, ctx.scale, ctx.drop, ctx.starts = axis, seq_len, causal, scale, drop, starts
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, q_seg, k_seg = ctx.saved_tensors
-        axis, seq_len, causal, scale = ctx.axis, ctx.seq_len, ctx.causal, ctx.scale
+        q, k, v, out, lse, q_doc = ctx.saved_tensors
+        axis, seq_len, causal, scale, starts = ctx.axis, ctx.seq_len, ctx.causal, ctx.scale, ctx.starts
         cp, groups, chunk, ring = axis.size, q.shape[1] // k.shape[1], seq_len // (2 * axis.size), _Ring(axis)
         q_pos = positions(seq_len, cp, axis.rank)
         qf, dout = q.float(), dout.float()
@@ -321,12 +334,12 @@ class RingAttention(torch.autograd.Function):
         dq = torch.zeros_like(qf)
         dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)  # the held block's, so far
         sending = None  # the previous step's dK/dV on its way on, and the next block's coming in
-        for k_pos, kf, vf, seg in _ring_steps(axis, k, v, k_seg, seq_len, groups):
+        for k_pos, kf, vf in _ring_steps(axis, k, v, seq_len, groups):
             if sending is not None:
                 ring.finish(sending[1])
                 dkv = sending[0]
             dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
-            for qs, ks, how in _pairs(q_pos, k_pos, q_seg, seg, causal, chunk, q.device):
+            for qs, ks, how in _pairs(q_pos, k_pos, q_doc, causal, chunk, q.device, starts):
                 a, b, c = _block_backward(qf[:, :, qs], kf[:, :, ks], vf[:, :, ks], scale, how, q_pos[qs], k_pos[ks],
                                           out[:, :, qs], lse[:, :, qs], dout[:, :, qs], delta[:, :, qs], ctx.drop)
                 dq[:, :, qs] += a
@@ -338,23 +351,26 @@ class RingAttention(torch.autograd.Function):
             sending = (got, works, dkv)  # the sent tensor kept alive until its send is done
         ring.finish(sending[1])
         dkv = sending[0]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
 
 
-def ring_attention(q, k, v, axis, seq_len: int, seg=None, causal: bool = True, scale: float | None = None,
+def ring_attention(q, k, v, axis, seq_len: int, documents=None, causal: bool = True, scale: float | None = None,
                    dropout_p: float = 0.0):
     """Attention of this rank's queries against the whole sequence's keys and values, the blocks
     passed round the cp group `axis` (an `Axis`); `q`, `k`, `v` hold this rank's tokens of a
-    sequence of `seq_len` (`positions`); `seg`: this rank's tokens' segment ids, or None;
-    `dropout_p`: attention dropout, its seed drawn from the default generator (the rank's stream)."""
+    sequence of `seq_len` (`positions`); `documents`: this rank's tokens' example starts (global
+    indices), or None; `dropout_p`: attention dropout, its seed drawn from the default generator
+    (the rank's stream)."""
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if documents is not None and not causal:
+        raise ValueError("attention within packed examples is causal")
     if axis.size == 1:
         pos = torch.arange(seq_len, device=q.device)
-        return attention(q, k, v, pos, pos, seg, seg, causal, scale, dropout_p)
+        return attention(q, k, v, pos, pos, documents, causal, scale, dropout_p)
     drop = None
     if dropout_p:
         drop = Dropout(dropout_p, int(torch.randint(2**62, (), device=q.device)))
-    return RingAttention.apply(q, k, v, seg, seg, axis, seq_len, causal, scale, drop)
+    return RingAttention.apply(q, k, v, documents, axis, seq_len, causal, scale, drop)
 
 
 # -- Ulysses -------------------------------------------------------------------------------------
@@ -389,30 +405,35 @@ def _all_to_all(x: torch.Tensor, axis, back: bool) -> torch.Tensor:
     return got.permute(1, 0, 2, 3, 4).reshape(b, cp * h, n, d)
 
 
-def ulysses_attention(q, k, v, axis, seq_len: int, seg=None, causal: bool = True, scale: float | None = None,
+def ulysses_attention(q, k, v, axis, seq_len: int, documents=None, causal: bool = True, scale: float | None = None,
                       dropout_p: float = 0.0):
     """Attention of this rank's tokens through a head split: an all-to-all gives each rank every
     token of heads/cp query heads and kv_heads/cp key/value heads (both divisible by cp), plain
-    attention runs on them, and the reverse all-to-all brings back this rank's tokens."""
+    attention runs on them, and the reverse all-to-all brings back this rank's tokens; packed
+    examples' starts (`documents`) are gathered over the group for the mask."""
     cp = axis.size
     if cp == 1:
-        return ring_attention(q, k, v, axis, seq_len, seg, causal, scale, dropout_p)
+        return ring_attention(q, k, v, axis, seq_len, documents, causal, scale, dropout_p)
     if q.shape[1] % cp or k.shape[1] % cp:
         raise ValueError(f"ulysses splits heads over cp {cp}: {q.shape[1]} heads and {k.shape[1]} key/value "
                          f"heads must both divide by it (ring splits any)")
     pos = torch.cat([positions(seq_len, cp, r, q.device) for r in range(cp)])  # the tokens' order after the exchange
     natural = torch.argsort(pos)
     qh, kh, vh = (_AllToAll.apply(t, axis, False).index_select(2, natural) for t in (q, k, v))
-    if seg is None:  # in the sequence's own order: the fused kernel's causal attention, no scores kept
-        groups = qh.shape[1] // kh.shape[1]
-        out = torch.nn.functional.scaled_dot_product_attention(
-            qh, _expand(kh, groups), _expand(vh, groups), dropout_p=dropout_p, is_causal=causal, scale=scale)
-    else:
-        parts = [torch.empty_like(seg) for _ in range(cp)]
-        dist.all_gather(parts, seg.contiguous(), group=axis.group)
+    groups = qh.shape[1] // kh.shape[1]
+    mask = None
+    if documents is not None:
+        if not causal:
+            raise ValueError("attention within packed examples is causal")
+        parts = [torch.empty_like(documents) for _ in range(cp)]
+        dist.all_gather(parts, documents.contiguous(), group=axis.group)
         whole = torch.cat(parts, dim=1).index_select(1, natural)
         order = torch.arange(seq_len, device=q.device)
-        out = attention(qh, kh, vh, order, order, whole, whole, causal, scale, dropout_p)
+        mask = _allowed(order, order, whole, True)
+    # in the sequence's own order: the fused kernel's attention, no scores kept
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qh, _expand(kh, groups), _expand(vh, groups), attn_mask=mask, dropout_p=dropout_p,
+        is_causal=causal and mask is None, scale=scale)
     return _AllToAll.apply(out.index_select(2, pos), axis, True)
 
 
@@ -470,9 +491,11 @@ class ContextParallel:
         object.__setattr__(out, "attend", torch.compiler.disable(ContextParallel.attend.__get__(out)))
         return out
 
-    def attend(self, q, k, v, dropout_p: float = 0.0, causal: bool = True, scale: float | None = None, seg=None):
+    def attend(self, q, k, v, dropout_p: float = 0.0, causal: bool = True, scale: float | None = None,
+               documents=None):
         """Attention of this rank's tokens (`q`, `k`, `v`: [batch, heads, local tokens, head dim])
         against the whole sequence, with attention dropout `dropout_p` (training only: the caller
-        passes 0 in eval)."""
+        passes 0 in eval); `documents` ([batch, local tokens], packed rows): where each token's
+        example starts in the whole row, which its attention stays within."""
         fn = ring_attention if self.mode == "ring" else ulysses_attention
-        return fn(q, k, v, self.axis, self.seq_len, seg, causal, scale, dropout_p)
+        return fn(q, k, v, self.axis, self.seq_len, documents, causal, scale, dropout_p)

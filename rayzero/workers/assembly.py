@@ -156,6 +156,7 @@ def context_parallel(built: Built, cfg: RootConfig, spec: ModelSpec, mesh: Mesh,
     cp = context_of(cfg, mesh)
     if cp is not None:
         spec.context_parallel(built.model, cp.kept_eager() if compiled and cfg.train.compile else cp)
+        spec.cp = cp  # what the seam's forward asks the split of (a packed row's tokens' indices)
 
 
 def context_of(cfg: RootConfig, mesh: Mesh):

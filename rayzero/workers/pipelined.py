@@ -41,10 +41,9 @@ def validation_loss(pipe: PipelineRun, val, device, cp=None) -> tuple[torch.Tens
     `cp`), forward only through the stages; the last stage sums the loss."""
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     count = 0
-    keep = (lambda t: t) if cp is None else cp.split
-    micro = [(keep(x).to(device), keep(y).to(device)) for batch in range(val.num_batches)
-             for x, y in val.microbatches(batch)]
-    for part, valid, _ in pipe.forward_only(micro, lambda m, x, y: pipe.spec.loss(m, x, y, vocab=pipe.vocab)):
+    micro = [(b if cp is None else b.split(cp)).to(device) for k in range(val.num_batches)
+             for b in val.microbatches(k)]
+    for part, valid, _ in pipe.forward_only(micro, lambda m, b: pipe.spec.loss(m, b, vocab=pipe.vocab)):
         loss_sum += part.double()
         count += int(valid)
     return loss_sum, count

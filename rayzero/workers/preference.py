@@ -28,6 +28,7 @@ import gc
 import torch
 import torch.nn as nn
 
+from rayzero.data.microbatch import MicroBatch
 from rayzero.objectives.dpo import PreferenceLoss, add_sums, as_floats, counts, row_tokens, sequence_logps
 from rayzero.sharding.comm import wait
 
@@ -46,7 +47,7 @@ def evaluating(model: nn.Module):
 
 def _logps(spec, vocab):
     """The model seam's sequence log-probabilities of a micro-batch: `last` of a forward-only pass."""
-    return lambda m, x, y: sequence_logps(spec.token_losses(m, x, y, vocab=vocab)[0])
+    return lambda m, b: sequence_logps(spec.token_losses(m, b, vocab=vocab)[0])
 
 
 class FrozenCopy:
@@ -62,9 +63,9 @@ class FrozenCopy:
 
             self.runner = StageRunner(model, stages)
 
-    def logps(self, x: torch.Tensor, y: torch.Tensor, pair_ids=None) -> torch.Tensor:
+    def logps(self, batch: MicroBatch, pair_ids=None) -> torch.Tensor:
         with evaluating(self.model):
-            per_token, _ = self.spec.token_losses(self.model, x, y, vocab=self.vocab)
+            per_token, _ = self.spec.token_losses(self.model, batch, vocab=self.vocab)
         self.strategy.after_forward_only()  # ZeRO-3: nothing left gathered
         return sequence_logps(per_token)
 
@@ -98,9 +99,9 @@ class AdaptersOff:
             for m in self.layers:
                 m._disable_adapters = False
 
-    def logps(self, x: torch.Tensor, y: torch.Tensor, pair_ids=None) -> torch.Tensor:
+    def logps(self, batch: MicroBatch, pair_ids=None) -> torch.Tensor:
         with self._off(), evaluating(self.model):
-            per_token, _ = self.spec.token_losses(self.model, x, y, vocab=self.vocab)
+            per_token, _ = self.spec.token_losses(self.model, batch, vocab=self.vocab)
         self.strategy.after_forward_only()
         return sequence_logps(per_token)
 
@@ -122,7 +123,7 @@ class Precomputed:
     def __init__(self, tables: dict[str, torch.Tensor]):
         self.tables = tables
 
-    def logps(self, x: torch.Tensor, y: torch.Tensor, ids) -> torch.Tensor:
+    def logps(self, batch: MicroBatch, ids) -> torch.Tensor:
         split, pair_ids = ids
         table = self.tables[split]
         index = torch.as_tensor(pair_ids, dtype=torch.long, device=table.device)
@@ -132,7 +133,7 @@ class Precomputed:
     def stage_logps(self, pipe, micro, ids) -> list[torch.Tensor]:
         if not pipe.stages.last:
             return []
-        return [self.logps(x, y, i) for (x, y), i in zip(micro, ids)]
+        return [self.logps(b, i) for b, i in zip(micro, ids)]
 
     def memory(self) -> dict[str, int]:
         return {"reference_params": 0}
@@ -164,10 +165,10 @@ def precompute(reference, pipe, mesh, device, splits: dict, micro_rows: int, cp=
             micro = []
             for chunk in ids:
                 tokens, labels = pairs.rows(chunk + [EMPTY] * (per - len(chunk)))
-                x, y = torch.from_numpy(tokens[:, :-1]).to(device), torch.from_numpy(labels[:, 1:]).to(device)
-                micro.append((x, y) if cp is None else (cp.split(x), cp.split(y)))
+                batch = MicroBatch(torch.from_numpy(tokens[:, :-1]), torch.from_numpy(labels[:, 1:])).to(device)
+                micro.append(batch if cp is None else batch.split(cp))
             got = (reference.stage_logps(pipe, micro) if pipe is not None
-                   else [reference.logps(x, y) for x, y in micro])
+                   else [reference.logps(b) for b in micro])
             got = got if cp is None else [cp.whole(lp) for lp in got]
             for chunk, lp in zip(ids, got):
                 if chunk:
@@ -196,19 +197,19 @@ class PreferenceStep:
         self.sums: dict[str, torch.Tensor] = {}  # this step's, on the device until `totals`
         self._tokens: list[torch.Tensor] = []  # each micro-batch's rows' completion tokens (whole rows)
         if pipe is not None:
-            pipe.objective = lambda m, x, y, check, micro: self._loss_of(m, x, y, check, self._refs[micro], micro)
+            pipe.objective = lambda m, b, check, micro: self._loss_of(m, b, check, self._refs[micro], micro)
 
     @property
     def _precomputed(self) -> bool:
         return isinstance(self.reference, Precomputed)
 
-    def begin(self, micro: list[tuple[torch.Tensor, torch.Tensor]], step: int, whole=None) -> None:
+    def begin(self, micro: list[MicroBatch], step: int, whole=None) -> None:
         """Step `step` starts on `micro` (with cp, this rank's part of the rows of `whole`):
         count its pairs in the whole rows (summed over the data-parallel ranks, waited for at
         the first forward) and clear the sums; in a pipeline, the reference's pass through the
         stages."""
-        self._tokens = [row_tokens(y) for _, y in (whole or micro)]
-        self._divisors = torch.stack([counts(y, n) for (_, y), n in zip(micro, self._tokens)]).sum(0)
+        self._tokens = [row_tokens(b.targets) for b in (whole or micro)]
+        self._divisors = torch.stack([counts(b.targets, n) for b, n in zip(micro, self._tokens)]).sum(0)
         self._work = self.mesh.axis("batch").start_all_reduce(self._divisors)
         self.sums = {}
         self._ids = step_ids(self.data, step) if self._precomputed else None
@@ -245,46 +246,46 @@ class PreferenceStep:
             self._divisors = tuple(float(v) for v in self._divisors.cpu())
         return self._divisors
 
-    def _loss_of(self, model, x, y, check: bool, ref, index: int):
+    def _loss_of(self, model, batch: MicroBatch, check: bool, ref, index: int):
         """(micro-batch `index`'s part of the step's loss, 0, the auxiliary loss or None)."""
-        per_token, aux = self.spec.token_losses(model, x, y, check=check, vocab=self.vocab)
-        loss, sums = self.loss(self._rows(per_token), y, ref, self.divisors(), self._tokens[index])
+        per_token, aux = self.spec.token_losses(model, batch, check=check, vocab=self.vocab)
+        loss, sums = self.loss(self._rows(per_token), batch.targets, ref, self.divisors(), self._tokens[index])
         add_sums(self.sums, sums)
         return loss, 0, aux
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor, check: bool, index: int):
+    def forward(self, batch: MicroBatch, check: bool, index: int):
         """(micro-batch `index`'s part of the step's loss, the model's auxiliary loss or None)."""
         ids = self._ids[index] if self._ids is not None else None
-        ref = self._whole_ref(self.reference.logps(x, y, ids)) if self.reference is not None else None
-        loss, _, aux = self._loss_of(self.model, x, y, check, ref, index)
+        ref = self._whole_ref(self.reference.logps(batch, ids)) if self.reference is not None else None
+        loss, _, aux = self._loss_of(self.model, batch, check, ref, index)
         return loss, aux
 
     def evaluate(self) -> dict[str, float]:
         """The metrics' sums over this rank's validation rows, forward only; the loss summed per
         pair (the controller divides by the pairs)."""
         val = self.val
-        whole = [(x.to(self.device), y.to(self.device)) for b in range(val.num_batches) for x, y in val.microbatches(b)]
-        tokens = [row_tokens(y) for _, y in whole]
-        micro = whole if self.cp is None else [(self.cp.split(x), self.cp.split(y)) for x, y in whole]
+        whole = [b.to(self.device) for k in range(val.num_batches) for b in val.microbatches(k)]
+        tokens = [row_tokens(b.targets) for b in whole]
+        micro = whole if self.cp is None else [b.split(self.cp) for b in whole]
         ids = val_ids(val) if self._precomputed else [None] * len(micro)
         total: dict[str, torch.Tensor] = {}
 
-        def last(m, x, y, ref, n):
-            per_token, _ = self.spec.token_losses(m, x, y, vocab=self.vocab)
-            divisors = counts(y, n).clamp(min=1.0).tolist()
-            return self.loss(self._rows(per_token), y, ref, (divisors[0], divisors[1]), n)[1]
+        def last(m, batch, ref, n):
+            per_token, _ = self.spec.token_losses(m, batch, vocab=self.vocab)
+            divisors = counts(batch.targets, n).clamp(min=1.0).tolist()
+            return self.loss(self._rows(per_token), batch.targets, ref, (divisors[0], divisors[1]), n)[1]
 
         if self.pipe is not None:
             refs = self.references(micro, ids)
             queue = iter(zip(refs, tokens))
             with evaluating(self.model):
-                for sums in self.pipe.forward_only(micro, lambda m, x, y: last(m, x, y, *next(queue))):
+                for sums in self.pipe.forward_only(micro, lambda m, b: last(m, b, *next(queue))):
                     add_sums(total, sums)
             return as_floats(total)
         with evaluating(self.model):
-            for (x, y), i, n in zip(micro, ids, tokens):
-                ref = self._whole_ref(self.reference.logps(x, y, i)) if self.reference is not None else None
-                add_sums(total, last(self.model, x, y, ref, n))
+            for b, i, n in zip(micro, ids, tokens):
+                ref = self._whole_ref(self.reference.logps(b, i)) if self.reference is not None else None
+                add_sums(total, last(self.model, b, ref, n))
         return as_floats(total)
 
 

@@ -202,8 +202,8 @@ class Rank(Membership):
         self.val = None if val is None else ValidationRows(
             val, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch_size,
             micro_batch=cfg.train.micro_batch_size, dp_rank=self.mesh.coord("batch"), dp_size=self.mesh.size("batch"),
-            max_batches=cfg.train.eval_batches)
-        self.data = batches_for(dataset)(
+            max_batches=cfg.train.eval_batches, document_masking=cfg.data.document_masking)
+        self.data = batches_for(dataset, cfg.data.document_masking)(
             dataset,
             seed=cfg.train.seed,
             global_batch=cfg.train.global_batch_size,
@@ -262,7 +262,7 @@ class Rank(Membership):
         self.strategy.begin_step()
         t_data = time.perf_counter()
         rows = list(self.data.microbatches(plan["step"]))
-        micro = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in rows]
+        micro = [b.to(self.device, non_blocking=True) for b in rows]
         t_data = time.perf_counter() - t_data
         # where this rank's micro-batches sit among the step's (the same rows at any world size)
         self.steps.begin(micro, rows, plan["step"], first_micro=self._batch_index * len(micro))

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from rayzero.data.microbatch import MicroBatch
 from rayzero.models.spec import IGNORE_INDEX
 from rayzero.sharding.comm import wait
 from rayzero.workers.assembly import context_of
@@ -36,7 +37,7 @@ from rayzero.workers.assembly import context_of
 if TYPE_CHECKING:
     from rayzero.workers.rank import Rank
 
-Micro = list[tuple[torch.Tensor, torch.Tensor]]
+Micro = list[MicroBatch]
 
 
 @dataclass
@@ -101,7 +102,7 @@ class LanguageModel:
         r = self.r
         self._work, self._divisor = None, float(r.data.tokens_per_step)
         if r.data.masks_labels:
-            local = sum(int((y != IGNORE_INDEX).sum()) for _, y in rows)
+            local = sum(int((b.targets != IGNORE_INDEX).sum()) for b in rows)
             self._divisor = torch.tensor([float(local)], dtype=torch.float64, device=r.device)
             self._work = r.mesh.axis("loss").start_all_reduce(self._divisor)
 
@@ -113,10 +114,10 @@ class LanguageModel:
             self._divisor = max(float(self._divisor.item()), 1.0)
         return self._divisor
 
-    def loss(self, x, y, check: bool, index: int, totals: StepTotals):
+    def loss(self, batch: MicroBatch, check: bool, index: int, totals: StepTotals):
         """(micro-batch `index`'s loss summed over its valid targets, the model's auxiliary loss or None)."""
         r = self.r
-        loss_sum, valid, aux = r.spec.loss(r.model, x, y, check=check, vocab=r.vocab)
+        loss_sum, valid, aux = r.spec.loss(r.model, batch, check=check, vocab=r.vocab)
         totals.loss_sum += loss_sum.detach()
         totals.tokens += valid.detach() if isinstance(valid, torch.Tensor) else valid  # no wait for the device
         return loss_sum, aux
@@ -133,11 +134,11 @@ class LanguageModel:
             return pipelined.validation_loss(r._pipe, val, r.device, context_of(r.cfg, r.mesh))
         loss_sum, count = torch.zeros((), dtype=torch.float64, device=r.device), 0
         cp = context_of(r.cfg, r.mesh)
-        for batch in range(val.num_batches):
-            for x, y in val.microbatches(batch):
+        for k in range(val.num_batches):
+            for batch in val.microbatches(k):
                 if cp is not None:
-                    x, y = cp.split(x), cp.split(y)
-                part, valid, _ = r.spec.loss(r.model, x.to(r.device), y.to(r.device), vocab=r.vocab)
+                    batch = batch.split(cp)
+                part, valid, _ = r.spec.loss(r.model, batch.to(r.device), vocab=r.vocab)
                 loss_sum += part.double()
                 count += int(valid)
         return loss_sum, count
@@ -156,8 +157,8 @@ class Preference:
     def divisor(self) -> float:
         return 1.0
 
-    def loss(self, x, y, check: bool, index: int, totals: StepTotals):
-        return self.r.prefs.forward(x, y, check, index)
+    def loss(self, batch: MicroBatch, check: bool, index: int, totals: StepTotals):
+        return self.r.prefs.forward(batch, check, index)
 
     def end(self, totals: StepTotals) -> None:
         prefs = self.r.prefs.totals()
@@ -192,17 +193,17 @@ class Plain:
         the step's micro-batches from `first_micro` on."""
         whole = micro  # a pair loss counts its pairs' whole completions
         if self.cp is not None:  # the cp group's ranks took the same rows: each keeps its tokens of them
-            micro, rows = ([(self.cp.split(x), self.cp.split(y)) for x, y in m] for m in (micro, rows))
+            micro, rows = ([b.split(self.cp) for b in m] for m in (micro, rows))
         self.micro, self.next, self.step, self.first = micro, 0, step, first_micro
         self.totals = StepTotals.zeros(self.r.device)
         self.objective.begin(micro, rows, step, whole)
 
     def forward(self) -> None:
         r = self.r
-        x, y = self.micro[self.next]
+        batch = self.micro[self.next]
         r.streams.begin(self.step, self.first + self.next)
-        with r.meter.sampled(tuple(x.shape)):  # what this micro-batch's forward leaves saved for its backward
-            loss, aux = self.objective.loss(x, y, not self.checked, self.next, self.totals)
+        with r.meter.sampled(tuple(batch.tokens.shape)):  # what this micro-batch's forward leaves saved for its backward
+            loss, aux = self.objective.loss(batch, not self.checked, self.next, self.totals)
         self.activations_peak = max(self.activations_peak, r.meter.bytes)
         self.checked = True
         if aux is not None:

@@ -7,6 +7,8 @@ over the step's micro-batches."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -34,13 +36,53 @@ class MaskedBatches:
         return getattr(self.inner, name)
 
     def microbatches(self, step: int):
-        return [(x, mask_targets(y)) for x, y in self.inner.microbatches(step)]
+        return [dataclasses.replace(b, targets=mask_targets(b.targets)) for b in self.inner.microbatches(step)]
 
 
 def global_rows(cfg, data_path: str, step: int) -> torch.Tensor:
     ds, t = TokenDataset(data_path), cfg.train
     offsets = global_batch_offsets(t.seed, step, t.global_batch_size, ds.num_tokens, t.seq_len)
     return torch.from_numpy(np.stack([ds.window(int(s), t.seq_len + 1) for s in offsets]))
+
+
+def unpacked(x: torch.Tensor, y: torch.Tensor, documents: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed rows (inputs, targets, where each token's example starts) as one row per example
+    with a target, padded on the right (token 0, no target): each example trained by itself,
+    as the packed row's per-example attention must train it."""
+    if documents is None:
+        return x, y
+    rows = []
+    for r in range(x.shape[0]):
+        for start in documents[r].unique().tolist():
+            keep = documents[r] == start
+            if (y[r][keep] != -100).any():
+                rows.append((x[r][keep], y[r][keep]))
+    width = max(len(a) for a, _ in rows)
+    inputs = torch.zeros(len(rows), width, dtype=x.dtype)
+    targets = torch.full((len(rows), width), -100, dtype=y.dtype)
+    for i, (a, b) in enumerate(rows):
+        inputs[i, :len(a)], targets[i, :len(b)] = a, b
+    return inputs, targets
+
+
+def forward(model, x: torch.Tensor, documents: torch.Tensor | None = None, **kwargs):
+    """`model`'s forward of `x`; of packed rows (`documents`: where each token's example starts),
+    each example kept apart by the model's own means, as the user of each kind writes it: an HF
+    model (under PEFT too) its restarting position ids, the built-in GPT its `documents`, a
+    module `position_ids` and `document_ids`."""
+    if documents is None:
+        return model(x, **kwargs)
+    from transformers import PreTrainedModel
+
+    from rayzero.models.gpt import GPT
+
+    positions = torch.arange(x.shape[1]) - documents
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if isinstance(base, PreTrainedModel):
+        return model(input_ids=x, position_ids=positions, use_cache=False, **kwargs)
+    if isinstance(base, GPT):
+        return model(x, documents)
+    return model(x, position_ids=positions, document_ids=documents)
 
 
 def logits_of(model, x):
@@ -58,8 +100,9 @@ def train_reference(model, cfg, data_path: str, steps: int, masked: bool = False
                     check_clipping: bool = True, batch=None,
                     norms: list | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Train `model` (already holding its initial weights) for `steps`; its final state dict
-    and each step's global loss. `batch(step) -> (inputs, targets)`: the global batch, when it
-    is not text windows at `global_rows`; `norms`: each step's gradient norm appended to it."""
+    and each step's global loss. `batch(step) -> (inputs, targets[, documents])`: the global
+    batch, when it is not text windows at `global_rows` (packed examples: their rows with where
+    each token's example starts, see `forward`, or `unpacked`, one row each); `norms`: each step's gradient norm appended to it."""
     params = list(model.named_parameters())
     o, t = cfg.optim, cfg.train
     opt = torch.optim.AdamW(
@@ -69,17 +112,20 @@ def train_reference(model, cfg, data_path: str, steps: int, masked: bool = False
     )
     losses = []
     for step in range(steps):
+        documents = None
         if batch is not None:
-            inputs, targets = batch(step)
+            inputs, targets, *documents = batch(step)
+            documents = documents[0] if documents else None
         else:
             rows = global_rows(cfg, data_path, step)
             inputs, targets = rows[:, :-1], mask_targets(rows[:, 1:]) if masked else rows[:, 1:]
+        docs = documents.split(t.micro_batch_size) if documents is not None else [None] * len(inputs)
         valid = int((targets != -100).sum())
         opt.zero_grad()
         loss = 0.0
         coef, micro, z = router_coef(model), len(inputs) // t.micro_batch_size, cfg.moe.router_z_loss
-        for x, y in zip(inputs.split(t.micro_batch_size), targets.split(t.micro_batch_size)):
-            out = model(x, output_router_logits=True) if coef else model(x)
+        for x, y, d in zip(inputs.split(t.micro_batch_size), targets.split(t.micro_batch_size), docs):
+            out = forward(model, x, d, output_router_logits=True) if coef else forward(model, x, d)
             mb = F.cross_entropy(getattr(out, "logits", out).flatten(0, 1), y.flatten(), reduction="sum",
                                  ignore_index=-100)
             # a mixture of experts: its router loss, per micro-batch, averaged over the step's micro-batches

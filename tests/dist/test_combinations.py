@@ -50,6 +50,7 @@ from tests.dist.pool import spawn
 from tests.dist.reference import rel_error, train_reference
 from tests.dist.test_dpo import pairs
 from tests.dist.test_models import key_bias
+from tests.unit.test_packed import records
 from tests.models import TinyLM, save_hf_model, save_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -77,8 +78,8 @@ BF16_CP = 2.0
 @pytest.fixture(scope="session")
 def combo_setup(tmp_path_factory, small_dataset) -> dict:
     """The models' directories (HF models saved by `save_pretrained`, 4 decoder layers) and the
-    data: the stdlib's source as bytes, and preference pairs cut from it, tokenized by a BPE
-    tokenizer of 250 tokens (within every model's vocabulary)."""
+    data: the stdlib's source as bytes, and preference pairs and instruction examples cut from it,
+    tokenized by a BPE tokenizer of 250 tokens (within every model's vocabulary)."""
     root = tmp_path_factory.mktemp("combos")
     dirs = combos.save_models(root)
     tok = save_hf_model("llama", root / "tokenizer")
@@ -87,7 +88,10 @@ def combo_setup(tmp_path_factory, small_dataset) -> dict:
     from rayzero.data.tokens import prepare
 
     prepare(root / "pairs.jsonl", str(root / "pairs"), tokenizer=str(tok), preferences=True)
-    return {"dirs": dirs, "text": small_dataset, "pairs": str(root / "pairs"), "root": root}
+    (root / "examples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records(60)))
+    prepare(root / "examples.jsonl", str(root / "examples"), tokenizer=str(tok), instructions=True)
+    return {"dirs": dirs, "text": small_dataset, "pairs": str(root / "pairs"), "examples": str(root / "examples"),
+            "root": root}
 
 
 def model_keys(name: str, setup: dict) -> list[str]:
@@ -102,7 +106,7 @@ def config_of(c: dict, setup: dict):
 
 
 def data_of(c: dict, setup: dict) -> str:
-    return setup["text"] if c["objective"] == "lm" else setup["pairs"]
+    return {"lm": setup["text"], "sft": setup["examples"]}.get(c["objective"], setup["pairs"])
 
 
 # -- the ranks: tests/dist/combination_ranks.py ------------------------------------------------------
@@ -186,7 +190,7 @@ def oracle(c: dict, setup: dict, precision: str = "fp32", fresh: bool = False) -
     if key not in _oracles or fresh:  # fresh: computed again, not cached
         plain = {**c, "strategy": "no_shard", "dp": 1, "tp": "1", "pp": "1", "cp": "1", "ep": "1", "recompute": "none",
                  "precision": precision, "overlap": True, "resume": False}
-        torch_plain = c["objective"] == "lm" and precision == "fp32"
+        torch_plain = not combos.pairs(c["objective"]) and precision == "fp32"
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # as every rank computes: the oracle's rounding is not the machine's core count's
         try:
@@ -234,8 +238,27 @@ def torch_oracle(c: dict, setup: dict) -> dict:
                 if "lora_" in n:
                     p.copy_(start[rayzero_name(n)])
     norms: list[float] = []
-    state, losses = train_reference(model, cfg, setup["text"], STEPS, norms=norms)
+    state, losses = train_reference(model, cfg, setup["text"], STEPS, norms=norms,
+                                    batch=packed_batch(cfg, setup["examples"]) if c["objective"] == "sft" else None)
     return {"state": {rayzero_name(k): v for k, v in state.items()}, "losses": losses, "prefs": None, "norms": norms}
+
+
+def packed_batch(cfg, data: str):
+    """Each step's whole global batch of packed instruction windows, as one rank of one reads
+    them: (inputs, targets, where each token's example starts)."""
+    from rayzero.data.instruct import InstructionBatches
+    from rayzero.data.tokens import TokenDataset
+
+    t = cfg.train
+    b = InstructionBatches(TokenDataset(data), seed=t.seed, global_batch=t.global_batch_size,
+                           micro_batch=t.global_batch_size, seq_len=t.seq_len, dp_rank=0, dp_size=1)
+
+    def batch(step: int):
+        tokens, labels, documents = b.rank_rows(step)
+        assert (documents > 0).any(), "the windows must pack several examples for the test to mean anything"
+        return tokens[:, :-1], labels[:, 1:], documents[:, :-1]
+
+    return batch
 
 
 def world1_oracle(c: dict, setup: dict) -> dict:
@@ -300,7 +323,7 @@ def test_a_configuration_equals_its_oracle(c, combo_setup, request):
     losses = step_losses(ranks)
     if c["precision"] == "fp32":
         try:
-            assert_state(first["state"], want["state"], 1e-5 if c["objective"] == "lm" else PAIR_TOL)
+            assert_state(first["state"], want["state"], PAIR_TOL if combos.pairs(c["objective"]) else 1e-5)
         except AssertionError as e:  # which side moved: the oracle, computed again, against the one cached
             again = oracle(c, combo_setup, fresh=True)
             same = all(torch.equal(v, again["state"][k]) for k, v in want["state"].items())
@@ -324,7 +347,7 @@ def test_a_configuration_equals_its_oracle(c, combo_setup, request):
             tol = max(tol, BF16_CP * max(abs(a - b) / abs(b) for a, b in zip(same["losses"], want["losses"])))
         assert losses == pytest.approx(same["losses"], rel=tol), "bf16 leaves its world-1 curve"
         assert_update(first["initial"], first["state"], same["state"], BF16_UPDATE)
-        if c["objective"] == "lm":
+        if not combos.pairs(c["objective"]):
             assert losses == pytest.approx(want["losses"], rel=BF16), "bf16 leaves the fp32 curve"
             assert losses != pytest.approx(want["losses"], rel=1e-7), "not computing in bf16"
 
@@ -354,7 +377,7 @@ def test_a_configuration_equals_its_oracle(c, combo_setup, request):
         assert_tensor_parallel(c, ranks)
     if c["trainable"] != "all":
         assert_trainable(c, combo_setup, ranks)
-    if c["objective"] != "lm" and c["precision"] == "fp32":  # the policy is its reference at the first step
+    if combos.pairs(c["objective"]) and c["precision"] == "fp32":  # the policy is its reference at the first step
         first_prefs = step_prefs(ranks)[0]
         # -log sigmoid(margin) = ln 2 - margin / 2 + ...: the margin's rounding (REWARD_ABS) bounds it
         assert step_losses(ranks)[0] == pytest.approx(math.log(2), abs=REWARD_ABS)
@@ -376,7 +399,7 @@ def test_a_configuration_equals_its_oracle(c, combo_setup, request):
             assert (expert[1]["shard"], expert[1]["reduce"]) == (dense[1]["shard"] // ep, dense[1]["reduce"] // ep), r
     if c["strategy"] == "optim_grads_params" and combos.MODELS[c["model"]]["kind"] == "hf" and c["pp"] == "1":
         full = sum(v.numel() for v in want["state"].values()) * 4  # each rank read about its shard of the weights
-        copies = 1 if c["objective"] == "lm" else 2  # preference tuning: the reference's shard too, read alike
+        copies = 2 if combos.pairs(c["objective"]) else 1  # preference tuning: the reference's shard too, read alike
         assert all(ranks[r]["info"]["source_bytes_read"] < 1.6 * copies * full / c["dp"] for r in ranks)
 
 
@@ -420,7 +443,7 @@ def assert_pipeline(c: dict, cfg, ranks: dict) -> None:
     actions = schedule(combos.SCHEDULE[c["pp"]], 2, m, v)
     for r, got in ranks.items():  # each rank ran its schedule's compute in its order
         assert got["trace"] == [str(a) for a in actions[got["info"]["pp_rank"]] if a.op in ("F", "B", "I", "W")], r
-    if c["objective"] == "lm" and not combos.MODELS[c["model"]].get("moe"):
+    if not combos.pairs(c["objective"]) and not combos.MODELS[c["model"]].get("moe"):
         # one activation forward and one gradient back per micro-batch at each of the 2v - 1 boundaries,
         # by every rank of a stage (its sequence shard with sequence parallelism)
         tp = combos.tp_size(c["tp"])

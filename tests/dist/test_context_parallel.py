@@ -23,19 +23,20 @@ from tests.dist.pool import spawn
 
 pytestmark = pytest.mark.slow
 SEQ, BATCH, DIM = 32, 2, 8
-# (name, query heads, key/value heads, with segments, modes)
+# (name, query heads, key/value heads, with packed documents, modes)
 CASES = [("causal", 4, 4, False, ("ring", "ulysses")),
          ("documents+padding", 4, 4, True, ("ring", "ulysses")),
          ("gqa", 8, 4, True, ("ring", "ulysses")),
          ("gqa-odd", 6, 2, False, ("ring",))]
 
 
-def segments() -> torch.Tensor:
-    """Row 0: three packed documents; row 1: one document, then 5 tokens of padding (-1)."""
-    seg = torch.zeros(BATCH, SEQ, dtype=torch.long)
-    seg[0, 9:20], seg[0, 20:] = 1, 2
-    seg[1, SEQ - 5:] = -1
-    return seg
+def documents() -> torch.Tensor:
+    """Where each token's example starts. Row 0: three packed documents; row 1: one document,
+    then 5 tokens of padding (an example of its own)."""
+    docs = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    docs[0, 9:20], docs[0, 20:] = 9, 20
+    docs[1, SEQ - 5:] = SEQ - 5
+    return docs
 
 
 def dropped_attention(q, k, v, drop: Dropout, cp: int) -> torch.Tensor:
@@ -60,7 +61,7 @@ def _dropout_case(rank: int, world: int, axis: Axis) -> dict:
     (want * dout).sum().backward()
     mine = lambda t: split(t, world, rank, dim=2)  # noqa: E731
     local = [mine(t).detach().requires_grad_() for t in (q, k, v)]
-    got = RingAttention.apply(*local, None, None, axis, SEQ, True, 1 / DIM ** 0.5, drop)
+    got = RingAttention.apply(*local, None, axis, SEQ, True, 1 / DIM ** 0.5, drop)
     (got * mine(dout)).sum().backward()
     pairs = [("out", got, mine(want))] + [(f"d{n}", t.grad, mine(w.grad)) for n, t, w in zip("qkv", local, whole)]
     dropped = float((got - ring_attention(*(t.detach() for t in local), axis, SEQ)).abs().max())
@@ -99,10 +100,10 @@ def _run(rank: int, world: int, port: int, out: dict) -> None:
             g = torch.Generator().manual_seed(7)
             q, dout = (torch.randn(BATCH, heads, SEQ, DIM, generator=g) for _ in range(2))
             k, v = (torch.randn(BATCH, kv_heads, SEQ, DIM, generator=g) for _ in range(2))
-            seg = segments() if with_seg else None
+            docs = documents() if with_seg else None
             whole = [t.clone().requires_grad_() for t in (q, k, v)]
             pos = torch.arange(SEQ)
-            want = attention(*whole, pos, pos, seg, seg)
+            want = attention(*whole, pos, pos, docs)
             (want * dout).sum().backward()
             mine = lambda t: split(t, world, rank, dim=2)  # noqa: E731
             for mode in modes:
@@ -110,7 +111,7 @@ def _run(rank: int, world: int, port: int, out: dict) -> None:
                     continue
                 local = [mine(t).detach().requires_grad_() for t in (q, k, v)]
                 fn = ring_attention if mode == "ring" else ulysses_attention
-                got = fn(*local, axis, SEQ, None if seg is None else split(seg, world, rank, dim=1))
+                got = fn(*local, axis, SEQ, None if docs is None else split(docs, world, rank, dim=1))
                 (got * mine(dout)).sum().backward()
                 pairs = [("out", got, mine(want))] + [(f"d{n}", t.grad, mine(w.grad))
                                                      for n, t, w in zip("qkv", local, whole)]

@@ -17,6 +17,7 @@ from rayzero.checkpoint.tools import export_checkpoint
 from rayzero.cluster.checkpoints import Checkpoints
 from rayzero.cluster.schedule import lr_at
 from rayzero.config import load_config
+from rayzero.data.microbatch import MicroBatch
 from rayzero.workers.assembly import make_spec
 from rayzero.workers.rank import Rank
 from tests.conftest import free_port
@@ -49,7 +50,7 @@ def _load_save_train(rank, world, cfg, data_path, port, probe, out):
     steps = [r.iteration({"step": k, "lr": lr_at(k, STEPS, cfg.optim)}) for k in range(STEPS)]
     with torch.no_grad():
         r.model.eval()
-        logits = r.spec.logits(r.model, probe).logits.clone()
+        logits = r.spec.logits(r.model, MicroBatch(probe, probe)).logits.clone()
         r.strategy.after_forward_only()
     state = r.full_state_dict()
     out[rank] = {"info": info, "uploads": uploads, "steps": steps, "logits": logits,

@@ -16,7 +16,7 @@ from rayzero.data.instruct import IGNORE_INDEX, InstructionBatches
 from rayzero.data.tokenizer import load_tokenizer
 from rayzero.data.tokens import TokenDataset, prepare
 from tests.dist.pool import spawn
-from tests.dist.reference import train_reference
+from tests.dist.reference import train_reference, unpacked
 from tests.dist.test_models import STEPS, assert_matches, run_ranks
 from tests.models import save_hf_model, save_tokenizer
 
@@ -59,13 +59,14 @@ def config(world: int, accum: int, model: str, extra=()):
 
 
 def global_batch(cfg, data: str):
-    """The whole global batch of a step, as one rank of one reads it: (inputs, labels)."""
+    """The whole global batch of a step, as one rank of one reads it: (inputs, labels), each
+    example in a row of its own (the packed windows' per-example attention trains each alone)."""
     b = InstructionBatches(TokenDataset(data), seed=cfg.train.seed, global_batch=cfg.train.global_batch_size,
                            micro_batch=cfg.train.global_batch_size, seq_len=SEQ, dp_rank=0, dp_size=1)
 
     def batch(step):
-        tokens, labels = b.rank_rows(step)
-        return tokens[:, :-1], labels[:, 1:]
+        tokens, labels, documents = b.rank_rows(step)
+        return unpacked(tokens[:, :-1], labels[:, 1:], documents[:, :-1])
 
     return batch
 
@@ -100,7 +101,7 @@ def test_masked_tokens_take_no_part(setup):
     tok = load_tokenizer(model)
     b = InstructionBatches(TokenDataset(data), seed=cfg.train.seed, global_batch=4, micro_batch=4, seq_len=SEQ,
                            dp_rank=0, dp_size=1)
-    tokens, labels = b.rank_rows(0)
+    tokens, labels, _ = b.rank_rows(0)
     # every label is a response token (or the EOS after it): decoding the labels of a window
     # gives the responses of its examples, in order
     windows = b.epochs.step_windows(0)
@@ -151,14 +152,18 @@ def test_the_validation_loss_equals_a_single_process_computation(world, strategy
     b = InstructionBatches(train, seed=cfg.train.seed, global_batch=4, micro_batch=4, seq_len=SEQ, dp_rank=0,
                            dp_size=1)
     ref = tf.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    ref_state, _ = train_reference(ref, cfg, data, STEPS,
-                                   batch=lambda k: (b.rank_rows(k)[0][:, :-1], b.rank_rows(k)[1][:, 1:]))
+    def batch(k):
+        tokens, labels, documents = b.rank_rows(k)
+        return unpacked(tokens[:, :-1], labels[:, 1:], documents[:, :-1])
+
+    ref_state, _ = train_reference(ref, cfg, data, STEPS, batch=batch)
     rows = ValidationRows(val, seq_len=SEQ, global_batch=4, micro_batch=4, dp_rank=0, dp_size=1, max_batches=3)
     assert rows.num_batches == 3
     total, count = 0.0, 0
     with torch.no_grad():
         for k in range(rows.num_batches):
-            (x, y), = rows.microbatches(k)
+            (m,) = rows.microbatches(k)
+            x, y = unpacked(m.tokens, m.targets, m.documents)
             total += torch.nn.functional.cross_entropy(ref(x).logits.flatten(0, 1), y.flatten(), reduction="sum",
                                                        ignore_index=IGNORE_INDEX).item()
             count += int((y != IGNORE_INDEX).sum())

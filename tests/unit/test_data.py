@@ -306,12 +306,13 @@ def test_microbatches_are_rows_split_into_inputs_and_shifted_targets(batch_ds, d
         rows = rb.rank_rows(2)
         mbs = rb.microbatches(2)
         assert len(mbs) == rb.num_microbatches == 24 // (micro * dp_size)
-        for x, y in mbs:
-            assert x.shape == y.shape == (micro, SEQ)
+        for b in mbs:
+            x, y = b.tokens, b.targets
+            assert x.shape == y.shape == (micro, SEQ) and b.documents is None  # a window is one sequence
             assert x.dtype == y.dtype == torch.int64
             assert torch.equal(x[:, 1:], y[:, :-1])
-        assert torch.equal(torch.cat([x for x, _ in mbs]), rows[:, :-1])
-        assert torch.equal(torch.cat([y for _, y in mbs]), rows[:, 1:])
+        assert torch.equal(torch.cat([b.tokens for b in mbs]), rows[:, :-1])
+        assert torch.equal(torch.cat([b.targets for b in mbs]), rows[:, 1:])
     assert rb.tokens_per_step == 24 * SEQ
 
 
@@ -336,8 +337,8 @@ def test_microbatches_advance_next_step_and_state_round_trips(batch_ds):
     resumed.load_state_dict(json.loads(json.dumps(state)))  # survives a trip through JSON
     assert resumed.next_step == 10
     assert resumed.state_dict() == state
-    for (x0, y0), (x1, y1) in zip(rb.microbatches(10), resumed.microbatches(10)):
-        assert torch.equal(x0, x1) and torch.equal(y0, y1)
+    for b0, b1 in zip(rb.microbatches(10), resumed.microbatches(10)):
+        assert torch.equal(b0.tokens, b1.tokens) and torch.equal(b0.targets, b1.targets)
 
 
 def test_state_of_another_dataset_is_refused(batch_ds, other_ds):
@@ -444,8 +445,8 @@ def test_prefetched_rows_are_the_rows_of_the_step_asked_for(batch_ds):
     for step in (0, 1, 2, 7, 3, 3, 4):
         got = ahead.microbatches(step)
         want = fresh.rank_rows(step)
-        assert torch.equal(torch.cat([x for x, _ in got]), want[:, :-1])
-        assert torch.equal(torch.cat([y for _, y in got]), want[:, 1:])
+        assert torch.equal(torch.cat([b.tokens for b in got]), want[:, :-1])
+        assert torch.equal(torch.cat([b.targets for b in got]), want[:, 1:])
         assert ahead.next_step == step + 1
 
 

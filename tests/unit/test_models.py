@@ -10,6 +10,7 @@ import torch.nn as nn
 from safetensors.torch import save_file
 
 from rayzero.config import ConfigError, load_config
+from rayzero.data.microbatch import MicroBatch
 from rayzero.models import ModelError, model_spec
 from rayzero.models.config import ModelConfig
 from rayzero.models.weights import SafetensorsWeights
@@ -293,11 +294,11 @@ def test_the_first_micro_batch_checks_output_and_vocabulary():
     x = torch.randint(0, 300, (2, 8))
     with pytest.raises(ModelError, match=r"the forward failed on token ids up to \d+ \(IndexError: index out of "
                                          r"range in self\): is its vocabulary smaller than the data's\?"):
-        spec.loss(model, x, x, check=True)
+        spec.loss(model, MicroBatch(x, x), check=True)
     y = torch.randint(0, 300, (2, 8))
     with pytest.raises(ModelError, match=r"its vocabulary of 100 tokens is smaller than the data's: the batch "
                                          r"holds token id \d+"):
-        spec.loss(model, x % 100, y, check=True)
+        spec.loss(model, MicroBatch(x % 100, y), check=True)
 
 
 def test_model_config_keys_of_another_kind_are_refused():

@@ -197,9 +197,10 @@ def test_rows_are_trls_collated_rows_cut_at_seq_len_plus_one(tmp_path, text_tok)
         assert torch.equal(labels[: 2 * len(real)], want)
         assert (tokens[2 * len(real):] == pad).all() and (labels[2 * len(real):] == IGNORE_INDEX).all()
         micro = b._split((tokens, labels))
-        assert len(micro) == 4 and all(x.shape == (4, SEQ_LEN) and y.shape == (4, SEQ_LEN) for x, y in micro)
-        assert torch.equal(torch.cat([x for x, _ in micro]), tokens[:, :-1])
-        assert torch.equal(torch.cat([y for _, y in micro]), labels[:, 1:])
+        assert len(micro) == 4 and all(m.tokens.shape == m.targets.shape == (4, SEQ_LEN) for m in micro)
+        assert all(m.documents is None for m in micro)  # one sequence a row, its padding after it
+        assert torch.equal(torch.cat([m.tokens for m in micro]), tokens[:, :-1])
+        assert torch.equal(torch.cat([m.targets for m in micro]), labels[:, 1:])
 
 
 def test_the_same_step_holds_the_same_pairs_at_any_world_size(tmp_path, text_tok):
@@ -209,8 +210,9 @@ def test_the_same_step_holds_the_same_pairs_at_any_world_size(tmp_path, text_tok
     for step in range(4):
         one = whole.microbatches(step)
         parts = [PreferenceBatches(ds, micro_batch=2, dp_rank=r, dp_size=2, **kw).microbatches(step) for r in range(2)]
-        for i in (0, 1):
-            assert torch.equal(torch.cat([m[i] for m in one]), torch.cat([m[i] for p in parts for m in p]))
+        for field in ("tokens", "targets"):
+            assert torch.equal(torch.cat([getattr(m, field) for m in one]),
+                               torch.cat([getattr(m, field) for p in parts for m in p]))
     state = whole.state_dict()
     assert state["next_step"] == 4 and state["seq_len"] == SEQ_LEN
     other = PreferenceBatches(ds, micro_batch=2, dp_rank=0, dp_size=2, **{**kw, "seq_len": 20})
@@ -256,7 +258,7 @@ def test_val_fraction_holds_out_whole_pairs(tmp_path, text_tok):
         parts = [ValidationRows(val, seq_len=40, global_batch=4, micro_batch=4 // d, dp_rank=r, dp_size=d,
                                 max_batches=5) for r in range(d)]
         assert parts[0].pairs and parts[0].num_rows == 3 and parts[0].num_batches == 2  # 2 pairs a batch
-        rows[d] = [torch.cat([torch.cat([y for _, y in p.microbatches(b)]) for p in parts]) for b in range(2)]
+        rows[d] = [torch.cat([torch.cat([m.targets for m in p.microbatches(b)]) for p in parts]) for b in range(2)]
     assert all(torch.equal(a, b) for a, b in zip(rows[1], rows[2]))
     assert (rows[1][1][2:] == IGNORE_INDEX).all() and (rows[1][1][:2] != IGNORE_INDEX).any()  # 1 pair, 1 padding
     first = Pairs(val, 40).rows([0])

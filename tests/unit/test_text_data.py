@@ -318,25 +318,27 @@ def test_prompt_response_labels_are_the_response_and_never_cross_examples(tmp_pa
     assert ds.document_lengths.sum() == ds.num_tokens
     b = InstructionBatches(ds, seed=3, global_batch=4, micro_batch=4, seq_len=24, dp_rank=0, dp_size=1)
     for step in range(6):
-        tokens, labels = b.rank_rows(step)
+        tokens, labels, documents = b.rank_rows(step)
         for row, ids in enumerate(b.epochs.step_windows(step)):
-            want_tokens, want_labels = [], []
+            want_tokens, want_labels, want_docs = [], [], []
             for i in ids:
                 p, r = tok.encode_batch([recs[i]["prompt"], recs[i]["response"]])
                 ex = [tok.bos_id, *p.tolist(), *r.tolist(), tok.eos_id][:25]
+                want_docs += [len(want_tokens)] * len(ex)  # each token: where its example starts
                 want_tokens += ex
                 want_labels += [IGNORE_INDEX] * (1 + p.size) + [*r.tolist(), tok.eos_id]
                 want_labels = want_labels[: len(want_tokens)]
             pad = 25 - len(want_tokens)
             assert tokens[row].tolist() == want_tokens + [tok.eos_id] * pad
             assert labels[row].tolist() == want_labels + [IGNORE_INDEX] * pad
+            assert documents[row].tolist() == want_docs + [len(want_tokens)] * pad  # the padding: one of its own
     # rank r of d reads rows [r B/d, (r+1) B/d) of the same windows: any world size, same step
     whole = b.rank_rows(4)
     for d in (2, 4):
         parts = [InstructionBatches(ds, seed=3, global_batch=4, micro_batch=4 // d, seq_len=24, dp_rank=r,
                                     dp_size=d).rank_rows(4) for r in range(d)]
-        assert torch.equal(torch.cat([p[0] for p in parts]), whole[0])
-        assert torch.equal(torch.cat([p[1] for p in parts]), whole[1])
+        for i in range(3):
+            assert torch.equal(torch.cat([p[i] for p in parts]), whole[i])
 
 
 def test_chat_messages_learn_the_assistant_turns_only(tmp_path, bpe_dir):
@@ -414,25 +416,33 @@ def test_validation_rows_are_the_same_at_any_world_size(tmp_path):
         parts = [ValidationRows(ds, seq_len=15, global_batch=8, micro_batch=2 if d < 4 else 1, dp_rank=r, dp_size=d,
                                 max_batches=9) for r in range(d)]
         assert parts[0].num_rows == 1010 // 16 and parts[0].num_batches == 8  # 63 rows: the last batch half padding
-        rows[d] = [torch.cat([torch.cat([y for _, y in p.microbatches(b)]) for p in parts]) for b in range(8)]
+        rows[d] = [torch.cat([torch.cat([m.targets for m in p.microbatches(b)]) for p in parts]) for b in range(8)]
     for b in range(8):
         assert torch.equal(rows[1][b], rows[2][b]) and torch.equal(rows[1][b], rows[4][b])
     last = rows[1][7]
     assert (last[7] == IGNORE_INDEX).all() and (last[6] != IGNORE_INDEX).all()
 
 
-def test_data_epochs_end_the_run_when_they_come_first(tmp_path):
-    from rayzero.jobs.train import limit_to_epochs, steps_in_epochs
+def test_data_epochs_alone_set_the_length_and_with_train_steps_the_earlier_ends_it(tmp_path):
+    from rayzero.jobs.data_checks import run_length
+    from rayzero.jobs.train import steps_in_epochs
 
     recs = [{"prompt": f"p{i} " * (i % 4 + 1), "response": f"r{i} " * (i % 5 + 1)} for i in range(30)]
     data = instruct_dataset(tmp_path, "byte", recs)
-    cfg = load_config(None, ["train.seq_len=31", "train.global_batch_size=4", "train.micro_batch_size=2",
-                             "train.steps=100", "data.epochs=2"])
+    keys = ["train.seq_len=31", "train.global_batch_size=4", "train.micro_batch_size=2"]
+    cfg = load_config(None, [*keys, "train.steps=100", "data.epochs=2"])
     ep = Epochs(TokenDataset(data).document_lengths, 0, 4, 32)
     assert steps_in_epochs(cfg, data) == ep.steps_in(0) + ep.steps_in(1) < 100
-    assert limit_to_epochs(cfg, data).train.steps == steps_in_epochs(cfg, data)
-    assert limit_to_epochs(cfg.override("train.steps=3"), data).train.steps == 3  # the steps come first
-    assert limit_to_epochs(cfg.override("data.epochs=0"), data).train.steps == 100
+    done, words, key = run_length(cfg, data)
+    assert done.train.steps == steps_in_epochs(cfg, data)
+    assert words == f"data.epochs=2 ({done.train.steps} steps) ends the run before train.steps=100" and key.startswith("data.epochs")
+    done, words, key = run_length(cfg.override("train.steps=3"), data)  # the steps come first
+    assert done.train.steps == 3 and words.startswith("train.steps=3 ends the run before data.epochs=2") and key == "train.steps=3"
+    assert run_length(cfg.override("data.epochs=0"), data)[:2] == (cfg.override("data.epochs=0"), None)
+    # data.epochs alone: the run is as long as its epochs, past the default 100 steps, and the schedule follows it
+    alone = load_config(None, [*keys, "data.epochs=20"])
+    done, words, _ = run_length(alone, data)
+    assert done.train.steps == ep.steps(20) > 100 and words.endswith("sets the run's length; the schedule follows it")
     # text: as many tokens as the dataset holds
     text = prepare(write_docs(tmp_path / "src"), str(tmp_path / "text"))
     steps = steps_in_epochs(cfg.override("data.epochs=1"), str(tmp_path / "text"))
