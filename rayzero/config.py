@@ -33,7 +33,8 @@ class ConfigError(ValueError):
 class RunConfig(Frozen):
     """The training run: how long, how big a batch, its seed, and where its outputs go."""
 
-    steps: int = Field(default=100, ge=1, description="Optimizer steps to train for.")
+    steps: int = Field(default=100, ge=1, description="Optimizer steps to train for; left unset beside `data.epochs`, "
+                       "the epochs' steps (a run from pretrained weights defaults to 3 epochs).")
     global_batch_size: int = Field(
         default=16, ge=1,
         description="Sequences per optimizer step, across all ranks; must be divisible by "
@@ -44,7 +45,8 @@ class RunConfig(Frozen):
         description="Sequences per forward/backward on a rank; the rest of the global batch is gradient "
         "accumulation.",
     )
-    seq_len: int = Field(default=128, ge=1, description="Tokens per training sequence.")
+    seq_len: int = Field(default=128, ge=1, description="Tokens per training sequence (a window of packed examples holds "
+                         "`seq_len` + 1). A run from pretrained weights defaults to 1,024, at most the model's positions.")
     objective: Literal["lm", "dpo"] = Field(
         default="lm",
         description="`lm` = next-token prediction on text or instruction data; `dpo` = preference tuning on pairs "

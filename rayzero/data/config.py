@@ -28,10 +28,11 @@ class DataConfig(Frozen):
     )
     epochs: float = Field(
         default=0, ge=0,
-        description="Passes over the data before training stops, if that comes before `train.steps` (which the "
-        "learning-rate schedule then follows); 0 = `train.steps` alone. Instruction data: every example once "
-        "per epoch, packed in an order drawn from the seed; preference pairs: every pair once per epoch; text: as "
-        "many tokens as the dataset holds.",
+        description="Passes over the data: alone (`train.steps` left unset) they set the run's length; with "
+        "`train.steps` the earlier ends the run. The learning-rate schedule follows the length. 0 = `train.steps` "
+        "alone; a run from pretrained weights defaults to 3 when `train.steps` is unset. Instruction data: every "
+        "example once per epoch, packed in an order drawn from the seed; preference pairs: every pair once per "
+        "epoch; text: as many tokens as the dataset holds.",
     )
     document_masking: bool = Field(
         default=False,

@@ -252,20 +252,22 @@ class OptimConfig(Frozen):
     """AdamW and its learning-rate schedule: linear warmup to `lr`, then `schedule` (cosine
     decay by default) down to `min_lr` at the last step."""
 
-    lr: float = Field(default=3e-3, gt=0, description="Peak learning rate, reached at the end of warmup.")
+    lr: float = Field(default=3e-3, gt=0, description="Peak learning rate, reached at the end of warmup. A run from "
+                      "pretrained weights defaults to 2e-5 (LoRA 2e-4; `train.objective=dpo` 1e-6, LoRA 1e-5).")
     min_lr: float | None = Field(
         default=None, ge=0,
-        description="Learning rate at the last step, where the decay ends; `null` = `lr` / 10.",
+        description="Learning rate at the last step, where the decay ends; `null` = `lr` / 10 (a run from pretrained "
+        "weights: 0).",
     )
     warmup_steps: int = Field(
         default=10, ge=0,
-        description="Steps of linear warmup up to `lr`; 0 = none.",
+        description="Steps of linear warmup up to `lr`; 0 = none (a run from pretrained weights defaults to 0).",
     )
     schedule: Literal["cosine", "linear", "constant", "wsd"] = Field(
         default="cosine",
         description="After warmup: `cosine` or `linear` decay to `min_lr` at the last step; `constant` at `lr`; "
         "`wsd` (warmup-stable-decay) at `lr`, then linear decay to `min_lr` over the last `decay_fraction` of "
-        "the steps.",
+        "the steps. A run from pretrained weights defaults to `linear`.",
     )
     decay_fraction: float = Field(
         default=0.2, gt=0, le=1,
@@ -278,10 +280,11 @@ class OptimConfig(Frozen):
     )
     weight_decay: float = Field(
         default=0.1, ge=0,
-        description="AdamW decoupled weight decay; 0 disables it.",
+        description="AdamW decoupled weight decay; 0 disables it (a run from pretrained weights defaults to 0).",
     )
     beta1: float = Field(default=0.9, ge=0, lt=1, description="AdamW decay rate of the first moment.")
-    beta2: float = Field(default=0.95, ge=0, lt=1, description="AdamW decay rate of the second moment.")
+    beta2: float = Field(default=0.95, ge=0, lt=1, description="AdamW decay rate of the second moment (a run from "
+                         "pretrained weights defaults to 0.999).")
     eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon, added to the denominator.")
     grad_clip: float = Field(
         default=1.0, ge=0,

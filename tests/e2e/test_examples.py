@@ -31,6 +31,7 @@ Where the test differs from a user's terminal, and why:
   http://127.0.0.1:8333, a bucket of the test's own (made with the server, as a team's exists),
   its keys only as the AWS_* variables of this process, as a user exports them: the run gives
   them to its ranks (processes the head started, without those variables).
+- A GPU run (`cluster.use_gpu=true`) runs on this machine's CPU, the flag left out.
 - `rayzero deploy check --crds path/to/crds` takes KubeRay's CRDs beside the project
   (../shared/kuberay/crds, as tests/unit/test_kuberay.py does); without them it runs without
   `--crds`, and the schema is skipped with rayzero's own note.
@@ -188,6 +189,7 @@ class Walk:
             "http://127.0.0.1:8333": s3_server.endpoint,
             "s3://bucket/": f"s3://{bucket}/",
             " --crds path/to/crds": f" --crds {CRDS}" if CRDS.is_dir() else "",
+            " cluster.use_gpu=true": "",  # this machine has no GPU: the same run on its CPU
         }
         self.used: set[str] = set()
         self.job = ""  # the submission id `ray job submit` printed
