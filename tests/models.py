@@ -127,7 +127,7 @@ class Block(nn.Module):
         x = x + self.drop(self._attention(self.ln1(x), document_ids))
         return x + self.drop(self.proj(F.gelu(self.fc(self.ln2(x)))))
 
-    def _attention(self, h: torch.Tensor, document_ids: torch.Tensor | None) -> torch.Tensor:
+    def _attention(self, h: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         b, t, d = h.shape
         q, k, v = F.linear(h, self.attn.in_proj_weight, self.attn.in_proj_bias).chunk(3, dim=-1)
         q, k, v = (z.view(b, t, self.attn.num_heads, -1).transpose(1, 2) for z in (q, k, v))

@@ -43,9 +43,9 @@ class Startup:
         print(f"rayzero: [{now:6.1f}s] {text}", file=self.out or sys.stderr, flush=True)
 
     def say(self, text: str) -> None:
-        """A line of the start-up that begins no stage (what the checks found: the defaults a run
-        takes, what sets its length), timed as the stages' lines are."""
-        print(f"rayzero: [{self.elapsed():6.1f}s] {text}", file=self.out or sys.stderr, flush=True)
+        """A line under the stage now running, indented, that begins no stage: what the checks
+        found (the defaults a run takes, what sets its length), timed as the stages' lines are."""
+        print(f"rayzero: [{self.elapsed():6.1f}s]   {text}", file=self.out or sys.stderr, flush=True)
 
     def part(self, key: str, seconds: float) -> None:
         """`seconds` of the start-up went to `key` inside a stage (the first step's compilation):

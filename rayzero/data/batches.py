@@ -68,13 +68,16 @@ class RankBatches:
         """Target tokens in the whole global batch: the loss is averaged over these."""
         return self.global_batch * self.seq_len
 
-    def rank_rows(self, step: int) -> torch.Tensor:
-        """This rank's rows of step `step`: int64 tensor (rows_per_rank, seq_len + 1)."""
+    def offsets(self, step: int) -> np.ndarray:
+        """Where this rank's rows of step `step` start in the corpus."""
         offsets = global_batch_offsets(
             self.seed, step, self.global_batch, self.dataset.num_tokens, self.seq_len
         )
-        mine = offsets[self.dp_rank * self.rows_per_rank : (self.dp_rank + 1) * self.rows_per_rank]
-        rows = np.stack([self.dataset.window(int(o), self.seq_len + 1) for o in mine])
+        return offsets[self.dp_rank * self.rows_per_rank : (self.dp_rank + 1) * self.rows_per_rank]
+
+    def rank_rows(self, step: int) -> torch.Tensor:
+        """This rank's rows of step `step`: int64 tensor (rows_per_rank, seq_len + 1)."""
+        rows = np.stack([self.dataset.window(int(o), self.seq_len + 1) for o in self.offsets(step)])
         return torch.from_numpy(rows)
 
     def microbatches(self, step: int) -> list[MicroBatch]:
@@ -136,10 +139,8 @@ class DocumentBatches(RankBatches):
         self.ends = np.cumsum(dataset.document_lengths)
 
     def rank_rows(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        offsets = global_batch_offsets(self.seed, step, self.global_batch, self.dataset.num_tokens, self.seq_len)
-        mine = offsets[self.dp_rank * self.rows_per_rank: (self.dp_rank + 1) * self.rows_per_rank]
-        tokens = np.stack([self.dataset.window(int(o), self.seq_len + 1) for o in mine]).astype(np.int64)
-        return tuple(torch.from_numpy(a) for a in (tokens, *document_rows(self.ends, mine, tokens)))
+        tokens = super().rank_rows(step)
+        return (tokens, *(torch.from_numpy(a) for a in document_rows(self.ends, self.offsets(step), tokens.numpy())))
 
     def _split(self, rows) -> list[MicroBatch]:
         return micro_batches(*rows, self.micro_batch)

@@ -34,14 +34,21 @@ MAX_LENGTH = 1024  # TRL's max_length: a fine-tune's window, where the model tak
 EPOCHS = 3  # TrainingArguments' num_train_epochs: a fine-tune's length when neither it nor train.steps is set
 
 
+# What the defaults cover, for the line that says which apply (`optim.min_lr` is said where a fine-tune sets it)
+COVERED = ("optim.lr", "optim.weight_decay", "optim.beta2", "optim.warmup_steps", "optim.schedule", "optim.min_lr",
+           "train.seq_len", "train.steps", "data.epochs")
+
+
 @dataclass(frozen=True)
 class Defaults:
     """Which defaults a run takes: `name` (fine-tuning, LoRA fine-tuning, pretraining), `why`
-    (what its start is), and the values they gave the keys left unset (`applied`)."""
+    (what its start is), the values they gave the keys left unset (`applied`, a fine-tune's) and
+    what the covered keys left unset hold (`values`)."""
 
     name: str
     why: str
     applied: dict[str, Any] = field(default_factory=dict)
+    values: dict[str, Any] = field(default_factory=dict)
 
     @property
     def fine_tuning(self) -> bool:
@@ -49,14 +56,27 @@ class Defaults:
 
     def line(self) -> str:
         """The set in one line, as the dry run and the run's start say it."""
-        if not self.fine_tuning:
-            return (f"pretraining defaults ({self.why}): the configuration reference's, for every key left unset")
-        given = ", ".join(f"{k}={_value(v)}" for k, v in self.applied.items())
+        given = ", ".join(f"{k}={_value(v)}" for k, v in self.values.items())
         return f"{self.name} defaults ({self.why}): {given or 'every key they cover is set'}; a key you set wins"
 
 
 def _value(v) -> str:
     return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def unset_values(cfg: RootConfig, applied: dict[str, Any]) -> dict[str, Any]:
+    """The covered keys' values the run takes from a default: those a fine-tune gave, and the
+    pretraining ones of the rest left unset (`optim.min_lr` and `data.epochs` only where given)."""
+    out = {}
+    for key in COVERED:
+        if key in applied:
+            out[key] = applied[key]
+        elif not cfg.is_set(key) and key not in ("optim.min_lr", "data.epochs"):
+            section, _, name = key.partition(".")
+            if key == "train.steps" and ("data.epochs" in applied or cfg.data.epochs):
+                continue  # the epochs set the run's length
+            out[key] = getattr(getattr(cfg, section), name)
+    return out
 
 
 def how_it_starts(cfg: RootConfig) -> tuple[bool | None, str]:
@@ -85,23 +105,21 @@ def with_defaults(cfg: RootConfig) -> tuple[RootConfig, Defaults]:
     """`cfg` with the defaults of how it starts given to the keys it leaves unset, and which
     they are. Called once, by the driver, before anything reads the keys it sets; the same
     config every time (so that rerunning the command resumes)."""
-    from rayzero.models import spec_class
+    from rayzero.models import ModelError, spec_class
 
     pretrained, why = how_it_starts(cfg)
     if not pretrained:
-        return cfg, Defaults("pretraining", why)
+        return cfg, Defaults("pretraining", why, values=unset_values(cfg, {}))
     lora = cfg.model.lora is not None
     want = {"optim.lr": fine_tuning_lr(cfg.train.objective, lora), **FINE_TUNING}
     try:
         longest = spec_class(cfg.model.kind).context_length(cfg.model, cfg.checkpoint)
-    except Exception:  # noqa: BLE001 (the model's own checks say what is wrong with it)
+    except ModelError:  # the model's own checks say what is wrong with it
         longest = None
     want["train.seq_len"] = min(MAX_LENGTH, longest) if longest else MAX_LENGTH
     if not cfg.is_set("train.steps"):
         want["data.epochs"] = EPOCHS
     applied = {k: v for k, v in want.items() if not cfg.is_set(k)}
-    if applied.get("train.seq_len") and cfg.is_set("model.block_size") and cfg.model.block_size < applied["train.seq_len"]:
-        applied["train.seq_len"] = cfg.model.block_size
     name = "LoRA fine-tuning" if lora else "fine-tuning"
     done = cfg.override(*(f"{k}={v}" for k, v in applied.items())) if applied else cfg
-    return done, Defaults(name, why, applied)
+    return done, Defaults(name, why, applied, unset_values(cfg, applied))

@@ -224,7 +224,7 @@ class HFSpec(RouterLosses, ModelSpec):
             raise ModelError(f"parallel.cp: {what}'s layers attend within a sliding window of {window} tokens, which "
                              "attention across the context-parallel split does not do yet; set parallel.cp=1, or "
                              f"train.seq_len={window} or less (a window that long is whole causal attention)")
-        attend_across(model, cp)
+        self._cp_calls = attend_across(model, cp)
         self._split_tokens(model, "cp", cp.axis)
 
     def attention_shape(self, model: nn.Module) -> tuple[int, int] | None:
@@ -285,10 +285,23 @@ class HFSpec(RouterLosses, ModelSpec):
                 torch.arange(t, device=batch.tokens.device)
             kwargs["position_ids"] = batch.positions(index)
             if self.cp is not None:
-                from rayzero.models.hf_context import DOCUMENTS
-
-                kwargs[DOCUMENTS] = batch.documents
+                return self._packed_across(model, kwargs, batch.documents)
         return model(**kwargs)
+
+    def _packed_across(self, model: nn.Module, kwargs: dict, documents):
+        """The forward of packed rows across a context-parallel split: every attention call given
+        the examples' starts, or a ModelError naming the family whose layers do not pass them on."""
+        from rayzero.models.hf_context import DOCUMENTS
+
+        calls = self._cp_calls
+        calls.missed = 0
+        try:
+            return model(**kwargs, **{DOCUMENTS: documents})
+        finally:
+            if calls.missed:
+                raise ModelError(f"parallel.cp: {type(model).__name__}'s layers do not pass their keyword arguments "
+                                 "on to the attention, so the packed examples' bounds never reach the attention across "
+                                 "the split; set parallel.cp=1 for packed data with this model")
 
     def check_documents(self, model: nn.Module, why: str) -> None:
         """Packed examples are kept apart by `position_ids`, from which transformers' own masks

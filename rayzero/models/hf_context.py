@@ -9,6 +9,7 @@ no mask: causality (and each example's bounds) is over the global positions, in 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch.nn as nn
 
@@ -18,23 +19,34 @@ CP_ATTENTION = "rayzero_context_parallel"  # the attention implementation `atten
 DOCUMENTS = "rayzero_documents"
 
 
-def _cp_attention(cp, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+@dataclass
+class Calls:
+    """The attention calls across the split since `missed` was last set to 0 that were not given
+    packed rows' example starts: a family whose layers do not pass their forward's keyword
+    arguments on to the attention would let packed examples attend to each other."""
+
+    missed: int = 0
+
+
+def _cp_attention(cp, calls: Calls, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """An attention function of transformers' registry: this rank's queries against the whole
     sequence across the cp group; [batch, tokens, heads, head dim] as transformers' own return."""
     window = kwargs.get("sliding_window")
     if (window and window < cp.seq_len) or kwargs.get("s_aux") is not None:  # refused before training by the seam
         raise ValueError(f"{type(module).__name__}: sliding-window or sink attention across the context-parallel "
                          "split is not supported")
-    return cp.attend(query, key, value, dropout, scale=scaling,
-                     documents=kwargs.get(DOCUMENTS)).transpose(1, 2).contiguous(), None
+    documents = kwargs.get(DOCUMENTS)
+    calls.missed += documents is None
+    return cp.attend(query, key, value, dropout, scale=scaling, documents=documents).transpose(1, 2).contiguous(), None
 
 
-def attend_across(model: nn.Module, cp) -> None:
+def attend_across(model: nn.Module, cp) -> Calls:
     """Make `model` (a transformers model, possibly with adapters) attend across the split of `cp`
-    (a `ContextParallel`) and take its tokens' global positions."""
+    (a `ContextParallel`) and take its tokens' global positions; what counts its attention calls."""
     from transformers import AttentionInterface, PreTrainedModel
 
-    AttentionInterface.register(CP_ATTENTION, functools.partial(_cp_attention, cp))
+    calls = Calls()
+    AttentionInterface.register(CP_ATTENTION, functools.partial(_cp_attention, cp, calls))
     pretrained = next(m for m in model.modules() if isinstance(m, PreTrainedModel))
     pretrained.set_attn_implementation(CP_ATTENTION)
 
@@ -45,3 +57,4 @@ def attend_across(model: nn.Module, cp) -> None:
         return args, {**kwargs, "position_ids": cp.local_positions(ids.shape[1], ids.device)[None]}
 
     model.register_forward_pre_hook(positions, with_kwargs=True)
+    return calls

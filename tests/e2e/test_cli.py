@@ -26,7 +26,8 @@ def startup_said(err: str) -> list[str]:
     parenthesis; the times must not go backwards."""
     import re
 
-    said = [m.groups() for m in re.finditer(r"^rayzero: \[ *(\d+\.\d)s\] (.*)$", err, re.MULTILINE)]
+    said = [m.groups() for m in re.finditer(r"^rayzero: \[ *(\d+\.\d)s\] (\S.*)$", err, re.MULTILINE)]  # not the
+    # indented lines under a stage (what the checks found: the defaults, the length)
     times = [float(t) for t, _ in said]
     assert times == sorted(times) and times[0] < 1.0, said
     return [text.split(" (")[0] for _, text in said]
@@ -167,6 +168,7 @@ def test_a_mistake_or_a_ctrl_c_while_ray_starts_is_said_and_leaves_nothing_behin
                          stderr=subprocess.PIPE, text=True, env={**os.environ, "RAY_AUTH_MODE": "token"},
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert "checking the config" in p.stderr.readline()
+    assert "pretraining defaults (random init)" in p.stderr.readline()  # under the checks, what they found
     assert "starting a local Ray" in p.stderr.readline()
     p.send_signal(signal.SIGINT)
     err = p.stderr.read()
@@ -200,7 +202,8 @@ def test_train_on_a_running_cluster_leaves_nothing_behind(tmp_path, ray_cluster,
                 "--no-progress", "--summary-json", str(tmp_path / "s.json"), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     # Joined and placed beside the checks (RayStart, place_ahead): both said begun before the checks ended
-    said = {line.split("] ", 1)[1].split(" (")[0]: line for line in r.stderr.splitlines() if line.startswith("rayzero: [")}
+    said = {line.split("] ", 1)[1].split(" (")[0]: line for line in r.stderr.splitlines()
+            if line.startswith("rayzero: [") and not line.split("] ", 1)[1].startswith(" ")}
     checks_end = float(said[f"joining the Ray cluster at {ray_cluster}"].split("[")[1].split("s]")[0])
     placing = said["placing 2 ranks"]
     assert "(begun at " in placing and float(placing.split("(begun at ")[1].split("s, ")[0]) < checks_end, r.stderr

@@ -367,7 +367,8 @@ class Walk:
             assert f"Job '{self.job}' succeeded" in out, out
         elif cmd.starts_with("ray job logs"):
             assert f"trained {steps} steps" in out, out
-            said = [line.split("] ", 1)[1] for line in out.splitlines() if line.startswith("rayzero: [")]
+            said = [line.split("] ", 1)[1] for line in out.splitlines() if line.startswith("rayzero: [")
+                    and not line.split("] ", 1)[1].startswith(" ")]  # the stages' lines, not those under them
             # start-up lines: the job's driver joined its cluster and placed the ranks beside its checks
             assert [line.split(" (begun at ")[0] for line in said[1:3]] == [
                 "joining the Ray cluster this machine is part of",

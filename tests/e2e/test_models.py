@@ -117,7 +117,8 @@ def test_lora_fine_tune_through_ray_exports_the_adapter_peft_loads_and_generate_
         return cli_in_process(capsys, monkeypatch, tmp_path, *argv)
 
     model = ["model.kind=hf", f"model.path={llama}", "model.lora.r=4", "model.lora.alpha=8",
-             "model.lora.target_modules=q_proj,v_proj,down_proj"]
+             "model.lora.target_modules=q_proj,v_proj,down_proj",
+             "optim.schedule=constant"]  # (a fine-tune's linear decay to 0 would leave the resumed steps at lr 0)
     adapter = tmp_path / "adapter"
     code, _, err, s = train_here(*model, *FAST, f"data.path={llama_data}", "train.steps=4", "checkpoint.every_steps=4",
                                  "optim.lr=1e-2", "sharding.strategy=optim_grads_params",

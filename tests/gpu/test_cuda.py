@@ -208,3 +208,23 @@ def test_the_vocabulary_parallel_loss_on_cuda_is_torchs(dtype):
         assert torch.allclose(logits.grad.float(), ref_logits.grad.float(), atol=tol)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_packed_examples_are_each_alone_on_cuda(kind, tmp_path):
+    """On CUDA the GPT keeps packed examples apart with one masked SDPA call (its CPU path goes
+    example by example) and an HF model through transformers' mask from the position ids: the
+    loss of packed windows is their examples' one by one (tests/unit/test_packed.py on the CPU)."""
+    from tests.models import save_hf_model
+    from tests.unit.test_packed import instruction_data, model_of, one_by_one, records, windows
+
+    data = instruction_data(tmp_path, "byte", records(40))
+    keys = (["model.n_layer=2", "model.n_embd=32", "model.n_head=4", "model.vocab_size=259"] if kind == "gpt" else
+            ["model.kind=hf", f"model.path={save_hf_model('llama', tmp_path / 'llama')}"])
+    spec, model = model_of(keys)
+    model.cuda()
+    batch = windows(data).to("cuda")
+    packed, count, _ = spec.loss(model, batch)
+    alone = [spec.loss(model, b) for b in one_by_one(batch)]
+    assert int(count) == sum(int(n) for _, n, _ in alone)
+    assert float(packed) == pytest.approx(float(sum(loss for loss, _, _ in alone)), rel=1e-5)
