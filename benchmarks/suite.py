@@ -51,6 +51,8 @@ CAPABILITIES = {
         "dist/test_spares", "e2e/test_failures", "e2e/test_spares", "unit/test_failure_policy",
         "unit/test_controller_states"],
     "data": ["e2e/test_text_data", "unit/test_data", "unit/test_one_tokenizer", "unit/test_text_data"],
+    "fine-tuning (packed examples alone, defaults, SFT equal to TRL)": [
+        "unit/test_packed", "dist/test_packed", "e2e/test_sft_trl", "unit/test_defaults"],
     "tracking (MLflow)": ["e2e/test_mlflow_server", "unit/test_tracking"],
     "the CLI, SDK, jobs, the team path and the docs' examples": [
         "e2e/test_cli", "e2e/test_sdk", "e2e/test_job_submit", "e2e/test_team_path", "e2e/test_examples",

@@ -45,8 +45,8 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
         check_local_capacity(cfg)
 
     mesh = cfg.mesh()  # rank 0's place: the axes' sizes, by role (the adapter's start changes none of them)
-    defaults = Defaults("pretraining", "model.path is read on the cluster's machines: the fine-tuning defaults "
-                        "apply if it holds weights")
+    defaults = (Defaults("pretraining", "model.path is read on the cluster's machines: the fine-tuning defaults "
+                         "apply if it holds weights") if cfg.model.path or cfg.model.adapter else with_defaults(cfg)[1])
     data = None
     try:
         if not read_model:

@@ -294,7 +294,7 @@ class HFSpec(RouterLosses, ModelSpec):
         from rayzero.models.hf_context import DOCUMENTS
 
         calls = self._cp_calls
-        calls.missed = 0
+        calls.expect, calls.missed = True, 0
         try:
             return model(**kwargs, **{DOCUMENTS: documents})
         finally:

@@ -21,10 +21,13 @@ DOCUMENTS = "rayzero_documents"
 
 @dataclass
 class Calls:
-    """The attention calls across the split since `missed` was last set to 0 that were not given
-    packed rows' example starts: a family whose layers do not pass their forward's keyword
-    arguments on to the attention would let packed examples attend to each other."""
+    """With `expect` (set by the seam for packed rows), the attention calls across the split since
+    `missed` was last set to 0 that were not given the rows' example starts: a family whose layers
+    do not pass their forward's keyword arguments on to the attention would let packed examples
+    attend to each other. Unchanged otherwise: a compiled block's guards see the same values at
+    every call, and nothing is compiled again."""
 
+    expect: bool = False
     missed: int = 0
 
 
@@ -36,7 +39,8 @@ def _cp_attention(cp, calls: Calls, module, query, key, value, attention_mask, s
         raise ValueError(f"{type(module).__name__}: sliding-window or sink attention across the context-parallel "
                          "split is not supported")
     documents = kwargs.get(DOCUMENTS)
-    calls.missed += documents is None
+    if calls.expect and documents is None:
+        calls.missed += 1
     return cp.attend(query, key, value, dropout, scale=scaling, documents=documents).transpose(1, 2).contiguous(), None
 
 

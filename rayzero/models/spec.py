@@ -309,6 +309,8 @@ class ModelSpec:
     def logits(self, model: nn.Module, batch: MicroBatch):
         """The forward of `batch` (a `MicroBatch`): each kind's own way of keeping packed
         examples apart, where the rows hold them."""
+        if batch.packed:
+            raise ModelError(f"{self.where}: model.kind={self.kind} says no way to keep packed examples apart")
         return model(batch.tokens)
 
     def loss(self, model: nn.Module, batch: MicroBatch, check: bool = False, vocab=None):
