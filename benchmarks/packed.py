@@ -61,33 +61,18 @@ def windows(root: Path, length: int):
 
 
 def model(kind: str, length: int, root: Path):
-    from rayzero.config import load_config
-    from rayzero.workers.assembly import make_spec
+    """(the seam, the model with its seeded initial values) of `kind` for windows of `length`."""
+    from tests.unit.test_packed import model_of
 
     if kind == "gpt":
-        keys = ["model.n_layer=2", "model.n_embd=128", "model.n_head=4", "model.vocab_size=257"]
-    else:
-        import transformers as tf
+        return model_of(["model.n_layer=2", "model.n_embd=128", "model.n_head=4", "model.vocab_size=257"], length)
+    import transformers as tf
 
-        path = root / f"llama-{length}"
-        if not path.exists():
-            tf.LlamaConfig(vocab_size=257, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2,
-                           max_position_embeddings=length).save_pretrained(path)
-        keys = ["model.kind=hf", f"model.path={path}"]
-    cfg = load_config(None, [*keys, f"train.seq_len={length}"])
-    spec = make_spec(cfg)
-    m = spec.build()
-    buffers = {n: b.clone() for n, b in m.named_buffers()}
-    m.to_empty(device="cpu")
-    for name, b in buffers.items():
-        parent, _, leaf = name.rpartition(".")
-        (m.get_submodule(parent) if parent else m)._buffers[leaf] = b
-    source = spec.seeded(m)
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            source.fill(n, p)
-    return spec, m
+    path = root / f"llama-{length}"
+    if not path.exists():
+        tf.LlamaConfig(vocab_size=257, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=length).save_pretrained(path)
+    return model_of(["model.kind=hf", f"model.path={path}"], length)
 
 
 def step_ms(spec, m, batch, iters: int) -> float:
@@ -119,7 +104,8 @@ def main() -> None:
         for length in args.lengths:
             packed = windows(root, length)
             whole = MicroBatch(packed.tokens, packed.targets)  # the same windows, one sequence each
-            per_window = sum(len(set(r.tolist())) - 1 for r in packed.documents) / packed.rows  # less the padding
+            per_window = sum(bool((packed.targets[r][packed.documents[r] == start] != -100).any())  # padding: no target
+                             for r in range(packed.rows) for start in set(packed.documents[r].tolist())) / packed.rows
             for kind in args.models:
                 spec, m = model(kind, length, root)
                 step_ms(spec, m, packed, 2)  # warm up both paths

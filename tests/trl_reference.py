@@ -1,7 +1,8 @@
-"""The reference for `train.objective=dpo`: TRL's own `DPOTrainer` (trl 1.16), run on CPU in fp32
-on a model directory and a list of preference records, with everything that could differ from
-a plain DPO step pinned down. `trl_dpo` returns what TRL logged at every step and the weights
-it ended with, for a test to set beside a rayzero run of the same settings.
+"""The references for `train.objective=dpo` and for instruction fine-tuning: TRL's own
+`DPOTrainer` and `SFTTrainer` (trl 1.16), run on CPU in fp32 on a model directory and a list of
+records, with everything that could differ from a plain step pinned down (`pinned`). `trl_dpo`
+and `trl_sft` return what TRL logged at every step and the weights it ended with, for a test to
+set beside a rayzero run of the same settings.
 
 What is pinned, and why (each is a TRL or `transformers.Trainer` default that differs from a
 plain DPO step, or from rayzero's defaults):
@@ -55,6 +56,24 @@ def lora_config(lora: Any):
                       modules_to_save=list(saved) if saved else None, task_type="CAUSAL_LM", **lora)
 
 
+def pinned(out: str, *, lr: float, optim: str, adam_betas: tuple[float, float], adam_eps: float, weight_decay: float,
+           max_grad_norm: float, batch: int, steps: int, seed: int) -> dict:
+    """The `TrainingArguments` both references pin (see the module doc): fp32 on the CPU, no
+    gradient checkpointing, a constant learning rate without warmup, the optimizer's settings,
+    one optimizer step per `batch` records taken in order, every step logged, nothing saved."""
+    return dict(
+        output_dir=out, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+        model_init_kwargs={"dtype": "float32"},
+        learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0,
+        optim=optim, adam_beta1=adam_betas[0], adam_beta2=adam_betas[1], adam_epsilon=adam_eps,
+        weight_decay=weight_decay, max_grad_norm=max_grad_norm,
+        per_device_train_batch_size=batch, gradient_accumulation_steps=1, max_steps=steps,
+        train_sampling_strategy="sequential", dataloader_drop_last=False, dataloader_num_workers=0,
+        seed=seed, data_seed=seed,
+        logging_steps=1, save_strategy="no", eval_strategy="no", report_to=[], disable_tqdm=True,
+    )
+
+
 def trl_dpo(model_dir, tokenizer_dir, records: list[dict], *, steps: int, pairs_per_step: int, lr: float,
             beta: float = 0.1, loss: str = "sigmoid", label_smoothing: float = 0.0, max_length: int | None,
             lora: Any = None, precompute: bool = False, weight_decay: float = 0.0, max_grad_norm: float = 1.0,
@@ -95,17 +114,10 @@ def trl_dpo(model_dir, tokenizer_dir, records: list[dict], *, steps: int, pairs_
 
     with tempfile.TemporaryDirectory() as out:
         args = DPOConfig(
-            output_dir=out, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
-            model_init_kwargs={"dtype": "float32"},
-            learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0,
-            optim=optim, adam_beta1=adam_betas[0], adam_beta2=adam_betas[1], adam_epsilon=adam_eps,
-            weight_decay=weight_decay, max_grad_norm=max_grad_norm,
-            per_device_train_batch_size=pairs_per_step, gradient_accumulation_steps=1, max_steps=steps,
-            train_sampling_strategy="sequential", dataloader_drop_last=False, dataloader_num_workers=0,
-            seed=seed, data_seed=seed,
+            **pinned(out, lr=lr, optim=optim, adam_betas=adam_betas, adam_eps=adam_eps, weight_decay=weight_decay,
+                     max_grad_norm=max_grad_norm, batch=pairs_per_step, steps=steps, seed=seed),
             beta=beta, loss_type=[loss], label_smoothing=label_smoothing, max_length=max_length,
             truncation_mode="keep_start", precompute_ref_log_probs=precompute, disable_dropout=True,
-            logging_steps=1, save_strategy="no", eval_strategy="no", report_to=[], disable_tqdm=True,
         )
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
         trainer = DPOTrainer(model=str(model_dir), args=args, train_dataset=datasets.Dataset.from_list(records),
@@ -170,15 +182,9 @@ def trl_sft(model_dir, records: list[dict], *, steps: int, lr: float, max_length
     transformers.logging.set_verbosity_error()
     with tempfile.TemporaryDirectory() as out:
         args = SFTConfig(
-            output_dir=out, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
-            model_init_kwargs={"dtype": "float32"},
-            learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0,
-            optim=optim, adam_beta1=adam_betas[0], adam_beta2=adam_betas[1], adam_epsilon=adam_eps,
-            weight_decay=weight_decay, max_grad_norm=max_grad_norm,
-            per_device_train_batch_size=len(records), gradient_accumulation_steps=1, max_steps=steps,
-            train_sampling_strategy="sequential", dataloader_drop_last=False, dataloader_num_workers=0,
-            seed=seed, data_seed=seed, max_length=max_length, packing=False, completion_only_loss=True,
-            logging_steps=1, save_strategy="no", eval_strategy="no", report_to=[], disable_tqdm=True,
+            **pinned(out, lr=lr, optim=optim, adam_betas=adam_betas, adam_eps=adam_eps, weight_decay=weight_decay,
+                     max_grad_norm=max_grad_norm, batch=len(records), steps=steps, seed=seed),
+            max_length=max_length, packing=False, completion_only_loss=True,
         )
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         trainer = SFTTrainer(model=str(model_dir), args=args, train_dataset=datasets.Dataset.from_list(records),

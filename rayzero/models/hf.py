@@ -214,17 +214,7 @@ class HFSpec(RouterLosses, ModelSpec):
         c = self.text_config
         heads = getattr(c, "num_attention_heads", None) or getattr(c, "n_head", None)
         cp.check_heads(heads, getattr(c, "num_key_value_heads", None) or heads)
-        what = type(model).__name__
-        if any(n.rpartition(".")[2] == "sinks" for n, _ in model.named_parameters()):
-            raise ModelError(f"parallel.cp: {what}'s attention has sinks (a learned logit per head that every query "
-                             "also attends to), which attention across the context-parallel split does not do yet; "
-                             "set parallel.cp=1")
-        window = sliding_window(c)
-        if window is not None and window < cp.seq_len:
-            raise ModelError(f"parallel.cp: {what}'s layers attend within a sliding window of {window} tokens, which "
-                             "attention across the context-parallel split does not do yet; set parallel.cp=1, or "
-                             f"train.seq_len={window} or less (a window that long is whole causal attention)")
-        self._cp_calls = attend_across(model, cp)
+        self._cp_calls = attend_across(model, cp, c)
         self._split_tokens(model, "cp", cp.axis)
 
     def attention_shape(self, model: nn.Module) -> tuple[int, int] | None:
@@ -280,28 +270,12 @@ class HFSpec(RouterLosses, ModelSpec):
             kwargs["output_router_logits"] = True
         if batch.documents is not None:
             kwargs["use_cache"] = False  # transformers finds packed sequences only without a cache
-            t = batch.tokens.shape[1]
-            index = self.cp.local_positions(t, batch.tokens.device) if self.cp is not None else \
-                torch.arange(t, device=batch.tokens.device)
-            kwargs["position_ids"] = batch.positions(index)
+            kwargs["position_ids"] = self.positions(batch)
             if self.cp is not None:
-                return self._packed_across(model, kwargs, batch.documents)
+                from rayzero.models.hf_context import packed_across
+
+                return packed_across(model, kwargs, batch.documents, self._cp_calls)
         return model(**kwargs)
-
-    def _packed_across(self, model: nn.Module, kwargs: dict, documents):
-        """The forward of packed rows across a context-parallel split: every attention call given
-        the examples' starts, or a ModelError naming the family whose layers do not pass them on."""
-        from rayzero.models.hf_context import DOCUMENTS
-
-        calls = self._cp_calls
-        calls.expect, calls.missed = True, 0
-        try:
-            return model(**kwargs, **{DOCUMENTS: documents})
-        finally:
-            if calls.missed:
-                raise ModelError(f"parallel.cp: {type(model).__name__}'s layers do not pass their keyword arguments "
-                                 "on to the attention, so the packed examples' bounds never reach the attention across "
-                                 "the split; set parallel.cp=1 for packed data with this model")
 
     def check_documents(self, model: nn.Module, why: str) -> None:
         """Packed examples are kept apart by `position_ids`, from which transformers' own masks
@@ -417,19 +391,6 @@ def check_causal_lm(config, path: str, trust_remote_code: bool = False) -> None:
     if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not custom:
         raise ModelError(f"model.path: {path} holds a {name} (model_type {kind!r}), which transformers has no causal "
                          f"LM for; {trains}")
-
-
-def sliding_window(config) -> int | None:
-    """The sliding window some of the model's layers attend within (None: every layer attends
-    to the whole causal past): the config's `sliding_window` where its `layer_types` have
-    sliding layers or, without them, where `use_sliding_window` (if it has one) is on."""
-    window = getattr(config, "sliding_window", None)
-    if not window:
-        return None
-    types = getattr(config, "layer_types", None)
-    if types is not None:
-        return int(window) if "sliding_attention" in types else None
-    return int(window) if getattr(config, "use_sliding_window", True) else None
 
 
 def config_from_dict(config: dict):

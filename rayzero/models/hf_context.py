@@ -44,11 +44,13 @@ def _cp_attention(cp, calls: Calls, module, query, key, value, attention_mask, s
     return cp.attend(query, key, value, dropout, scale=scaling, documents=documents).transpose(1, 2).contiguous(), None
 
 
-def attend_across(model: nn.Module, cp) -> Calls:
-    """Make `model` (a transformers model, possibly with adapters) attend across the split of `cp`
-    (a `ContextParallel`) and take its tokens' global positions; what counts its attention calls."""
+def attend_across(model: nn.Module, cp, config) -> Calls:
+    """Make `model` (a transformers model, possibly with adapters, of text config `config`) attend
+    across the split of `cp` (a `ContextParallel`) and take its tokens' global positions; what
+    counts its attention calls. A ModelError for attention the split does not do yet."""
     from transformers import AttentionInterface, PreTrainedModel
 
+    check_splittable(model, config, cp.seq_len)
     calls = Calls()
     AttentionInterface.register(CP_ATTENTION, functools.partial(_cp_attention, cp, calls))
     pretrained = next(m for m in model.modules() if isinstance(m, PreTrainedModel))
@@ -62,3 +64,48 @@ def attend_across(model: nn.Module, cp) -> Calls:
 
     model.register_forward_pre_hook(positions, with_kwargs=True)
     return calls
+
+
+def packed_across(model: nn.Module, kwargs: dict, documents, calls: Calls):
+    """The forward of packed rows across the split: every attention call given the examples'
+    starts, or a ModelError naming the family whose layers do not pass them on."""
+    from rayzero.models.spec import ModelError
+
+    calls.expect, calls.missed = True, 0
+    try:
+        return model(**kwargs, **{DOCUMENTS: documents})
+    finally:
+        if calls.missed:
+            raise ModelError(f"parallel.cp: {type(model).__name__}'s layers do not pass their keyword arguments on to "
+                             "the attention, so the packed examples' bounds never reach the attention across the split; "
+                             "set parallel.cp=1 for packed data with this model")
+
+
+def check_splittable(model: nn.Module, config, seq_len: int) -> None:
+    """A ModelError naming the model for attention the split does not do yet: sinks (GPT-OSS's
+    learned per-head logits), a sliding window shorter than the sequence."""
+    from rayzero.models.spec import ModelError
+
+    what = type(model).__name__
+    if any(n.rpartition(".")[2] == "sinks" for n, _ in model.named_parameters()):
+        raise ModelError(f"parallel.cp: {what}'s attention has sinks (a learned logit per head that every query also "
+                         "attends to), which attention across the context-parallel split does not do yet; set "
+                         "parallel.cp=1")
+    window = sliding_window(config)
+    if window is not None and window < seq_len:
+        raise ModelError(f"parallel.cp: {what}'s layers attend within a sliding window of {window} tokens, which "
+                         "attention across the context-parallel split does not do yet; set parallel.cp=1, or "
+                         f"train.seq_len={window} or less (a window that long is whole causal attention)")
+
+
+def sliding_window(config) -> int | None:
+    """The sliding window some of the model's layers attend within (None: every layer attends
+    to the whole causal past): the config's `sliding_window` where its `layer_types` have
+    sliding layers or, without them, where `use_sliding_window` (if it has one) is on."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return int(window) if "sliding_attention" in types else None
+    return int(window) if getattr(config, "use_sliding_window", True) else None

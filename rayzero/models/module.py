@@ -144,10 +144,7 @@ class ModuleSpec(ModelSpec):
     def logits(self, model: nn.Module, batch):
         if batch.documents is None:
             return model(batch.tokens)
-        t = batch.tokens.shape[1]
-        index = self.cp.local_positions(t, batch.tokens.device) if self.cp is not None else \
-            torch.arange(t, device=batch.tokens.device)
-        return model(batch.tokens, position_ids=batch.positions(index), document_ids=batch.documents)
+        return model(batch.tokens, position_ids=self.positions(batch), document_ids=batch.documents)
 
     def check_documents(self, model: nn.Module, why: str) -> None:
         if not forward_takes(model, "document_ids"):

@@ -9,9 +9,7 @@ checkpoint tools and the CLI ask it, and never name a model class:
     spec.fsdp_units(model)       the default ZeRO-3 unit classes
     spec.decays(name, p)         which parameters take weight decay
     spec.loss(model, batch)      a micro-batch's summed loss over valid tokens, their count, and
-                                 its auxiliary loss (a mixture of experts' router loss) if any;
-                                 packed examples (`batch.documents`) kept apart in the model's
-                                 own way, each as if it were alone
+                                 its auxiliary loss if any; packed examples kept each alone
     spec.parallelize(model, ...) tensor parallelism: its plan applied, its vocabulary split
     spec.record()                what a checkpoint notes of the model (kind, source, config hash)
     spec.export_plan(model)      the names an export writes, and what each one holds
@@ -39,6 +37,7 @@ import torch.nn.functional as F
 
 from rayzero.data.microbatch import MicroBatch
 from rayzero.models.errors import ModelError, ModelUnavailable  # noqa: F401 (raised here, named from here too)
+from rayzero.models.weights import pretrained_weights, weights_record  # noqa: F401 (named from here too)
 from rayzero.sharding.flat_buffer import ParamSource
 from rayzero.sharding.vocab_parallel import IGNORE_INDEX  # labels equal to it take no part in the loss
 
@@ -145,8 +144,7 @@ class ModelSpec:
 
     @classmethod
     def context_length(cls, cfg, storage_cfg=None) -> int | None:
-        """The most positions the model `cfg` describes takes, read before any spec is made (the
-        length a fine-tune's windows default to at most), or None where it does not say."""
+        """The most positions the model of `cfg` takes (a fine-tune's windows' most), or None."""
         return None
 
     @classmethod
@@ -303,15 +301,19 @@ class ModelSpec:
 
     # -- training ------------------------------------------------------------------------
     def check_documents(self, model: nn.Module, why: str) -> None:
-        """A ModelError where the model cannot keep the examples of packed rows apart (`why`:
-        what packs them, for the message): each kind that can says how in `logits`."""
+        """A ModelError where the model cannot keep packed rows' examples apart (`why` packs them)."""
 
     def logits(self, model: nn.Module, batch: MicroBatch):
-        """The forward of `batch` (a `MicroBatch`): each kind's own way of keeping packed
-        examples apart, where the rows hold them."""
+        """The forward of `batch`, keeping packed rows' examples apart in the kind's own way."""
         if batch.packed:
             raise ModelError(f"{self.where}: model.kind={self.kind} says no way to keep packed examples apart")
         return model(batch.tokens)
+
+    def positions(self, batch: MicroBatch) -> torch.Tensor:
+        """Packed rows' tokens' positions in their examples (with cp, of this rank's tokens)."""
+        t, device = batch.tokens.shape[1], batch.tokens.device
+        index = self.cp.local_positions(t, device) if self.cp is not None else torch.arange(t, device=device)
+        return batch.positions(index)
 
     def loss(self, model: nn.Module, batch: MicroBatch, check: bool = False, vocab=None):
         """(summed cross-entropy over valid targets, their count, the model's auxiliary loss or
@@ -459,33 +461,6 @@ def outermost(model: nn.Module, classes) -> list[str]:
         if name and type(m).__name__ in classes and not any(name.startswith(f + ".") for f in found):
             found.append(name)
     return found
-
-
-def pretrained_weights(cfg, storage_cfg=None):
-    """The weights in `model.path` that the model starts from, or None (`model.init=random`,
-    no path, or an HF directory without weights under `init=auto`). ModelError when
-    `model.init=pretrained` finds none, or the path cannot be read."""
-    if not cfg.path or cfg.init == "random":
-        return None
-    from rayzero.storage import StorageError
-    from rayzero.models.weights import INDEX, SINGLE, SafetensorsWeights
-
-    try:
-        weights = SafetensorsWeights.find(cfg.path, storage_cfg)
-    except StorageError as e:
-        raise ModelUnavailable(f"model.path: cannot read {cfg.path}: {e}") from None
-    if weights is None and (cfg.init == "pretrained" or cfg.kind != "hf"):
-        raise ModelError(f"model.path: no weights in {cfg.path} (expected {SINGLE}, or {INDEX} and the files it "
-                         f"lists)" + ("; set model.init=random to train it from scratch" if cfg.kind == "hf" else ""))
-    return weights
-
-
-def weights_record(weights, path: str) -> dict:
-    """The part of `ModelSpec.record()` that says where the initial weights came from."""
-    if weights is None:
-        return {"source": path or None, "init": "random"}
-    return {"source": path, "init": "pretrained", "weights_sha256": weights.fingerprint,
-            "weights_dtype": weights.dtype()}
 
 
 def _prod(shape) -> int:

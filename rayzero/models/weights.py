@@ -23,7 +23,7 @@ import torch
 
 from rayzero.storage import Storage, StorageError
 from rayzero.models.conversions import Part
-from rayzero.models.errors import ModelError
+from rayzero.models.errors import ModelError, ModelUnavailable
 from rayzero.sharding.flat_buffer import ParamSource, Piece
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -239,3 +239,27 @@ def model_files(storage: Storage) -> list[str]:
 
     infos = storage.fs.get_file_info(pafs.FileSelector(storage.base, allow_not_found=True))
     return sorted(posixpath.basename(i.path) for i in infos if i.type == pafs.FileType.File)
+
+
+def pretrained_weights(cfg, storage_cfg=None):
+    """The weights in `model.path` that the model starts from, or None (`model.init=random`,
+    no path, or an HF directory without weights under `init=auto`). ModelError when
+    `model.init=pretrained` finds none, or the path cannot be read."""
+    if not cfg.path or cfg.init == "random":
+        return None
+    try:
+        weights = SafetensorsWeights.find(cfg.path, storage_cfg)
+    except StorageError as e:
+        raise ModelUnavailable(f"model.path: cannot read {cfg.path}: {e}") from None
+    if weights is None and (cfg.init == "pretrained" or cfg.kind != "hf"):
+        raise ModelError(f"model.path: no weights in {cfg.path} (expected {SINGLE}, or {INDEX} and the files it "
+                         f"lists)" + ("; set model.init=random to train it from scratch" if cfg.kind == "hf" else ""))
+    return weights
+
+
+def weights_record(weights, path: str) -> dict:
+    """The part of `ModelSpec.record()` that says where the initial weights came from."""
+    if weights is None:
+        return {"source": path or None, "init": "random"}
+    return {"source": path, "init": "pretrained", "weights_sha256": weights.fingerprint,
+            "weights_dtype": weights.dtype()}

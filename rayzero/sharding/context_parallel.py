@@ -114,8 +114,7 @@ def _allowed(q_pos, k_pos, q_doc, causal: bool):
 
 
 def _starts(q_doc: torch.Tensor | None, chunk: int) -> list[tuple[int, int]] | None:
-    """For each of a rank's chunks, on the host: (the earliest, the latest) example start among
-    its queries over the rows (its first query's and its last's: starts grow along a row)."""
+    """Each of a rank's chunks' (earliest, latest) example start over the rows, on the host."""
     if q_doc is None:
         return None
     first, last = q_doc[:, ::chunk].min(0).values, q_doc[:, chunk - 1::chunk].max(0).values
