@@ -259,7 +259,8 @@ class CompiledDispatch(_Dispatch):
         the ranks how far they are (`progress`, answered from a thread of their own, as the
         watchdog asks: a wait on an object, which does not spin) until each has finished `step`,
         or each that has not is in that step but in no phase, or one has begun a later step
-        without finishing it (it raised: the channel's read reports it), at most every POLL_MAX_S. Measured at 2 ranks on 2 cores (3M GPT, 4 x
+        without finishing it (it raised: the channel's read reports it), at most every
+        POLL_MAX_S. Measured at 2 ranks on 2 cores (3M GPT, 4 x
         4,096 tokens a step): the first step took 8.6 s with the driver spinning on its result,
         4.6 s asking, against 4.1 s a steady step."""
         wait, idle_before = POLL_MIN_S, False

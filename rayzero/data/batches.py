@@ -77,8 +77,11 @@ class RankBatches:
 
     def rank_rows(self, step: int) -> torch.Tensor:
         """This rank's rows of step `step`: int64 tensor (rows_per_rank, seq_len + 1)."""
-        rows = np.stack([self.dataset.window(int(o), self.seq_len + 1) for o in self.offsets(step)])
-        return torch.from_numpy(rows)
+        return self.windows_at(self.offsets(step))
+
+    def windows_at(self, offsets: np.ndarray) -> torch.Tensor:
+        """The windows of `seq_len + 1` tokens at `offsets` of the corpus, one a row."""
+        return torch.from_numpy(np.stack([self.dataset.window(int(o), self.seq_len + 1) for o in offsets]))
 
     def microbatches(self, step: int) -> list[MicroBatch]:
         """This rank's micro-batches of step `step`; advances the data position past `step`."""
@@ -139,8 +142,9 @@ class DocumentBatches(RankBatches):
         self.ends = np.cumsum(dataset.document_lengths)
 
     def rank_rows(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        tokens = super().rank_rows(step)
-        return (tokens, *(torch.from_numpy(a) for a in document_rows(self.ends, self.offsets(step), tokens.numpy())))
+        offsets = self.offsets(step)
+        tokens = self.windows_at(offsets)
+        return (tokens, *(torch.from_numpy(a) for a in document_rows(self.ends, offsets, tokens.numpy())))
 
     def _split(self, rows) -> list[MicroBatch]:
         return micro_batches(*rows, self.micro_batch)

@@ -8,7 +8,8 @@ cut to it); the rest of a window is padding. A target counts only if its token i
 and belongs to the same example as the token before it, so no label crosses an example
 boundary, and every example stays alone in its window: each token's `documents` entry is where
 its example starts (`microbatch.py`), so that it attends to its own example only and its
-position restarts there, as if it had been trained by itself. Step k takes windows [k·B, (k+1)·B) of its epoch; the last step of an epoch is
+position restarts there, as if it had been trained by itself. Step k takes windows
+[k·B, (k+1)·B) of its epoch; the last step of an epoch is
 filled up with empty windows (no valid target), so every example is seen exactly once per
 epoch. All of this is a function of (seed, k) alone: the same step sees the same examples at
 any world size.

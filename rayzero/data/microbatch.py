@@ -52,7 +52,6 @@ class MicroBatch:
         return None if self.documents is None else index.to(self.documents.device) - self.documents
 
 
-
 def micro_batches(tokens: torch.Tensor, labels: torch.Tensor, documents: torch.Tensor | None,
                   micro_batch: int) -> list[MicroBatch]:
     """Rows of `seq_len + 1` tokens, their labels (the target of each token's predecessor) and

@@ -151,7 +151,6 @@ class ValidationRows:
                                                     self.seq_len, self.pad)
         else:
             tokens = np.stack([self.dataset.window(i * n, n) for i in real]) if real else np.zeros((0, n), np.int64)
-            tokens = tokens.astype(np.int64)
             labels = tokens.copy()
             if self.ends is not None:
                 labels, documents = document_rows(self.ends, np.asarray(real, np.int64) * n, tokens)

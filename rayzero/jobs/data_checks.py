@@ -84,7 +84,7 @@ def cut_examples(cfg: RootConfig, data_path) -> dict | None:
     """What the windows do to the training examples of instruction data (None for other data):
     {"examples", "cut": how many are longer than a window, "most": the most tokens one loses,
     "whole": the train.seq_len that keeps every one whole, "emptied": how many lose every
-    response token, "shortest_prompt"}. A DataError when no example keeps a response token:
+    response token}. A DataError when no example keeps a response token:
     there is nothing to train."""
     from rayzero.data.validation import validation_split
 
@@ -108,8 +108,7 @@ def cut_examples(cfg: RootConfig, data_path) -> dict | None:
                         f"train.seq_len={int(lengths.max()) - 1} keeps every example whole")
     cut = lengths > n
     return {"examples": int(lengths.size), "cut": int(cut.sum()), "most": int((lengths - n).max()) if cut.any() else 0,
-            "whole": int(lengths.max()) - 1, "emptied": emptied,
-            "shortest_prompt": int(prompts.min()) if prompts is not None else None}
+            "whole": int(lengths.max()) - 1, "emptied": emptied}
 
 
 def cut_words(cfg: RootConfig, cut: dict | None) -> str | None:
