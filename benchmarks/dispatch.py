@@ -56,9 +56,11 @@ class NoopRank:
         self.rank = rank
         self.plan: dict = {}
         self.times: dict[str, float] = {}
+        self.finished: int | None = None
 
     def progress(self) -> dict:
-        return {"rank": self.rank, "step": self.plan.get("step"), "phase": None, "elapsed_s": 0.0}
+        return {"rank": self.rank, "step": self.plan.get("step"), "phase": None, "elapsed_s": 0.0,
+                "finished": self.finished}
 
     def gather(self, plan: dict) -> dict:
         t0 = time.perf_counter()
@@ -94,6 +96,7 @@ class NoopRank:
 
     def evaluate(self, result: dict) -> dict:
         t0 = time.perf_counter()
+        self.finished = self.plan["step"]
         return {**result, "phase_s": {**result["phase_s"], "evaluate": time.perf_counter() - t0},
                 "done_at": time.time()}
 
@@ -115,8 +118,12 @@ class NoopHost:
     def reset(self) -> None:
         self.ranks, self.busy = {}, {}
 
-    def progress(self) -> dict:
-        return {"ranks": sorted(self.ranks)}
+    def progress(self, r: int | None = None) -> dict:
+        """The host's ranks; with `r`, that rank's progress, as the driver asks a rank through the first
+        iterations of a graph."""
+        if r is None:
+            return {"ranks": sorted(self.ranks)}
+        return self.ranks.get(r, NoopRank(r)).progress()
 
     def spans(self) -> dict[int, float]:
         return self.busy

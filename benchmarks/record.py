@@ -61,8 +61,9 @@ def commit() -> dict:
     def git(*args):
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
-    changed = git("status", "--porcelain", "--", "rayzero", "benchmarks", ":!benchmarks/results")
-    return {"commit": git("rev-parse", "--short=7", "HEAD"), "code_changed": bool(changed)}
+    changed = git("status", "--porcelain", "--", "rayzero", "benchmarks", ":!benchmarks/results").splitlines()
+    return {"commit": git("rev-parse", "--short=7", "HEAD"), "code_changed": bool(changed),
+            "changed_files": sorted(line[3:] for line in changed)}
 
 
 def record(name: str, script_args: list[str]) -> Path:

@@ -23,7 +23,7 @@ from rayzero.data.config import DataConfig
 from rayzero.models.config import ModelConfig
 from rayzero.objectives.config import DPOConfig
 from rayzero.sharding.config import MoEConfig, OptimConfig, ParallelConfig, ShardingConfig
-from rayzero.sharding.mesh import Mesh, MeshError, fits
+from rayzero.sharding.mesh import AXES, Mesh, MeshError, fits
 
 
 class ConfigError(ValueError):
@@ -38,7 +38,8 @@ class RunConfig(Frozen):
     global_batch_size: int = Field(
         default=16, ge=1,
         description="Sequences per optimizer step, across all ranks; must be divisible by "
-        "`micro_batch_size` x `cluster.num_workers`.",
+        "`micro_batch_size` x the data-parallel size, `cluster.num_workers` / (`parallel.pp` x `parallel.cp` x "
+        "`parallel.tp`) (the ranks of a tensor- or context-parallel group and a pipeline's stages share one part).",
     )
     micro_batch_size: int = Field(
         default=4, ge=1,
@@ -61,7 +62,8 @@ class RunConfig(Frozen):
     save_final: str = Field(
         default="",
         description="Where to write the final consolidated weights (local path or URI; `s3://` uses the "
-        "`checkpoint.s3_*` settings): a safetensors file, or with `save_format=hf` a model directory; empty = none.",
+        "`checkpoint.s3_*` settings), as `save_format` says: a safetensors file (`safetensors`), a Hugging Face "
+        "model directory (`hf`) or a PEFT directory of the LoRA adapters alone (`peft`); empty = none.",
     )
     save_format: Literal["safetensors", "hf", "peft"] = Field(
         default="safetensors",
@@ -172,19 +174,20 @@ class RootConfig(Frozen):
             self.mesh().validate(self)
         except MeshError as e:
             raise ValueError(str(e)) from None
-        t, tp = self.train, self.parallel.tp
+        t = self.train
         low = self.cluster.min_workers
         if low is not None and low > self.cluster.num_workers:
             raise ValueError(
                 f"cluster.min_workers: {low} exceeds cluster.num_workers ({self.cluster.num_workers})"
             )
         if low is not None and self.world_sizes() == [self.cluster.num_workers] and low < self.cluster.num_workers:
+            sizes = self._set_sizes()
+            multiple = " x ".join(f"{AXES[a]} ({n})" for a, n in sizes.items() if n > 1)
             raise ValueError(
                 f"cluster.min_workers: no world size from {low} to {self.cluster.num_workers - 1} keeps "
                 f"train.global_batch_size ({t.global_batch_size}) divisible by train.micro_batch_size "
-                f"({t.micro_batch_size}) x world size"
-                + (f" and is a multiple of sharding.dp_outer ({self.sharding.dp_outer})" if self.sharding.dp_outer > 1 else "")
-                + (f" and of parallel.tp ({tp}), over which the world size is divided" if tp > 1 else "")
+                f"({t.micro_batch_size}) x the data-parallel size"
+                + (f" and is a multiple of {multiple}, over which the world size is divided" if multiple else "")
             )
         if self.model.block_size is not None and self.model.block_size < t.seq_len:
             raise ValueError(
@@ -257,14 +260,20 @@ class RootConfig(Frozen):
 
     def world_sizes(self) -> list[int]:
         """The world sizes this run may train at, largest first: `cluster.num_workers`, then
-        (elastic) every smaller one down to `cluster.min_workers` that divides the global batch
-        into whole micro-batches and is a multiple of `sharding.dp_outer` x `parallel.tp`
-        (a smaller world drops whole tensor-parallel groups)."""
-        t, c, tp = self.train, self.cluster, self.parallel.tp
+        (elastic) every smaller one down to `cluster.min_workers` that is a multiple of
+        `parallel.pp` x `sharding.dp_outer` x `parallel.ep` x `parallel.cp` x `parallel.tp` (a
+        smaller world drops whole groups) and whose data-parallel size divides the global batch
+        into whole micro-batches."""
+        t, c = self.train, self.cluster
         low = c.min_workers or c.num_workers
         return [w for w in range(c.num_workers, low - 1, -1)
-                if w == c.num_workers or (fits(w, pp=self.parallel.pp, replicate=self.sharding.dp_outer, tp=tp)
+                if w == c.num_workers or (fits(w, **self._set_sizes())
                                           and t.global_batch_size % (t.micro_batch_size * self.mesh(w).size("batch")) == 0)]
+
+    def _set_sizes(self) -> dict[str, int]:
+        """The mesh's axis sizes the config sets (all but `shard`, which takes the rest)."""
+        return {"pp": self.parallel.pp, "replicate": self.sharding.dp_outer, "ep": self.parallel.ep,
+                "cp": self.parallel.cp, "tp": self.parallel.tp}
 
     @property
     def block_size(self) -> int:

@@ -6,7 +6,9 @@
 Every key, its type, its default and its description come from `RootConfig`'s sections, so the
 reference cannot drift from what `load_config` accepts; and where a key's type rules values out
 (a bound, a set of choices, a number or a flag), the message `load_config` gives one of them,
-asked of `load_config` itself when the reference is written.
+asked of `load_config` itself when the reference is written. How the sizes fit together (the
+world size, the data-parallel size, the batch rule) is written from the mesh's own tables, the
+ones its checks read, with the messages those checks give.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from rayzero.config import ConfigError, RootConfig, load_config
+from rayzero.sharding.mesh import AXES, ROLES
 
 DEFAULT_PATH = "docs/reference/configuration.md"
 REGENERATE = "python -m rayzero.config_reference"
@@ -91,7 +94,8 @@ def _optional_section(tp: Any) -> type[BaseModel] | None:
 def render() -> str:
     parts = [TITLE, "", NOTE, "", INTRO, ""]
     contents = ", ".join(f"[`{name}`](#{name})" for name, _ in sections())
-    parts += [f"Sections: {contents}.", ""]
+    parts += [f"Sections: [{FIT_HEADING.lower()}](#{FIT_ANCHOR}) (how the sizes fit together), then {contents}.", ""]
+    parts += fit()
     for name, model in sections():
         parts += [f"## {name}", ""]
         doc = _docstring(model)
@@ -103,6 +107,73 @@ def render() -> str:
             parts.append("| " + " | ".join(_cell(c) for c in cells) + " |")
         parts.append("")
     return "\n".join(parts)
+
+
+# --------------------------------------------------------------------------- how the sizes fit
+
+FIT_HEADING = "The world size and the batch"
+FIT_ANCHOR = FIT_HEADING.lower().replace(" ", "-")
+SHARDS = "shards"  # the mesh's `shard` axis: no key sets it, it takes the ranks the others leave
+BATCH_RULE = "`train.global_batch_size` must be divisible by `train.micro_batch_size` × the data-parallel size"
+# Runs the checks refuse, shown with their messages: a batch at tp 2 and at cp 2, and a world that does not divide.
+REFUSED = (("cluster.num_workers=4", "parallel.tp=2", "train.global_batch_size=4"),
+           ("cluster.num_workers=4", "parallel.cp=2", "train.global_batch_size=4"),
+           ("cluster.num_workers=6", "parallel.tp=4"))
+EXAMPLE = ("cluster.num_workers=8", "parallel.tp=2", "parallel.pp=2", "train.global_batch_size=16",
+           "train.micro_batch_size=4")
+
+
+def _factor(axis: str) -> str:
+    key = AXES[axis]
+    return f"`{key}`" if key else SHARDS
+
+
+def world_formula() -> str:
+    """The world size as the mesh divides it: its axes, outermost first (`mesh.AXES`), by the keys
+    that set them."""
+    return "`cluster.num_workers` = " + " × ".join(_factor(a) for a in AXES)
+
+
+def set_sizes() -> str:
+    """The product of the axes a key sets, which must divide the world (the rest is shards)."""
+    return " × ".join(_factor(a) for a in AXES if AXES[a])
+
+
+def dp_formula() -> str:
+    """The data-parallel size, the mesh's `batch` role (`mesh.ROLES`): the ranks the global batch
+    splits over, and the world divided by the axes that share one part of it."""
+    batch = ROLES["batch"]
+    shared = [a for a in AXES if a not in batch]
+    return ("data-parallel size = " + " × ".join(_factor(a) for a in batch)
+            + " = `cluster.num_workers` / (" + " × ".join(_factor(a) for a in shared) + ")")
+
+
+def fit() -> list[str]:
+    """The section on how `cluster.num_workers`, `parallel.*`, `sharding.dp_outer` and the batch
+    sizes fit together, its figures and messages asked of the config itself."""
+    cfg = load_config(None, list(EXAMPLE))
+    dp, accum = cfg.mesh().size("batch"), cfg.grad_accum
+    example = " ".join(EXAMPLE)
+    parts = [f"## {FIT_HEADING}", "",
+             "The ranks form a mesh whose axes, outermost first, multiply to the world size:", "",
+             f"**{world_formula()}**", "",
+             f"No key sets {SHARDS}: it is what the other factors leave, so {set_sizes()} must divide "
+             "`cluster.num_workers`.", "",
+             "The global batch splits over the data-parallel ranks:", "",
+             f"**{dp_formula()}**", "",
+             "The ranks of a tensor-parallel group, of a context-parallel group and a pipeline's stages share "
+             "one part of the batch; the ranks of an expert-parallel group take different rows.", "",
+             f"**{BATCH_RULE}**; each data-parallel rank then runs `train.global_batch_size` / "
+             "(`train.micro_batch_size` × data-parallel size) micro-batches a step, their gradients accumulated. "
+             f"For example, `{example}` gives a data-parallel size of {dp} and {accum} micro-batches per rank per "
+             "step.", "",
+             "A run that breaks a rule is refused before anything starts:", ""]
+    for overrides in REFUSED:
+        said = said_to(overrides)
+        if said is None:
+            raise AssertionError(f"{' '.join(overrides)} is accepted: the reference's refused run is not refused")
+        parts.append(f"- `{' '.join(overrides)}` → {said}")
+    return parts + [""]
 
 
 # --------------------------------------------------------------------------- types
@@ -211,12 +282,19 @@ def refusal(row: Row) -> str:
     """What `load_config` says to `row.key=row.wrong`: the reference shows the real message."""
     if not row.wrong:
         return ""
+    said = said_to([f"{row.key}={row.wrong}"])
+    if said is None:
+        raise AssertionError(f"{row.key}={row.wrong} is accepted: the reference's wrong value is not wrong")
+    return f"`{row.key}={row.wrong}` → {said}"
+
+
+def said_to(overrides: list[str] | tuple[str, ...]) -> str | None:
+    """What `load_config` says to `overrides`, its lines joined on one (None: it accepts them)."""
     try:
-        load_config(None, [f"{row.key}={row.wrong}"])
+        load_config(None, list(overrides))
     except ConfigError as e:
-        said = "; ".join(line.strip() for line in str(e).splitlines()[1:] if line.strip())
-        return f"`{row.key}={row.wrong}` → {said}"
-    raise AssertionError(f"{row.key}={row.wrong} is accepted: the reference's wrong value is not wrong")
+        return "; ".join(line.strip() for line in str(e).splitlines()[1:] if line.strip())
+    return None
 
 
 # --------------------------------------------------------------------------- defaults

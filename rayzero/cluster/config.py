@@ -15,7 +15,9 @@ class ClusterConfig(Frozen):
 
     num_workers: int = Field(
         default=2, ge=1,
-        description="Ranks to train with, one Ray actor each; this is also the data-parallel size.",
+        description="Ranks to train with, one Ray actor each: the world size, `parallel.pp` x `sharding.dp_outer` x "
+        "shards x `parallel.ep` x `parallel.cp` x `parallel.tp`; the data-parallel size is it / (`parallel.pp` x "
+        "`parallel.cp` x `parallel.tp`).",
     )
     min_workers: int | None = Field(
         default=None, ge=1,

@@ -90,7 +90,8 @@ def _parser() -> argparse.ArgumentParser:
     csub = c.add_subparsers(dest="ckpt_command", required=True)
     for name, text in (("ls", "committed checkpoints: step, size, world size, strategy"),
                        ("verify", "read every shard and check its checksums"),
-                       ("export", "consolidated weights: one safetensors file, or a Hugging Face directory")):
+                       ("export", "consolidated weights: one safetensors file, a Hugging Face directory or a PEFT "
+                                  "adapter directory")):
         cmd = csub.add_parser(name, help=text, description=(
             f"{text[0].upper()}{text[1:]}. URI is a checkpoint directory ({'its commits' if name == 'ls' else 'its newest commit'}) "
             "or one step-… prefix. " + STORAGE_OPTIONS))

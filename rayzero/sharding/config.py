@@ -119,8 +119,8 @@ class ParallelConfig(Frozen):
         description="Tensor-parallel size: each attention and MLP block is split Megatron style across this many "
         "consecutive ranks (column-parallel, then row-parallel linears; attention heads split, key/value heads "
         "split or, when there are fewer of them than ranks, replicated), which see the same micro-batches. The "
-        "strategy shards each rank's part over the data-parallel ranks. The world is `sharding.dp_outer` x shards x "
-        "`tp` ranks; 1 = no tensor parallelism.",
+        "strategy shards each rank's part over the data-parallel ranks. The world is `pp` x `sharding.dp_outer` x "
+        "shards x `ep` x `cp` x `tp` ranks; 1 = no tensor parallelism.",
     )
     sequence_parallel: bool = Field(
         default=False,
@@ -144,8 +144,8 @@ class ParallelConfig(Frozen):
         "chunks i and 2 x cp - 1 - i (even causal-attention work), with the tokens' global positions; attention runs "
         "across the split as `cp_mode` says. The ranks of a cp group take the same rows and hold the same weights: "
         "gradients are reduced (and sharded by the strategy) over data-parallel x cp ranks, and the loss is summed "
-        "over them. The world is `pp` x `sharding.dp_outer` x shards x `cp` x `tp`; `train.seq_len` must divide by "
-        "2 x cp. With tensor (and sequence) and pipeline parallelism, every strategy, recompute, LoRA, preference "
+        "over them. The world is `pp` x `sharding.dp_outer` x shards x `ep` x `cp` x `tp` ranks; `train.seq_len` "
+        "must divide by 2 x cp. With tensor (and sequence) and pipeline parallelism, every strategy, recompute, LoRA, preference "
         "tuning (both rows of a pair split alike), dropout (streams per cp rank, attention dropout inside the ring) "
         "and `train.compile`; the built-in GPT, Hugging Face decoders (mixtures of experts too: the load-balancing "
         "loss over the cp group's tokens) and a `module` model with a `context_parallel(attend, positions)` method. "
@@ -172,8 +172,8 @@ class ParallelConfig(Frozen):
         description="Pipeline-parallel size: the model's blocks split into this many stages, in order (the "
         "embedding on the first, the final norm, head and loss on the last; tied embeddings kept tied across "
         "them), each on its own ranks, micro-batches passed between them by point-to-point sends as "
-        "`pp_schedule` orders. The world is `pp` x `sharding.dp_outer` x shards x `tp` ranks; each stage "
-        "shards its own parameters over its data-parallel ranks. 1 = no pipeline.",
+        "`pp_schedule` orders. The world is `pp` x `sharding.dp_outer` x shards x `ep` x `cp` x `tp` ranks; each "
+        "stage shards its own parameters over its data-parallel ranks. 1 = no pipeline.",
     )
     pp_layers: list[int] | None = Field(
         default=None,

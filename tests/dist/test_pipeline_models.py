@@ -11,10 +11,11 @@ from tests.models import save_hf_model
 
 
 FAMILY = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4)
+FAMILIES = ["mistral", "gemma", "phi", "gpt_neox"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["mistral", "gemma", "phi", "gpt_neox"])
+@pytest.mark.parametrize("arch", FAMILIES)
 def test_each_decoder_family_splits_by_its_layers(arch, tmp_path, small_dataset):
     """Each family's own forward runs a stage: its embedding (scaled, with dropout, or with
     positions) on the first, its norm and head on the last, its decoder layers between. Against

@@ -12,6 +12,8 @@ from rayzero import config_reference as ref
 from rayzero.config import ConfigError, RootConfig, load_config
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "reference" / "configuration.md"
+ARCHITECTURE = DOC.parents[1] / "concepts" / "architecture.md"
+CONFIGURING = DOC.parents[1] / "guides" / "configuring.md"
 
 
 @functools.cache
@@ -60,7 +62,7 @@ def test_keys_are_the_dotted_keys_users_type():
     assert keys == list(RootConfig().flat())  # aliases applied, RootConfig and class order
     assert "checkpoint.async" in keys and "checkpoint.async_" not in keys
     sections = [line.removeprefix("## ") for line in ref.render().splitlines() if line.startswith("## ")]
-    assert sections == list(RootConfig.model_fields)
+    assert sections == [ref.FIT_HEADING, *RootConfig.model_fields]
 
 
 def override_text(default_cell: str) -> str | None:
@@ -163,3 +165,59 @@ def test_a_wrong_value_that_is_accepted_fails_the_reference():
     row = ref.Row("train.steps", "`int`", "100", "Steps.", wrong="50")
     with pytest.raises(AssertionError, match="train.steps=50 is accepted"):
         ref.refusal(row)
+
+
+# The world size and the data-parallel size as the mesh makes them, in the keys users set.
+WORLD = ("`cluster.num_workers` = `parallel.pp` × `sharding.dp_outer` × shards × `parallel.ep` × `parallel.cp` × "
+         "`parallel.tp`")
+DP_OF_WORLD = "`cluster.num_workers` / (`parallel.pp` × `parallel.cp` × `parallel.tp`)"
+DP = f"data-parallel size = `sharding.dp_outer` × shards × `parallel.ep` = {DP_OF_WORLD}"
+
+
+def test_the_reference_states_the_world_size_and_the_batch_rule_from_the_mesh():
+    """The formulas are written from the mesh's tables (its axes, its `batch` role), which its
+    checks read; the reference and the architecture page say the same ones."""
+    assert (ref.world_formula(), ref.dp_formula()) == (WORLD, DP)
+    text = DOC.read_text()
+    for said in (WORLD, DP, ref.BATCH_RULE):
+        assert said in text
+    assert WORLD in ARCHITECTURE.read_text() and DP in ARCHITECTURE.read_text()
+    assert DP_OF_WORLD in " ".join(CONFIGURING.read_text().split())
+    assert DP_OF_WORLD.replace("×", "x") in table()["train.global_batch_size"]["meaning"]
+
+
+@pytest.mark.parametrize("axis", ["tp", "cp", "pp"])
+def test_the_batch_check_refuses_by_the_rule_the_reference_states(axis):
+    """At 4 ranks and `parallel.<axis>=2` the data-parallel size is 4 / 2: the global batch must
+    divide by micro batch x 2, not micro batch x 4 ranks, and the check's message says that rule."""
+    base = ["cluster.num_workers=4", f"parallel.{axis}=2", "train.micro_batch_size=4"]
+    assert load_config(None, [*base, "train.global_batch_size=8"]).grad_accum == 1  # 8 is not 4 x 4 ranks
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*base, "train.global_batch_size=4"])
+    said = str(e.value)
+    assert "train.global_batch_size: 4 is not divisible by train.micro_batch_size (4) x data-parallel size (2) = 8" \
+        in said
+    rule = re.fullmatch(r"`(\S+)` must be divisible by `(\S+)` × the data-parallel size", ref.BATCH_RULE)
+    batch, micro = rule.groups()
+    assert re.search(rf"{batch}: \d+ is not divisible by {micro} \(\d+\) x data-parallel size \(2\)", said)
+
+
+def test_the_world_check_refuses_by_the_formula_the_reference_states():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["cluster.num_workers=6", "parallel.tp=4"])
+    said = str(e.value)
+    assert "parallel.tp: 4 does not divide cluster.num_workers (6)" in said
+    groups = re.search(r"the ranks form (.+) groups", said).group(1)  # pp x replicate (dp_outer) x shard x ...
+    factors = [f.strip("`").rpartition(".")[2] for f in WORLD.split(" = ")[1].split(" × ")]  # pp, dp_outer, shards
+    assert [g.split(" (")[-1].rstrip(")") for g in groups.split(" x ")] == [f.removesuffix("s") for f in factors]
+    with pytest.raises(ConfigError, match=r"parallel.pp x sharding.dp_outer x parallel.tp: 2 x 3 x 2 = 12 does not"):
+        load_config(None, ["cluster.num_workers=8", "parallel.pp=2", "sharding.dp_outer=3", "parallel.tp=2"])
+
+
+def test_the_reference_shows_the_refusals_as_the_checks_word_them():
+    text = ref.render()
+    for overrides in ref.REFUSED:
+        with pytest.raises(ConfigError) as e:
+            load_config(None, list(overrides))
+        assert f"- `{' '.join(overrides)}` → {str(e.value).splitlines()[1].strip()}" in text
+    assert {o.split("=")[0] for o in ref.REFUSED[0] + ref.REFUSED[1]} >= {"parallel.tp", "parallel.cp"}

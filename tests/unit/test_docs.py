@@ -117,3 +117,27 @@ def test_the_pictures_are_the_ones_the_code_draws():
     start, end = "<!-- pictures: python -m tests.pictures -->\n", "\n<!-- /pictures -->"
     said = page[page.index(start) + len(start):page.index(end)]
     assert said == pictures_block(), "docs/concepts/architecture.md: paste `python -m tests.pictures`"
+
+
+def test_the_models_matrix_is_what_the_tests_run():
+    from tests.matrix import matrix_block
+
+    page = (ROOT / "docs" / "reference" / "models.md").read_text()
+    start, end = "<!-- matrix: python -m tests.matrix -->\n", "\n<!-- /matrix -->"
+    said = page[page.index(start) + len(start):page.index(end)]
+    assert said == matrix_block(), "docs/reference/models.md: paste `python -m tests.matrix`"
+
+
+def test_the_benchmarks_page_and_its_figures_are_what_the_stored_results_draw():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import figures
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert figures.differences() == [], "run python benchmarks/figures.py"
+    # every image the page shows is one the results draw, and every result has its block
+    page = figures.PAGE.read_text()
+    shown = set(re.findall(r"\(\.\./assets/benchmarks/([^)]+)\.svg\)", page))
+    texts, images = figures.draw()
+    assert shown == set(images) and set(texts) == set(figures.BLOCKS)
+    assert {p.stem for p in figures.RESULTS.glob("*.json")} >= set(figures.BLOCKS) - {"glance"}

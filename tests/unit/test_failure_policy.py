@@ -157,6 +157,10 @@ def test_world_sizes_and_bad_min_workers():
     assert load_config(None, ELASTIC).world_sizes() == [4, 3, 2]
     assert load_config(None, [*ELASTIC, "sharding.dp_outer=2"]).world_sizes() == [4, 2]
     assert load_config(None, ["cluster.num_workers=4"]).world_sizes() == [4]
+    # a smaller world keeps whole context- and expert-parallel groups too
+    assert load_config(None, [*ELASTIC, "parallel.cp=2"]).world_sizes() == [4, 2]
+    with pytest.raises(ConfigError, match=r"x the data-parallel size and is a multiple of parallel.cp \(2\)"):
+        load_config(None, [*ELASTIC, "parallel.cp=2", "cluster.min_workers=3"])
     cfg = load_config(None, ELASTIC)
     mesh = cfg.mesh(3)  # an elastic resize: a new mesh, the same config
     assert mesh.world_size == 3 and cfg.grad_accum_for(mesh) == 4 and cfg.train.global_batch_size == 24

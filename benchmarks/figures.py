@@ -1,0 +1,327 @@
+"""The benchmarks page's tables and figures, drawn from the stored results.
+
+    python benchmarks/figures.py           # (re)write docs/concepts/benchmarks.md's tables and
+                                           # docs/assets/benchmarks/*.svg from benchmarks/results/
+    python benchmarks/figures.py --check   # exit 1, naming what differs, if they are not what the results draw
+
+Each `benchmarks/results/NAME.json` is what `benchmarks/record.py NAME -- SCRIPT ...` kept: the
+script's own results, the command that reproduces them, the date, the commit, the hardware and
+the versions. Each section of the page is a block between `<!-- results: NAME -->` and
+`<!-- /results: NAME -->`, written here from NAME's file and nothing else; tests/unit/test_docs.py
+checks that the page and its images are what the stored results draw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+PAGE = ROOT / "docs" / "concepts" / "benchmarks.md"
+ASSETS = ROOT / "docs" / "assets" / "benchmarks"
+ASSETS_LINK = "../assets/benchmarks"  # from the page
+
+# The same bytes from the same results: no date or version in the file, ids from a fixed salt,
+# text kept as text (no font's glyphs drawn into it).
+STYLE = {"svg.hashsalt": "rayzero", "svg.fonttype": "none", "font.family": "DejaVu Sans", "font.size": 9,
+         "axes.spines.top": False, "axes.spines.right": False, "figure.dpi": 100}
+COLORS = ["#1f6fb4", "#e07b1a", "#2e9e44", "#c9352b", "#8a5cb8", "#7f7f7f", "#b5a22a", "#17a3b8"]
+
+
+def load(name: str) -> dict:
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def measured(r: dict) -> str:
+    """Where, with what, when and how: the line under each section's table."""
+    hw, v = r["hardware"], r["versions"]
+    machine = ", ".join(hw["gpus"]) if hw["gpus"] else f"{hw['cores']} CPU cores ({hw['cpu']}), no GPU"
+    names = {"python": "Python", "torch": "torch", "cuda": "CUDA", "ray": "Ray", "transformers": "transformers"}
+    stack = ", ".join(f"{label} {v[k]}" for k, label in names.items() if v.get(k))
+    note = " with uncommitted changes" if r.get("code_changed") else ""
+    line = f"*{machine}; {stack}; {r['date']}, commit `{r['commit']}`{note}. Reproduce: `{r['command']}`*"
+    return line + (f" *({r['source']})*" if r.get("source") else "")
+
+
+def svg(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None, "Creator": None})
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def image(name: str, alt: str) -> str:
+    return f"![{alt}]({ASSETS_LINK}/{name}.svg)"
+
+
+def table(head: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
+
+
+# --- one function per section: (its markdown, its figures by file name) ---------------------------
+
+STRATEGY = {"no_shard": "DDP (`no_shard`)", "optim": "ZeRO-1 (`optim`)", "optim_grads": "ZeRO-2 (`optim_grads`)",
+            "optim_grads_params": "ZeRO-3 (`optim_grads_params`)"}
+
+
+def memory_block(r: dict):
+    rows = r["results"]["rows"]
+    by = {(x["strategy"], x["param_dtype"], x["d"]): x for x in rows}
+    ds = sorted({x["d"] for x in rows})
+    out = []
+    for s in STRATEGY:
+        for dtype in ("fp32", "bf16"):
+            cells = [f"{by[s, dtype, d]['measured']:.2f} / {by[s, dtype, d]['formula']:g}" for d in ds]
+            out.append([STRATEGY[s], dtype, *cells])
+    n = rows[0]["num_params"]
+    text = "\n\n".join([
+        f"Model state in bytes per parameter, measured (every tensor the rank process holds) / the "
+        f"formula, for the `{r['results']['preset']}` GPT ({n / 1e6:.1f}M parameters) at d data-parallel ranks:",
+        table(["strategy", "dtype", *(f"d = {d}" for d in ds)], out), measured(r)])
+    return text, {}
+
+
+def gpu_block(r: dict):
+    g = r["results"]
+    z, c, cli = g["zero3"], g["compile"], g["cli"]
+    runs = z["ratio_runs"]
+    rows = [["ZeRO-3 bf16 step against plain torch (fused AdamW, autocast)", f"{z['model']}, {z['batch']}",
+             f"median of runs {statistics.median(runs):.2f}× (runs {min(runs):.2f}–{max(runs):.2f}×; target "
+             f"{z['target']}×)"],
+            ["GPU busy a step", "the same", f"plain torch {z['gpu_busy_ms']['plain torch']} ms, rayzero "
+             f"{z['gpu_busy_ms']['rayzero ZeRO-3']} ms of a {z['step_ms_range'][0]}–{z['step_ms_range'][1]} ms "
+             "step: both bound by the host"],
+            ["device memory per parameter", "the same, after 30 steps",
+             f"{z['device_bytes_per_param']} bytes (ledger {z['ledger']:g}, formula {z['formula']:g})"],
+            ["`train.compile` against eager", "the same", ", ".join(f"{x:.2f}×" for x in c["ratio_runs"])
+             + f"; first compiled step {c['first_step_s'][0]}–{c['first_step_s'][1]} s, "
+             f"{c['cached_first_step_s'][0]}–{c['cached_first_step_s'][1]} s from the caches"],
+            ["`rayzero train` on one GPU", cli["model"], f"{cli['tokens_per_s']:,} tokens/s, {cli['step_ms']} ms a "
+             f"step, first step {cli['first_step_s']} s after the launch"],
+            ["`tests/gpu`", "", f"{g['tests']['passed']} passed in {g['tests']['seconds'][0]} s"]]
+    return "\n\n".join([table(["what", "model and batch", "result"], rows), measured(r)]), {}
+
+
+def _stacked(ax, bars: list[tuple[str, list[tuple[str, float]]]], unit: str = "s") -> None:
+    """Horizontal bars, one per row, each split into its named segments in order; a legend of the
+    segment names, each name one colour wherever it appears."""
+    names = list(dict.fromkeys(n for _, segs in bars for n, _ in segs))
+    color = {n: COLORS[i % len(COLORS)] for i, n in enumerate(names)}
+    for i, (label, segs) in enumerate(bars):
+        left = 0.0
+        for n, v in segs:
+            ax.barh(i, v, left=left, color=color[n], edgecolor="white", linewidth=0.5, label=n)
+            left += v
+        ax.text(left, i, f"  {left:.1f} {unit}", va="center", fontsize=8)
+    ax.set_yticks(range(len(bars)), [label for label, _ in bars])
+    ax.invert_yaxis()
+    handles, labels = ax.get_legend_handles_labels()
+    seen = dict(zip(labels, handles))
+    ax.legend([seen[n] for n in names], names, fontsize=7, ncol=min(len(names), 4), loc="upper center",
+              bbox_to_anchor=(0.5, -0.18), frameon=False)
+
+
+STARTUP_SHOWN = {"local": "rayzero, starting a local Ray", "join": "rayzero, joining a running Ray",
+                 "join_no_mlflow": "rayzero, joining, tracking.enabled=false"}
+
+
+def _median_stages(rows: list[dict]) -> list[tuple[str, float]]:
+    keys = list(dict.fromkeys(k for row in rows for k in row["stages"]))
+    return [(k.removesuffix("_s").replace("_", " "), statistics.median(row["stages"].get(k, 0.0) for row in rows))
+            for k in keys]
+
+
+def startup_block(r: dict):
+    res, med = r["results"], r["results"]["median"]
+    torchrun, ray_train = med["torchrun_first_step_s"], med["ray_train_first_step_s"]
+    rows = [[label, f"{med[f'{n}_first_step_s']:.2f}", f"{med[f'{n}_ratio']:.2f}×", f"{med[f'{n}_ray_train_ratio']:.2f}×"]
+            for n, label in STARTUP_SHOWN.items()]
+    rows += [["torchrun, DDP", f"{torchrun:.2f}", "1.00×", f"{torchrun / ray_train:.2f}×"],
+             ["Ray Train `TorchTrainer`, starting a local Ray", f"{ray_train:.2f}", f"{ray_train / torchrun:.2f}×", "1.00×"]]
+    first_line = max(med[f"{n}_first_line_s"] for n in STARTUP_SHOWN)
+    rounds = len(res["torchrun"])
+    text = "\n\n".join([
+        table(["run", "launch to the first step's end (s)", "against torchrun", "against Ray Train"], rows),
+        f"Medians of {rounds} rounds. rayzero's first status line comes {first_line:.2f} s after the launch; a "
+        "mistake in the config, the data or the model is said before Ray starts.",
+        image("startup", "The first minute, stage by stage"), measured(r)])
+    bars = [(label, _median_stages(res["rayzero"][n])) for n, label in STARTUP_SHOWN.items() if n != "join_no_mlflow"]
+    bars += [("torchrun, DDP", _median_stages(res["torchrun"])),
+             ("Ray Train, starting a local Ray", _median_stages(res["ray_train"]))]
+    fig, ax = plt.subplots(figsize=(9, 2.6))
+    _stacked(ax, bars)
+    ax.set_xlabel("seconds from the launch to the end of the first step")
+    return text, {"startup": fig}
+
+
+RECOVERY_STAGES = {"detection": "detection", "replacement": "replacement (restart or spare)",
+                   "load": "checkpoint load", "first_step": "first step after"}
+
+
+def recovery_block(r: dict):
+    res = r["results"]
+    med = {int(k): v for k, v in res["median_kill"].items()}
+    kills = sum(1 for row in res["rows"] if row["how"] == "kill" and row["spares"] == 0)
+    steady = statistics.median(row["steady_step"] for row in res["rows"])
+    rows = [[label, f"{med[0][k]:.2f}", f"{med[1][k]:.2f}"] for k, label in RECOVERY_STAGES.items()]
+    rows.append(["**kill to the next finished step**", f"**{med[0]['total']:.2f}**", f"**{med[1]['total']:.2f}**"])
+    text = "\n\n".join([
+        table(["stage (s)", "no spare", "one warm spare"], rows),
+        f"Medians of {kills} kills each; a steady step takes {steady:.2f} s. Without a spare the replacement is a "
+        "restart: the group's processes torn down, placed and started again, and their rendezvous. With one, the "
+        "spare is already running and joins the survivors.",
+        image("recovery", "A recovery from a killed rank, stage by stage"), measured(r)])
+    fig, ax = plt.subplots(figsize=(9, 1.9))
+    _stacked(ax, [(label, [(RECOVERY_STAGES[k], med[s][k]) for k in RECOVERY_STAGES])
+                  for s, label in ((0, "no spare"), (1, "one warm spare"))])
+    ax.set_xlabel("seconds from the kill")
+    return text, {"recovery": fig}
+
+
+PEER = {"rayzero no_shard": "DDP", "rayzero optim": "DDP", "rayzero optim_grads": "DDP",
+        "rayzero optim_grads_params": "FSDP2", "Ray Train DDP": "DDP", "Ray Train FSDP2": "FSDP2"}
+RAY_TRAIN = {"DDP": "Ray Train DDP", "FSDP2": "Ray Train FSDP2"}
+
+
+def _run_label(run: str) -> str:
+    return STRATEGY.get(run.removeprefix("rayzero "), run) if run.startswith("rayzero ") else run
+
+
+def step_time_block(r: dict):
+    res = r["results"]
+    cells = {tuple(k.split("|")): c for k, c in res["cells"].items()}
+    points = [p["name"] for p in res["points"]]
+    runs = [run for run in PEER if any((p, run) in cells for p in points)]
+
+    def ratio(point: str, run: str) -> float | None:
+        c = cells.get((point, run))
+        key = "ratio_fsdp2" if PEER[run] == "FSDP2" else "ratio_ddp"
+        return statistics.median(c[key]) if c and c[key] else None
+
+    rows = []
+    for run in runs:
+        got = [x for x in (ratio(p, run) for p in points) if x is not None]
+        line = [_run_label(run), PEER[run], f"{statistics.median(got):.2f}×", f"{min(got):.2f}–{max(got):.2f}×"]
+        ray = RAY_TRAIN[PEER[run]]
+        if run.startswith("rayzero ") and ray in runs:
+            versus = [a / b for a, b in ((ratio(p, run), ratio(p, ray)) for p in points) if a and b]
+            line.append(f"{statistics.median(versus):.2f}×")
+        else:
+            line.append("")
+        rows.append(line)
+    rss = [cells[p, run]["peak_rss_mib"] / cells[p, PEER[run]]["peak_rss_mib"] for p in points for run in runs
+           if run.startswith("rayzero ") and (p, run) in cells and (p, PEER[run]) in cells]
+    rounds = res["rounds"]
+    text = "\n\n".join([
+        table(["run", "against", "median over the grid", "range over the grid", "against Ray Train's"], rows),
+        f"Step time at each of {len(points)} points, {rounds} round{'s' if rounds > 1 else ''} each, the ratio to "
+        f"the peer in the same round. Peak memory per rank against the peer's: {min(rss):.2f}–{max(rss):.2f}×.",
+        image("step_time", "Step-time ratio to the peer at each point of the grid"), measured(r)])
+
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(runs) + 1.6))
+    grid = [[ratio(p, run) for p in points] for run in runs]
+    shown = [[float("nan") if x is None else x for x in row] for row in grid]
+    im = ax.imshow(shown, cmap="RdYlGn_r", vmin=0.6, vmax=1.4, aspect="auto")
+    for i, row in enumerate(grid):
+        for j, x in enumerate(row):
+            if x is not None:
+                ax.text(j, i, f"{x:.2f}", ha="center", va="center", fontsize=7)
+    ax.set_xticks(range(len(points)), [p.replace("/", "\n") for p in points], fontsize=7)
+    ax.set_yticks(range(len(runs)), [f"{_run_label(run)} / {PEER[run]}" for run in runs])
+    ax.set_title("step time against the peer, at each point (model / tokens a micro-batch / accumulation)")
+    fig.colorbar(im, ax=ax, fraction=0.02, pad=0.01, label="ratio (under 1: faster)")
+    return text, {"step_time": fig}
+
+
+def dispatch_block(r: dict):
+    res = r["results"]
+    rows = res["results"]
+    by = {(x["ranks"], x["nodes"], x["dispatch"]): x for x in rows}
+    out = []
+    for ranks, nodes in sorted({(x["ranks"], x["nodes"]) for x in rows}):
+        flat, merged = by.get((ranks, nodes, "flat")), by.get((ranks, nodes, "merged"))
+        out.append([ranks, nodes, f"{flat['median_ms']:.2f}" if flat else "", f"{merged['median_ms']:.2f}" if merged else ""])
+    m = res["model"]
+    text = "\n\n".join([
+        table(["ranks", "nodes", "every rank's result read (ms)", "merged per node (ms)"], out),
+        f"The driver's own work: {m['a_ms']:.3f} ms an iteration + {m['b_ms_per_output']:.3f} ms per result it "
+        f"reads; a node's merge {m['m_ms_per_merged_result']:.4f} ms per rank. Modelled at 1,024 ranks on 128 "
+        f"nodes: **{m['merged_ms']:.1f} ms** an iteration merged per node, against {m['flat_ms']:.1f} ms reading "
+        f"every rank ({m['flat_ms'] / m['merged_ms']:.0f}×).", measured(r)])
+    return text, {}
+
+
+BLOCKS = {"step_time": step_time_block, "startup": startup_block, "recovery": recovery_block,
+          "dispatch": dispatch_block, "memory": memory_block, "gpu_checks": gpu_block}
+
+
+def draw() -> tuple[dict[str, str], dict[str, bytes]]:
+    """Every block's markdown and every figure's SVG, from the stored results."""
+    texts, images = {}, {}
+    with plt.rc_context(STYLE):
+        for name, block in BLOCKS.items():
+            text, figs = block(load(name))
+            texts[name] = text
+            images.update({f: svg(fig) for f, fig in figs.items()})
+    return texts, images
+
+
+def _marked(name: str) -> re.Pattern:
+    return re.compile(rf"(<!-- results: {name} -->\n)(.*?)(\n<!-- /results: {name} -->)", re.S)
+
+
+def differences() -> list[str]:
+    """What on the page or among its images is not what the stored results draw."""
+    texts, images = draw()
+    page, wrong = PAGE.read_text(), []
+    for name, text in texts.items():
+        found = _marked(name).search(page)
+        if found is None or found.group(2) != text:
+            wrong.append(f"{PAGE.relative_to(ROOT)}: the {name} block")
+    for f, data in images.items():
+        path = ASSETS / f"{f}.svg"
+        if not path.is_file() or path.read_bytes() != data:
+            wrong.append(str(path.relative_to(ROOT)))
+    return wrong
+
+
+def write() -> None:
+    texts, images = draw()
+    page = PAGE.read_text()
+    for name, text in texts.items():
+        if not _marked(name).search(page):
+            raise SystemExit(f"{PAGE.relative_to(ROOT)} has no block for {name}: add "
+                             f"<!-- results: {name} --> and <!-- /results: {name} -->")
+        page = _marked(name).sub(lambda m: m.group(1) + text + m.group(3), page)
+    PAGE.write_text(page)
+    ASSETS.mkdir(parents=True, exist_ok=True)
+    for f, data in images.items():
+        (ASSETS / f"{f}.svg").write_bytes(data)
+    print(f"wrote {PAGE.relative_to(ROOT)} and {len(images)} figures in {ASSETS.relative_to(ROOT)}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="only say what differs")
+    if ap.parse_args().check:
+        wrong = differences()
+        print("\n".join(wrong) or "the page and its figures are what the results draw")
+        return int(bool(wrong))
+    write()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
