@@ -57,11 +57,13 @@ def versions() -> dict:
 
 
 def commit() -> dict:
-    """The commit the benchmark ran at, and whether the code it ran (rayzero/, benchmarks/) differed from it."""
+    """The commit the benchmark ran at, and whether the code it ran (rayzero/, benchmarks/ but what
+    records and draws the results) differed from it."""
     def git(*args):
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
-    changed = git("status", "--porcelain", "--", "rayzero", "benchmarks", ":!benchmarks/results").splitlines()
+    changed = git("status", "--porcelain", "--", "rayzero", "benchmarks", ":!benchmarks/results",
+                  ":!benchmarks/record.py", ":!benchmarks/figures.py").splitlines()
     return {"commit": git("rev-parse", "--short=7", "HEAD"), "code_changed": bool(changed),
             "changed_files": sorted(line[3:] for line in changed)}
 
