@@ -21,6 +21,12 @@ from rayzero.config import RootConfig
 log = logging.getLogger(__name__)
 
 
+class CheckpointNotShared(RuntimeError):
+    """A local checkpoint directory the ranks' nodes do not share: shards a rank wrote on its own
+    node are not where the driver commits them. (Not retried: a new group would write its shards
+    where it is placed again.)"""
+
+
 def checkpoint_root(cfg: RootConfig) -> str:
     """`checkpoint.dir` as a URI: relative local paths live under `train.output_dir`."""
     d = cfg.checkpoint.dir
@@ -136,6 +142,7 @@ class Checkpoints:
             **entry.get("record", {}),
         }
         prefix = self.root.child(step_dir(step))
+        self._check_shared(prefix, shards)
         write_manifest(prefix, manifest)
         self.last_committed = prefix.uri
         self.commits += 1
@@ -148,6 +155,22 @@ class Checkpoints:
             log.warning("could not prune old checkpoints under %s: %s", self.root.uri, e)
             gone = []
         log.info("committed checkpoint %s%s", prefix.uri, f"; removed {', '.join(gone)}" if gone else "")
+
+    def _check_shared(self, prefix: Storage, shards: list[dict]) -> None:
+        """On a local path, every rank's shard is where the driver commits it, whole: a
+        directory local to each node (not a shared filesystem) would commit shards a resume cannot
+        find. (In S3 every node writes to the same store.)"""
+        if self.root.uri.startswith("s3://"):
+            return
+        unseen = [u["rank"] for u in shards if prefix.size(u["file"]) != u["size"]]
+        if unseen:
+            ranks = ", ".join(str(r) for r in unseen)
+            raise CheckpointNotShared(
+                f"checkpoint.dir {self.root.uri} is not one directory for every node: the shard"
+                f"{'s' if len(unseen) > 1 else ''} of rank{'s' if len(unseen) > 1 else ''} {ranks} (written on "
+                f"{'their' if len(unseen) > 1 else 'its'} own node) {'are' if len(unseen) > 1 else 'is'} not in "
+                f"{prefix.uri} on the driver's node; give checkpoint.dir a path every node sees (a shared filesystem "
+                "at the same path) or an s3:// one")
 
     @property
     def resume_mode(self) -> str:

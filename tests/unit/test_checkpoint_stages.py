@@ -208,3 +208,27 @@ def test_whole_build_counts_a_tied_embedding_once(cfg, setup):
 def test_a_mesh_without_a_pp_axis_is_one_stage():
     assert _pp(Mesh(4, rank=3)) == (0, 1)
     assert _pp(StageMesh(1, 2)) == (1, 2)
+
+
+def test_a_checkpoint_dir_the_nodes_do_not_share_is_said_at_the_first_commit(cfg, setup, tmp_path):
+    """Shards a rank wrote to its own node's disk are not where the driver commits them: the run
+    ends at its first commit, naming the ranks, instead of committing what no resume can read."""
+    from rayzero.cluster.checkpoints import CheckpointNotShared
+    from rayzero.storage import Storage
+
+    spec, whole, _ = setup
+    models = stages_of(whole)
+    saved = [strategy(m, StageMesh(k, 2)) for k, m in enumerate(models)]
+    ckpt = Checkpoints(cfg)
+    ckpt.configure([info(s, m, spec) for s, m in zip(saved, models)], mlflow_run_id=None)
+    prefix = ckpt.root.child(step_dir(STEP))
+    elsewhere = Storage(str(tmp_path / "another-node"))  # where the second rank's node wrote its shard
+    uploads = []
+    for k, s in enumerate(saved):
+        saver = ShardSaver(s, asynchronous=False)
+        saver.save(prefix if k == 0 else elsewhere, STEP)
+        uploads += saver.reports()
+    with pytest.raises(CheckpointNotShared, match=rf"the shard of rank 1 \(written on its own node\) is not in "
+                                                  rf".*step-{STEP:06d} on the driver's node; .*shared filesystem"):
+        ckpt.collect(STEP - 1, [{"checkpointed": True, "loss_scale": None, "lr": 1e-3, "uploads": uploads}])
+    assert ckpt.last_committed is None and prefix.size("manifest.json") is None

@@ -61,7 +61,8 @@ def test_a_key_the_user_sets_wins_even_at_the_pretraining_value(dirs):
 def test_a_model_from_its_config_keeps_the_pretraining_defaults(dirs):
     for keys, why in [(["model.kind=hf", f"model.path={dirs['config']}"], "holds a config and no weights"),
                       (["model.kind=hf", f"model.path={dirs['weights']}", "model.init=random"], "model.init=random"),
-                      ([], "random init")]:
+                      ([], "random init"),
+                      (["model.kind=hf", f"model.path={dirs['root']}"], "holds no model")]:
         cfg = load_config(None, keys)
         done, d = with_defaults(cfg)
         assert done == cfg and not d.fine_tuning and why in d.line(), keys
