@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rayzero.checkpoint.shard_file import write_shard  # noqa: E402
-from rayzero.checkpoint.shards import read_shard  # noqa: E402
+from rayzero.checkpoint.shards import layout_record, read_shard  # noqa: E402
 from rayzero.storage import Storage  # noqa: E402
 from rayzero.cluster.checkpoints import Checkpoints  # noqa: E402
 from rayzero.config import load_config  # noqa: E402
@@ -66,8 +66,8 @@ def throughput(server: SeaweedS3, data_path: str, preset: str) -> dict:
         t0 = time.perf_counter()
         entry = write_shard(storage, f"shard-{k}.safetensors", tensors, {"step": "0"})
         ours_save = time.perf_counter() - t0
-        manifest = {"layout": {"param_order": s.buffer.names,
-                               "param_world": [[p.world.start, p.world.end] for p in s.buffer.layout.params]},
+        manifest = {"layout": layout_record(s),  # what the manifest of a commit holds of this shard
+                    "params": [{"name": n, "shape": list(p.shape)} for n, p in r.model.named_parameters()],
                     "shards": [{"file": f"shard-{k}.safetensors", "pieces": [[o.start, o.end] for o, _ in s.pieces()],
                                 **entry}]}
         t0 = time.perf_counter()
