@@ -36,7 +36,8 @@ ASSETS_LINK = "../assets/benchmarks"  # from the page
 # text kept as text (no font's glyphs drawn into it).
 STYLE = {"svg.hashsalt": "rayzero", "svg.fonttype": "none", "font.family": "DejaVu Sans", "font.size": 9,
          "axes.spines.top": False, "axes.spines.right": False, "figure.dpi": 100}
-COLORS = ["#1f6fb4", "#e07b1a", "#2e9e44", "#c9352b", "#8a5cb8", "#7f7f7f", "#b5a22a", "#17a3b8"]
+COLORS = ["#1f6fb4", "#e07b1a", "#2e9e44", "#c9352b", "#8a5cb8", "#7f7f7f", "#b5a22a", "#17a3b8", "#8c564b",
+          "#e377c2", "#aec7e8", "#98df8a"]
 
 
 def load(name: str) -> dict:
@@ -54,11 +55,30 @@ def measured(r: dict) -> str:
     return line + (f" *({r['source']})*" if r.get("source") else "")
 
 
+DRAWN_BY = "<!-- drawn by benchmarks/figures.py with matplotlib {} -->"
+
+
 def svg(fig) -> bytes:
+    """The figure as SVG, saying which matplotlib drew it (another version draws the same figure
+    in other bytes)."""
     buf = io.BytesIO()
     fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None, "Creator": None})
     plt.close(fig)
-    return buf.getvalue()
+    head, rest = buf.getvalue().decode().split("\n", 1)
+    return f"{head}\n{DRAWN_BY.format(matplotlib.__version__)}\n{rest}".encode()
+
+
+def _words(data: bytes) -> list[str]:
+    """Every text the figure shows (its labels, ticks and values), as SVG keeps them."""
+    return re.findall(r"<text[^>]*>(.*?)</text>", data.decode(), re.S)
+
+
+def same_figure(kept: bytes, drawn: bytes) -> bool:
+    """The same bytes, where the same matplotlib drew both; else the same texts (every number on it)."""
+    version = re.search(r"with matplotlib (\S+) -->", kept.decode(errors="replace"))
+    if version and version.group(1) == matplotlib.__version__:
+        return kept == drawn
+    return _words(kept) == _words(drawn) and bool(_words(drawn))
 
 
 def image(name: str, alt: str) -> str:
@@ -129,8 +149,8 @@ def _stacked(ax, bars: list[tuple[str, list[tuple[str, float]]]], unit: str = "s
     ax.invert_yaxis()
     handles, labels = ax.get_legend_handles_labels()
     seen = dict(zip(labels, handles))
-    ax.legend([seen[n] for n in names], names, fontsize=7, ncol=min(len(names), 4), loc="upper center",
-              bbox_to_anchor=(0.5, -0.18), frameon=False)
+    ax.legend([seen[n] for n in names], names, fontsize=7, ncol=min(len(names), 6), loc="lower center",
+              bbox_to_anchor=(0.5, 1.0), frameon=False)
 
 
 STARTUP_SHOWN = {"local": "rayzero, starting a local Ray", "join": "rayzero, joining a running Ray",
@@ -190,6 +210,157 @@ def recovery_block(r: dict):
     return text, {"recovery": fig}
 
 
+def _cp_label(mode: str, cp: int) -> str:
+    return "cp 1" if cp == 1 else f"{mode} cp {cp}"
+
+
+def long_context_block(r: dict):
+    res = r["results"]
+    rows = res["rows"]
+    by = {(x["mode"], x["cp"], x["length"]): x for x in rows}
+    lengths = sorted({x["length"] for x in rows})
+    runs = sorted({(x["mode"], x["cp"]) for x in rows}, key=lambda m: (m[1], m[0]))
+    out = []
+    for mode, cp in runs:
+        cells = []
+        for n in lengths:
+            x, base = by.get((mode, cp, n)), by[("-", 1, n)]
+            cells.append("" if x is None else f"{x['activations'] / 2**20:.1f} MiB, {x['step_s'] / base['step_s']:.2f}×")
+        out.append([_cp_label(mode, cp), *cells])
+    equal = all(x["sent"] == x["formula"] for x in rows)
+    cap = res["cap_mib"]
+    fits = ", ".join(f"{_cp_label(*k.rsplit(' cp ', 1)[0:1], int(k.rsplit(' cp ', 1)[1]))} about "
+                     f"{v['extrapolated']:,}" for k, v in res["fits"].items())
+    text = "\n\n".join([
+        table(["run", *(f"{n:,} tokens" for n in lengths)], out),
+        "Each cell: a rank's activations, and the step time against cp 1's at the same length. "
+        + ("The bytes each rank sends equal the formula at every point. " if equal else "")
+        + f"The longest sequence whose activations fit {cap:g} MiB a rank (activations grow linearly with a rank's "
+        f"tokens): {fits} tokens.",
+        image("long_context", "Activations a rank against the sequence length, by cp"), measured(r)])
+    fig, ax = plt.subplots(figsize=(6.5, 3.4))
+    for i, (mode, cp) in enumerate(runs):
+        xs = [n for n in lengths if (mode, cp, n) in by]
+        ax.plot(xs, [by[mode, cp, n]["activations"] / 2**20 for n in xs], marker="o", color=COLORS[i % len(COLORS)],
+                linestyle="-" if mode != "ulysses" else "--", label=_cp_label(mode, cp))
+    ax.axhline(cap, color="#7f7f7f", linewidth=0.8, linestyle=":")
+    ax.text(lengths[0], cap, f" cap {cap:g} MiB", va="bottom", fontsize=7, color="#555555")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths, [f"{n:,}" for n in lengths])
+    ax.set_xlabel("tokens a sequence")
+    ax.set_ylabel("activations a rank (MiB)")
+    ax.legend(fontsize=7, frameon=False)
+    return text, {"long_context": fig}
+
+
+def moe_block(r: dict):
+    rows = r["results"]["rows"]
+    base = {x["world"]: x for x in rows if x["ep"] == 1}
+    out = []
+    for x in rows:
+        b = base[x["world"]]
+        out.append([x["world"], x["ep"], x["experts"], f"{x['state'] / 2**20:.2f} ({x['state'] / x['formula']:.3f}×)",
+                    f"{x['gathered'] / 2**20:.2f}", f"{x['sent'] / 2**20:.2f}", f"{x['step_s'] / b['step_s']:.2f}×"])
+    text = "\n\n".join([
+        table(["ranks", "ep", "local experts", "model state a rank, MiB (against the formula)",
+               "parameters gathered a step (MiB)", "tokens sent a step (MiB)", "step time against ep 1"], out),
+        "`loop`: the family's own loop over a rank's experts; `grouped`: one grouped matmul per projection "
+        "(`moe.grouped_mm`). On CPU ranks that share 2 cores the all-to-alls cost more than a small model's expert "
+        "arithmetic saves, so the step is slower at ep > 1; what expert parallelism buys is the bytes: the "
+        "parameters gathered fall by the experts' share.", measured(r)])
+    return text, {}
+
+
+def glance_block(results: dict[str, dict]):
+    """One line per section: its headline figure, from the same stored results."""
+    rows = []
+    st = results.get("step_time")
+    if st:
+        cells = {tuple(k.split("|")): c for k, c in st["results"]["cells"].items()}
+        points = [p["name"] for p in st["results"]["points"]]
+
+        def med(run: str, key: str) -> float:
+            return statistics.median(statistics.median(cells[p, run][key]) for p in points if (p, run) in cells)
+
+        rows.append(["[steady step](#steady-step-against-torchrun-fsdp2-and-ray-train)",
+                     f"DDP (`no_shard`) {med('rayzero no_shard', 'ratio_ddp'):.2f}× torchrun DDP's step; ZeRO-3 "
+                     f"{med('rayzero optim_grads_params', 'ratio_fsdp2'):.2f}× FSDP2's (medians over the grid)",
+                     "2 ranks, CPU"])
+    su = results["startup"]["results"]["median"]
+    rows.append(["[first minute](#the-first-minute)",
+                 f"first step {su['join_first_step_s']:.1f} s after the launch joining a running Ray "
+                 f"({su['join_ratio']:.2f}× torchrun), {su['local_first_step_s']:.1f} s starting one "
+                 f"({su['local_ray_train_ratio']:.2f}× Ray Train's)", "2 ranks, CPU"])
+    rc = {int(k): v for k, v in results["recovery"]["results"]["median_kill"].items()}
+    rows.append(["[recovery](#recovery-from-a-lost-rank)", f"kill to the next step {rc[1]['total']:.1f} s with a warm "
+                 f"spare, {rc[0]['total']:.1f} s without", "4 ranks, CPU"])
+    mem = results["memory"]["results"]["rows"]
+    worst = max(abs(x["measured"] / x["formula"] - 1) for x in mem)
+    rows.append(["[memory](#memory-per-parameter-against-the-formula)",
+                 f"every strategy's model state within {worst:.2%} of the published formula", "2 and 4 ranks"])
+    if "activations" in results:
+        full = results["activations"]["results"]["ratios"]["full"]
+        rows.append(["[activation checkpointing](#activation-checkpointing)", f"`full`: {full['activations_mib']:.2f}× "
+                     f"the activations for {full['step_s']:.2f}× the step time",
+                     f"{results['activations']['results']['num_params'] / 1e6:.0f}M Llama, 2 ranks, CPU"])
+    if "checkpoint" in results:
+        tp, st = results["checkpoint"]["results"]["throughput"], results["checkpoint"]["results"]["stall"]
+        rows.append(["[checkpoints](#checkpoints)", f"save {tp['save_ratio']:.2f}×, load {tp['load_ratio']:.2f}× raw "
+                     f"`pyarrow.fs` on S3; an async checkpoint holds a step {st['stall_over_step']:.1%} of its time",
+                     "one rank, CPU"])
+    if "dispatch" in results:
+        m = results["dispatch"]["results"]["model"]
+        rows.append(["[dispatch](#dispatch-cost-at-scale)", f"{m['merged_ms']:.1f} ms of driver time an iteration "
+                     "modelled at 1,024 ranks on 128 nodes", "measured to 32 ranks"])
+    moe = results["moe"]["results"]["rows"]
+    ep = max((x for x in moe if x["ep"] > 1), key=lambda x: x["world"])
+    one = next(x for x in moe if x["world"] == ep["world"] and x["ep"] == 1)
+    rows.append(["[mixtures of experts](#mixtures-of-experts)", f"ep {ep['ep']}: {ep['gathered'] / one['gathered']:.2f}× "
+                 "the parameters gathered a step of ep 1", f"{ep['world']} ranks, CPU"])
+    lc = results["long_context"]["results"]
+    top = max(x["length"] for x in lc["rows"])
+    act = {(x["mode"], x["cp"]): x["activations"] for x in lc["rows"] if x["length"] == top}
+    cps = sorted({cp for _, cp in act if cp > 1})
+    rows.append(["[long context](#long-context)", f"activations a rank at {top:,} tokens: " + ", ".join(
+        f"{act['ring', cp] / act['-', 1]:.2f}× cp 1's at cp {cp}" for cp in cps), "ring attention, CPU"])
+    z = results["gpu_checks"]["results"]["zero3"]
+    rows.append(["[on a GPU](#on-a-gpu)", f"ZeRO-3 bf16 {statistics.median(z['ratio_runs']):.2f}× plain torch's step "
+                 "(host-bound at 85M)", "one H200"])
+    return table(["question", "answer", "where"], rows), {}
+
+
+def checkpoint_block(r: dict):
+    tp, st = r["results"]["throughput"], r["results"]["stall"]
+    rounds = tp["rounds"]
+    rows = [["save a rank's shard (safetensors, a SHA-256 per block)",
+             f"{statistics.median(x['save_mb_s'] for x in rounds):.0f} MB/s",
+             f"{statistics.median(x['raw_save_mb_s'] for x in rounds):.0f} MB/s", f"{tp['save_ratio']:.2f}×"],
+            ["load it back (ranged, verified reads)", f"{statistics.median(x['load_mb_s'] for x in rounds):.0f} MB/s",
+             f"{statistics.median(x['raw_load_mb_s'] for x in rounds):.0f} MB/s", f"{tp['load_ratio']:.2f}×"]]
+    stall = statistics.median(st["stall_s"])
+    text = "\n\n".join([
+        table(["what", "rayzero", "raw `pyarrow.fs`", "ratio"], rows),
+        f"A shard of {tp['bytes'] / 2**30:.2f} GiB (the `medium` GPT's fp32 parameters and Adam moments), "
+        f"{len(rounds)} rounds. Training goes on while a checkpoint uploads: a step is held "
+        f"{stall * 1e3:.0f} ms for the snapshot ({st['stall_over_copy']:.2f}× the copy alone, "
+        f"{st['stall_over_step']:.1%} of a step of the `small` GPT).", measured(r)])
+    return text, {}
+
+
+def activations_block(r: dict):
+    res = r["results"]
+    first = res["rounds"][0]
+    rows = [[f"`{m}`", f"{statistics.median(x[m]['activations_mib'] for x in res['rounds']):.0f} MiB "
+             f"(estimate {res['estimate_mib'][m]:.0f})", f"{v['activations_mib']:.2f}×", f"{v['step_s']:.2f}×",
+             f"{v['peak_rss_mib']:.2f}×"] for m, v in res["ratios"].items() if m in first]
+    text = "\n\n".join([
+        table(["`model.activation_checkpointing`", "activations a rank", "against `none`", "step time against `none`",
+               "peak memory against `none`"], rows),
+        f"An HF Llama of {res['num_params'] / 1e6:.0f}M parameters at 1,024 tokens a sequence, 2 ranks, ZeRO-3, "
+        f"fp32, medians of {len(res['rounds'])} rounds; the estimate is the one `--dry-run` prints.", measured(r)])
+    return text, {}
+
+
 PEER = {"rayzero no_shard": "DDP", "rayzero optim": "DDP", "rayzero optim_grads": "DDP",
         "rayzero optim_grads_params": "FSDP2", "Ray Train DDP": "DDP", "Ray Train FSDP2": "FSDP2"}
 RAY_TRAIN = {"DDP": "Ray Train DDP", "FSDP2": "Ray Train FSDP2"}
@@ -239,7 +410,7 @@ def step_time_block(r: dict):
             if x is not None:
                 ax.text(j, i, f"{x:.2f}", ha="center", va="center", fontsize=7)
     ax.set_xticks(range(len(points)), [p.replace("/", "\n") for p in points], fontsize=7)
-    ax.set_yticks(range(len(runs)), [f"{_run_label(run)} / {PEER[run]}" for run in runs])
+    ax.set_yticks(range(len(runs)), [f"{_run_label(run).replace('`', '')} / {PEER[run]}" for run in runs])
     ax.set_title("step time against the peer, at each point (model / tokens a micro-batch / accumulation)")
     fig.colorbar(im, ax=ax, fraction=0.02, pad=0.01, label="ratio (under 1: faster)")
     return text, {"step_time": fig}
@@ -259,27 +430,34 @@ def dispatch_block(r: dict):
         f"The driver's own work: {m['a_ms']:.3f} ms an iteration + {m['b_ms_per_output']:.3f} ms per result it "
         f"reads; a node's merge {m['m_ms_per_merged_result']:.4f} ms per rank. Modelled at 1,024 ranks on 128 "
         f"nodes: **{m['merged_ms']:.1f} ms** an iteration merged per node, against {m['flat_ms']:.1f} ms reading "
-        f"every rank ({m['flat_ms'] / m['merged_ms']:.0f}×).", measured(r)])
+        f"every rank ({m['flat_ms'] / m['merged_ms']:.0f}×). The table is end to end on one machine, where every "
+        "simulated node's merger and every rank share its cores: there merging costs more than it saves; what it "
+        "saves on a cluster is the driver's own work, which grows with the results it reads.", measured(r)])
     return text, {}
 
 
 BLOCKS = {"step_time": step_time_block, "startup": startup_block, "recovery": recovery_block,
-          "dispatch": dispatch_block, "memory": memory_block, "gpu_checks": gpu_block}
+          "dispatch": dispatch_block, "moe": moe_block, "long_context": long_context_block,
+          "checkpoint": checkpoint_block, "activations": activations_block, "memory": memory_block, "gpu_checks": gpu_block}
 
 
 def draw() -> tuple[dict[str, str], dict[str, bytes]]:
     """Every block's markdown and every figure's SVG, from the stored results."""
     texts, images = {}, {}
     with plt.rc_context(STYLE):
+        results = {name: load(name) for name in BLOCKS if (RESULTS / f"{name}.json").is_file()}
+        texts["glance"] = glance_block(results)[0]
         for name, block in BLOCKS.items():
-            text, figs = block(load(name))
+            if name not in results:
+                continue
+            text, figs = block(results[name])
             texts[name] = text
             images.update({f: svg(fig) for f, fig in figs.items()})
     return texts, images
 
 
 def _marked(name: str) -> re.Pattern:
-    return re.compile(rf"(<!-- results: {name} -->\n)(.*?)(\n<!-- /results: {name} -->)", re.S)
+    return re.compile(rf"(<!-- results: {name} -->\n)(.*?)(<!-- /results: {name} -->)", re.S)
 
 
 def differences() -> list[str]:
@@ -288,11 +466,11 @@ def differences() -> list[str]:
     page, wrong = PAGE.read_text(), []
     for name, text in texts.items():
         found = _marked(name).search(page)
-        if found is None or found.group(2) != text:
+        if found is None or found.group(2) != text + "\n":
             wrong.append(f"{PAGE.relative_to(ROOT)}: the {name} block")
     for f, data in images.items():
         path = ASSETS / f"{f}.svg"
-        if not path.is_file() or path.read_bytes() != data:
+        if not path.is_file() or not same_figure(path.read_bytes(), data):
             wrong.append(str(path.relative_to(ROOT)))
     return wrong
 
@@ -304,7 +482,7 @@ def write() -> None:
         if not _marked(name).search(page):
             raise SystemExit(f"{PAGE.relative_to(ROOT)} has no block for {name}: add "
                              f"<!-- results: {name} --> and <!-- /results: {name} -->")
-        page = _marked(name).sub(lambda m: m.group(1) + text + m.group(3), page)
+        page = _marked(name).sub(lambda m: m.group(1) + text + "\n" + m.group(3), page)
     PAGE.write_text(page)
     ASSETS.mkdir(parents=True, exist_ok=True)
     for f, data in images.items():
