@@ -339,7 +339,7 @@ def checkpoint_block(r: dict):
              f"{statistics.median(x['raw_load_mb_s'] for x in rounds):.0f} MB/s", f"{tp['load_ratio']:.2f}×"]]
     stall = statistics.median(st["stall_s"])
     text = "\n\n".join([
-        table(["what", "rayzero", "raw `pyarrow.fs`", "ratio"], rows),
+        table(["what", "rayzero", "raw `pyarrow.fs`", "rayzero / raw"], rows),
         f"A shard of {tp['bytes'] / 2**30:.2f} GiB (the `medium` GPT's fp32 parameters and Adam moments), "
         f"{len(rounds)} rounds. Training goes on while a checkpoint uploads: a step is held "
         f"{stall * 1e3:.0f} ms for the snapshot ({st['stall_over_copy']:.2f}× the copy alone, "
