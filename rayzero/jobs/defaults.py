@@ -97,7 +97,7 @@ def how_it_starts(cfg: RootConfig) -> tuple[bool | None, str]:
         return None, f"model.path {m.path} is not read from here"
     except ModelError:  # no weights where they are required: said by the model's own checks
         return False, f"model.path {m.path} holds no weights"
-    if weights is None and m.kind == "hf" and "://" not in m.path and not (Path(m.path) / "config.json").is_file():
+    if weights is None and "://" not in m.path and not (Path(m.path) / "config.json").is_file():
         return False, f"model.path {m.path} holds no model"  # said by the model's own checks
     if weights is None:
         return False, f"model.path {m.path} holds a config and no weights: random init"
