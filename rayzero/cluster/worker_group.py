@@ -74,13 +74,7 @@ class WorkerGroup:
             ray.get(pg.ready(), timeout=placement_timeout_s)
         except GetTimeoutError:
             remove_placement_group(pg)
-            available = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
-            raise PlacementError(
-                f"could not place cluster.num_workers={num_workers} workers of {bundle} each "
-                f"(strategy {strategy}) within cluster.placement_timeout_s={placement_timeout_s:g}s; "
-                f"the cluster has {available}. Use fewer workers, a smaller "
-                f"cluster.cpus_per_worker, or a bigger cluster."
-            ) from None
+            raise PlacementError(unplaced(num_workers, bundle, strategy, placement_timeout_s)) from None
         if same_node > 1:
             split = split_groups(pg, num_workers, same_node)
             if split:
@@ -401,3 +395,21 @@ class RayCluster:
     @staticmethod
     def start_spares(actor_cls, count: int, bundle: dict[str, float], actor_args) -> "Spares":
         return Spares.start(actor_cls, count, bundle, actor_args)
+
+
+def unplaced(num_workers: int, bundle: dict, strategy: str, timeout_s: float) -> str:
+    """Why `num_workers` bundles of `bundle` were not placed: what the cluster has, what of it is
+    free (other jobs hold the rest), and what to change for the resource that is short."""
+    total, free = ray.cluster_resources(), ray.available_resources()
+    kinds = [k for k in ("CPU", "GPU") if bundle.get(k)]
+    has = ", ".join(f"{free.get(k, 0.0):g} of {total.get(k, 0.0):g} {k} free" for k in kinds)
+    short = [k for k in kinds if free.get(k, 0.0) < num_workers * bundle[k]]
+    if short:
+        fixes = ["fewer workers (cluster.num_workers)", *(["a smaller cluster.cpus_per_worker"] if "CPU" in short else []),
+                 f"a cluster with more {' and '.join(short)}"]
+    else:  # enough in all, not on the nodes as the strategy places them
+        fixes = ["another cluster.placement_strategy", "more nodes"]
+    return (f"could not place cluster.num_workers={num_workers} workers of {bundle} each (strategy {strategy}) "
+            f"within cluster.placement_timeout_s={timeout_s:g}s: they need "
+            + ", ".join(f"{num_workers * bundle[k]:g} {k}" for k in kinds)
+            + f"; the cluster has {has}. Use {', '.join(fixes[:-1])} or {fixes[-1]}.")

@@ -134,3 +134,21 @@ def test_a_replaced_rank_leaves_its_bundle_vacant_and_its_spare_group_is_kept(cl
     group.replace(0, "s3", "pg3")
     group.kill()
     assert removed == ["spare-pg", "pg3", "main"], "kill removes every group the worker group holds"
+
+
+@pytest.mark.parametrize("bundle,total,free,says", [
+    ({"CPU": 1.0}, {"CPU": 8.0}, {"CPU": 2.0},
+     "they need 4 CPU; the cluster has 2 of 8 CPU free. Use fewer workers (cluster.num_workers), a smaller "
+     "cluster.cpus_per_worker or a cluster with more CPU."),
+    ({"CPU": 1.0, "GPU": 1.0}, {"CPU": 8.0}, {"CPU": 8.0},
+     "they need 4 CPU, 4 GPU; the cluster has 8 of 8 CPU free, 0 of 0 GPU free. Use fewer workers "
+     "(cluster.num_workers) or a cluster with more GPU."),
+    ({"CPU": 1.0}, {"CPU": 8.0}, {"CPU": 8.0},  # enough in all, not on the nodes the strategy needs
+     "the cluster has 8 of 8 CPU free. Use another cluster.placement_strategy or more nodes."),
+])
+def test_a_placement_that_never_comes_says_what_is_free_and_what_is_short(monkeypatch, bundle, total, free, says):
+    monkeypatch.setattr(worker_group.ray, "cluster_resources", lambda: total)
+    monkeypatch.setattr(worker_group.ray, "available_resources", lambda: free)
+    said = worker_group.unplaced(4, bundle, "PACK", 60)
+    assert said.startswith(f"could not place cluster.num_workers=4 workers of {bundle} each (strategy PACK) within "
+                           "cluster.placement_timeout_s=60s") and said.endswith(says), said
