@@ -246,8 +246,7 @@ class RootConfig(Frozen):
     def mesh(self, world_size: int | None = None, rank: int = 0) -> Mesh:
         """The mesh of `world_size` ranks (`cluster.num_workers` unless an elastic resize says
         otherwise), as `rank` sees it; its process groups come when a rank connects it."""
-        return Mesh(world_size or self.cluster.num_workers, rank, pp=self.parallel.pp,
-                    replicate=self.sharding.dp_outer, cp=self.parallel.cp, tp=self.parallel.tp, ep=self.parallel.ep)
+        return Mesh(world_size or self.cluster.num_workers, rank, **self._set_sizes())
 
     def grad_accum_for(self, mesh: Mesh) -> int:
         """Micro-batches per rank per step on `mesh`: global batch / (micro batch x batch-role size)."""
