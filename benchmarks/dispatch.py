@@ -1,7 +1,7 @@
 """The driver's cost per iteration of the compiled dispatch, flat (the driver reads every
 rank's result) against merged per node (the driver reads one result per node), as the world grows.
 
-Every rank is a `NoopRank` actor: its phases (gather, forward, backward, reduce_scatter, step,
+Every rank is a `NoopRank` actor: its phases (gather, forward, backward, reduce_grads, step,
 evaluate: one micro-batch) do no work but time themselves and return what a real rank returns
 (loss and token sums, phase times, the memory ledger, uploads, `done_at`), so the driver and
 the node merges handle results of the real size and shape. The dispatch is the real one:
@@ -37,7 +37,7 @@ import ray
 
 from rayzero.cluster.dispatch import FAN_IN, CompiledDispatch
 from rayzero.workers.phases import iteration
-from rayzero.workers.results import merge
+from rayzero.step_report import merge
 
 WORLD_SIZES = (2, 4, 8, 16, 32)
 NODES = (1, 2, 4)
@@ -79,9 +79,9 @@ class NoopRank:
         self.times["backward"] += time.perf_counter() - t0
         return {}
 
-    def reduce_scatter(self, _prev: dict) -> dict:
+    def reduce_grads(self, _prev: dict) -> dict:
         t0 = time.perf_counter()
-        self.times["reduce_scatter"] = time.perf_counter() - t0
+        self.times["reduce_grads"] = time.perf_counter() - t0
         return {}
 
     def step(self, _prev: dict) -> dict:
@@ -138,8 +138,8 @@ class NoopHost:
     def backward(self, prev: dict, r: int) -> dict:
         return self.ranks[r].backward(prev)
 
-    def reduce_scatter(self, prev: dict, r: int) -> dict:
-        return self.ranks[r].reduce_scatter(prev)
+    def reduce_grads(self, prev: dict, r: int) -> dict:
+        return self.ranks[r].reduce_grads(prev)
 
     def step(self, prev: dict, r: int) -> dict:
         return self.ranks[r].step(prev)
@@ -212,7 +212,7 @@ def merge_cost_ms(n: int = 2000) -> float:
 def _sample(rank: int) -> dict:
     r = NoopRank(rank)
     r.gather({"step": 0, "lr": 1e-3})
-    return r.evaluate(r.step(r.reduce_scatter(r.backward(r.forward({})))))
+    return r.evaluate(r.step(r.reduce_grads(r.backward(r.forward({})))))
 
 
 def measure(hosts: list, world: int, nodes: int, per_node: bool, warmup: int, iters: int, ready_iters: int,

@@ -267,8 +267,10 @@ def _dpo_rank(rank: int, model_dir: str, overrides: list[str], steps: int, data_
         "sharding.strategy=optim_grads_params", f"data.path={data_path}", "optim.warmup_steps=0", *overrides])
     r = Rank(cfg, rank, 2, data_path)
     r.setup("127.0.0.1", port)
-    if sft:
-        r.prefs = None
+    if sft:  # next-token's loss on the same rows, in place of the pair loss
+        from rayzero.objectives.next_token import NextToken
+
+        r.loss = r.steps.objective = NextToken(cfg).rank_side(r.steps.ctx)
     times = []
     for k in range(steps):
         t0 = time.perf_counter()

@@ -128,7 +128,7 @@ def _rank(rank: int, p: int, runs, ports, warmup: int, steps: int, data_path: st
             t0, cpu = time.perf_counter(), time.thread_time()
             r.pipeline({})
             cpu = time.thread_time() - cpu  # the rank's compute runs on this thread (one torch thread)
-            result = r.evaluate(r.step(r.reduce_scatter({})))
+            result = r.evaluate(r.step(r.reduce_grads({})))
             if k >= warmup:
                 timed.append({"trace": [(a, s - t0, e - t0) for a, s, e in pipe.trace],
                               "sent": pipe.link.sent_bytes - sent, "cpu": cpu})

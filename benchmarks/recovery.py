@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rayzero.cluster.checkpoints import Checkpoints  # noqa: E402
 from rayzero.cluster.controller import Controller  # noqa: E402
-from rayzero.cluster.tracking import NullTracker  # noqa: E402
+from rayzero.jobs.tracking import NullTracker  # noqa: E402
 from rayzero.config import load_config  # noqa: E402
 from rayzero.jobs.train import resolve_data  # noqa: E402
 

@@ -36,7 +36,7 @@ Targets (informational; the exit code is 0 either way): rayzero / DDP median ste
 and its peak RSS per rank <= FSDP2's. optim_grads is reported against both.
 
     python benchmarks/vs_torchrun.py [--model gpt|llama] [--quick] [--rounds N] [--json PATH]
-                                     [--dispatch compiled|pipelined]
+                                     [--dispatch compiled|chained]
 """
 
 from __future__ import annotations
@@ -245,7 +245,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one short round")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of all runs; the ratios' median is reported")
     ap.add_argument("--json", metavar="PATH", help="also write the results here as JSON")
-    ap.add_argument("--dispatch", choices=("compiled", "pipelined"), default="compiled",
+    ap.add_argument("--dispatch", choices=("compiled", "chained"), default="compiled",
                     help="how rayzero's controller drives each iteration (cluster.dispatch)")
     ap.add_argument("--model", choices=("gpt", "llama"), default="gpt",
                     help="the built-in GPT (small), or an HF Llama of the same size")

@@ -14,14 +14,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from rayzero._frozen import Frozen
 from rayzero.checkpoint.config import CheckpointConfig
 from rayzero.cluster.config import ClusterConfig, FailureConfig, TrackingConfig
 from rayzero.data.config import DataConfig
 from rayzero.models.config import ModelConfig
-from rayzero.objectives.config import DPOConfig
+from rayzero.objectives.config import OBJECTIVES, DPOConfig, check_name, check_options
 from rayzero.sharding.config import MoEConfig, OptimConfig, ParallelConfig, ShardingConfig
 from rayzero.sharding.mesh import AXES, Mesh, MeshError, fits
 
@@ -48,12 +48,28 @@ class RunConfig(Frozen):
     )
     seq_len: int = Field(default=128, ge=1, description="Tokens per training sequence (a window of packed examples holds "
                          "`seq_len` + 1). A run from pretrained weights defaults to 1,024, at most the model's positions.")
-    objective: Literal["lm", "dpo"] = Field(
+    objective: str = Field(
         default="lm",
-        description="`lm` = next-token prediction on text or instruction data; `dpo` = preference tuning on pairs "
-        "(data prepared with `--preferences`; the loss in `dpo`). With `dpo`, batch sizes count sequences: a "
-        "pair is two, its chosen and rejected always in one micro-batch.",
+        description="What the run optimises: "
+        + "; ".join(f"`{name}` = {entry.summary}" for name, entry in OBJECTIVES.items())
+        + "; or `package.module:Class`, an `Objective` of your own (see the objectives guide).",
     )
+    objective_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="An objective of your own: keyword arguments for its class, after the config "
+        "(`Class(cfg, **objective_kwargs)`); recorded with each checkpoint, and a resume with others is refused. "
+        "The built-in objectives take their options from their own sections (`dpo.`).",
+    )
+    @field_validator("objective")
+    @classmethod
+    def _objective_name(cls, v: str) -> str:
+        return check_name(v)
+
+    @field_validator("objective_kwargs", mode="before")
+    @classmethod
+    def _objective_kwargs(cls, v):
+        return ModelConfig._parse(v)  # read as model.kwargs is: each text value as YAML
+
     seed: int = Field(
         default=0, ge=0,
         description="Seed of the initial weights and of the data order; every world size and strategy "
@@ -211,14 +227,7 @@ class RootConfig(Frozen):
                              "(data.val_fraction or data.val_path)")
         if self.checkpoint.keep_best and not self.checkpoint.dir:
             raise ValueError("checkpoint.keep_best: needs checkpoints (checkpoint.dir is empty)")
-        if t.objective == "dpo" and t.micro_batch_size % 2:
-            raise ValueError(f"train.micro_batch_size: {t.micro_batch_size} would split a preference pair (chosen and "
-                             "rejected are two sequences of one micro-batch); make it even")
-        if self.dpo.label_smoothing and self.dpo.loss != "robust":
-            raise ValueError(f"dpo.label_smoothing: {self.dpo.label_smoothing:g} would do nothing to dpo.loss="
-                             f"{self.dpo.loss} (as in TRL, only robust DPO takes it); use dpo.loss=robust, or leave it 0")
-        if self.dpo.precompute_ref and not self.dpo.uses_reference:
-            raise ValueError(f"dpo.precompute_ref: dpo.loss={self.dpo.loss} has no reference model to precompute")
+        check_options(self)  # the objective's own checks (`objectives/config.py`)
         if t.compile and self.model.activation_checkpointing == "selective":
             raise ValueError("train.compile: model.activation_checkpointing=selective picks the ops to keep inside a "
                              "block, and a compiled block runs as one op to it; use full or every:N with compile")

@@ -52,24 +52,30 @@ class Trainer:
     """Runs a configuration, as `rayzero train` does, from Python: `Trainer(config).fit()`."""
 
     def __init__(self, config: RootConfig | str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
-                 *, model: Callable[..., Any] | None = None, progress: bool = True):
+                 *, model: Callable[..., Any] | None = None, objective: type | None = None, progress: bool = True):
         """`config`: a TrainConfig, or the path of a YAML file (None: every default);
         `overrides`: `key=value` items applied on top, as on the command line; `model`: any
         callable returning an `nn.Module` (a class, a function, one defined in a notebook
         cell), called with `model.kwargs` on every rank: the run trains it
-        (`model.kind=module`)."""
+        (`model.kind=module`); `objective`: a subclass of `rayzero.objectives.Objective` (one
+        defined in a notebook cell too): what the run optimises (`train.objective`)."""
         if model is not None:
             if not callable(model):
                 raise ConfigError(f"model: expected a callable that returns an nn.Module, got {type(model).__name__}")
             from rayzero.models.module import describe
 
             overrides = ["model.kind=module", f"model.factory={describe(model)}", *overrides]
+        if objective is not None:
+            from rayzero.models.module import describe
+
+            overrides = [f"train.objective={describe(objective)}", *overrides]
         if config is None or isinstance(config, (str, Path)):
             config = load_config(config, overrides)
         elif overrides:
             config = config.override(*overrides)
         self.config = config
         self.model = model
+        self.objective = objective
         self.progress = progress
 
     def fit(self) -> "Result":
@@ -81,7 +87,7 @@ class Trainer:
         `ConfigError` before Ray starts; a run that fails for good raises with its cause."""
         from rayzero.jobs.train import train_run
 
-        summary, rows = train_run(self.config, progress=self.progress, factory=self.model)
+        summary, rows = train_run(self.config, progress=self.progress, factory=self.model, objective=self.objective)
         return Result(summary, rows, self.config)
 
 

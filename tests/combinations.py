@@ -52,8 +52,9 @@ AXES = {
     "recompute": ["none", "full", "selective", "every:2"],
     "compile": ["off", "aot_eager"],  # each block compiled (train.compile), torch's own kernels behind dynamo's trace
     "trainable": ["all", "lora", "frozen"],
-    # lm: text windows; sft: instruction examples packed into windows, each attending to itself alone
-    "objective": ["lm", "sft", "dpo", "dpo-precomputed"],
+    # lm: text windows; sft: instruction examples packed into windows, each attending to itself alone;
+    # own: a user's objective from a module (tests/own_objective.py) on those examples
+    "objective": ["lm", "sft", "dpo", "dpo-precomputed", "own"],
     "precision": ["fp32", "bf16", "bf16-comm"],  # bf16 compute; also bf16 gradients on the wire
     "overlap": [True, False],  # gradient reduction and parameter gathering overlapped with compute
     "micro": [2, 4],  # rows per micro-batch
@@ -168,7 +169,7 @@ COMPILED = [
     {**_C, "model": "module", "strategy": "hsdp", "dp": 2, "recompute": "every:2", "objective": "dpo-precomputed",
      "precision": "bf16", "resume": True},
     {**_C, "model": "mixtral", "strategy": "no_shard", "dp": 1, "tp": "2", "recompute": "every:2",
-     "objective": "dpo-precomputed"},
+     "objective": "own"},
     {**_C, "model": "qwen2_moe", "strategy": "optim_grads_params", "dp": 2, "tp": "2sp", "ep": "2",
      "recompute": "every:2", "precision": "bf16-comm", "micro": 4},
 ]
@@ -248,6 +249,8 @@ def overrides(c: dict, model_keys: list[str], data_kind: str = "text") -> list[s
         keys += [f"model.lora.target_modules={m['lora']}"] if "lora" in m else []
     elif c["trainable"] == "frozen":
         keys.append(f"model.freeze={m['freeze']}")
+    if c["objective"] == "own":
+        keys.append("train.objective=tests.own_objective:Weighted")
     if pairs(c["objective"]):
         keys.append("train.objective=dpo")
         keys += ["dpo.precompute_ref=true"] if c["objective"] == "dpo-precomputed" else []

@@ -49,6 +49,7 @@ FEATURES = {
     "LoRA": ("trainable", ["lora"]),
     "SFT": ("objective", ["sft"]),
     "DPO": ("objective", ["dpo", "dpo-precomputed"]),
+    "own objective": ("objective", ["own"]),
     "resume": ("resume", [True]),
     "HF export": None,  # not an axis: the tests below
 }
@@ -97,7 +98,7 @@ def cells() -> dict[str, dict[str, str]]:
 
 # The page's two tables: how the model is split, then how it is trained and kept.
 TABLES = (("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "HSDP", "Hybrid-FSDP", "TP", "SP", "PP", "CP", "EP"),
-          ("recompute", "compile", "bf16", "LoRA", "SFT", "DPO", "resume", "HF export"))
+          ("recompute", "compile", "bf16", "LoRA", "SFT", "DPO", "own objective", "resume", "HF export"))
 PACKAGES = ("torch", "ray", "transformers", "peft", "trl")
 
 

@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from rayzero.objectives.config import objective_record
+from rayzero.objectives.registry import objective_record
 from rayzero.checkpoint.manifest import (
     FORMAT, VERSION, CheckpointError, Committed, best_commit, check_model, check_shards_present, committed,
     different_model, lineage, model_differences, open_checkpoint, prune, step_dir, write_manifest,

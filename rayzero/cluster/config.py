@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from rayzero._frozen import Frozen
 
@@ -70,12 +70,18 @@ class ClusterConfig(Frozen):
         default="auto",
         description="torch.distributed backend; `auto` = `nccl` with GPUs, else `gloo`.",
     )
-    dispatch: Literal["compiled", "pipelined"] = Field(
+    dispatch: Literal["compiled", "chained"] = Field(
         default="compiled",
         description="How the controller runs an iteration's phases on the ranks: `compiled` = one Ray "
-        "Compiled Graph, built once; `pipelined` = every phase submitted at once with `.remote()`, the "
-        "fallback where compiled graphs are unavailable.",
+        "Compiled Graph, built once; `chained` = every phase submitted at once with `.remote()`, each fed the "
+        "one before, the fallback where compiled graphs are unavailable (`pipelined`, its old name, is read as "
+        "`chained`).",
     )
+
+    @field_validator("dispatch", mode="before")
+    @classmethod
+    def _old_dispatch_name(cls, v):
+        return "chained" if v == "pipelined" else v
 
     @property
     def bundle(self) -> dict[str, float]:

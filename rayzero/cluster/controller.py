@@ -30,6 +30,7 @@ from rayzero.cluster.scaling import ScalingPolicy
 from rayzero.cluster.schedule import evaluates
 from rayzero.cluster.startup import Startup
 from rayzero.cluster.recovery import Recovering
+from rayzero.objectives.registry import objective_for, remember
 from rayzero.cluster.states import Done, Finishing, Placing, State, held, val_values
 from rayzero.cluster.watchdog import Watchdog
 from rayzero.cluster.worker_group import RayCluster
@@ -41,11 +42,13 @@ log = logging.getLogger(__name__)
 
 class Controller:
     def __init__(self, cfg: RootConfig, data_path: str, run_dir: str, tracker, progress: bool = True,
-                 actor_cls=RankActor, checkpoints: Checkpoints | None = None, factory=None, spec=None,
+                 actor_cls=RankActor, checkpoints: Checkpoints | None = None, factory=None, objective=None, spec=None,
                  startup: Startup | None = None, *, scaling: ScalingPolicy | None = None,
                  failure_policy: FailurePolicy | None = None, early_stopping: EarlyStopping | None = None,
                  cluster=None, dispatcher=None, watchdog=None):
-        """`factory`: the model's callable when given from Python; `spec`: the model seam, for
+        """`factory`: the model's callable when given from Python; `objective`: the class
+        `train.objective` names when given from Python or from the user's files (sent to the
+        ranks by value); `spec`: the model seam, for
         writing the final weights (built from `cfg` when not given); `startup`: the run's
         start-up lines, begun by the caller (None: from placement on). The policies, the
         cluster (`RayCluster`), the dispatcher class and the watchdog factory are made from
@@ -53,6 +56,10 @@ class Controller:
         self.cfg = cfg
         self.startup = startup or Startup()
         self.factory = factory
+        self.objective_cls = objective
+        if objective is not None:
+            remember(cfg.train.objective, objective)
+        self.objective = objective_for(cfg)  # what the driver reads of it: its metrics' merges, its summary
         self.spec = spec
         self.actor_cls = actor_cls
         self.data_path = data_path
@@ -153,7 +160,7 @@ class Controller:
 
     def summary(self) -> dict:
         return {**run_summary(self.cfg, self.record, self.history, self.checkpoints, self.early, self.tracker,
-                              self.run_dir),
+                              self.run_dir, self.objective),
                 "startup": self.startup.timings()}
 
     # -- interrupts --------------------------------------------------------------------------
@@ -214,7 +221,7 @@ class Controller:
         n = self.cfg.failure.spares
         if n and self.spares is None:
             self.spares = self.cluster.start_spares(
-                self.actor_cls, n, self.bundle, lambda: (self.cfg, None, world, self.data_path, self.factory))
+                self.actor_cls, n, self.bundle, lambda: (self.cfg, None, world, self.data_path, self.factory, self.objective_cls))
 
     def free_ranks(self, settle_s: float = 0.0) -> int:
         """How many more ranks the cluster has room for now."""
@@ -224,11 +231,13 @@ class Controller:
         due = self.checkpoints is not None and self.checkpoints.plan(k) is not None
         return self.validates and evaluates(self.cfg, k, checkpoint_due=due)
 
-    def log_val(self, step: int, val: float, metrics: dict | None, prefs: dict | None = None) -> None:
-        """A validation loss (with preference tuning, `prefs`: its pairs' sums): into `metrics`
-        (this step's row), or at `step` on its own (the baseline before the first step)."""
+    def log_val(self, step: int, val: float, metrics: dict | None, sums: dict | None = None,
+                count: float = 0.0) -> None:
+        """A validation loss (`sums`: the objective's metrics' merged sums, `count`: what the
+        loss was divided by): into `metrics` (this step's row), or at `step` on its own (the
+        baseline before the first step)."""
         h = self.history
-        values = val_values(val, prefs)
+        values = val_values(self.objective, val, sums, count)
         h.val_steps.append(step)
         h.val_losses.append(val)
         if metrics is not None and step >= 0:

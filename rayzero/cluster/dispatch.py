@@ -5,7 +5,7 @@ controller can keep the next iteration queued while it reads this one's results 
 finishes early then starts the next iteration instead of idling), and `run(plan)` for both
 at once. All three give the same result; they differ in what one iteration costs the driver:
 - `CompiledDispatch`: one Ray Compiled Graph, built once, executed once per iteration;
-- `PipelinedDispatch`: every phase submitted at once with `.remote()`, each fed the previous
+- `ChainedDispatch`: every phase submitted at once with `.remote()`, each fed the previous
   phase's ref, then one `ray.get` (the fallback where compiled graphs are unavailable);
 - `PerPhaseDispatch`: one `ray.get` per phase (the baseline the benchmark compares against).
 """
@@ -24,7 +24,7 @@ from ray.dag import InputNode, MultiOutputNode
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rayzero.workers.phases import iteration
-from rayzero.workers.results import merge, work_s
+from rayzero.step_report import merge, work_s
 
 # Waiting on a compiled graph's output spins a core in the driver (measured: ~100% of one
 # core for the whole iteration), and on a machine with few cores that core is taken from the
@@ -187,7 +187,7 @@ class CompiledDispatch(_Dispatch):
 
     def __init__(self, actors: list, num_microbatches: int, timeout_s: float = 600.0,
                  nodes: list | None = None, per_node: bool | None = None, fan_in: int = FAN_IN,
-                 pipelined: bool = False):
+                 staged: bool = False):
         """`nodes`: each rank's node, to group the ranks by (None: where Ray placed each actor;
         the benchmark passes simulated nodes); `per_node`: merge each node's results there
         (None: when the ranks are on more than one node); `fan_in`: see FAN_IN."""
@@ -195,7 +195,7 @@ class CompiledDispatch(_Dispatch):
         self.actors = actors
         self.graph = None
         self.mergers: list = []
-        names = iteration(num_microbatches, pipelined)
+        names = iteration(num_microbatches, staged)
         where = node_ids(actors)
         groups = node_groups(nodes if nodes is not None else where)
         if per_node is None:
@@ -313,9 +313,9 @@ def _work_s(results: list) -> float | None:
     return max(times) if times and len(times) == len(results) else None
 
 
-class PipelinedDispatch(_Dispatch):
-    def __init__(self, actors: list, num_microbatches: int, timeout_s: float = 600.0, pipelined: bool = False):
-        self.actors, self.names, self.timeout_s = actors, iteration(num_microbatches, pipelined), timeout_s
+class ChainedDispatch(_Dispatch):
+    def __init__(self, actors: list, num_microbatches: int, timeout_s: float = 600.0, staged: bool = False):
+        self.actors, self.names, self.timeout_s = actors, iteration(num_microbatches, staged), timeout_s
 
     def _submit(self, plan: dict):
         refs = []
@@ -328,8 +328,8 @@ class PipelinedDispatch(_Dispatch):
 
 
 class PerPhaseDispatch(_Dispatch):
-    def __init__(self, actors: list, num_microbatches: int, timeout_s: float = 600.0, pipelined: bool = False):
-        self.actors, self.names, self.timeout_s = actors, iteration(num_microbatches, pipelined), timeout_s
+    def __init__(self, actors: list, num_microbatches: int, timeout_s: float = 600.0, staged: bool = False):
+        self.actors, self.names, self.timeout_s = actors, iteration(num_microbatches, staged), timeout_s
 
     def _submit(self, plan: dict):
         return plan  # nothing runs until collect: one phase at a time
@@ -343,4 +343,4 @@ class PerPhaseDispatch(_Dispatch):
         return outs
 
 
-DISPATCHERS = {"compiled": CompiledDispatch, "pipelined": PipelinedDispatch, "per_phase": PerPhaseDispatch}
+DISPATCHERS = {"compiled": CompiledDispatch, "chained": ChainedDispatch, "per_phase": PerPhaseDispatch}

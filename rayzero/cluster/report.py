@@ -6,15 +6,14 @@ from __future__ import annotations
 from statistics import mean
 
 from rayzero.cluster.throughput import throughput
-from rayzero.objectives.dpo import PAIR_METRICS, pair_metrics
 from rayzero.sharding.memory import bytes_per_param
 
 
 def step_metrics(results: list[dict], phase: dict[str, float], dt: float, tokens_per_step: int, world: int,
-                 rate: dict, micro: int) -> dict:
+                 rate: dict, micro: int, objective=None) -> dict:
     """One iteration's metrics from every rank's results: `phase` the slowest rank's seconds in
     each phase, `dt` the iteration's wall time, `rate` its throughput (`throughput`), `micro`
-    the micro-batches a step."""
+    the micro-batches a step, `objective` the run's (its metrics, each merged as it declares)."""
     metrics = {
         "loss": sum(r["loss_sum"] for r in results) / sum(r["tokens"] for r in results),
         "skipped_step": float(results[0]["skipped"]),  # fp16 loss scaling found inf/NaN: no update
@@ -33,8 +32,8 @@ def step_metrics(results: list[dict], phase: dict[str, float], dt: float, tokens
         metrics["mfu"] = rate["mfu"]
     if results[0]["loss_scale"] is not None:
         metrics["loss_scale"] = results[0]["loss_scale"]
-    if "prefs" in results[0]:  # preference tuning: the means over the step's pairs, by TRL's names
-        metrics.update(pair_metrics(results[0]["prefs"]))
+    if objective is not None and results[0].get("objective"):  # the objective's own (DPO's: by TRL's names)
+        metrics.update(objective.step_metrics(results[0]["objective"], sum(r["tokens"] for r in results)))
     if results[0].get("aux_loss_sum") is not None:  # a mixture of experts: its router's loss, apart
         metrics["router_aux_loss"] = sum(r["aux_loss_sum"] for r in results) / micro
     if results[0].get("z_loss_sum") is not None:  # and its z-loss (`moe.router_z_loss`), apart too
@@ -50,10 +49,20 @@ def last_of(rows: list[dict], keys) -> dict | None:
     return {k: row[k] for k in keys if k in row} if row is not None else None
 
 
-def run_summary(cfg, rec, h, ckpt, early, tracker, run_dir: str) -> dict:
+def objective_finals(objective, rows: list[dict]) -> dict:
+    """An objective's last metrics in the summary: final_<summary> and final_val_<summary>."""
+    names = objective.metric_names()
+    if not objective.summary or not names:
+        return {}
+    return {f"final_{objective.summary}": last_of(rows, names),
+            f"final_val_{objective.summary}": last_of(rows, objective.metric_names("val_"))}
+
+
+def run_summary(cfg, rec, h, ckpt, early, tracker, run_dir: str, objective=None) -> dict:
     """The run's summary (what `--summary-json` writes and `Result.summary` holds), from the
     run record `rec` and history `h` at the end of `fit`, the checkpoints `ckpt` (None: off),
-    the early-stopping policy and the tracker. `rec.build`: the whole model's (`whole_build`)."""
+    the early-stopping policy, the tracker and the objective (its metrics' last values, under
+    its `summary` name). `rec.build`: the whole model's (`whole_build`)."""
     info, mesh = rec.build, cfg.mesh(rec.world)
     trained = bool(h.losses)
     step_s = mean(h.timed(h.step_s)) if trained else None
@@ -75,9 +84,8 @@ def run_summary(cfg, rec, h, ckpt, early, tracker, run_dir: str) -> dict:
         # expert parallelism: the last step's busiest expert against the mean (1: even), pairs dropped
         **({"final_expert_load": last_of(h.rows, ["expert_load_max_over_mean", "dropped_pairs"])}
            if mesh.size("ep") > 1 else {}),
-        # preference tuning: the last step's (and the last validation's) pair metrics, by TRL's names
-        **({"final_preferences": last_of(h.rows, PAIR_METRICS), "final_val_preferences":
-            last_of(h.rows, [f"val_{k}" for k in PAIR_METRICS])} if cfg.train.objective == "dpo" else {}),
+        # the objective's metrics, the last step's and the last validation's (DPO's: final_preferences)
+        **(objective_finals(objective, h.rows) if objective is not None else {}),
         "val_losses": [[s, v] for s, v in zip(h.val_steps, h.val_losses)],
         "steps": len(h.losses),
         "start_step": first_start[0],

@@ -36,10 +36,9 @@ from rayzero.cluster.throughput import throughput
 from rayzero.cluster.worker_group import PlacementError
 from rayzero.config import RootConfig
 from rayzero.data.tokens import dataset_tokenizer_files
-from rayzero.objectives.dpo import pair_metrics
 from rayzero.storage import StorageError
 from rayzero.workers.assembly import make_spec
-from rayzero.workers.results import merge, per_rank_ledgers
+from rayzero.step_report import merge, per_rank_ledgers
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +153,7 @@ class Placing(State):
         for w in candidates:
             try:
                 group = run.cluster.place(
-                    run.actor_cls, w, run.bundle, lambda rank, w=w: (cfg, rank, w, run.data_path, run.factory),
+                    run.actor_cls, w, run.bundle, lambda rank, w=w: (cfg, rank, w, run.data_path, run.factory, run.objective_cls),
                     strategy=c.placement_strategy,
                     # The first try waits for resources to appear; smaller ones only take what is free.
                     placement_timeout_s=c.placement_timeout_s if first_error is None else min(c.placement_timeout_s, 2.0),
@@ -281,7 +280,7 @@ class Training(State):
             run.startup.stage("compile", prepare)
         mesh = cfg.mesh(rec.world)
         self.live.dispatch = run.dispatcher(self.live.group.actors, cfg.grad_accum_for(mesh),
-                                            timeout_s=cfg.cluster.pg_timeout_s, pipelined=mesh.size("pp") > 1)
+                                            timeout_s=cfg.cluster.pg_timeout_s, staged=mesh.size("pp") > 1)
         run.clock.mark("graph")  # after a failure: the iteration's graph built again, for the new group
         self.train(run)
         dispatch, self.live.dispatch = self.live.dispatch, None
@@ -355,16 +354,16 @@ class Training(State):
         metrics = step_metrics(results, phase, dt, tokens_per_step, rec.world,
                                throughput(tokens_per_step / dt, rec.world, build["flops_per_token"],
                                           build["device_name"]),
-                               cfg.train.global_batch_size // cfg.train.micro_batch_size)
+                               cfg.train.global_batch_size // cfg.train.micro_batch_size, run.objective)
         h.record(step, metrics["loss"], dt, phase)
         stop = False
         if "val0_loss_sum" in results[0]:  # before the first step: the curve's baseline, at step -1
             base = val_loss(results, "val0_")
-            run.log_val(-1, base, None, results[0].get("val0_prefs"))
+            run.log_val(-1, base, None, results[0].get("val0_objective"), val_count(results, "val0_"))
             early.observe(-1, base)
         if "val_loss_sum" in results[0]:
             val = val_loss(results, "val_")
-            run.log_val(step, val, metrics, results[0].get("val_prefs"))
+            run.log_val(step, val, metrics, results[0].get("val_objective"), val_count(results, "val_"))
             stop = early.observe(step, val)
             if stop:
                 log.warning("stopping early after step %d: %s", step, early.stopped)
@@ -400,12 +399,20 @@ def val_loss(results: list[dict], prefix: str) -> float:
     return sum(r[f"{prefix}loss_sum"] for r in results) / max(sum(r[f"{prefix}tokens"] for r in results), 1)
 
 
-def val_values(val: float, prefs: dict | None = None) -> dict[str, float]:
-    """A validation's metrics: its loss and perplexity; with preference tuning, its loss (a mean
-    over pairs, no perplexity) and the pairs' metrics by TRL's names, `val_` before each."""
-    if prefs is not None:
-        return {"val_loss": val, **pair_metrics(prefs, "val_")}
-    return {"val_loss": val, "val_perplexity": math.exp(min(val, 700.0))}
+def val_count(results: list[dict], prefix: str) -> float:
+    return sum(r[f"{prefix}tokens"] for r in results)
+
+
+def val_values(objective, val: float, sums: dict | None = None, count: float = 0.0) -> dict[str, float]:
+    """A validation's metrics: its loss, its perplexity where the objective's loss is a mean
+    cross-entropy (next-token), and the objective's metrics (DPO's pairs' by TRL's names), `val_`
+    before each."""
+    out = {"val_loss": val}
+    if objective.perplexity:
+        out["val_perplexity"] = math.exp(min(val, 700.0))
+    if sums:
+        out.update(objective.step_metrics(sums, count, "val_"))
+    return out
 
 
 @dataclass(frozen=True)

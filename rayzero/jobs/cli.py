@@ -251,7 +251,7 @@ class _UserError(Exception):
 
 def _tracking(args) -> int:
     """`tracking send`: what a run left unsent, into its MLflow run."""
-    from rayzero.cluster.tracking import UNSENT, send_unsent
+    from rayzero.jobs.tracking import UNSENT, send_unsent
 
     path = Path(args.run_dir)
     path = path / UNSENT if path.is_dir() else path

@@ -29,8 +29,7 @@ def check_data_paths(cfg: RootConfig) -> None:
 def resolve_data(cfg: RootConfig) -> str:
     """The dataset path, prepared on first use if it is the default corpus, checked for size."""
     path = cfg.data.path or ensure_default_corpus(cfg.data.cache_dir)
-    meta = read_meta(path, cfg.checkpoint, tokenizer=model_tokenizer_dir(cfg),
-                     kind="preferences" if cfg.train.objective == "dpo" else "")
+    meta = read_meta(path, cfg.checkpoint, tokenizer=model_tokenizer_dir(cfg), kind=default_kind(cfg))
     need = cfg.train.global_batch_size * (cfg.train.seq_len + 1)
     if meta.get("kind") not in MASKED_KINDS and meta["num_tokens"] < need:  # examples and pairs are padded out
         raise DataError(
@@ -154,17 +153,38 @@ def note_pairs(cfg: RootConfig, data_path) -> None:
               f"train.seq_len + 1 = {n} tokens, cut to its first {n} (TRL's keep_start)", file=sys.stderr)
 
 
+# What each kind of prepared data is, in words, and how `rayzero data prepare` makes it.
+KIND_WORDS = {"text": ("text", "prepared without --instructions or --preferences"),
+              "instructions": ("instruction examples", "prepared with --instructions"),
+              "preferences": ("preference pairs", "prepared with --preferences")}
+PREPARE_FLAG = {"text": "", "instructions": " --instructions", "preferences": " --preferences"}
+
+
+def default_kind(cfg: RootConfig) -> str:
+    """The kind the default corpus is prepared as: the objective's only kind, else text."""
+    from rayzero.objectives.registry import objective_class
+
+    kinds = objective_class(cfg.train.objective).data_kinds
+    return kinds[0] if len(kinds) == 1 and kinds[0] != "text" else ""
+
+
 def check_objective(objective: str, key: str, path, meta: dict) -> None:
-    """Preference pairs for train.objective=dpo and for it alone: `key` (data.path,
-    data.val_path) names the dataset at `path`, `meta` its meta.json."""
+    """The data kinds the objective reads (`Objective.data_kinds`), and no other: `key`
+    (data.path, data.val_path) names the dataset at `path`, `meta` its meta.json."""
+    from rayzero.objectives.config import OBJECTIVES
+    from rayzero.objectives.registry import objective_class
+
     kind, path = meta.get("kind", "text"), getattr(path, "uri", path)
-    if objective == "dpo" and kind != "preferences":
-        raise DataError(f"train.objective=dpo learns from preference pairs, but {key}: {path} holds {kind} (prepared "
-                        "without --preferences); prepare pairs with `rayzero data prepare SRC OUT --tokenizer ... "
-                        "--preferences`, or set train.objective=lm")
-    if objective != "dpo" and kind == "preferences":
-        raise DataError(f"{key}: {path} holds preference pairs (prepared with --preferences), which "
-                        f"train.objective={objective} does not learn from; set train.objective=dpo")
+    kinds = objective_class(objective).data_kinds
+    if kind in kinds:
+        return
+    words = " or ".join(KIND_WORDS[k][0] for k in kinds)
+    flags = "|".join(PREPARE_FLAG[k].strip() or "(no flag)" for k in kinds)
+    readers = [n for n in OBJECTIVES if n != objective and kind in objective_class(n).data_kinds]
+    other = f", or set train.objective={readers[0]}" if readers else ""
+    raise DataError(f"train.objective={objective} learns from {words}, but {key}: {path} holds "
+                    f"{KIND_WORDS.get(kind, (kind, ''))[0]} ({KIND_WORDS.get(kind, ('', 'of its own kind'))[1]}); "
+                    f"prepare it with `rayzero data prepare SRC OUT --tokenizer ... {flags}`{other}")
 
 
 def run_length(cfg: RootConfig, data_path) -> tuple[RootConfig, str | None, str]:

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 from rayzero.config import RootConfig
-from rayzero.objectives.config import fine_tuning_lr
 
 FINE_TUNING = {"optim.weight_decay": 0.0, "optim.beta2": 0.999, "optim.warmup_steps": 0, "optim.schedule": "linear",
                "optim.min_lr": 0.0}
@@ -114,7 +113,9 @@ def with_defaults(cfg: RootConfig) -> tuple[RootConfig, Defaults]:
     if not pretrained:
         return cfg, Defaults("pretraining", why, values=unset_values(cfg, {}))
     lora = cfg.model.lora is not None
-    want = {"optim.lr": fine_tuning_lr(cfg.train.objective, lora), **FINE_TUNING}
+    from rayzero.objectives.registry import objective_class
+
+    want = {"optim.lr": objective_class(cfg.train.objective).fine_tuning_lr[int(lora)], **FINE_TUNING}
     try:
         longest = spec_class(cfg.model.kind).context_length(cfg.model, cfg.checkpoint)
     except ModelError:  # the model's own checks say what is wrong with it

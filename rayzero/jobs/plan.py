@@ -17,7 +17,7 @@ from rayzero.jobs.data_checks import data_plan
 from rayzero.jobs.defaults import Defaults, with_defaults
 from rayzero.jobs.train import (
     ModelUnreachable, absolute_data_paths, absolute_model_path, adapter_start, prepare_model,
-    given_compile_cache, resolve_factory, vocab_note,
+    given_compile_cache, resolve_factory, resolve_objective, vocab_note,
 )
 from rayzero.models import ModelSpec, spec_class
 from rayzero.storage import StorageError
@@ -36,7 +36,7 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
     where it resumes is not said."""
     from rayzero.cluster.checkpoints import checkpoint_root
     from rayzero.cluster.schedule import describe as describe_schedule
-    from rayzero.objectives.config import objective_plan
+    from rayzero.objectives.registry import objective_for
     from rayzero.sharding.memory import activation_bytes, formula_bytes_per_param
     from rayzero.sharding.precision import DTYPES
 
@@ -44,6 +44,7 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
     if local:
         check_local_capacity(cfg)
 
+    resolve_objective(cfg)  # a user's own objective: imported and checked as the run checks it
     mesh = cfg.mesh()  # rank 0's place: the axes' sizes, by role (the adapter's start changes none of them)
     defaults = (Defaults("pretraining", "model.path is read on the cluster's machines: the fine-tuning defaults "
                          "apply if it holds weights") if cfg.model.path or cfg.model.adapter else with_defaults(cfg)[1])
@@ -109,7 +110,7 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
     # checkpoints are the cluster's to read (a job's plan) or the model is not read here.
     resume = resume_plan(cfg, spec, built) if spec is not None and cfg.checkpoint.dir and not job else None
     return {
-        "objective": objective_plan(cfg, num_params, frozen_per_param, sh.param_dtype),
+        "objective": objective_for(cfg).plan(num_params, frozen_per_param, sh.param_dtype),
         "pipeline": pipeline,
         "world_size": c.num_workers,
         "tp": mesh.size("tp"),

@@ -12,7 +12,7 @@ from rayzero.cluster.checkpoints import Checkpoints
 from rayzero.cluster.history import load_rows
 from rayzero.config import ConfigError, RootConfig
 from rayzero.models import ModelSpec
-from rayzero.objectives.config import objective_difference, objective_record
+from rayzero.objectives.registry import objective_difference, objective_for, objective_record
 from rayzero.workers.assembly import build_model, identity
 
 
@@ -33,7 +33,8 @@ def resume_preview(checkpoints: Checkpoints, spec: ModelSpec, built=None):
     except StorageError as e:
         raise CheckpointsUnreadable(f"checkpoint.dir: cannot read checkpoints there: {e}") from None
     if found:
-        why = objective_difference(found[0].manifest.get("objective"), objective_record(checkpoints.cfg, now["model"]))
+        why = objective_difference(found[0].manifest.get("objective"), objective_record(checkpoints.cfg, now["model"]),
+                                   getattr(objective_for(checkpoints.cfg), "resume_hint", ""))
         if why:
             raise ConfigError(f"checkpoint.dir: cannot resume {found[0].uri}: {why}")
     return found[0] if found else None

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 
-from rayzero.objectives.config import objective_line
 
 
 def print_plan(p: dict) -> None:
@@ -42,7 +41,7 @@ def print_plan(p: dict) -> None:
            f"  model state per rank {mem['bytes_per_param']:.2f} bytes/parameter (Megatron's formula)\n")
         + (f"  {_activations_line(mem)}\n" if mem.get("activations_bytes") is not None else "")
         + (f"  {_compile_line(p)}\n" if p.get("compile") else "")
-        + (f"  {objective_line(p['objective'])}\n" if p.get("objective") else "")
+        + (f"  {p['objective']['line']}\n" if (p.get("objective") or {}).get("line") else "")
         + (f"  {_buckets_line(p['buckets'])}\n" if p["buckets"]["numel"] else "")
         + f"  {p['global_batch_size']} sequences per step = {p['dp_size']} "
         + ("data-parallel ranks" if p["dp_size"] < p["world_size"] else "ranks") + f" x {p['grad_accum']} "

@@ -19,7 +19,7 @@ from rayzero.cluster.local_ray import (
     RayStart, check_local_capacity, check_reachable, local_ray_options, quiet_logs, shutdown_ray, starts_local_ray,
 )
 from rayzero.cluster.startup import CHECKS, Startup
-from rayzero.cluster.tracking import UNSENT, NullTracker, Tracker
+from rayzero.jobs.tracking import UNSENT, NullTracker, Tracker
 from rayzero.cluster.worker_group import KEPT
 from rayzero.checkpoint.export import check_destination, check_final, export_identity
 from rayzero.config import ConfigError, RootConfig
@@ -91,13 +91,50 @@ def resolve_factory(cfg: RootConfig, factory=None):
             factory = import_factory(cfg.model.factory)
         except ModelError as e:
             raise ConfigError(str(e)) from None
-    module = sys.modules.get(getattr(factory, "__module__", "") or "")
+    _send_by_value(factory)  # the whole top-level package: the factory's module may import its siblings
+    return factory
+
+
+def resolve_objective(cfg: RootConfig, objective: type | None = None) -> type | None:
+    """The class of a user's own objective (`train.objective=package.module:Class`, or from
+    Python, `objective`), imported here with the working directory importable, checked for what
+    the interface needs and against the config (`Objective.check`), and sent to the ranks by
+    value where it comes from the user's files; None for a built-in one. A ConfigError in one
+    line otherwise, before any cluster is touched."""
+    from rayzero.objectives.config import is_path
+    from rayzero.objectives.registry import check_class, objective_class, remember
+
+    name = cfg.train.objective
+    if objective is not None:
+        try:
+            remember(name, check_class(objective, name))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    elif not is_path(name):
+        return None
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        cls = objective_class(name)
+        cls.check(cfg)
+        if cls.reference == "adapters_off" and cfg.model.lora is None:
+            raise ValueError("its reference is the base model with the LoRA adapters off (reference = "
+                             "\"adapters_off\"), and this run has no adapters: set model.lora, or use frozen_copy")
+    except ValueError as e:
+        text = str(e)
+        raise ConfigError(text if text.startswith("train.objective") else f"train.objective: {name}: {text}") from None
+    _send_by_value(cls)
+    return cls
+
+
+def _send_by_value(obj) -> None:
+    """The whole top-level package of `obj`'s module pickled by value for the ranks, where it is
+    the user's own (not an installed package): their machines need not have the file."""
+    module = sys.modules.get(getattr(obj, "__module__", "") or "")
     where = getattr(module, "__file__", None) or ""
     if module is not None and module.__name__ != "__main__" and not any(
-            part in where for part in ("site-packages", "dist-packages")):
-        # The whole top-level package: the factory's module may import its siblings.
+            part in where for part in ("site-packages", "dist-packages")) and not module.__name__.startswith("rayzero"):
         ray.cloudpickle.register_pickle_by_value(sys.modules[module.__name__.partition(".")[0]])
-    return factory
 
 
 class Prepared:
@@ -269,9 +306,10 @@ def run_train(cfg: RootConfig, progress: bool = True, factory=None, startup: Sta
 
 
 def train_run(cfg: RootConfig, progress: bool = True, factory=None, startup: Startup | None = None,
-              ray_start: RayStart | None = None) -> tuple[dict, list[dict]]:
+              ray_start: RayStart | None = None, objective: type | None = None) -> tuple[dict, list[dict]]:
     """Train; the run's summary and each step's metrics (one dict per step, from step 0 on a
     resumed run too). `factory`: the model's callable, given from Python (`model.kind=module`);
+    `objective`: the class of the run's objective, given from Python (`train.objective`);
     `startup`: the start-up's status lines, begun by the caller (None: begun here); `ray_start`:
     the start (or join) of the Ray this run uses, and its ranks' placement, begun by the caller
     beside its imports (the CLI in a process of its own; None: Ray is started or joined after the
@@ -285,6 +323,7 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None, startup: Sta
         KEPT.release()  # ranks kept by an earlier run, and its Ray connection, are not this run's
     if ray_start is None and starts_local_ray(cfg):  # before anything is written: not after the placement wait
         check_local_capacity(cfg)  # (a begun RayStart checked it before it began)
+    objective = resolve_objective(cfg, objective)  # a user's own: imported and checked now
     # S3 settings left to the AWS variables are resolved here, once, for the driver's checks and
     # for the ranks alike (Ray starts them without this environment); the run directory's
     # config.json and MLflow show the settings as given.
@@ -305,10 +344,9 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None, startup: Sta
     factory = resolve_factory(cfg, factory)
     meta = read_meta(data_path, cfg.checkpoint)
     check_data_tokenizer(cfg, meta, data_path)
-    objective = cfg.train.objective
-    check_objective(objective, "data.path", data_path, meta)
+    check_objective(cfg.train.objective, "data.path", data_path, meta)
     if cfg.data.val_path:
-        check_objective(objective, "data.val_path", cfg.data.val_path, read_meta(cfg.data.val_path, cfg.checkpoint))
+        check_objective(cfg.train.objective, "data.val_path", cfg.data.val_path, read_meta(cfg.data.val_path, cfg.checkpoint))
     dataset = open_dataset(cfg, data_path) if (cfg.data.epochs or cfg.data.val_path or cfg.data.val_fraction
                                                 or meta.get("kind") in MASKED_KINDS) else None
     check_validation(cfg, meta, dataset)
@@ -384,7 +422,7 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None, startup: Sta
         startup.when_done(tracker.begin)  # MLflow takes no CPU from the ranks' start
     try:
         controller = Controller(cfg, data_path, str(run_dir), tracker, progress=progress, checkpoints=checkpoints,
-                                factory=factory, spec=spec, startup=startup)
+                                factory=factory, objective=objective, spec=spec, startup=startup)
         return controller.fit(), controller.history.rows
     finally:
         if KEPT.group is not None:  # kept ranks live as long as this process's connection

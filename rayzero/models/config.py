@@ -114,10 +114,10 @@ class ModelConfig(Frozen):
     activation_checkpointing: str = Field(
         default="none",
         description="Recompute activations in backward instead of keeping them: `none`; `full` = every block "
-        "(the model's repeated layers, or `checkpoint_blocks`) keeps only its input; `every:N` = every N-th "
+        "(the model's repeated layers, or `recompute_blocks`) keeps only its input; `every:N` = every N-th "
         "block does; `selective` = every block keeps its matrix multiplications' outputs and recomputes the rest.",
     )
-    checkpoint_blocks: tuple[str, ...] = Field(
+    recompute_blocks: tuple[str, ...] = Field(
         default=(),
         description="The module classes activation checkpointing recomputes, comma-separated; empty = the "
         "model's own blocks (the GPT's `Block`, an HF model's `_no_split_modules`, a module's largest list of "
@@ -163,10 +163,19 @@ class ModelConfig(Frozen):
         mode = self.activation_checkpointing
         return 0 if mode == "none" else int(mode.partition(":")[2]) if mode.startswith("every:") else 1
 
-    @field_validator("freeze", "checkpoint_blocks", mode="before")
+    @field_validator("freeze", "recompute_blocks", mode="before")
     @classmethod
     def _split(cls, v):
         return tuple(s.strip() for s in v.split(",") if s.strip()) if isinstance(v, str) else v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_names(cls, data):
+        """`checkpoint_blocks`, the old name of `recompute_blocks`, read as it."""
+        if isinstance(data, dict) and "checkpoint_blocks" in data:
+            data = {**{k: v for k, v in data.items() if k != "checkpoint_blocks"},
+                    "recompute_blocks": data["checkpoint_blocks"]}
+        return data
 
     @field_validator("kwargs", mode="before")
     @classmethod

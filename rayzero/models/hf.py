@@ -161,7 +161,7 @@ class HFSpec(RouterLosses, ModelSpec):
         layers = tuple(sorted(getattr(model, "_no_split_modules", None) or ()))
         if not layers:
             raise ModelError(f"{self.where}: {type(model).__name__} names no _no_split_modules, so activation "
-                             "checkpointing has no default blocks; set model.checkpoint_blocks to its layer's class")
+                             "checkpointing has no default blocks; set model.recompute_blocks to its layer's class")
         return layers
 
     # -- tensor parallelism -------------------------------------------------------------

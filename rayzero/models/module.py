@@ -121,7 +121,7 @@ class ModuleSpec(ModelSpec):
         return self._layers(model, "sharding.fsdp_units", "shard by")
 
     def blocks(self, model: nn.Module) -> tuple[str, ...]:
-        return self._layers(model, "model.checkpoint_blocks", "recompute")
+        return self._layers(model, "model.recompute_blocks", "recompute")
 
     def stage_blocks(self, model: nn.Module) -> list[str]:
         """A module's stages come from its own `pipeline_blocks()`: the names of its blocks in

@@ -238,7 +238,7 @@ class ModelSpec:
 
     def blocks(self, model: nn.Module) -> tuple[str, ...]:
         """The classes of the model's repeated blocks (its transformer layers): what
-        activation checkpointing recomputes when `model.checkpoint_blocks` is left empty."""
+        activation checkpointing recomputes when `model.recompute_blocks` is left empty."""
         raise NotImplementedError
 
     def stage_blocks(self, model: nn.Module) -> list[str]:
@@ -323,7 +323,7 @@ class ModelSpec:
         scaled by `aux_coef`. `vocab`: this rank's `VocabShard` when the head is split over the
         vocabulary: the logits are its rows, and the loss is computed on the shards."""
         loss_of = vocab.token_loss if vocab is not None else token_loss
-        logits, out = self._forward(model, batch, check, vocab)
+        logits, out = self.forward(model, batch, check, vocab)
         return (*loss_of(logits, batch.targets), self.aux_loss(out))
 
     def token_losses(self, model: nn.Module, batch: MicroBatch, check: bool = False, vocab=None):
@@ -331,12 +331,12 @@ class ModelSpec:
         model's auxiliary loss or None): what a loss over whole sequences (preference tuning)
         sums row by row. As `loss` otherwise."""
         y = batch.targets
-        logits, out = self._forward(model, batch, check, vocab)
+        logits, out = self.forward(model, batch, check, vocab)
         per_token = vocab.token_losses(logits, y) if vocab is not None else F.cross_entropy(
             logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE_INDEX, reduction="none").view(y.shape)
         return per_token, self.aux_loss(out)
 
-    def _forward(self, model: nn.Module, batch: MicroBatch, check: bool, vocab):
+    def forward(self, model: nn.Module, batch: MicroBatch, check: bool = False, vocab=None):
         """(the logits, the forward's whole output), checked with `check`."""
         if not check:
             out = self.logits(model, batch)

@@ -1,12 +1,16 @@
-from typing import Literal
+"""The objectives a run can train for, as the config and the CLI see them, without torch: each
+built-in one by name (`OBJECTIVES`: where its code is, and the checks its options take), its
+options' section (`DPOConfig`), a user's own by `package.module:Class`. The objectives' code is in
+their own files (`next_token.py`, `dpo.py`), imported when a run makes one (`registry.py`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal
 
 from pydantic import Field
 
 from rayzero._frozen import Frozen
-from rayzero.checkpoint.records import brief, first_difference, stored
-
-# The losses that compare the policy with a reference model; `orpo` needs none.
-REFERENCE_LOSSES = ("sigmoid", "ipo", "hinge", "robust")
 
 
 class DPOConfig(Frozen):
@@ -45,97 +49,64 @@ class DPOConfig(Frozen):
 
     @property
     def uses_reference(self) -> bool:
-        return self.loss in REFERENCE_LOSSES
+        return self.loss != "orpo"
 
 
-# A fine-tune's learning rate when `optim.lr` is left unset (`jobs/defaults.py`): TRL's SFTConfig and DPOConfig
-# defaults for full fine-tuning, and for LoRA about ten times that, as TRL's PEFT guide advises.
-FINE_TUNING_LR = {"lm": (2e-5, 2e-4), "dpo": (1e-6, 1e-5)}
+def check_dpo(cfg) -> None:
+    """What preference tuning refuses, before anything starts."""
+    t, d = cfg.train, cfg.dpo
+    if t.micro_batch_size % 2:
+        raise ValueError(f"train.micro_batch_size: {t.micro_batch_size} would split a preference pair (chosen and "
+                         "rejected are two sequences of one micro-batch); make it even")
+    if d.label_smoothing and d.loss != "robust":
+        raise ValueError(f"dpo.label_smoothing: {d.label_smoothing:g} would do nothing to dpo.loss="
+                         f"{d.loss} (as in TRL, only robust DPO takes it); use dpo.loss=robust, or leave it 0")
+    if d.precompute_ref and not d.uses_reference:
+        raise ValueError(f"dpo.precompute_ref: dpo.loss={d.loss} has no reference model to precompute")
 
 
-def fine_tuning_lr(objective: str, lora: bool) -> float:
-    """The learning rate a fine-tune of `objective` takes by default (full, or LoRA)."""
-    return FINE_TUNING_LR[objective][int(lora)]
+@dataclass(frozen=True)
+class Registered:
+    """A built-in objective: its class (`module:Class`), and the checks its options take
+    before anything starts (no torch)."""
+
+    path: str
+    check: Callable | None = None
+    summary: str = ""  # one line for `train.objective`'s description
 
 
-def objective_record(cfg, model: dict | None) -> dict:
-    """What a checkpoint notes of the objective it was trained for: its name and, for a loss
-    with a reference model, which reference (how it is made, and from what model, `model`:
-    `ModelSpec.record()`). The reference is rebuilt from `model.path` on a resume, never stored.
-    In the form the manifest stores it (`records.stored`): the record a run writes and the one
-    the same command computes again compare equal."""
-    if cfg.train.objective != "dpo":
-        return {"name": "lm"}
-    reference = None
-    if cfg.dpo.uses_reference:
-        reference = _reference("adapters_off" if cfg.model.lora is not None else "frozen_copy", model)
-    return stored({"name": "dpo", "loss": cfg.dpo.loss, "reference": reference})
+# The built-in objectives, by `train.objective`'s value: one line each.
+OBJECTIVES = {
+    "lm": Registered("rayzero.objectives.next_token:NextToken",
+                     summary="next-token prediction on text or instruction data"),
+    "dpo": Registered("rayzero.objectives.dpo:DPO", check_dpo,
+                      summary="preference tuning on pairs (data prepared with `--preferences`; the loss in `dpo`); "
+                              "batch sizes count sequences: a pair is two, its chosen and rejected always in one "
+                              "micro-batch"),
+}
 
 
-def _reference(kind: str, model: dict | None) -> dict:
-    """A reference model's record: with LoRA (`adapters_off`) the base model, whatever the
-    adapters' settings (they are not part of it); else the model the policy starts as."""
-    if kind == "adapters_off" and model is not None:
-        model = {k: v for k, v in model.items() if k != "lora"}
-    return {"kind": kind, "model": model}
+def is_path(name: str) -> bool:
+    """Whether `train.objective` names a user's class (`package.module:Class`) rather than a built-in."""
+    return ":" in name
 
 
-# The two ways out of a refusal to resume, as every such refusal gives them.
-WAYS_OUT = "train into another checkpoint.dir, or set checkpoint.resume=none to start from scratch beside them"
+def check_name(name: str) -> str:
+    """`train.objective`'s value, refused unless a built-in's name or `package.module:Class`."""
+    if name in OBJECTIVES:
+        return name
+    module, sep, attr = name.partition(":")
+    if sep and module and attr:
+        return name
+    raise ValueError(f"expected {', '.join(OBJECTIVES)} or package.module:Class (an Objective of your own)")
 
 
-def objective_difference(saved: dict | None, now: dict) -> str | None:
-    """Why a checkpoint (its `objective` record; None: from before objectives were recorded,
-    i.e. `lm`) cannot be resumed by a run of objective `now`, or None: the first field of the
-    records that differs, with its two values, and the ways out."""
-    saved = stored(saved or {"name": "lm"})
-    if saved.get("name") != now["name"]:
-        return (f"it was trained with train.objective={saved.get('name')}, this run has train.objective={now['name']}; "
-                + ("to tune its result on preferences, export it (train.save_final) and start from it with "
-                   "model.path, or " if now["name"] == "dpo" else "")
-                + WAYS_OUT)
-    was, here = (r and _reference(r["kind"], r.get("model")) for r in (saved.get("reference"), now.get("reference")))
-    found = first_difference(was, here, "reference")
-    if found is None:
-        return None
-
-    def said(r):
-        return "none" if not r else f"{r['kind']} of {(r.get('model') or {}).get('source') or 'its model'}"
-
-    field = (f"{found[0]} is {brief(found[1])} in the checkpoint, {brief(found[2])} here; "
-             if was and here else "")  # else the kinds say it: one is none
-    return (f"its reference model ({said(was)}) is not this run's ({said(here)}): {field}the rewards would be "
-            f"measured against another model; {WAYS_OUT}")
-
-
-def objective_plan(cfg, params_per_rank: int | None, frozen_bytes_per_param: float, param_dtype: str) -> dict | None:
-    """What `--dry-run` says of preference tuning (None: `lm`): the loss, and the reference
-    model's bytes per rank, in the compute dtype and sharded as frozen parameters are (a frozen
-    copy: its parameters x `frozen_bytes_per_param`; none for LoRA, whose reference is the base
-    with the adapters off, a reference-free loss, or a precomputed reference, which holds it only
-    for the pass before training)."""
-    if cfg.train.objective != "dpo":
-        return None
-    d = cfg.dpo
-    if not d.uses_reference:
-        how, held = "none (reference-free)", 0
-    elif cfg.model.lora is not None:
-        how, held = "the base model with the LoRA adapters off (no copy)", 0
-    else:
-        how = f"a frozen copy of the starting weights in {param_dtype}, sharded like the policy"
-        held = int(frozen_bytes_per_param * params_per_rank) if params_per_rank else None
-    before = held if d.precompute_ref else 0
-    return {"loss": d.loss, "beta": d.beta, "reference": how, "precompute_ref": d.precompute_ref,
-            "reference_bytes": 0 if d.precompute_ref else held, "reference_bytes_before_training": before}
-
-
-def objective_line(o: dict) -> str:
-    """The dry run's line for `objective_plan`."""
-    mib = (lambda b: f"{b / 2**20:,.1f} MiB per rank" if b is not None else "its size unknown here")
-    ref = o["reference"]
-    if o["precompute_ref"]:
-        ref += f"; its log-probabilities precomputed before training ({mib(o['reference_bytes_before_training'])} " \
-               "then), then dropped"
-    elif o["reference_bytes"]:
-        ref += f": {mib(o['reference_bytes'])} beside the model state (no gradient, main copy or optimizer state)"
-    return f"objective dpo, loss {o['loss']} (beta {o['beta']:g}); reference: {ref}"
+def check_options(cfg) -> None:
+    """The built-in objective's checks of the config (a user's own runs `Objective.check` when
+    it is imported, before the cluster starts)."""
+    entry = OBJECTIVES.get(cfg.train.objective)
+    if entry is not None and cfg.train.objective_kwargs:
+        raise ValueError(f"train.objective_kwargs: for an objective of your own (train.objective=package.module:Class); "
+                         f"train.objective={cfg.train.objective} takes none")
+    if entry is not None and entry.check is not None:
+        entry.check(cfg)

@@ -62,9 +62,7 @@ class Link:
 class Totals:
     """What one iteration's pipeline leaves for the step's report."""
 
-    loss_sum: torch.Tensor
-    aux_sum: torch.Tensor
-    tokens: int | torch.Tensor = 0  # a count on the device, read once the step is done
+    aux_sum: torch.Tensor  # the model's auxiliary loss (a router's), summed over the micro-batches
     times: dict[str, float] = field(default_factory=lambda: {"forward": 0.0, "backward": 0.0, "wait": 0.0})
     activations_peak: int = 0  # the most one chunk's forward left saved
     in_flight_peak: int = 0  # the most all forwards not yet backward held at once
@@ -74,7 +72,7 @@ class Totals:
 class PipeContext:
     """What a rank's pipeline runs with: its model and the model seam, the strategy its backward
     goes through, its stages, the link to its peers and its schedule's actions, the boundary's
-    shape and dtype (`workers/pipelined.py` makes them from the mesh and the model seam), and the
+    shape and dtype (`workers/stages.py` makes them from the mesh and the model seam), and the
     rank's dropout streams, activation meter and vocabulary shard."""
 
     model: torch.nn.Module
@@ -105,10 +103,6 @@ class PipelineRun:
         self.progress = lambda: None  # called at each action: a rank's watchdog sees a long schedule move
         self.streams, self.meter, self.vocab = ctx.streams, ctx.meter, ctx.vocab
         self.runner = StageRunner(ctx.model, ctx.stages)
-        # The last stage's loss in place of the model seam's: `objective(model, batch, check, micro)`
-        # gives (this micro-batch's part of the step's loss, 0, the auxiliary loss or None), the
-        # loss divided already (preference tuning: `workers/preference.py`). None: `spec.loss`.
-        self.objective = None
         self.checked = False
         # Off (None) unless a caller sets a list: then each F, B, I and W appends (str(action),
         # start, end) in time.perf_counter() seconds, a receive's wait left out of its start.
@@ -122,12 +116,14 @@ class PipelineRun:
         self._last_backward = landing[-1]
 
     # -- one iteration -------------------------------------------------------------------
-    def iteration(self, micro, step: int, first_micro: int, mean) -> Totals:
-        """Every action of this rank's schedule over `micro` (its `MicroBatch`es); `mean`: a
-        micro-batch's part of the step's mean loss from its loss sum and auxiliary loss (the
-        step runner's `StepMean`, the one normalisation)."""
-        totals = Totals(torch.zeros((), dtype=torch.float64, device=self.device),
-                        torch.zeros((), dtype=torch.float64, device=self.device))
+    def iteration(self, micro, step: int, first_micro: int, objective, mean) -> Totals:
+        """Every action of this rank's schedule over `micro` (its `MicroBatch`es). On the last
+        stage, `objective.loss(model, batch, check, index)` gives a micro-batch's part of the
+        step's loss and the model's auxiliary loss (the objective's part on the rank,
+        `objectives/base.py`, as the plain runner calls it); `mean` adds the auxiliary loss (the
+        step runner's, the one normalisation)."""
+        totals = Totals(torch.zeros((), dtype=torch.float64, device=self.device))
+        self._objective = objective
         self._inputs: dict = {}  # (micro, chunk) -> received activations (the leaf whose grad goes back)
         self._outputs: dict = {}  # (micro, chunk) -> output activations, or the scaled loss
         self._recvs: dict = {}  # (op, micro, chunk) -> pending receive
@@ -245,11 +241,9 @@ class PipelineRun:
         if self.routers is not None:
             self.routers.recording = []
         with self.meter.sampled((a.chunk, tuple(batch.tokens.shape))):
-            if last and self.objective is not None:
-                out = self.runner.run(a.chunk, hidden, lambda m: self.objective(m, batch, not self.checked, a.micro))
-            elif last:
-                out = self.runner.run(a.chunk, hidden, lambda m: self.spec.loss(
-                    m, batch, check=not self.checked, vocab=self.vocab))
+            if last:
+                out = self.runner.run(a.chunk, hidden, lambda m: self._objective.loss(
+                    m, batch, not self.checked, a.micro))
             else:
                 out = [self.runner.run(a.chunk, hidden, lambda m: self.spec.logits(m, batch))]
             if self.routers is not None:  # this stage's router logits after those of the stages before
@@ -257,7 +251,7 @@ class PipelineRun:
                 logits = torch.cat([*received[1:], *(t.unsqueeze(0) for t in own)])
                 self.routers.recording = None
                 if last:
-                    out = (*out[:2], self.routers.loss(logits))
+                    out = (out[0], self.routers.loss(logits))
                 else:
                     out.append(logits)
         self.checked = True
@@ -265,12 +259,10 @@ class PipelineRun:
         totals.activations_peak = max(totals.activations_peak, self.meter.bytes)
         totals.in_flight_peak = max(totals.in_flight_peak, sum(self._saved.values()))
         if last:
-            loss_sum, count, aux = out
-            loss = mean(loss_sum, aux)
+            part, aux = out
+            loss = mean(part, aux)
             if aux is not None:
                 totals.aux_sum += aux.detach().double()
-            totals.loss_sum += loss_sum.detach().double()
-            totals.tokens += count.detach() if isinstance(count, torch.Tensor) else count  # no wait for the device
             out = [loss]
         self._outputs[a.micro, a.chunk] = out
         totals.times["wait"] += self._wait_s

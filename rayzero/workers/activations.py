@@ -188,10 +188,10 @@ def blocks_of(model: nn.Module, classes: tuple[str, ...], every: int) -> list[st
     names = {type(m).__name__ for m in model.modules()}
     missing = [c for c in classes if c not in names]
     if missing:
-        raise ValueError(f"model.checkpoint_blocks: no module of {type(model).__name__} has class "
+        raise ValueError(f"model.recompute_blocks: no module of {type(model).__name__} has class "
                          f"{', '.join(missing)}; its module classes are {', '.join(sorted(names))}")
     found = outermost(model, classes)
     if not found:
         raise ValueError(f"model.activation_checkpointing: {type(model).__name__} has no blocks to recompute; "
-                         "name their class in model.checkpoint_blocks")
+                         "name their class in model.recompute_blocks")
     return found[::every]

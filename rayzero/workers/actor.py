@@ -21,14 +21,15 @@ class RankShim:
     """Forwards every call to a `Rank`; `RankActor` is this as a Ray actor. The calls of
     `phases.CALLS` (setup, checkpoints, the iteration's phases) are added below, one each."""
 
-    def __init__(self, cfg: RootConfig | None, rank: int | None, world_size: int, data_path: str, factory=None):
+    def __init__(self, cfg: RootConfig | None, rank: int | None, world_size: int, data_path: str, factory=None,
+                 objective=None):
         """`rank`: None for a warm spare (see `Rank`); `cfg`: None for a process started ahead of
         its run (`place_ahead`), which imports what a rank needs and waits for `renew`."""
         from rayzero.workers.membership import collect_and_freeze
         from rayzero.workers.rank import Rank  # torch and the model code: the process's start
 
         collect_and_freeze()  # the process has just started: what it holds now is its imports
-        self.rank = Rank(cfg, rank, world_size, data_path, factory) if cfg is not None else None
+        self.rank = Rank(cfg, rank, world_size, data_path, factory, objective) if cfg is not None else None
 
     # In its own thread, so the controller's watchdog gets an answer while a phase runs.
     @ray.method(concurrency_group="control")
@@ -50,7 +51,8 @@ class RankShim:
         if self.rank is not None:  # (a process started ahead has no rank until `renew`)
             self.rank.close()
 
-    def renew(self, cfg: RootConfig, rank: int | None, world_size: int, data_path: str, factory=None) -> dict:
+    def renew(self, cfg: RootConfig, rank: int | None, world_size: int, data_path: str, factory=None,
+              objective=None) -> dict:
         """A kept process (`cluster.keep_ranks`, or one started ahead of its run) becomes a new
         run's rank: its closed `Rank` goes (if any), a new one is made as `__init__` makes it, and
         torch's global generator is seeded from the system's entropy as a new process's is
@@ -60,7 +62,7 @@ class RankShim:
         from rayzero.workers.membership import collect_and_freeze
         from rayzero.workers.rank import Rank
 
-        self.rank = Rank(cfg, rank, world_size, data_path, factory)
+        self.rank = Rank(cfg, rank, world_size, data_path, factory, objective)
         collect_and_freeze()  # the closed rank's leftovers go; what lives on is not scanned again
         torch.seed()
         return {"pid": os.getpid()}

@@ -77,7 +77,7 @@ def build_model(cfg: RootConfig, spec: ModelSpec, mesh: Mesh | None = None,
     spec.router_z_loss(built.model, cfg.moe.router_z_loss)
     if compiled:
         compile_model_blocks(built, cfg, spec)
-    checkpoint_blocks(built, cfg, spec, streams)
+    recompute_blocks(built, cfg, spec, streams)
     return built
 
 
@@ -170,9 +170,9 @@ def context_of(cfg: RootConfig, mesh: Mesh):
 
 
 def block_classes(cfg: RootConfig, spec: ModelSpec, model: nn.Module) -> tuple[str, ...]:
-    """The classes of the blocks that are compiled and recomputed: `model.checkpoint_blocks`,
+    """The classes of the blocks that are compiled and recomputed: `model.recompute_blocks`,
     else the model's own (`spec.blocks`)."""
-    return tuple(cfg.model.checkpoint_blocks) or spec.blocks(model)
+    return tuple(cfg.model.recompute_blocks) or spec.blocks(model)
 
 
 def compile_model_blocks(built: Built, cfg: RootConfig, spec: ModelSpec) -> None:
@@ -185,7 +185,7 @@ def compile_model_blocks(built: Built, cfg: RootConfig, spec: ModelSpec) -> None
     compile_blocks(built.model, built.compiled, cfg.train.compile_backend, cfg.train.compile_cache)
 
 
-def checkpoint_blocks(built: Built, cfg: RootConfig, spec: ModelSpec, streams: RandomStreams | None = None) -> None:
+def recompute_blocks(built: Built, cfg: RootConfig, spec: ModelSpec, streams: RandomStreams | None = None) -> None:
     """`model.activation_checkpointing`: the chosen blocks recompute their activations in
     backward, replaying the dropout streams' draws. ValueError for blocks that cannot be found."""
     every = cfg.model.checkpoint_every

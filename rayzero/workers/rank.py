@@ -27,13 +27,15 @@ from rayzero.sharding.expert_parallel import ExpertParallel
 from rayzero.sharding.rng import RandomStreams
 from rayzero.workers.activations import ActivationMeter
 from rayzero.workers.compile import Compiling
+from rayzero.objectives.registry import objective_for, remember
 from rayzero.workers.assembly import assemble, context_of, identity, make_spec, whole_counts
-from rayzero.workers import pipelined, preference
+from rayzero.workers import stages as pipeline_stages
+from rayzero.workers.reference import build_reference
 from rayzero.workers.disconnect import opened_while
 from rayzero.workers.membership import Membership
 from rayzero.workers.rendezvous import rendezvous_port
 from rayzero.workers.phases import CALLS
-from rayzero.workers.steps import runner_for
+from rayzero.workers.steps import StepContext, runner_for
 
 
 def watched(fn):
@@ -59,11 +61,15 @@ class Rank(Membership):
     made with no rank (`rank=None`), `warm`s up, and is `assign`ed the lost rank's place."""
 
     def __init__(self, cfg: RootConfig, rank: int | None, world_size: int, data_path: str,
-                 factory: Callable | None = None):
+                 factory: Callable | None = None, objective: type | None = None):
         """`factory`: the model's callable when given from Python (`model.kind=module`);
-        `rank`: None for a spare, which has no mesh coordinates until `assign`."""
+        `objective`: the class `train.objective` names, when given from Python or sent by the
+        driver (a user's own, from their files); `rank`: None for a spare, which has no mesh
+        coordinates until `assign`."""
         self.cfg = cfg
         self.factory = factory
+        if objective is not None:
+            remember(cfg.train.objective, objective)
         # connected to its process groups in `setup`
         self.mesh = cfg.mesh(world_size, rank) if rank is not None else None
         self.data_path = data_path
@@ -72,7 +78,8 @@ class Rank(Membership):
         self._finished: int | None = None  # the last step whose iteration this rank finished (`progress`)
         self._times: dict[str, float] = {}
         self.saver: ShardSaver | None = None
-        self.model = self.strategy = self.data = self.val = self.prefs = None  # built by `setup`
+        self.model = self.strategy = self.data = self.val = None  # built by `setup`
+        self.objective = self.loss = None  # the run's objective (`Objective`) and its part on this rank
         self.experts: ExpertParallel | None = None  # with parallel.ep: the MoE layers' dispatch
         self.spec = self._pipe = self.streams = self.vocab = self.meter = self.steps = None  # and these
         self.micro_per_step = 0
@@ -118,7 +125,7 @@ class Rank(Membership):
                 uploads = []
         self.saver = None
         self._pipe = None  # this rank's pipeline stages and schedule, with parallel.pp > 1
-        self.prefs = None  # preference tuning's reference model (or table) goes with the model
+        self.loss = None  # the objective's part on this rank: its reference model (or table) goes with the model
         if self.data is not None:
             self.data.close()
         self.model = self.strategy = self.data = self.val = None
@@ -159,16 +166,22 @@ class Rank(Membership):
         self._baseline = None
         self.meter = ActivationMeter(self.strategy.buffer.storage_ptrs)
         self.micro_per_step = cfg.train.global_batch_size // cfg.train.micro_batch_size
-        self._pipe = None if stages is None else pipelined.start_pipeline(
+        self._pipe = None if stages is None else pipeline_stages.start_pipeline(
             cfg, self.spec, self.model, self.strategy, stages, self.mesh, self.device, self.streams, self.meter,
             self.vocab)
         if self._pipe is not None:  # the watchdog's clock restarts at each of the schedule's actions
             self._pipe.progress = lambda: setattr(self, "_current", ("pipeline", time.monotonic()))
-        # Preference tuning: the loss over pairs, and its reference model (built here: sharded the same way).
-        self.prefs = None if cfg.train.objective != "dpo" else preference.start(
-            cfg, self.spec, self.model, self.strategy, self.mesh, self.device, self.streams, self.vocab, self._pipe,
-            self.data, self.val, context_of(cfg, self.mesh))
-        self.steps = runner_for(self)  # the step's micro-batches: plain or pipelined, language model or pairs
+        # The objective, and the reference model it compares with (built here: sharded the same way).
+        self.objective = objective_for(cfg)
+        reference = build_reference(self.objective.reference, cfg, self.spec, self.model, self.strategy, self.mesh,
+                                    self.device, self.streams, self.vocab)
+        ctx = StepContext(
+            model=self.model, spec=self.spec, strategy=self.strategy, mesh=self.mesh, device=self.device,
+            streams=self.streams, meter=self.meter, vocab=self.vocab, pipe=self._pipe, cp=context_of(cfg, self.mesh),
+            data=self.data, val=self.val, reference=reference, micro_per_step=self.micro_per_step,
+            tokens_per_step=self.data.tokens_per_step, masks_labels=self.data.masks_labels)
+        self.loss = self.objective.rank_side(ctx)
+        self.steps = runner_for(ctx, self.loss)  # the step's micro-batches: plain or through the stages
         self._counts, self._aux_counts = self._counting()
         self._batch_index = self.mesh.coord("batch")
         return {**self._setup_report(backend, source, stages), "initial_values": not resuming}
@@ -240,13 +253,12 @@ class Rank(Membership):
             **identity(self.model, tp, self.spec),  # what checkpoints record: params whole, at any TP size
             "pp_rank": self.mesh.coord("pp"),
             "pp": self.mesh.size("pp"),
-            **(pipelined.stage_report(self.spec, self.model, stages, self.cfg.train.seq_len) if stages else {}),
+            **(pipeline_stages.stage_report(self.spec, self.model, stages, self.cfg.train.seq_len) if stages else {}),
         }
 
     def _memory(self) -> dict[str, int]:
         """The ledger, and the peak bytes a micro-batch's forward has left saved for backward."""
-        ref = self.prefs.reference.memory() if self.prefs is not None and self.prefs.reference is not None else {}
-        return {**self.strategy.memory(), **self.steps.memory(), **ref}
+        return {**self.strategy.memory(), **self.steps.memory(), **self.loss.memory()}
 
     # -- phases --------------------------------------------------------------------------
     @watched
@@ -292,11 +304,11 @@ class Rank(Membership):
         return {}
 
     @watched
-    def reduce_scatter(self, _prev: dict) -> dict:
+    def reduce_grads(self, _prev: dict) -> dict:
         t0 = time.perf_counter()
         self.steps.check_done()
         self.strategy.finish_grad_sync()
-        self._times["reduce_scatter"] = time.perf_counter() - t0
+        self._times["reduce_grads"] = time.perf_counter() - t0
         return {}
 
     @watched
@@ -330,11 +342,11 @@ class Rank(Membership):
         of this rank's validation rows; the controller divides by their global count."""
         t0 = time.perf_counter()
         if self.plan.get("evaluate") and self.val is not None:
-            loss_sum, count, *prefs = self._validation_loss()
-            result = {**result, "val_loss_sum": loss_sum, "val_tokens": count, **{"val_prefs": p for p in prefs}}
+            loss_sum, count, metrics = self._validation_loss()
+            result = {**result, "val_loss_sum": loss_sum, "val_tokens": count, "val_objective": metrics}
         if self._baseline is not None:
-            result = {**result, "val0_loss_sum": self._baseline[0], "val0_tokens": self._baseline[1],
-                      **{"val0_prefs": p for p in self._baseline[2:]}}
+            loss_sum, count, metrics = self._baseline
+            result = {**result, "val0_loss_sum": loss_sum, "val0_tokens": count, "val0_objective": metrics}
         # done_at: when this rank finished the iteration, on its wall clock (the driver sleeps
         # until the next one should be done, counting from here)
         phase_s = {**result["phase_s"], "evaluate": time.perf_counter() - t0}
@@ -343,30 +355,29 @@ class Rank(Membership):
         self._finished = self.plan["step"]
         return {**result, "phase_s": phase_s, "done_at": time.time()}
 
-    def _validation_loss(self) -> tuple:
-        """(summed loss, valid targets) over this rank's validation rows, forward only; with
-        preference tuning (loss summed per pair, pairs, the metrics' sums)."""
+    def _validation_loss(self) -> tuple[float, int, dict]:
+        """(summed loss, its count, the objective's metrics' sums) over this rank's validation
+        rows, forward only."""
         self.strategy.finish_param_sync()  # an all-gather started by the step may still be writing
         self.model.eval()
         try:
             with torch.no_grad():
-                loss_sum, count, *prefs = self.steps.objective.validation_loss(self.val)
+                done = self.steps.validate(self.val)
         finally:
             self.model.train()
             self.strategy.after_forward_only()
-        extra = () if not prefs else (prefs[0] if self._counts else {},)
         if not self._counts:  # counted once per tensor-parallel group
-            return 0.0, 0, *extra
-        return float(loss_sum), count, *extra
+            return 0.0, 0, {"sum": {}, "max": {}}
+        return float(done.loss_sum), done.count, done.metrics
 
     def _counting(self) -> tuple[bool, bool]:
         """Whether this rank's losses count: the first of its tensor-parallel group (in the last
-        pipeline stage, where the loss is); for a pair loss, which every rank of a cp group
-        computes whole, the first of its cp group too. And whether its router losses count: a
+        pipeline stage, where the loss is); for a loss over whole rows (a pair loss), which every
+        rank of a cp group computes whole, the first of its cp group too. And whether its router losses count: a
         mixture's load-balancing loss is the cp group's whole (its counts summed over the group),
         so only the first of the cp group reports it."""
         counts = (self.mesh.coord("tp") == 0 and (self._pipe is None or self._pipe.stages.last)
-                  and (self.prefs is None or self.mesh.coord("cp") == 0))
+                  and (not self.objective.whole_rows or self.mesh.coord("cp") == 0))
         return counts, counts and self.mesh.coord("cp") == 0
 
     def iteration(self, plan: dict) -> dict:
@@ -378,7 +389,7 @@ class Rank(Membership):
         else:
             for _ in self.steps.micro:
                 out = self.backward(self.forward(out))
-        return self.evaluate(self.step(self.reduce_scatter(out)))
+        return self.evaluate(self.step(self.reduce_grads(out)))
 
     # -- checkpoints ------------------------------------------------------------------
     def _checkpoint(self, where: dict | None) -> float:
@@ -427,7 +438,7 @@ class Rank(Membership):
         each name), on rank 0; None elsewhere. Every rank must call it: it is a collective."""
         state = self.strategy.full_state_dict()
         if self._pipe is not None:  # each stage's first rank holds its stage's: gathered to rank 0
-            return pipelined.whole_state_dict(state if self.mesh.coord("stage") == 0 else None, self.mesh)
+            return pipeline_stages.whole_state_dict(state if self.mesh.coord("stage") == 0 else None, self.mesh)
         return state if self.mesh.rank == 0 else None
 
     def close(self) -> None:

@@ -32,7 +32,7 @@ def _train(rank: int, world: int, cfg, data: str, port: int, out: dict):
         uploads += res["uploads"]
         saved = res if plan.get("checkpoint") else saved
         steps.append({**{key: res.get(key) for key in ("loss_sum", "tokens", "grad_norm", "aux_loss_sum", "z_loss_sum",
-                                                       "prefs")}, "compile_s": res["phase_s"].get("torch_compile")})
+                                                       "objective")}, "compile_s": res["phase_s"].get("torch_compile")})
     uploads += r.finish_checkpoints()
     grads = {n for n, p in r.model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
     out[rank] = {"info": info, "steps": steps, "initial": initial, "state": r.full_state_dict(),

@@ -7,7 +7,8 @@ as the actors run a rank: setup, then iterations, nothing reseeded in between.
 The oracle: for the language-model loss, plain single-process torch on the same model, initial
 weights and global batches (`torch.optim.AdamW`, weight decay on matrices, clipping engaged,
 rayzero's schedule); LoRA against PEFT from the same initial adapters; frozen parameters frozen in
-it; a mixture of experts with its router loss. For the preference losses, the same configuration
+it; a mixture of experts with its router loss. For the preference losses and a user's own
+objective (`own`: tests/own_objective.py, its metrics' sums and maxima too), the same configuration
 at world 1 (which equals TRL's DPOTrainer: tests/e2e/test_dpo_trl.py). Every parameter within
 1e-5 relative (an attention key bias, whose gradient is zero up to rounding, only near its
 start), every step's loss (and reward metric) within 1e-5. bf16 compute is held to the same run
@@ -43,6 +44,7 @@ import torch.multiprocessing as mp
 from rayzero.cluster.checkpoints import Checkpoints
 from rayzero.config import load_config
 from rayzero.objectives.dpo import pair_metrics
+from rayzero.step_report import merge
 from tests import combinations as combos
 from tests.conftest import free_port
 from tests.dist.combination_ranks import _resume, _train
@@ -106,7 +108,7 @@ def config_of(c: dict, setup: dict):
 
 
 def data_of(c: dict, setup: dict) -> str:
-    return {"lm": setup["text"], "sft": setup["examples"]}.get(c["objective"], setup["pairs"])
+    return {"lm": setup["text"], "sft": setup["examples"], "own": setup["examples"]}.get(c["objective"], setup["pairs"])
 
 
 # -- the ranks: tests/dist/combination_ranks.py ------------------------------------------------------
@@ -190,7 +192,7 @@ def oracle(c: dict, setup: dict, precision: str = "fp32", fresh: bool = False) -
     if key not in _oracles or fresh:  # fresh: computed again, not cached
         plain = {**c, "strategy": "no_shard", "dp": 1, "tp": "1", "pp": "1", "cp": "1", "ep": "1", "recompute": "none",
                  "precision": precision, "overlap": True, "resume": False}
-        torch_plain = not combos.pairs(c["objective"]) and precision == "fp32"
+        torch_plain = c["objective"] in ("lm", "sft") and precision == "fp32"
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # as every rank computes: the oracle's rounding is not the machine's core count's
         try:
@@ -297,15 +299,12 @@ def step_losses(ranks: dict) -> list[float]:
 
 def step_prefs(ranks: dict) -> list[dict] | None:
     """Each step's reward metrics as the controller computes them from every rank's sums."""
-    if ranks[0]["steps"][0]["prefs"] is None:
+    if not any(ranks[r]["steps"][0]["objective"]["sum"] for r in ranks):  # next-token: no metrics of its own
         return None
     out = []
     for k in range(STEPS):
-        sums: dict = {}
-        for r in sorted(ranks):
-            for name, v in ranks[r]["steps"][k]["prefs"].items():
-                sums[name] = sums.get(name, 0.0) + v
-        out.append(pair_metrics(sums))
+        merged = merge([{"rank": r, "objective": ranks[r]["steps"][k]["objective"]} for r in sorted(ranks)])["objective"]
+        out.append({**pair_metrics(merged["sum"]), **{f"max/{n}": v for n, v in merged["max"].items()}})
     return out
 
 

@@ -71,7 +71,7 @@ def _worker(rank: int, world: int, runs, ports, data: str, out: dict):
         steps = []
         for step in range(STEPS):
             res = r.iteration({"step": step, "lr": lr_at(step, STEPS, cfg.optim)})
-            steps.append({"loss_sum": res["loss_sum"], "tokens": res["tokens"], "prefs": res["prefs"],
+            steps.append({"loss_sum": res["loss_sum"], "tokens": res["tokens"], "prefs": res["objective"]["sum"],
                           "memory": res["memory"]})
         state = r.full_state_dict()
         out[(label, rank)] = {"steps": steps, "info": info, **({"state": state} if rank == 0 else {})}

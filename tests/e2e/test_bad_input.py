@@ -69,8 +69,8 @@ from tests.models import save_hf_model
     (["model.activation_checkpointing=every:0"],
      "model.activation_checkpointing: expected none, full, every:N (N a whole number >= 1) or selective"),
     (["model.activation_checkpointing=every:two"], "model.activation_checkpointing: expected none, full, every:N"),
-    (["data.path=DATA", "model.activation_checkpointing=full", "model.checkpoint_blocks=Blok"],
-     "model.checkpoint_blocks: no module of GPT has class Blok; its module classes are Block, CausalSelfAttention"),
+    (["data.path=DATA", "model.activation_checkpointing=full", "model.recompute_blocks=Blok"],
+     "model.recompute_blocks: no module of GPT has class Blok; its module classes are Block, CausalSelfAttention"),
     # preference tuning: a pair split across micro-batches, settings that would do nothing, the wrong data
     (["train.objective=dpo", "train.micro_batch_size=3", "train.global_batch_size=12"],
      "train.micro_batch_size: 3 would split a preference pair"),
@@ -160,7 +160,7 @@ def model_dirs(tmp_path_factory):
      "the forward returned shape [2, 320] for input [2, 8]; expected logits [batch, time, vocab]"),
     (["model.kind=hf", "model.path=ROOT/good", "model.n_layer=4"], "model.n_layer: only for model.kind=gpt"),
     (["model.kind=module", "model.factory=tests.models:Scaled", "model.activation_checkpointing=full"],
-     "model.checkpoint_blocks: Scaled has no list of layers of one class to recompute; name its block class(es)"),
+     "model.recompute_blocks: Scaled has no list of layers of one class to recompute; name its block class(es)"),
     (["model.kind=hf", "model.path=ROOT/bert"], "model.path: ROOT/bert holds an encoder (BertConfig, model_type 'bert') "
      "whose attention sees the whole sequence, so next-token training would learn nothing usable; rayzero trains "
      "decoder-only causal LMs"),

@@ -38,7 +38,7 @@ class RecordingTracker:
         self.status = status
 
 
-@pytest.mark.parametrize("dispatch", ["compiled", "pipelined"])
+@pytest.mark.parametrize("dispatch", ["compiled", "chained"])
 def test_failing_rank_is_reported_and_cleaned_up(tmp_path, ray_cluster, small_dataset, dispatch):
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
     cfg = load_config(None, ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "train.seq_len=32",

@@ -64,7 +64,7 @@ def test_params_metrics_tags_and_config_arrive_and_link_the_checkpoint(tmp_path,
 def test_a_rewind_on_a_tracking_server_keeps_the_points_and_says_so_in_a_tag(mlflow_server, caplog):
     """A tracking server has no API to delete points: those of the steps trained again stay, a
     `rewound_at_step_N` tag says which, the run warns once, and an early stop among them goes."""
-    from rayzero.cluster.tracking import Tracker
+    from rayzero.jobs.tracking import Tracker
 
     t = Tracker(mlflow_server.uri, "e2e-rewind", "", {}, {})
     for step in range(4):

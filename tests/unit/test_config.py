@@ -95,7 +95,8 @@ def test_empty_override_value_is_an_empty_string():
         ("sharding.bucket_numel=1024", "sharding", "bucket_numel", 1024),
         ("train.output_dir=/tmp/runs", "train", "output_dir", "/tmp/runs"),
         ("cluster.address=auto", "cluster", "address", "auto"),
-        ("cluster.dispatch=pipelined", "cluster", "dispatch", "pipelined"),
+        ("cluster.dispatch=chained", "cluster", "dispatch", "chained"),
+        ("cluster.dispatch=pipelined", "cluster", "dispatch", "chained"),  # its old name
     ],
 )
 def test_override_values_parse_to_the_field_type(override, section, key, expected):

@@ -209,7 +209,7 @@ class FakeDispatch:
     preparing = None
     events: Events
 
-    def __init__(self, actors, num_microbatches, timeout_s=0.0, pipelined=False):
+    def __init__(self, actors, num_microbatches, timeout_s=0.0, staged=False):
         self.world = len(actors)
 
     def submit(self, plan):

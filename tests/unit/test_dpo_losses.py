@@ -119,7 +119,7 @@ def test_dropout_is_disabled_as_trl_disables_it(kind, tmp_path):
     every time, as in eval mode: no dropout module and no attention dropout rate is left."""
     import transformers as tf
 
-    from rayzero.workers.preference import disable_dropout
+    from rayzero.objectives.dpo import disable_dropout
 
     torch.manual_seed(0)
     if kind == "gpt":

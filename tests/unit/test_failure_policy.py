@@ -108,9 +108,9 @@ def verdict(last, silent_since=None, now=100.0, timeout=10.0):
 
 
 def test_the_watchdog_blames_the_rank_stuck_longest():
-    # Rank 2 hangs in backward; the others wait for it in reduce_scatter's collective.
-    last = {0: {"step": 7, "phase": "reduce_scatter", "elapsed_s": 11.0},
-            1: {"step": 7, "phase": "reduce_scatter", "elapsed_s": 11.5},
+    # Rank 2 hangs in backward; the others wait for it in reduce_grads's collective.
+    last = {0: {"step": 7, "phase": "reduce_grads", "elapsed_s": 11.0},
+            1: {"step": 7, "phase": "reduce_grads", "elapsed_s": 11.5},
             2: {"step": 7, "phase": "backward", "elapsed_s": 12.0},
             3: {"step": 7, "phase": None, "elapsed_s": 0.0}}
     f = verdict(last)
@@ -119,9 +119,9 @@ def test_the_watchdog_blames_the_rank_stuck_longest():
 
 
 def test_the_watchdog_blames_the_rank_behind_even_if_others_waited_longer():
-    # Rank 0 ran ahead into reduce_scatter's collective before rank 2 got stuck in backward.
-    last = {0: {"step": 7, "phase": "reduce_scatter", "elapsed_s": 11.0},
-            1: {"step": 7, "phase": "reduce_scatter", "elapsed_s": 9.0},
+    # Rank 0 ran ahead into reduce_grads's collective before rank 2 got stuck in backward.
+    last = {0: {"step": 7, "phase": "reduce_grads", "elapsed_s": 11.0},
+            1: {"step": 7, "phase": "reduce_grads", "elapsed_s": 9.0},
             2: {"step": 7, "phase": "backward", "elapsed_s": 9.5}}
     f = verdict(last)
     assert (f.rank, f.phase, f.step) == (2, "backward", 7)
@@ -178,7 +178,7 @@ def test_world_sizes_and_bad_min_workers():
 
 def test_history_rewinds_to_the_resumed_step():
     h = History()
-    phases = {p: 0.1 for p in ("gather", "forward", "backward", "reduce_scatter", "step", "evaluate")}
+    phases = {p: 0.1 for p in ("gather", "forward", "backward", "reduce_grads", "step", "evaluate")}
     for step in range(6):
         h.record(step, 5.0 - step, 0.2, phases)
         if step % 2:

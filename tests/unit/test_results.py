@@ -3,7 +3,7 @@
 import itertools
 import random
 
-from rayzero.workers.results import merge, per_rank_ledgers, work_s
+from rayzero.step_report import merge, per_rank_ledgers, work_s
 
 
 def rank_result(rank: int, rng: random.Random, evaluate: bool = True) -> dict:

@@ -23,7 +23,7 @@ from rayzero.checkpoint.records import first_difference, stored
 from rayzero.cluster.checkpoints import Checkpoints
 from rayzero.config import ConfigError, load_config
 from rayzero.jobs.preflight import resume_preview
-from rayzero.objectives.config import objective_difference, objective_record
+from rayzero.objectives.registry import objective_difference, objective_record
 from rayzero.workers.assembly import make_spec
 from tests import combinations as combos
 

@@ -6,7 +6,7 @@ import json
 import pytest
 from mlflow.tracking import MlflowClient
 
-from rayzero.cluster.tracking import Tracker
+from rayzero.jobs.tracking import Tracker
 from tests.conftest import free_port
 
 
@@ -93,7 +93,7 @@ def test_calls_made_while_the_thread_imports_mlflow_all_arrive(tmp_path):
     import sys
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    code = ("import sys; from rayzero.cluster.tracking import Tracker\n"
+    code = ("import sys; from rayzero.jobs.tracking import Tracker\n"
             f"t = Tracker({uri!r}, 'unit', 'run-i', {{}}, {{}})\n"
             "for step in range(200):\n"
             "    t.log_metrics(step, {'loss': float(step)}); t.set_tags({'at': step})\n"
@@ -113,7 +113,7 @@ def test_a_new_sqlite_store_starts_as_mlflow_would_make_it(tmp_path, monkeypatch
     it opens it; an existing store is never touched."""
     import sqlite3
 
-    from rayzero.cluster.tracking import seed_sqlite_store
+    from rayzero.jobs.tracking import seed_sqlite_store
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     seeded, own = tmp_path / "seeded.db", tmp_path / "own.db"
@@ -206,7 +206,7 @@ def test_a_held_tracker_touches_mlflow_only_once_begun_and_loses_nothing(tmp_pat
     begun (the first step done), all of it arrives in one run, and `run_id` waits for it."""
     import time
 
-    from rayzero.cluster import tracking
+    from rayzero.jobs import tracking
 
     touched = []
     monkeypatch.setattr(tracking, "seed_sqlite_store", lambda uri: touched.append(uri))  # as the client is made

@@ -1,10 +1,9 @@
 """A rank's side of pipeline parallelism beyond one iteration's schedule (`pipeline/runner.py`):
-its pipeline made from the config and mesh, evaluation through the stages, the whole model's
-weights gathered from them, and what its setup reports about its stages."""
+its pipeline made from the config and mesh, the whole model's weights gathered from its stages,
+and what its setup reports about them."""
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 from rayzero.pipeline.runner import Link, PipeContext, PipelineRun
@@ -34,19 +33,6 @@ def boundary_shape(cfg, stages: Stages, mesh) -> tuple[int, int, int]:
                          "of the activations passed between stages is unknown")
     seq = cfg.train.seq_len // mesh.size("cp") // (mesh.size("tp") if cfg.parallel.sequence_parallel else 1)
     return cfg.train.micro_batch_size, seq, stages.absent[0].dim
-
-
-def validation_loss(pipe: PipelineRun, val, device, cp=None) -> tuple[torch.Tensor, int]:
-    """(summed loss, valid targets) over this rank's validation rows (its tokens of them with
-    `cp`), forward only through the stages; the last stage sums the loss."""
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    count = 0
-    micro = [(b if cp is None else b.split(cp)).to(device) for k in range(val.num_batches)
-             for b in val.microbatches(k)]
-    for part, valid, _ in pipe.forward_only(micro, lambda m, b: pipe.spec.loss(m, b, vocab=pipe.vocab)):
-        loss_sum += part.double()
-        count += int(valid)
-    return loss_sum, count
 
 
 def whole_state_dict(state: dict | None, mesh) -> dict | None:
