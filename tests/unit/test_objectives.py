@@ -133,3 +133,26 @@ def test_the_built_in_objectives_records_are_as_before_and_kwargs_are_checked_on
         sys.path.remove(str(tmp_path))
     with pytest.raises(Exception, match="train.objective_kwargs: for an objective of your own"):
         load_config(None, ["train.objective=dpo", "train.micro_batch_size=2", "train.objective_kwargs.x=1"])
+
+
+def test_the_guides_label_smoothing_is_torchs():
+    """examples/objectives.py's LabelSmoothing, on logits and targets with a masked one: torch's
+    `cross_entropy(label_smoothing=0.1)`, summed over the valid targets."""
+    import torch.nn.functional as F
+
+    from examples.objectives import LabelSmoothing
+    from rayzero.objectives.base import Output
+
+    class Spec:  # the model seam's part an Output reads: no auxiliary loss
+        def aux_loss(self, raw):
+            return None
+
+    torch.manual_seed(0)
+    logits, targets = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5))
+    targets[0, 0] = -100
+    batch = MicroBatch(torch.zeros(2, 5, dtype=torch.long), targets)
+    loss, metrics = LabelSmoothing(load_config(None, []), epsilon=0.1).loss(Output(Spec(), logits, logits, batch), batch)
+    want = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), label_smoothing=0.1, reduction="sum")
+    assert loss.item() == pytest.approx(want.item(), rel=1e-6)
+    assert metrics["nll"].item() == pytest.approx(F.cross_entropy(logits.flatten(0, 1), targets.flatten(),
+                                                                  reduction="sum").item(), rel=1e-6)
