@@ -183,20 +183,22 @@ def prepare(
     storage_cfg=None,
     instructions: bool = False,
     preferences: bool = False,
+    prompts: bool = False,
     tokenize_with: Callable | None = None,
 ) -> dict:
     """Tokenize the documents under `src` (see sources.py) into shards at `out`; with
     `instructions`, JSON records of prompt/response or messages (see examples.py); with
-    `preferences`, records of prompt/chosen/rejected, two examples each (see pairs.py).
+    `preferences`, records of prompt/chosen/rejected, two examples each (see pairs.py); with
+    `prompts`, prompt-only records for online RL, their other fields kept (see prompts.py).
     `tokenize_with(src, writer, tok, ...)`: fills the writer in place of this process, in the
     same order, and returns what it skipped (Ray Data: `rayzero.jobs.ray_prepare`).
 
     What is not UTF-8 is skipped and named (refused with `strict_utf8`), and so are files below a
     directory named in `exclude`. Returns the written metadata.
     """
-    if instructions and preferences:
-        raise DataError("instructions or preferences: a dataset holds one kind of record")
-    kind = "instructions" if instructions else "preferences" if preferences else "text"
+    if instructions + preferences + prompts > 1:
+        raise DataError("instructions, preferences or prompts: a dataset holds one kind of record")
+    kind = "instructions" if instructions else "preferences" if preferences else "prompts" if prompts else "text"
     tok = load_tokenizer(tokenizer)
     try:  # storage refusing (credentials, a bucket): one message naming what, not a traceback
         files = list_sources(str(src), pattern, exclude, storage_cfg)
@@ -206,7 +208,7 @@ def prepare(
         raise DataError(_storage_words(e)) from None
     try:
         return _fill(writer, src, tok, files, kind, pattern, exclude, fields, strict_utf8, progress, storage_cfg,
-                     instructions, preferences, tokenize_with)
+                     instructions, preferences, tokenize_with, prompts)
     except OSError as e:
         writer.discard()
         raise DataError(_storage_words(e)) from None
@@ -221,7 +223,7 @@ def _storage_words(e: BaseException) -> str:
 
 
 def _fill(writer: ShardWriter, src, tok: Tokenizer, files, kind: str, pattern, exclude, fields, strict_utf8,
-          progress, storage_cfg, instructions, preferences, tokenize_with) -> dict:
+          progress, storage_cfg, instructions, preferences, tokenize_with, prompts=False) -> dict:
     """`prepare`'s work, into `writer`, to its commit: the written metadata."""
     skipped: list[str] | None = None if strict_utf8 else []
     bar = _progress(files, progress)
@@ -236,11 +238,14 @@ def _fill(writer: ShardWriter, src, tok: Tokenizer, files, kind: str, pattern, e
         _add_instructions(files, tok, writer, skipped, bar)
     elif preferences:
         _add_preferences(files, tok, writer, skipped, bar)
+    elif prompts:
+        columns = _add_prompts(files, tok, writer, skipped, bar)
     else:
         _add_documents(files, tok, writer, fields, skipped, bar)
     bar.close()
     if not writer.documents:
-        what = {"instructions": "instruction records", "preferences": "preference records"}.get(kind, "UTF-8 documents")
+        what = {"instructions": "instruction records", "preferences": "preference records",
+                "prompts": "prompt records"}.get(kind, "UTF-8 documents")
         raise DataError(f"no {what} in {src}" + (f" (matching {pattern!r})" if pattern != "*" else ""))
     # The tokenizer itself beside the tokens: generate and exports find it without the model directory.
     saved = {f"{TOKENIZER_DIR}/{name}": data for name, data in tok.saved_files().items()}
@@ -250,6 +255,13 @@ def _fill(writer: ShardWriter, src, tok: Tokenizer, files, kind: str, pattern, e
             "num_skipped": len(skipped or [])}
     if preferences:
         meta["num_pairs"] = writer.documents // 2
+    if prompts:
+        from rayzero.data.prompts import COLUMNS
+
+        meta["num_prompts"] = writer.documents
+        meta["conversational"] = bool(columns.first and columns.first[0])
+        meta["columns"] = sorted({k for row in columns.rows for k in row} - {"prompt"})
+        saved[COLUMNS] = columns.parquet()
     if kind in MASKED_KINDS:
         meta["num_target_tokens"] = writer.target_tokens
     return writer.commit(meta, saved)
@@ -294,6 +306,20 @@ def _add_preferences(files, tok, writer: ShardWriter, skipped, bar) -> None:
             for ids, mask in pair.examples():
                 writer.add(ids, mask)
         bar.update(f.size)
+
+
+def _add_prompts(files, tok, writer: ShardWriter, skipped, bar):
+    """Each prompt record's tokens as one document; its other fields kept, in order (`PromptColumns`)."""
+    from rayzero.data.prompts import PromptColumns, prompt_ids, prompt_records
+
+    columns = PromptColumns()
+    for f in files:
+        for where, rec in prompt_records(f, skipped):
+            ids, conversational = prompt_ids(tok, rec, where)
+            columns.add(rec, conversational, where)
+            writer.add(ids)
+        bar.update(f.size)
+    return columns
 
 
 def _progress(files, enabled: bool):

@@ -207,6 +207,12 @@ def _tokenize(args, storage) -> int:
         if tokenizer is None:
             raise _UserError(f"--tokenizer: {args.tokenizer} holds no tokenizer files")
     how = prepare
+    if args.ray and args.prompts:
+        raise _UserError("--prompts: prompts are prepared in this process; leave out --ray")
+    if args.prompts:
+        from functools import partial
+
+        how = partial(prepare, prompts=True)
     if args.ray:
         from functools import partial
 
@@ -220,7 +226,8 @@ def _tokenize(args, storage) -> int:
     tok = meta["tokenizer"]
     what = "examples" if args.instructions else "documents"
     made = (f"{meta['num_pairs']:,} pairs ({meta['num_documents']:,} sequences)" if args.preferences
-            else f"{meta['num_documents']:,} {what}")
+            else f"{meta['num_prompts']:,} prompts (their other fields: {', '.join(meta['columns']) or 'none'})"
+            if args.prompts else f"{meta['num_documents']:,} {what}")
     print(f"wrote {meta['num_tokens']:,} tokens ({meta['dtype']}) from {made} "
           f"in {len(meta['shards'])} shard(s) to {args.out}; tokenizer {tok.get('name', tok['kind'])} "
           f"({tok['vocab_size']:,} ids, {tok['sha256']})"

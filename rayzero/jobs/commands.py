@@ -49,6 +49,10 @@ def _parser() -> argparse.ArgumentParser:
                          "{prompt, chosen, rejected} as strings or as lists of messages (rendered with the chat "
                          "template), or {chosen, rejected} with the prompt implicit in both; tokenized as TRL's "
                          "DPOTrainer does")
+    records.add_argument("--prompts", action="store_true",
+                         help="JSON lines or Parquet of prompts for online RL, in TRL's prompt-only formats: "
+                         "{prompt} as a string or as a list of messages (rendered with the chat template and the "
+                         "generation prompt); every other field is kept for the reward functions")
     prep.add_argument("--strict-utf8", action="store_true",
                       help="refuse input that is not UTF-8 (default: skip it, naming each file or line)")
     prep.add_argument("--shard-tokens", type=int, default=1 << 24, help="tokens per shard file")

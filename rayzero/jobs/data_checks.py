@@ -156,8 +156,10 @@ def note_pairs(cfg: RootConfig, data_path) -> None:
 # What each kind of prepared data is, in words, and how `rayzero data prepare` makes it.
 KIND_WORDS = {"text": ("text", "prepared without --instructions or --preferences"),
               "instructions": ("instruction examples", "prepared with --instructions"),
-              "preferences": ("preference pairs", "prepared with --preferences")}
-PREPARE_FLAG = {"text": "", "instructions": " --instructions", "preferences": " --preferences"}
+              "preferences": ("preference pairs", "prepared with --preferences"),
+              "prompts": ("prompts for online RL", "prepared with --prompts")}
+PREPARE_FLAG = {"text": "", "instructions": " --instructions", "preferences": " --preferences",
+                "prompts": " --prompts"}
 
 
 def default_kind(cfg: RootConfig) -> str:
@@ -224,6 +226,7 @@ def data_plan(cfg: RootConfig) -> tuple[RootConfig, dict]:
                   if cfg.data.epochs else None)
         return cfg, {"path": "the default corpus" if not cfg.data.path else shown, "kind": None, "packs": None,
                      "length": length, "cut": None, "note": f"not read from here: {why}"}
+    check_objective(cfg.train.objective, "data.path", path, meta)  # as the run refuses data of another kind
     dataset = open_dataset(cfg, path)
     cut = cut_words(cfg, cut_examples(cfg, dataset)) if meta.get("kind") == "instructions" else None
     cfg, length, _ = run_length(cfg, dataset)

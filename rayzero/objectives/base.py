@@ -38,7 +38,7 @@ Merge = Literal["sum", "mean", "max"]
 # The model a loss compares the policy with.
 REFERENCES = ("none", "frozen_copy", "adapters_off", "precomputed")
 # The dataset kinds `rayzero data prepare` writes (`meta.json`'s kind).
-DATA_KINDS = ("text", "instructions", "preferences")
+DATA_KINDS = ("text", "instructions", "preferences", "prompts")
 
 
 @contextlib.contextmanager

@@ -109,7 +109,7 @@ def test_a_local_ray_that_cannot_hold_the_ranks_is_refused_by_the_dry_run(tmp_pa
     assert code == 0, out.err
 
 
-def test_the_dry_run_says_where_the_run_resumes_or_refuses_as_the_run_would(tmp_path, capsys):
+def test_the_dry_run_says_where_the_run_resumes_or_refuses_as_the_run_would(tmp_path, capsys, monkeypatch):
     """A checkpoint of this model (committed as the controller commits one, no training: see
     tests/combinations.py's `commit_on_meta`) is resumed, is at the end already, or, of another
     objective, is refused, with the exit code the run gives."""
@@ -131,9 +131,12 @@ def test_the_dry_run_says_where_the_run_resumes_or_refuses_as_the_run_would(tmp_
     assert code == 0 and "starts at step 0 of 4: checkpoint.resume=none" in out.out
     code, out, _ = dry_run(tmp_path, capsys, *gpt, "train.steps=4", "model.n_layer=3")
     assert code == 2 and "holds a different model: " in out.err and "checkpoint.resume=none" in out.err, out.err
-    code, out, _ = dry_run(tmp_path, capsys, *gpt, "train.steps=4", "train.objective=dpo")
+    (tmp_path / "resume_mine.py").write_text("from rayzero.objectives import Objective\n\nclass Mine(Objective):\n"
+                                      "    def loss(self, out, batch):\n        return -out.token_logps.sum(), {}\n")
+    monkeypatch.chdir(tmp_path)  # a user's objective, from the working directory
+    code, out, _ = dry_run(tmp_path, capsys, *gpt, "train.steps=4", "train.objective=resume_mine:Mine")
     assert code == 2 and out.err.startswith(f"rayzero: error: checkpoint.dir: cannot resume {written}: it was trained "
-                                            "with train.objective=lm, this run has train.objective=dpo; "), out.err
+                                            "with train.objective=lm, this run has train.objective=resume_mine:Mine; "), out.err
     assert "or set checkpoint.resume=none" in out.err
 
 

@@ -113,7 +113,7 @@ def test_the_built_in_objectives_records_are_as_before_and_kwargs_are_checked_on
     dpo = load_config(None, ["train.objective=dpo", "train.micro_batch_size=2"])
     assert objective_record(dpo, {"kind": "gpt"}) == {"name": "dpo", "loss": "sigmoid",
                                                       "reference": {"kind": "frozen_copy", "model": {"kind": "gpt"}}}
-    (tmp_path / "mine.py").write_text("from rayzero.objectives import Objective\n"
+    (tmp_path / "scaled_mine.py").write_text("from rayzero.objectives import Objective\n"
                                       "class Mine(Objective):\n"
                                       "    def __init__(self, cfg, scale=1.0):\n"
                                       "        super().__init__(cfg); self.scale = scale\n"
@@ -123,8 +123,8 @@ def test_the_built_in_objectives_records_are_as_before_and_kwargs_are_checked_on
 
     sys.path.insert(0, str(tmp_path))
     try:
-        a = load_config(None, ["train.objective=mine:Mine", "train.objective_kwargs.scale=2"])
-        b = load_config(None, ["train.objective=mine:Mine", "train.objective_kwargs.scale=3"])
+        a = load_config(None, ["train.objective=scaled_mine:Mine", "train.objective_kwargs.scale=2"])
+        b = load_config(None, ["train.objective=scaled_mine:Mine", "train.objective_kwargs.scale=3"])
         assert objective_for(a).scale == 2
         why = objective_difference(objective_record(a, None), objective_record(b, None))
         assert why.startswith("its objective's kwargs.scale is 2 in the checkpoint, 3 here")

@@ -1,0 +1,137 @@
+"""The arithmetic of GRPO and its kin, as TRL's `GRPOTrainer` (and, for the leave-one-out
+baseline, its `RLOOTrainer`) computes it, in the seam's terms: a micro-batch's loss *summed*, and
+the count the whole step divides it by. Pure torch, no model, no process group.
+
+Not yet an objective: the rollout side (rollout actors, rewards, weight sync) that feeds it is
+still to be built, and `train.objective` does not name it.
+
+    advantages    rewards [N] (NaN: every reward function declined to score) in groups of
+                  `num_generations`: minus the group's mean (`grpo`) or the leave-one-out mean of
+                  the others (`rloo`); over the group's std (`scale_rewards=group`), the batch's
+                  (`batch`) or not at all (`none`), + 1e-4; unscorable rows 0
+    ratio         r = exp(logp - old_logp) per completion token
+    per token     -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A) + beta kl,
+                  kl = exp(ref - logp) - (ref - logp) - 1 (k3), times r when bias-corrected
+    loss_type     grpo     each sequence's mean over its tokens, averaged over the step's sequences
+                  bnpo     summed over tokens, over the step's completion tokens
+                  dapo     the same (TRL's default; its count is the whole generation batch's)
+                  dr_grpo  summed over tokens, over sequences x max_completion_length
+
+TRL divides bnpo by each micro-batch's own tokens; here every divisor is summed over the whole
+step, so the loss does not depend on the layout or on the micro-batch split, and equals TRL's
+where TRL takes the step as one batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
+SCALES = ("group", "batch", "none")
+ESTIMATORS = ("grpo", "rloo")
+
+
+def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """The standard deviation ignoring NaNs, with Bessel's correction (NaN with one value), as TRL's."""
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    var = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True)
+    count = (~torch.isnan(x)).sum(dim=dim, keepdim=True)
+    var = var * torch.where(count > 1, count / (count - 1), torch.full_like(var, float("nan")))
+    std = var.sqrt()
+    return std.squeeze() if dim is None else std.squeeze(dim)
+
+
+def advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group",
+               estimator: str = "grpo") -> tuple[torch.Tensor, torch.Tensor]:
+    """(each completion's advantage [N], whether its group's rewards are all equal [N]) from the
+    weighted rewards of N completions, `num_generations` a prompt in order (NaN: unscorable)."""
+    if scale_rewards not in SCALES:
+        raise ValueError(f"scale_rewards: expected one of {', '.join(SCALES)}, got {scale_rewards!r}")
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"advantage estimator: expected one of {', '.join(ESTIMATORS)}, got {estimator!r}")
+    g = num_generations
+    grouped = rewards.view(-1, g)
+    group_std = nanstd(grouped, dim=1).repeat_interleave(g) if g > 1 else torch.zeros_like(rewards)
+    if estimator == "rloo":
+        scorable = (~torch.isnan(grouped)).sum(1, keepdim=True)
+        baseline = ((torch.nansum(grouped, 1, keepdim=True) - grouped) / (scorable - 1)).view(-1)
+        adv = rewards - baseline if g > 1 else torch.zeros_like(rewards)
+    else:
+        adv = rewards - torch.nanmean(grouped, dim=1).repeat_interleave(g)
+    std = group_std if scale_rewards == "group" else nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 \
+        else torch.zeros_like(rewards)
+    if scale_rewards != "none":
+        adv = adv / (std + 1e-4)
+    shown = std if scale_rewards == "batch" else group_std  # what TRL's frac_reward_zero_std reads
+    zero_std = torch.isclose(shown, torch.zeros_like(shown))
+    return torch.nan_to_num(adv, nan=0.0), zero_std
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """The clipped-ratio loss's settings, in TRL's names."""
+
+    loss_type: str = "dapo"
+    epsilon: float = 0.2
+    epsilon_high: float | None = None  # None: epsilon (clip-higher when larger)
+    beta: float = 0.0
+    bias_corrected_kl: bool = True  # TRL's use_bias_correction_kl
+    max_completion_length: int = 256  # dr_grpo's constant length
+
+    def __post_init__(self):
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type: expected one of {', '.join(LOSS_TYPES)}, got {self.loss_type!r}")
+        if self.high < self.epsilon:
+            raise ValueError(f"epsilon_high: {self.high:g} is below epsilon ({self.epsilon:g})")
+
+    @property
+    def high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    def token_losses(self, logps: torch.Tensor, old_logps: torch.Tensor, ref_logps: torch.Tensor | None,
+                     adv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(the per-token loss [B, T], the per-token KL or None, the ratio [B, T]) from the
+        policy's, the sampling (old) policy's and the reference's per-token log-probabilities
+        and each sequence's advantage [B]."""
+        ratio = torch.exp(logps - old_logps)
+        a = adv.unsqueeze(1)
+        loss = -torch.min(ratio * a, torch.clamp(ratio, 1 - self.epsilon, 1 + self.high) * a)
+        kl = None
+        if self.beta != 0.0:
+            if ref_logps is None:
+                raise ValueError("beta > 0 needs the reference's log-probabilities")
+            d = ref_logps - logps
+            kl = torch.exp(d) - d - 1
+            if self.bias_corrected_kl:
+                kl = kl * ratio
+            loss = loss + self.beta * kl
+        return loss, kl, ratio
+
+    def summed(self, per_token: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(a micro-batch's loss summed, its count): the step's loss is the sum of the first over
+        every micro-batch and rank divided by the same sum of the second."""
+        mask = mask.to(per_token.dtype)
+        rows = per_token.shape[0]
+        if self.loss_type == "grpo":
+            per_seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+            return per_seq.sum(), torch.tensor(float(rows), device=per_token.device)
+        total = (per_token * mask).sum()
+        if self.loss_type == "dr_grpo":
+            return total, torch.tensor(float(rows * self.max_completion_length), device=per_token.device)
+        return total, mask.sum()
+
+    def metric_sums(self, kl: torch.Tensor | None, ratio: torch.Tensor, adv: torch.Tensor,
+                    mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The sums of TRL's per-token metrics over the completion tokens (each a mean over the
+        step's completion tokens, `completion_tokens`): kl, and the clipped shares of the ratio."""
+        m = mask.to(ratio.dtype)
+        a = adv.unsqueeze(1)
+        low = ((ratio < 1 - self.epsilon) & (a < 0)).to(ratio.dtype)
+        high = ((ratio > 1 + self.high) & (a > 0)).to(ratio.dtype)
+        out = {"clip_ratio/low_mean": (low * m).sum(), "clip_ratio/high_mean": (high * m).sum(),
+               "clip_ratio/region_mean": (torch.maximum(low, high) * m).sum(), "completion_tokens": m.sum()}
+        if kl is not None:
+            out["kl"] = (kl * m).sum()
+        return {k: v.detach() for k, v in out.items()}

@@ -1,0 +1,150 @@
+"""GRPO's arithmetic (`rayzero/objectives/grpo_loss.py`) against TRL's own code on the same tensors:
+TRL's `GRPOTrainer._compute_loss` run on one batch (its model's log-probabilities given), for every
+loss type, beta 0 and > 0, with and without the bias-corrected KL, clip-higher and on- or
+off-policy ratios: the loss, its gradient, the KL and the clip ratios TRL logs. Its advantages
+against TRL's formulas (`GRPOTrainer`, and `RLOOTrainer`'s leave-one-out baseline), unscorable
+completions included. Then what the seam adds: the step's loss from summed parts is the same
+however the batch is split into micro-batches."""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rayzero.objectives.grpo_loss import PolicyLoss, advantages
+
+B, T, MAX_LEN = 6, 7, 7
+
+
+def batch(seed: int, off_policy: bool):
+    g = torch.Generator().manual_seed(seed)
+    logps = -torch.rand(B, T, generator=g) * 3
+    old = logps + (torch.randn(B, T, generator=g) * 0.3 if off_policy else 0.0)
+    ref = logps + torch.randn(B, T, generator=g) * 0.2
+    mask = torch.ones(B, T)
+    for i, n in enumerate([7, 5, 3, 7, 1, 4]):
+        mask[i, n:] = 0
+    adv = torch.randn(B, generator=g)
+    return logps, old, ref, mask, adv
+
+
+class Accelerator:  # one process: TRL's collectives are the identity
+    num_processes = 1
+
+    def reduce(self, x, reduction="sum"):
+        return x
+
+    def gather(self, x):
+        return x
+
+    gather_for_metrics = gather
+
+
+def trl_loss(cfg: PolicyLoss, logps, old, ref, mask, adv):
+    """TRL's `_compute_loss`, its model's forward replaced by the given log-probabilities: (loss, metrics)."""
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    this = SimpleNamespace(
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token",
+        beta=cfg.beta, loss_type=cfg.loss_type, epsilon_low=cfg.epsilon, epsilon_high=cfg.high,
+        use_vllm=False, vllm_importance_sampling_correction=False, model=SimpleNamespace(training=True),
+        current_gradient_accumulation_steps=1, max_completion_length=cfg.max_completion_length,
+        accelerator=Accelerator(), _entropy_bonus_enabled=False, aux_loss_enabled=False,
+        _metrics={"train": defaultdict(list)},
+        args=SimpleNamespace(use_bias_correction_kl=cfg.bias_corrected_kl, delta=None, steps_per_generation=1),
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logps, torch.zeros_like(logps), None))
+    inputs = {"prompt_ids": torch.zeros(B, 2, dtype=torch.long), "prompt_mask": torch.ones(B, 2),
+              "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask,
+              "advantages": adv, "old_per_token_logps": old, "ref_per_token_logps": ref,
+              "num_items_in_batch": mask.sum()}
+    loss = GRPOTrainer._compute_loss(this, None, inputs)
+    return loss, {k: v[-1] for k, v in this._metrics["train"].items()}
+
+
+def ours(cfg: PolicyLoss, logps, old, ref, mask, adv, splits=(B,)):
+    """The step's loss from each micro-batch's summed part and count, and its metrics."""
+    parts, sums = [], defaultdict(float)
+    at = 0
+    for n in splits:
+        s = slice(at, at + n)
+        at += n
+        per_token, kl, ratio = cfg.token_losses(logps[s], old[s], ref[s], adv[s])
+        parts.append(cfg.summed(per_token, mask[s]))
+        for k, v in cfg.metric_sums(kl, ratio, adv[s], mask[s]).items():
+            sums[k] += float(v)
+    loss = sum(p for p, _ in parts) / sum(c for _, c in parts)
+    n = sums.pop("completion_tokens")
+    return loss, {k: v / n for k, v in sums.items()}
+
+
+CASES = list(itertools.product(["grpo", "bnpo", "dapo", "dr_grpo"], [0.0, 0.04], [True, False], [True, False]))
+
+
+@pytest.mark.parametrize("loss_type,beta,bias_corrected,off_policy", CASES)
+def test_the_loss_its_gradient_and_metrics_are_trls(loss_type, beta, bias_corrected, off_policy):
+    cfg = PolicyLoss(loss_type, epsilon=0.2, epsilon_high=0.28, beta=beta, bias_corrected_kl=bias_corrected,
+                     max_completion_length=MAX_LEN)
+    logps, old, ref, mask, adv = batch(4, off_policy)
+    a, b = logps.clone().requires_grad_(), logps.clone().requires_grad_()
+    want, trl_metrics = trl_loss(cfg, a, old, ref, mask, adv)
+    got, metrics = ours(cfg, b, old, ref, mask, adv)
+    assert got.item() == pytest.approx(want.item(), rel=1e-6, abs=1e-7)
+    want.backward(), got.backward()
+    assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7)
+    for k, v in metrics.items():
+        assert v == pytest.approx(trl_metrics[k], rel=1e-6, abs=1e-7), k
+    assert ("kl" in metrics) == (beta != 0.0)
+    if off_policy:  # the clip engages, both ways
+        assert metrics["clip_ratio/low_mean"] > 0 and metrics["clip_ratio/high_mean"] > 0
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "dr_grpo"])
+def test_the_steps_loss_does_not_depend_on_the_micro_batch_split(loss_type):
+    cfg = PolicyLoss(loss_type, beta=0.04, max_completion_length=MAX_LEN)
+    logps, old, ref, mask, adv = batch(5, True)
+    whole, m_whole = ours(cfg, logps, old, ref, mask, adv)
+    for splits in [(3, 3), (1, 2, 3), (5, 1)]:
+        part, m_part = ours(cfg, logps, old, ref, mask, adv, splits)
+        assert part.item() == pytest.approx(whole.item(), rel=1e-6)
+        assert m_part == pytest.approx(m_whole, rel=1e-6)
+
+
+def trl_advantages(rewards, g, scale, estimator):
+    """TRL's formulas, as its trainers write them (grpo_trainer.py, rloo_trainer.py)."""
+    from trl.trainer.utils import nanstd
+
+    grouped = rewards.view(-1, g)
+    std_group = nanstd(grouped, dim=1).repeat_interleave(g)
+    if estimator == "rloo":
+        scorable = (~torch.isnan(grouped)).sum(dim=1, keepdim=True)
+        adv = rewards - ((torch.nansum(grouped, dim=1, keepdim=True) - grouped) / (scorable - 1)).view(-1)
+    else:
+        adv = rewards - torch.nanmean(grouped, dim=1).repeat_interleave(g)
+    std = std_group if scale in ("group", "none") else nanstd(rewards).expand_as(rewards)
+    if scale != "none":
+        adv = adv / (std + 1e-4)
+    return torch.nan_to_num(adv, nan=0.0), torch.isclose(std, torch.zeros_like(std))
+
+
+@pytest.mark.parametrize("scale,estimator", list(itertools.product(["group", "batch", "none"], ["grpo", "rloo"])))
+def test_advantages_are_trls_with_unscorable_completions(scale, estimator):
+    rewards = torch.tensor([1.0, 0.0, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0, float("nan"), 0.2, 0.9, 0.0])
+    got, zero = advantages(rewards, 4, scale, estimator)
+    want, want_zero = trl_advantages(rewards, 4, scale, estimator)
+    assert torch.allclose(got, want, atol=1e-7) and torch.equal(zero, want_zero)
+    assert got[8] == 0.0  # unscorable: no signal
+    if scale == "group":
+        assert torch.equal(got[4:8], torch.zeros(4)) and zero[4:8].all()  # a group of equal rewards: nothing to learn
+
+
+def test_bad_settings_are_refused_in_one_line():
+    with pytest.raises(ValueError, match="epsilon_high: 0.1 is below epsilon"):
+        PolicyLoss(epsilon=0.2, epsilon_high=0.1)
+    with pytest.raises(ValueError, match="loss_type: expected one of grpo, bnpo, dapo, dr_grpo"):
+        PolicyLoss("ppo")
+    with pytest.raises(ValueError, match="beta > 0 needs the reference"):
+        PolicyLoss(beta=0.1).token_losses(*[torch.zeros(1, 2)] * 2, None, torch.zeros(1))
