@@ -289,7 +289,8 @@ LAYERS = [
     ["rayzero.sharding", "rayzero.pipeline"],
     ["rayzero.data"],
     ["rayzero.models"],
-    ["rayzero.objectives"],  # a loss reads the model seam's output and the data's batches
+    ["rayzero.objectives", "rayzero.rollout"],  # a loss reads the model seam's output and the data's batches;
+    # an engine samples from a policy
     ["rayzero.checkpoint"],
     ["rayzero.config"],
     ["rayzero.workers"],

@@ -1,0 +1,172 @@
+"""The rollout seam: an engine turns a prompt into its group of completions, each with the
+log-probability of every token it sampled.
+
+    engine         what it does
+    transformers   samples with a KV cache through the policy (a transformers causal LM, or any
+                   module whose forward takes `past_key_values`), on CPU or one GPU
+    replay         reads recorded completions instead (debugging, offline RL, equality tests)
+
+A completion's random draws are a function of (seed, round, prompt, completion index) only
+(`draw_seed`): a group is sampled as one batch of its own (its rows share the prompt, so no
+padding), each row from a generator of its own. What a completion is therefore does not depend on
+how many engines there are or which one generated it. Temperature, top-k and top-p are
+transformers' own logits warpers; generation stops at an end-of-sequence id or
+`max_completion_length` tokens. The log-probability returned is of the tempered distribution
+before top-k and top-p (what the trainer computes from its logits: TRL's `logits / temperature`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How completions are sampled, in TRL's names."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k
+    max_completion_length: int = 256
+
+    def __post_init__(self):
+        if self.temperature <= 0:
+            raise ValueError(f"temperature: {self.temperature:g} must be > 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: {self.top_p:g} must be in (0, 1]")
+        if self.max_completion_length < 1:
+            raise ValueError("max_completion_length: at least 1")
+
+    def warpers(self):
+        from transformers.generation.logits_process import (
+            LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
+        )
+
+        out = LogitsProcessorList()
+        if self.temperature != 1.0:
+            out.append(TemperatureLogitsWarper(self.temperature))
+        if self.top_k:
+            out.append(TopKLogitsWarper(self.top_k))
+        if self.top_p < 1.0:
+            out.append(TopPLogitsWarper(self.top_p))
+        return out
+
+
+def draw_seed(seed: int, round_: int, prompt: int, index: int) -> int:
+    """The seed of one completion's draws: a function of the run's seed, the generation round,
+    the prompt's place in the data and the completion's place in its group, and nothing else."""
+    digest = hashlib.sha256(f"rollout/{seed}/{round_}/{prompt}/{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+@dataclass
+class Completion:
+    """One sampled completion: its token ids (an end-of-sequence id last where it stopped on one),
+    the log-probability of each, and whether it reached `max_completion_length` unfinished."""
+
+    ids: list[int]
+    logps: list[float]
+    truncated: bool
+
+
+class TransformersEngine:
+    """Batched sampling with a KV cache through `model` (in eval mode, under no_grad)."""
+
+    def __init__(self, model: torch.nn.Module, eos_ids: tuple[int, ...], device: torch.device | str = "cpu"):
+        if not eos_ids:
+            raise ValueError("an engine needs the tokenizer's end-of-sequence id(s) to know where a completion ends")
+        self.model, self.eos, self.device = model, torch.tensor(sorted(set(eos_ids))), torch.device(device)
+
+    @torch.no_grad()
+    def group(self, prompt_ids: list[int], seeds: list[int], sampling: Sampling) -> list[Completion]:
+        """The completions of one prompt, one per seed (`draw_seed`), sampled together."""
+        model, n = self.model, len(seeds)
+        was = model.training
+        model.eval()
+        try:
+            gens = [torch.Generator(device="cpu").manual_seed(s) for s in seeds]
+            warp = sampling.warpers()
+            ids = torch.tensor([prompt_ids] * n, dtype=torch.long, device=self.device)
+            out = model(input_ids=ids, use_cache=True)
+            past, logits = out.past_key_values, out.logits[:, -1, :].float()
+            done = torch.zeros(n, dtype=torch.bool)
+            tokens: list[list[int]] = [[] for _ in range(n)]
+            logps: list[list[float]] = [[] for _ in range(n)]
+            eos = self.eos.to(self.device)
+            for t in range(sampling.max_completion_length):
+                seen = torch.cat([ids, torch.tensor(tokens, dtype=torch.long, device=self.device)], 1) if t else ids
+                tempered = torch.log_softmax(logits / sampling.temperature, -1)
+                probs = torch.softmax(warp(seen, logits.clone()), -1).cpu()
+                nxt = torch.stack([torch.multinomial(probs[i], 1, generator=gens[i])[0] for i in range(n)])
+                for i in range(n):
+                    if not done[i]:
+                        tokens[i].append(int(nxt[i]))
+                        logps[i].append(float(tempered[i, nxt[i]]))
+                done |= torch.isin(nxt, self.eos)
+                if bool(done.all()) or t + 1 == sampling.max_completion_length:
+                    break
+                # a finished row is fed its end id again: its cache grows, nothing of it is kept
+                feed = torch.where(done.to(self.device), eos[0], nxt.to(self.device)).unsqueeze(1)
+                for i in range(n):
+                    if len(tokens[i]) < t + 1:
+                        tokens[i].append(int(eos[0]))  # padding for `seen`, dropped below
+                out = model(input_ids=feed, past_key_values=past, use_cache=True)
+                past, logits = out.past_key_values, out.logits[:, -1, :].float()
+        finally:
+            model.train(was)
+        result = []
+        for i in range(n):
+            k = len(logps[i])
+            result.append(Completion(tokens[i][:k], logps[i], truncated=not bool(torch.isin(
+                torch.tensor(tokens[i][k - 1]), self.eos))))
+        return result
+
+
+class ReplayEngine:
+    """Recorded completions instead of sampling (`rollout.engine=replay`): JSON lines of
+    {"round", "prompt", "prompt_ids" (optional), "index", "completion_ids"}. A round's prompts and
+    their order are the file's (in the order of its lines); a round the file lacks is refused."""
+
+    def __init__(self, path: str | Path):
+        self.path = str(path)
+        self.rounds: dict[int, dict] = {}
+        for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            where = f"{self.path}:{n}"
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not JSON ({e.msg})") from None
+            missing = [k for k in ("round", "prompt", "index", "completion_ids") if k not in rec]
+            if missing:
+                raise ValueError(f"{where}: no {', '.join(map(repr, missing))} (a replay line is {{round, prompt, "
+                                 "index, completion_ids}}, prompt_ids optional)")
+            prompts = self.rounds.setdefault(int(rec["round"]), {})
+            key = json.dumps(rec["prompt"], sort_keys=True)
+            entry = prompts.setdefault(key, {"prompt": rec["prompt"], "prompt_ids": rec.get("prompt_ids"),
+                                             "completions": {}})
+            if int(rec["index"]) in entry["completions"]:
+                raise ValueError(f"{where}: completion {rec['index']} of this prompt in round {rec['round']} again")
+            entry["completions"][int(rec["index"])] = [int(i) for i in rec["completion_ids"]]
+
+    def round(self, r: int, num_generations: int) -> list[dict]:
+        """Round `r`'s prompts in the file's order: {"prompt", "prompt_ids" (or None),
+        "completions": [ids] x num_generations, by index}."""
+        if r not in self.rounds:
+            have = sorted(self.rounds)
+            raise ValueError(f"rollout.replay: {self.path} has no round {r} (it has rounds "
+                             f"{have[0]}..{have[-1]})" if have else f"rollout.replay: {self.path} is empty")
+        out = []
+        for entry in self.rounds[r].values():
+            got = sorted(entry["completions"])
+            if got != list(range(num_generations)):
+                raise ValueError(f"rollout.replay: {self.path}: round {r}, prompt {json.dumps(entry['prompt'])[:60]}: "
+                                 f"completions {got}, expected 0..{num_generations - 1} (grpo.num_generations)")
+            out.append({**entry, "completions": [entry["completions"][i] for i in got]})
+        return out
