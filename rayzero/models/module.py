@@ -15,7 +15,6 @@ one) initializes it, seeded by its name. ZeRO-3 units are the classes in
 from __future__ import annotations
 
 import hashlib
-import importlib
 import inspect
 import logging
 from typing import Callable
@@ -23,6 +22,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from rayzero._imports import import_path
 from rayzero.models.config import ModelConfig
 from rayzero.models.init import SeededInit, params_on_meta
 from rayzero.models.spec import (
@@ -35,18 +35,10 @@ log = logging.getLogger(__name__)
 
 def import_factory(path: str) -> Callable[..., nn.Module]:
     """`package.module:callable` imported; ModelError saying what failed."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ModelError(f"model.factory: {path!r} is not of the form package.module:callable")
     try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # an ImportError, or the module failing as it runs
-        raise ModelError(f"model.factory: cannot import {module_name}: {type(e).__name__}: {e}") from None
-    obj = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ModelError(f"model.factory: {module_name} has no attribute {attr!r}")
-        obj = getattr(obj, part)
+        obj = import_path(path, "model.factory", "package.module:callable")
+    except ValueError as e:
+        raise ModelError(str(e)) from None
     if not callable(obj):
         raise ModelError(f"model.factory: {path} is a {type(obj).__name__}, not a callable")
     return obj

@@ -5,8 +5,7 @@ compares it."""
 
 from __future__ import annotations
 
-import importlib
-
+from rayzero._imports import import_path
 from rayzero.checkpoint.records import brief, first_difference, stored
 from rayzero.objectives.base import DATA_KINDS, Objective
 from rayzero.objectives.config import OBJECTIVES
@@ -26,17 +25,7 @@ def objective_class(name: str) -> type:
     if name in _given:
         return _given[name]
     path = OBJECTIVES[name].path if name in OBJECTIVES else name
-    module_name, _, attr = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:
-        raise ValueError(f"train.objective: cannot import {module_name}: {type(e).__name__}: {e}") from None
-    obj = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"train.objective: {module_name} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    return check_class(obj, name)
+    return check_class(import_path(path, "train.objective", "package.module:Class"), name)
 
 
 def check_class(obj, name: str) -> type:

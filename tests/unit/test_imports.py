@@ -284,7 +284,7 @@ LAYERS = [
     # URI -> filesystem (rayzero.storage): the data, the models and the checkpoints read through it,
     # and the checkpoint config makes its settings; the records a checkpoint keeps, as a resume
     # compares them (the objective's config writes its own)
-    ["rayzero._frozen", "rayzero.version", "rayzero.storage", "rayzero.*.config", "rayzero.checkpoint.records",
+    ["rayzero._frozen", "rayzero._imports", "rayzero.version", "rayzero.storage", "rayzero.*.config", "rayzero.checkpoint.records",
      "rayzero.step_report"],  # a step's report: the ranks write it, the driver merges it
     ["rayzero.sharding", "rayzero.pipeline"],
     ["rayzero.data"],
