@@ -111,6 +111,17 @@ class Output:
                 reduction="none").view(y.shape)
         return self._nll
 
+    def tempered_logps(self, temperature: float) -> torch.Tensor:
+        """Each target's log-probability [B, T] under the logits divided by `temperature` (what a
+        sampler at that temperature drew from, as TRL's GRPO computes it), 0 where it is
+        IGNORE_INDEX."""
+        if temperature == 1.0:
+            return self.token_logps
+        y, logits = self.batch.targets, self._logits / temperature
+        nll = self.vocab.token_losses(logits, y) if self.vocab is not None else F.cross_entropy(
+            logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE_INDEX, reduction="none").view(y.shape)
+        return -nll
+
     @property
     def token_logps(self) -> torch.Tensor:
         """Each target's log-probability [B, T] in fp32, 0 where it is IGNORE_INDEX."""

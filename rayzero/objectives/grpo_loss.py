@@ -135,3 +135,32 @@ class PolicyLoss:
         if kl is not None:
             out["kl"] = (kl * m).sum()
         return {k: v.detach() for k, v in out.items()}
+
+
+class PolicyObjective:
+    """GRPO's loss over a micro-batch of rollouts, in the seam's terms (`Objective.loss` and
+    `count`), for the objective that will hold it. A rollout row is a prompt and one completion:
+    its targets IGNORE_INDEX but on the completion's tokens; its row field `advantage`; its token
+    fields `old_logps` (the log-probabilities of the first pass over its generation batch; absent:
+    this pass is the first) and, with beta > 0, `ref_logps`."""
+
+    def __init__(self, policy: PolicyLoss, temperature: float = 1.0):
+        self.policy, self.temperature = policy, temperature
+
+    def count(self, batch) -> torch.Tensor:
+        mask = batch.loss_mask
+        if self.policy.loss_type == "grpo":
+            return torch.tensor(float(mask.shape[0]))
+        if self.policy.loss_type == "dr_grpo":
+            return torch.tensor(float(mask.shape[0] * self.policy.max_completion_length))
+        return mask.sum().double()
+
+    def loss(self, out, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        logps = out.tempered_logps(self.temperature)
+        old = batch.token_fields.get("old_logps")
+        old = logps.detach() if old is None else old
+        adv = batch.row_fields["advantage"]
+        per_token, kl, ratio = self.policy.token_losses(logps, old, batch.token_fields.get("ref_logps"), adv)
+        mask = batch.loss_mask
+        total, _ = self.policy.summed(per_token, mask)
+        return total, self.policy.metric_sums(kl, ratio, adv, mask)

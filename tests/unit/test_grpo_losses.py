@@ -148,3 +148,40 @@ def test_bad_settings_are_refused_in_one_line():
         PolicyLoss("ppo")
     with pytest.raises(ValueError, match="beta > 0 needs the reference"):
         PolicyLoss(beta=0.1).token_losses(*[torch.zeros(1, 2)] * 2, None, torch.zeros(1))
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "dr_grpo"])
+def test_a_rollout_micro_batchs_loss_on_the_seam_is_trls_at_its_temperature(loss_type):
+    """`PolicyObjective` as the seam runs it: each micro-batch's loss summed and its count, from
+    the model's logits at the sampling temperature, the advantages and old log-probabilities as
+    the batch's fields; summed over two micro-batches and divided, TRL's loss on the whole batch."""
+    from rayzero.data.microbatch import MicroBatch
+    from rayzero.objectives.base import Output
+    from rayzero.objectives.grpo_loss import PolicyObjective
+
+    class Spec:
+        def aux_loss(self, raw):
+            return None
+
+    temperature, vocab = 0.7, 13
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(B, T, vocab, generator=g)
+    targets = torch.randint(0, vocab, (B, T), generator=g)
+    _, old, ref, mask, adv = batch(4, True)
+    targets[mask == 0] = -100
+    logps = torch.log_softmax(logits / temperature, -1).gather(2, targets.clamp(min=0)[..., None])[..., 0] * mask
+    cfg = PolicyLoss(loss_type, epsilon=0.2, epsilon_high=0.28, beta=0.04, max_completion_length=MAX_LEN)
+    want, trl_metrics = trl_loss(cfg, logps, old, ref, mask, adv)
+    objective, parts, sums = PolicyObjective(cfg, temperature), [], defaultdict(float)
+    for s in (slice(0, 2), slice(2, B)):
+        mb = MicroBatch(torch.zeros_like(targets[s]), targets[s]).with_fields(
+            rows={"advantage": adv[s]}, tokens={"old_logps": old[s], "ref_logps": ref[s]})
+        total, metrics = objective.loss(Output(Spec(), logits[s], logits[s], mb), mb)
+        parts.append((total, objective.count(mb)))
+        for k, v in metrics.items():
+            sums[k] += float(v)
+    got = sum(p for p, _ in parts) / sum(c for _, c in parts)
+    assert got.item() == pytest.approx(want.item(), rel=1e-5)
+    n = sums.pop("completion_tokens")
+    for k, v in sums.items():
+        assert v / n == pytest.approx(trl_metrics[k], rel=1e-5, abs=1e-7), k
