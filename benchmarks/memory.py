@@ -270,7 +270,7 @@ def _dpo_rank(rank: int, model_dir: str, overrides: list[str], steps: int, data_
     if sft:  # next-token's loss on the same rows, in place of the pair loss
         from rayzero.objectives.next_token import NextToken
 
-        r.loss = r.steps.objective = NextToken(cfg).rank_side(r.steps.ctx)
+        r.steps.objective = NextToken(cfg).rank_side(r.steps.ctx)
     times = []
     for k in range(steps):
         t0 = time.perf_counter()

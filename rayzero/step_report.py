@@ -48,6 +48,7 @@ EXPERT_MAX = ("expert_load_max_over_mean", "expert_load_mean_max_over_mean")
 
 
 def _experts(values: list[dict]) -> dict | None:
+    """None (the key left out) where no rank dispatched to experts."""
     loads = [v for v in values if v]
     if not loads:
         return None
@@ -67,6 +68,7 @@ class Field:
     merge: Callable[[list], object]
     all_ranks: bool = False
     doc: str = ""
+    optional: bool = False  # a merge of None leaves the key out
 
 
 FIELDS: dict[str, Field] = {
@@ -91,7 +93,7 @@ FIELDS: dict[str, Field] = {
     "ledgers": Field(lambda vs: {r: m for v in vs for r, m in v.items()}, all_ranks=True,
                      doc="each rank's ledger, by rank"),
     "uploads": Field(lambda vs: [u for v in vs for u in v], doc="every checkpoint upload reported"),
-    "experts": Field(_experts, doc="expert parallelism's loads"),
+    "experts": Field(_experts, doc="expert parallelism's loads", optional=True),
 }
 
 # Times a rank reports that are part of its phases (data: of gather; torch_compile, `train.compile`'s:
@@ -143,7 +145,7 @@ def merge(results: list[dict], ledgers: bool = True) -> dict:
         if not values or (f.all_ranks and len(values) != len(parts)):
             continue
         merged = f.merge(values)
-        if merged is not None or key not in ("experts",):
+        if merged is not None or not f.optional:
             out[key] = merged
     return out
 

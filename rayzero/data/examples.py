@@ -78,3 +78,16 @@ def example_of(tok: Tokenizer, rec, where: str) -> tuple[np.ndarray, np.ndarray]
             if isinstance(rec, dict) and {"chosen", "rejected"} & set(rec) else "")
     raise DataError(f"{where}: an instruction record has `prompt` and `response`, or `messages` (it has: {have})"
                     f"{hint}")
+
+
+def add_examples(files, tok, writer, skipped, bar) -> None:
+    """Each instruction record of `files` into `writer` (a `ShardWriter`): its tokens and loss mask."""
+    from rayzero.data.sources import json_records
+
+    for f in files:
+        if f.format != "json":
+            raise DataError(f"{f.uri}: instruction data is JSON lines (.jsonl) of prompt/response or messages records")
+        for where, rec in json_records(f, skipped):
+            ids, mask = example_of(tok, rec, where)
+            writer.add(ids, mask)
+        bar.update(f.size)

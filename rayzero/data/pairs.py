@@ -192,3 +192,15 @@ class OneFormat:
         elif form != self.first[0]:
             raise DataError(f"{where}: mixed types: this record is {form}, the first ({self.first[1]}) "
                             f"{self.first[0]}; one dataset holds records of one format")
+
+
+def add_pairs(files, tok, writer, skipped, bar) -> None:
+    """Each preference record of `files` into `writer` (a `ShardWriter`): its chosen and rejected rows, one format."""
+    one = OneFormat()
+    for f in files:
+        for where, rec in pair_records(f, skipped):
+            pair = pair_of(tok, rec, where)
+            one.check(pair.form, where)
+            for ids, mask in pair.examples():
+                writer.add(ids, mask)
+        bar.update(f.size)

@@ -110,6 +110,19 @@ class PromptColumns:
         return buf.getvalue()
 
 
+def add_prompts(files, tok, writer, skipped, bar) -> PromptColumns:
+    """Each prompt record of `files` into `writer` (a `ShardWriter`) as one document; its other
+    fields kept, in order (`PromptColumns`, written beside the shards as COLUMNS)."""
+    columns = PromptColumns()
+    for f in files:
+        for where, rec in prompt_records(f, skipped):
+            ids, conversational = prompt_ids(tok, rec, where)
+            columns.add(rec, conversational, where)
+            writer.add(ids)
+        bar.update(f.size)
+    return columns
+
+
 def prompt_tokens(dataset) -> list[np.ndarray]:
     """Each prompt's token ids, in order, from a prepared prompts dataset (`TokenDataset`)."""
     ends = np.cumsum(dataset.document_lengths)

@@ -235,11 +235,17 @@ def _fill(writer: ShardWriter, src, tok: Tokenizer, files, kind: str, pattern, e
         for where in skipped:
             log.warning("skipped %s: not UTF-8", where)
     elif instructions:
-        _add_instructions(files, tok, writer, skipped, bar)
+        from rayzero.data.examples import add_examples
+
+        add_examples(files, tok, writer, skipped, bar)
     elif preferences:
-        _add_preferences(files, tok, writer, skipped, bar)
+        from rayzero.data.pairs import add_pairs
+
+        add_pairs(files, tok, writer, skipped, bar)
     elif prompts:
-        columns = _add_prompts(files, tok, writer, skipped, bar)
+        from rayzero.data.prompts import add_prompts
+
+        columns = add_prompts(files, tok, writer, skipped, bar)
     else:
         _add_documents(files, tok, writer, fields, skipped, bar)
     bar.close()
@@ -280,46 +286,6 @@ def _add_documents(files, tok, writer: ShardWriter, fields: Fields, skipped, bar
         if len(batch) >= ENCODE_BATCH:
             encode_batch()
     encode_batch()
-
-
-def _add_instructions(files, tok, writer: ShardWriter, skipped, bar) -> None:
-    from rayzero.data.examples import example_of
-    from rayzero.data.sources import json_records
-
-    for f in files:
-        if f.format != "json":
-            raise DataError(f"{f.uri}: instruction data is JSON lines (.jsonl) of prompt/response or messages records")
-        for where, rec in json_records(f, skipped):
-            ids, mask = example_of(tok, rec, where)
-            writer.add(ids, mask)
-        bar.update(f.size)
-
-
-def _add_preferences(files, tok, writer: ShardWriter, skipped, bar) -> None:
-    from rayzero.data.pairs import OneFormat, pair_of, pair_records
-
-    one = OneFormat()
-    for f in files:
-        for where, rec in pair_records(f, skipped):
-            pair = pair_of(tok, rec, where)
-            one.check(pair.form, where)
-            for ids, mask in pair.examples():
-                writer.add(ids, mask)
-        bar.update(f.size)
-
-
-def _add_prompts(files, tok, writer: ShardWriter, skipped, bar):
-    """Each prompt record's tokens as one document; its other fields kept, in order (`PromptColumns`)."""
-    from rayzero.data.prompts import PromptColumns, prompt_ids, prompt_records
-
-    columns = PromptColumns()
-    for f in files:
-        for where, rec in prompt_records(f, skipped):
-            ids, conversational = prompt_ids(tok, rec, where)
-            columns.add(rec, conversational, where)
-            writer.add(ids)
-        bar.update(f.size)
-    return columns
 
 
 def _progress(files, enabled: bool):

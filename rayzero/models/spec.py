@@ -49,6 +49,20 @@ def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tenso
     return loss, (targets != IGNORE_INDEX).sum()
 
 
+def summed_nll(logits: torch.Tensor, targets: torch.Tensor, vocab=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_loss` of the logits, on this rank's vocabulary shard where `vocab` splits the head."""
+    return vocab.token_loss(logits, targets) if vocab is not None else token_loss(logits, targets)
+
+
+def per_token_nll(logits: torch.Tensor, targets: torch.Tensor, vocab=None) -> torch.Tensor:
+    """Each target's cross-entropy [B, T] in fp32, 0 where it is IGNORE_INDEX (on this rank's
+    vocabulary shard where `vocab` splits the head)."""
+    if vocab is not None:
+        return vocab.token_losses(logits, targets)
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="none").view(targets.shape)
+
+
 def check_logits(logits, x: torch.Tensor, where: str) -> torch.Tensor:
     """The forward's output as [B, T, V] logits (a tensor, or an object with `.logits`);
     a ModelError naming the shape otherwise."""
@@ -322,19 +336,15 @@ class ModelSpec:
         load-balancing loss, as the model computes it for this micro-batch) enters training
         scaled by `aux_coef`. `vocab`: this rank's `VocabShard` when the head is split over the
         vocabulary: the logits are its rows, and the loss is computed on the shards."""
-        loss_of = vocab.token_loss if vocab is not None else token_loss
         logits, out = self.forward(model, batch, check, vocab)
-        return (*loss_of(logits, batch.targets), self.aux_loss(out))
+        return (*summed_nll(logits, batch.targets, vocab), self.aux_loss(out))
 
     def token_losses(self, model: nn.Module, batch: MicroBatch, check: bool = False, vocab=None):
         """(each target's cross-entropy [B, T] in fp32, 0 where the target is IGNORE_INDEX; the
         model's auxiliary loss or None): what a loss over whole sequences (preference tuning)
         sums row by row. As `loss` otherwise."""
-        y = batch.targets
         logits, out = self.forward(model, batch, check, vocab)
-        per_token = vocab.token_losses(logits, y) if vocab is not None else F.cross_entropy(
-            logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE_INDEX, reduction="none").view(y.shape)
-        return per_token, self.aux_loss(out)
+        return per_token_nll(logits, batch.targets, vocab), self.aux_loss(out)
 
     def forward(self, model: nn.Module, batch: MicroBatch, check: bool = False, vocab=None):
         """(the logits, the forward's whole output), checked with `check`."""

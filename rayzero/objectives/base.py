@@ -27,9 +27,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
-from rayzero.models.spec import token_loss
+from rayzero.models.spec import per_token_nll, summed_nll
 from rayzero.sharding.vocab_parallel import IGNORE_INDEX
 
 # How a metric merges over micro-batches, ranks and nodes: summed; summed then divided by a count
@@ -99,16 +98,12 @@ class Output:
 
     def summed_nll(self) -> tuple[torch.Tensor, torch.Tensor | int]:
         """(the cross-entropy summed over the valid targets, their count): next-token's loss."""
-        loss_of = self.vocab.token_loss if self.vocab is not None else token_loss
-        return loss_of(self._logits, self.batch.targets)
+        return summed_nll(self._logits, self.batch.targets, self.vocab)
 
     def token_nll(self) -> torch.Tensor:
         """Each target's cross-entropy [B, T] in fp32, 0 where it is IGNORE_INDEX."""
         if self._nll is None:
-            y = self.batch.targets
-            self._nll = self.vocab.token_losses(self._logits, y) if self.vocab is not None else F.cross_entropy(
-                self._logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE_INDEX,
-                reduction="none").view(y.shape)
+            self._nll = per_token_nll(self._logits, self.batch.targets, self.vocab)
         return self._nll
 
     def tempered_logps(self, temperature: float) -> torch.Tensor:
@@ -117,10 +112,7 @@ class Output:
         IGNORE_INDEX."""
         if temperature == 1.0:
             return self.token_logps
-        y, logits = self.batch.targets, self._logits / temperature
-        nll = self.vocab.token_losses(logits, y) if self.vocab is not None else F.cross_entropy(
-            logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE_INDEX, reduction="none").view(y.shape)
-        return -nll
+        return -per_token_nll(self._logits / temperature, self.batch.targets, self.vocab)
 
     @property
     def token_logps(self) -> torch.Tensor:

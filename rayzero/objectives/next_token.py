@@ -23,30 +23,11 @@ class NextToken(Objective):
 
 
 class _NextTokenOnRank(SummedLoss):
-    """The summed cross-entropy and its count from one pass (the model seam's fused loss)."""
+    """The summed cross-entropy and its count from one pass (the model seam's fused loss); the
+    rest, validation included, as every summed loss."""
 
     def _loss(self, out: Output, batch):
         loss_sum, valid = out.summed_nll()
         self.loss_sum += loss_sum.detach()
         self.tokens += valid.detach() if hasattr(valid, "detach") else valid  # no wait for the device
         return loss_sum, {}
-
-    def validate(self, val):
-        from rayzero.objectives.base import StepSums
-
-        import torch
-
-        ctx = self.ctx
-        loss_sum, count = torch.zeros((), dtype=torch.float64, device=ctx.device), 0
-        micro = [(b if ctx.cp is None else b.split(ctx.cp)).to(ctx.device)
-                 for k in range(val.num_batches) for b in val.microbatches(k)]
-
-        def one(model, batch):
-            loss, valid = Output.of(ctx.spec, model, batch, vocab=ctx.vocab).summed_nll()
-            return loss, valid
-
-        parts = ctx.pipe.forward_only(micro, one) if ctx.pipe is not None else (one(ctx.model, b) for b in micro)
-        for part, valid in parts:
-            loss_sum += part.double()
-            count += int(valid)
-        return StepSums(float(loss_sum), count, {"sum": {}, "max": {}})

@@ -79,7 +79,7 @@ class Rank(Membership):
         self._times: dict[str, float] = {}
         self.saver: ShardSaver | None = None
         self.model = self.strategy = self.data = self.val = None  # built by `setup`
-        self.objective = self.loss = None  # the run's objective (`Objective`) and its part on this rank
+        self.objective = None  # the run's objective (`Objective`); its part on this rank is the runner's
         self.experts: ExpertParallel | None = None  # with parallel.ep: the MoE layers' dispatch
         self.spec = self._pipe = self.streams = self.vocab = self.meter = self.steps = None  # and these
         self.micro_per_step = 0
@@ -125,7 +125,7 @@ class Rank(Membership):
                 uploads = []
         self.saver = None
         self._pipe = None  # this rank's pipeline stages and schedule, with parallel.pp > 1
-        self.loss = None  # the objective's part on this rank: its reference model (or table) goes with the model
+        self.objective = None  # (its part on this rank, with its reference model or table, goes with the runner)
         if self.data is not None:
             self.data.close()
         self.model = self.strategy = self.data = self.val = None
@@ -180,8 +180,8 @@ class Rank(Membership):
             streams=self.streams, meter=self.meter, vocab=self.vocab, pipe=self._pipe, cp=context_of(cfg, self.mesh),
             data=self.data, val=self.val, reference=reference, micro_per_step=self.micro_per_step,
             tokens_per_step=self.data.tokens_per_step, masks_labels=self.data.masks_labels)
-        self.loss = self.objective.rank_side(ctx)
-        self.steps = runner_for(ctx, self.loss)  # the step's micro-batches: plain or through the stages
+        # the step's micro-batches, plain or through the stages, with the objective's part on this rank
+        self.steps = runner_for(ctx, self.objective.rank_side(ctx))
         self._counts, self._aux_counts = self._counting()
         self._batch_index = self.mesh.coord("batch")
         return {**self._setup_report(backend, source, stages), "initial_values": not resuming}
@@ -258,7 +258,7 @@ class Rank(Membership):
 
     def _memory(self) -> dict[str, int]:
         """The ledger, and the peak bytes a micro-batch's forward has left saved for backward."""
-        return {**self.strategy.memory(), **self.steps.memory(), **self.loss.memory()}
+        return {**self.strategy.memory(), **self.steps.memory()}
 
     # -- phases --------------------------------------------------------------------------
     @watched

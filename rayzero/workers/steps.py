@@ -148,7 +148,8 @@ class Plain:
         return self.objective.validate(val)
 
     def memory(self) -> dict[str, int]:
-        return {"activations_peak": self.activations_peak}
+        """The activations' peak, and what the objective holds (a reference model)."""
+        return {"activations_peak": self.activations_peak, **self.objective.memory()}
 
 
 class Staged(Plain):
@@ -173,7 +174,7 @@ class Staged(Plain):
         self.next = len(self.micro)
 
     def memory(self) -> dict[str, int]:
-        return {"activations_peak": self.activations_peak, "activations_in_flight": self.in_flight_peak}
+        return {**super().memory(), "activations_in_flight": self.in_flight_peak}
 
 
 def runner_for(ctx: StepContext, objective) -> Plain:
