@@ -187,8 +187,17 @@ class Objective:
         return {"name": self.name, **({"checked": {"kwargs": dict(kwargs)}} if kwargs else {})}
 
     def plan(self, params_per_rank: int | None, frozen_bytes_per_param: float, param_dtype: str) -> dict | None:
-        """What `--dry-run` says of the objective, or None."""
-        return None
+        """What `--dry-run` says of the objective: its name, its metrics, its keyword arguments and
+        its reference model (a frozen copy's bytes per rank, sharded as frozen parameters are)."""
+        held = int(frozen_bytes_per_param * params_per_rank) if params_per_rank and self.reference == "frozen_copy" \
+            else 0
+        ref = {"none": "none", "adapters_off": "the base model with the LoRA adapters off (no copy)",
+               "frozen_copy": f"a frozen copy of the starting weights in {param_dtype}"
+               + (f", {held / 2**20:,.1f} MiB per rank" if held else "")}[self.reference]
+        kwargs = self.cfg.train.objective_kwargs
+        line = (f"objective {self.name}" + (f" ({', '.join(f'{k}={v}' for k, v in kwargs.items())})" if kwargs else "")
+                + f"; metrics: {', '.join(self.metric_names()) or 'none'}; reference: {ref}")
+        return {"name": self.name, "reference": self.reference, "reference_bytes": held, "line": line}
 
     def step_metrics(self, sums: dict, count: float, prefix: str = "") -> dict[str, float]:
         """The step's metrics from the merged sums (`metric_sums`) and the step's loss count."""

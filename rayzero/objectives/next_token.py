@@ -18,6 +18,9 @@ class NextToken(Objective):
         loss_sum, _ = out.summed_nll()
         return loss_sum, {}
 
+    def plan(self, params_per_rank, frozen_bytes_per_param, param_dtype) -> None:
+        return None  # the default: the plan says nothing of it
+
     def rank_side(self, ctx) -> SummedLoss:
         return _NextTokenOnRank(self, ctx)
 

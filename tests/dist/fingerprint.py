@@ -7,9 +7,10 @@ and the final weights, main parameters and Adam moments of every rank, hashed bi
 
 Run it in a checkout of the commit before a change (`git worktree add`, this file copied in if it
 is newer) and in the tree after, then `--compare`: every configuration must match bit for bit.
-It builds the models and data as test_combinations.py's `combo_setup` does, on its own (it must run
-unchanged in a checkout from before a change), and drives each rank as `tests/dist/combination_ranks.py` does (setup, then `iteration` per step),
-reading only what a rank has returned at every commit since the step results were merged.
+It builds the models and data as test_combinations.py's `combo_setup` does, on its own (it must
+run unchanged in a checkout from before a change), and drives each rank as
+`tests/dist/combination_ranks.py` does (setup, then `iteration` per step), reading only what a
+rank has returned at every commit since the step results were merged.
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from tests.conftest import cli_in_process
+
 pytestmark = pytest.mark.slow
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "objectives.py"
 KEYS = ["model.n_layer=2", "model.n_embd=64", "model.n_head=4", "train.seq_len=64", "train.global_batch_size=8",
@@ -21,7 +23,8 @@ KEYS = ["model.n_layer=2", "model.n_embd=64", "model.n_head=4", "train.seq_len=6
         "train.eval_batches=1"]
 
 
-def test_a_label_smoothing_objective_of_ones_own_trains_reports_and_resumes(train_here, small_dataset, tmp_path):
+def test_a_label_smoothing_objective_of_ones_own_trains_reports_and_resumes(train_here, small_dataset, tmp_path,
+                                                                            capsys, monkeypatch):
     shutil.copy(EXAMPLE, tmp_path / "my_objectives.py")
     keys = [*KEYS, f"data.path={small_dataset}", "train.objective=my_objectives:LabelSmoothing",
             "train.objective_kwargs.epsilon=0.1", f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.every_steps=2"]
@@ -64,6 +67,14 @@ def test_a_label_smoothing_objective_of_ones_own_trains_reports_and_resumes(trai
     assert rows["kl"][0] == 0.0 and rows["loss"][0] == pytest.approx(rows["nll"][0], rel=1e-6), rows
     assert rows["kl"][-1] > 0, rows
     assert close["memory"]["reference_bytes"] > 0  # the frozen copy, beside the model state
+
+    # its dry run says what the run trains for
+    code, out, err = cli_in_process(capsys, monkeypatch, tmp_path, "train", "--dry-run", *KEYS,
+                                    f"data.path={small_dataset}", "train.objective=my_objectives:StayClose",
+                                    "train.objective_kwargs.beta=0.2", "checkpoint.dir=")
+    assert code == 0, err
+    assert ("objective my_objectives:StayClose (beta=0.2); metrics: nll, kl; reference: a frozen copy of the "
+            "starting weights in fp32, ") in out and " MiB per rank" in out, out
 
     # a class that is no objective: refused before the cluster is touched, in one line
     (tmp_path / "broken.py").write_text("from rayzero.objectives import Objective\n\nclass NoLoss(Objective):\n"
