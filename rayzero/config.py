@@ -21,7 +21,8 @@ from rayzero.checkpoint.config import CheckpointConfig
 from rayzero.cluster.config import ClusterConfig, FailureConfig, TrackingConfig
 from rayzero.data.config import DataConfig
 from rayzero.models.config import ModelConfig
-from rayzero.objectives.config import OBJECTIVES, DPOConfig, check_name, check_options
+from rayzero.objectives.config import OBJECTIVES, DPOConfig, GRPOConfig, check_name, check_options
+from rayzero.rollout.config import RolloutConfig
 from rayzero.sharding.config import MoEConfig, OptimConfig, ParallelConfig, ShardingConfig
 from rayzero.sharding.mesh import AXES, Mesh, MeshError, fits
 
@@ -182,6 +183,8 @@ class RootConfig(Frozen):
     checkpoint: CheckpointConfig = CheckpointConfig()
     failure: FailureConfig = FailureConfig()
     dpo: DPOConfig = DPOConfig()
+    grpo: GRPOConfig = GRPOConfig()
+    rollout: RolloutConfig = RolloutConfig()
     moe: MoEConfig = MoEConfig()
 
     @model_validator(mode="after")

@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import os
 import tempfile
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -204,3 +205,92 @@ def trl_sft(model_dir, records: list[dict], *, steps: int, lr: float, max_length
         model = copy.deepcopy(model).merge_and_unload()
     result["state_dict"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return result
+
+
+GRPO_METRICS = ("loss", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "entropy",
+                "reward", "reward_std", "frac_reward_zero_std", "completions/mean_length")
+
+
+def trl_grpo(model_dir, prompts: list[dict], reward_funcs: list, *, steps: int, prompts_per_step: int,
+             num_generations: int, max_completion_length: int, replay_path, lr: float, loss_type: str = "dapo",
+             beta: float = 0.0, num_iterations: int = 1, epsilon: float = 0.2, epsilon_high: float | None = None,
+             scale_rewards: str = "group", temperature: float = 1.0, mask_truncated_completions: bool = False,
+             reward_weights: list[float] | None = None, lora: Any = None, lora_init_dir: str | None = None,
+             weight_decay: float = 0.0, max_grad_norm: float = 1.0, seed: int = 0) -> dict:
+    """Train with TRL's `GRPOTrainer` for `steps` optimizer steps on `prompts` (TRL's prompt-only
+    records), each step's generation batch in one micro-batch (`prompts_per_step` x
+    `num_generations` completions). The completions are TRL's own hook for supplied ones
+    (`rollout_func`): token ids drawn from a generator seeded per round (some ending in EOS, some
+    cut at `max_completion_length`), each round written to `replay_path` as rayzero's replay
+    engine reads it ({round, prompt, prompt_ids, index, completion_ids}), in TRL's order.
+
+    Returns {"metrics": per step `GRPO_METRICS` as TRL logged them, "state_dict": the final
+    weights (LoRA merged in)}."""
+    import json
+
+    import datasets
+    import torch
+    import transformers
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    datasets.disable_progress_bars()
+    transformers.logging.set_verbosity_error()
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    special = set(tokenizer.all_special_ids)
+    ordinary = [i for i in range(len(tokenizer)) if i not in special]
+    lines: list[str] = []
+    rounds = [0]
+
+    def rollout(batch_prompts, trainer):
+        """Each row's completion: random ordinary tokens, EOS last for about half of them."""
+        r = rounds[0]
+        rounds[0] += 1
+        gen = torch.Generator().manual_seed(1000 + r)
+        seen: dict[str, int] = {}
+        prompt_ids, completion_ids, logprobs = [], [], []
+        for p in batch_prompts:
+            ids = tokenizer(p, add_special_tokens=False)["input_ids"]
+            index = seen.get(p, 0)
+            seen[p] = index + 1
+            n = int(torch.randint(1, max_completion_length + 1, (1,), generator=gen))
+            comp = [ordinary[int(k)] for k in torch.randint(len(ordinary), (n,), generator=gen)]
+            if n < max_completion_length or bool(torch.rand((), generator=gen) < 0.5):
+                comp[-1] = tokenizer.eos_token_id
+            prompt_ids.append(ids)
+            completion_ids.append(comp)
+            logprobs.append([0.0] * len(comp))
+            lines.append(json.dumps({"round": r, "prompt": p, "prompt_ids": ids, "index": index,
+                                     "completion_ids": comp}))
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
+
+    with tempfile.TemporaryDirectory() as out:
+        base = pinned(out, lr=lr, optim="adamw_torch", adam_betas=(0.9, 0.999), adam_eps=1e-8,
+                      weight_decay=weight_decay, max_grad_norm=max_grad_norm,
+                      batch=prompts_per_step * num_generations, steps=steps, seed=seed)
+        base.pop("train_sampling_strategy")
+        args = GRPOConfig(**base, num_generations=num_generations, max_completion_length=max_completion_length,
+                          steps_per_generation=1, loss_type=loss_type, beta=beta, num_iterations=num_iterations,
+                          epsilon=epsilon, epsilon_high=epsilon_high, scale_rewards=scale_rewards,
+                          temperature=temperature, mask_truncated_completions=mask_truncated_completions,
+                          reward_weights=reward_weights, disable_dropout=True, log_completions=False)
+        import os
+
+        os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
+        trainer = GRPOTrainer(model=str(model_dir), reward_funcs=reward_funcs, args=args,
+                              train_dataset=datasets.Dataset.from_list(prompts), processing_class=tokenizer,
+                              peft_config=lora_config(lora) if lora is not None else None, rollout_func=rollout)
+        if lora is not None and lora_init_dir:
+            trainer.model.save_pretrained(lora_init_dir)
+        trainer.train()
+    Path(replay_path).write_text("".join(line + "\n" for line in lines))
+    logged = [e for e in trainer.state.log_history if "loss" in e and "step" in e]
+    if [e["step"] for e in logged] != list(range(1, steps + 1)):
+        raise AssertionError(f"TRL logged steps {[e['step'] for e in logged]}, not 1..{steps}")
+    model = trainer.model
+    if lora is not None:
+        model = copy.deepcopy(model).merge_and_unload()
+    return {"metrics": [{k: e.get(k) for k in GRPO_METRICS} for e in logged],
+            "state_dict": {k: v.detach().clone() for k, v in model.state_dict().items()}}

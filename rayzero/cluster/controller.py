@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 class Controller:
     def __init__(self, cfg: RootConfig, data_path: str, run_dir: str, tracker, progress: bool = True,
-                 actor_cls=RankActor, checkpoints: Checkpoints | None = None, factory=None, objective=None, spec=None,
+                 actor_cls=RankActor, checkpoints: Checkpoints | None = None, factory=None, objective=None, spec=None, driver_side=None,
                  startup: Startup | None = None, *, scaling: ScalingPolicy | None = None,
                  failure_policy: FailurePolicy | None = None, early_stopping: EarlyStopping | None = None,
                  cluster=None, dispatcher=None, watchdog=None):
@@ -60,6 +60,7 @@ class Controller:
         if objective is not None:
             remember(cfg.train.objective, objective)
         self.objective = objective_for(cfg)  # what the driver reads of it: its metrics' merges, its summary
+        self.driver_side = driver_side  # the objective's part on the driver (online RL's rollouts), or None
         self.spec = spec
         self.actor_cls = actor_cls
         self.data_path = data_path
@@ -155,6 +156,8 @@ class Controller:
                 live.release(kill=status != "FINISHED")
             if self.spares is not None:
                 self.spares.kill()
+            if self.driver_side is not None:
+                self.driver_side.close()
             self.tracker.finish(status)
         return self.summary()
 

@@ -279,6 +279,8 @@ class Training(State):
         if prepare:
             run.startup.stage("compile", prepare)
         mesh = cfg.mesh(rec.world)
+        if run.driver_side is not None:  # the ranks were (re)built: the rollout actors get every weight again
+            run.driver_side.restarted()
         self.live.dispatch = run.dispatcher(self.live.group.actors, cfg.grad_accum_for(mesh),
                                             timeout_s=cfg.cluster.pg_timeout_s, staged=mesh.size("pp") > 1)
         run.clock.mark("graph")  # after a failure: the iteration's graph built again, for the new group
@@ -301,6 +303,7 @@ class Training(State):
         bar = tqdm(range(first, cfg.train.steps), desc="train", unit="step", disable=not run.progress,
                    mininterval=1.0, dynamic_ncols=True, initial=first, total=cfg.train.steps)
         plans: dict[int, dict] = {}
+        rollouts = run.driver_side  # online RL: each step's rows come from the rollouts, made after the step before
 
         def plan(k: int) -> dict:
             due = run.evaluates(k)
@@ -315,6 +318,8 @@ class Training(State):
                         "evaluate": due, "evaluate_first": k == 0 and run.eval_at_start,
                         # every rank's memory ledger, for the summary: where the run may end
                         "ledgers": k + 1 == cfg.train.steps or (due and bool(run.early.patience))}
+            if rollouts is not None:
+                plans[k]["rollout"] = self.rollouts_for(run, k)
             return plans[k]
 
         last = time.perf_counter()
@@ -326,7 +331,7 @@ class Training(State):
             more = step + 1 < cfg.train.steps and not stops_here
             # Queue the next iteration before reading this one: ranks never wait on the driver;
             # except after an evaluation that may end the run, which must be read first.
-            hold = bool(run.early.patience) and plans.pop(step)["evaluate"]
+            hold = bool(run.early.patience) and plans.pop(step)["evaluate"] or rollouts is not None
             queued = dispatch.submit(plan(step + 1)) if more and not hold else None
             results = dispatch.collect(pending, queued=queued is not None)
             run.startup.part("torch_compile", max(r["phase_s"].get("torch_compile", 0.0) for r in results))
@@ -341,6 +346,20 @@ class Training(State):
             if hold and more:
                 queued = dispatch.submit(plan(step + 1))
             pending = queued
+
+    def rollouts_for(self, run, k: int) -> dict:
+        """Step k's rollouts (its round generated and scored at the round's first step, after the
+        weights of the step before went to the rollout actors). A reward function that fails ends
+        the run, after the uploads in flight are committed: nothing trained is lost."""
+        from rayzero.rollout.rewards import RewardError
+
+        try:
+            return run.driver_side.plan(k, self.live.group)
+        except RewardError:
+            ckpt = run.checkpoints
+            if ckpt is not None:
+                ckpt.add_uploads([u for r in self.live.group.call("finish_checkpoints") for u in r])
+            raise
 
     def record_step(self, run, step: int, results: list[dict], dt: float, tokens_per_step: int) -> bool:
         """One iteration's results into the history, MLflow and the checkpoints. True when
@@ -368,6 +387,8 @@ class Training(State):
             if stop:
                 log.warning("stopping early after step %d: %s", step, early.stopped)
                 run.tracker.set_tags({"stopped_early": f"after step {step}: {early.stopped}"})
+        if run.driver_side is not None:
+            metrics.update(run.driver_side.step_metrics(step))
         h.skipped += int(results[0]["skipped"])
         h.memory = per_rank_ledgers(result) or [result["memory"]]  # the per-rank ones where the run may end
         if step == self.first:

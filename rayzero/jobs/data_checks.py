@@ -31,7 +31,7 @@ def resolve_data(cfg: RootConfig) -> str:
     path = cfg.data.path or ensure_default_corpus(cfg.data.cache_dir)
     meta = read_meta(path, cfg.checkpoint, tokenizer=model_tokenizer_dir(cfg), kind=default_kind(cfg))
     need = cfg.train.global_batch_size * (cfg.train.seq_len + 1)
-    if meta.get("kind") not in MASKED_KINDS and meta["num_tokens"] < need:  # examples and pairs are padded out
+    if meta.get("kind") not in (*MASKED_KINDS, "prompts") and meta["num_tokens"] < need:  # examples and pairs are padded out
         raise DataError(
             f"data.path: {path} holds {meta['num_tokens']} tokens, fewer than one global batch "
             f"needs (train.global_batch_size {cfg.train.global_batch_size} x "

@@ -306,10 +306,12 @@ def run_train(cfg: RootConfig, progress: bool = True, factory=None, startup: Sta
 
 
 def train_run(cfg: RootConfig, progress: bool = True, factory=None, startup: Startup | None = None,
-              ray_start: RayStart | None = None, objective: type | None = None) -> tuple[dict, list[dict]]:
+              ray_start: RayStart | None = None, objective: type | None = None,
+              rewards: tuple = ()) -> tuple[dict, list[dict]]:
     """Train; the run's summary and each step's metrics (one dict per step, from step 0 on a
     resumed run too). `factory`: the model's callable, given from Python (`model.kind=module`);
     `objective`: the class of the run's objective, given from Python (`train.objective`);
+    `rewards`: reward functions given from Python (online RL, after `grpo.reward_funcs`);
     `startup`: the start-up's status lines, begun by the caller (None: begun here); `ray_start`:
     the start (or join) of the Ray this run uses, and its ranks' placement, begun by the caller
     beside its imports (the CLI in a process of its own; None: Ray is started or joined after the
@@ -356,6 +358,7 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None, startup: Sta
         startup.say(words)
     prepared = prepare_model(cfg, factory, data_vocab=meta["vocab_size"], packs=packs_examples(cfg, meta))
     spec = prepared.spec
+    driver_side = make_driver_side(cfg, data_path, spec, rewards, factory)
     note = vocab_note(cfg, prepared.built) if cfg.mesh().size("tp") > 1 and cfg.parallel.vocab_parallel else None
     if note:
         print(f"rayzero: note: {note}", file=sys.stderr)
@@ -422,7 +425,8 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None, startup: Sta
         startup.when_done(tracker.begin)  # MLflow takes no CPU from the ranks' start
     try:
         controller = Controller(cfg, data_path, str(run_dir), tracker, progress=progress, checkpoints=checkpoints,
-                                factory=factory, objective=objective, spec=spec, startup=startup)
+                                factory=factory, objective=objective, spec=spec, startup=startup,
+                                driver_side=driver_side)
         return controller.fit(), controller.history.rows
     finally:
         if KEPT.group is not None:  # kept ranks live as long as this process's connection
@@ -430,6 +434,21 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None, startup: Sta
         elif started_ray or KEPT.connection is not None:  # nothing kept: a connection made for them goes
             KEPT.connection = None
             shutdown_ray()
+
+
+def make_driver_side(cfg: RootConfig, data_path: str, spec, rewards=(), factory=None):
+    """The objective's part on the driver (online RL's rollouts), checked against the run, or
+    None; ConfigError in one line for what cannot run (a reward that does not import, a prompt
+    too long, a replay file that does not match)."""
+    from rayzero.objectives.registry import objective_for
+
+    try:
+        side = objective_for(cfg).driver_side(data_path, spec, rewards=tuple(rewards), factory=factory)
+        if side is not None:
+            side.check(cfg.train.steps)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return side
 
 
 def ray_words(address: str, connects: bool) -> str:

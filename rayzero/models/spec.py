@@ -339,11 +339,14 @@ class ModelSpec:
         logits, out = self.forward(model, batch, check, vocab)
         return (*summed_nll(logits, batch.targets, vocab), self.aux_loss(out))
 
-    def token_losses(self, model: nn.Module, batch: MicroBatch, check: bool = False, vocab=None):
-        """(each target's cross-entropy [B, T] in fp32, 0 where the target is IGNORE_INDEX; the
-        model's auxiliary loss or None): what a loss over whole sequences (preference tuning)
-        sums row by row. As `loss` otherwise."""
+    def token_losses(self, model: nn.Module, batch: MicroBatch, check: bool = False, vocab=None,
+                     temperature: float = 1.0):
+        """(each target's cross-entropy [B, T] in fp32, 0 where the target is IGNORE_INDEX, of the
+        logits over `temperature`; the model's auxiliary loss or None): what a loss over whole
+        sequences (preference tuning) sums row by row. As `loss` otherwise."""
         logits, out = self.forward(model, batch, check, vocab)
+        if temperature != 1.0:
+            logits = logits / temperature
         return per_token_nll(logits, batch.targets, vocab), self.aux_loss(out)
 
     def forward(self, model: nn.Module, batch: MicroBatch, check: bool = False, vocab=None):

@@ -80,6 +80,7 @@ class Output:
     def __init__(self, spec, logits: torch.Tensor, raw, batch, vocab=None):
         self.spec, self._logits, self._raw, self.batch, self.vocab = spec, logits, raw, batch, vocab
         self._nll: torch.Tensor | None = None
+        self._tempered: dict[float, torch.Tensor] = {}
 
     @classmethod
     def of(cls, spec, model, batch, check: bool = False, vocab=None) -> Output:
@@ -112,7 +113,9 @@ class Output:
         IGNORE_INDEX."""
         if temperature == 1.0:
             return self.token_logps
-        return -per_token_nll(self._logits / temperature, self.batch.targets, self.vocab)
+        if temperature not in self._tempered:
+            self._tempered[temperature] = -per_token_nll(self._logits / temperature, self.batch.targets, self.vocab)
+        return self._tempered[temperature]
 
     @property
     def token_logps(self) -> torch.Tensor:
@@ -198,6 +201,13 @@ class Objective:
         line = (f"objective {self.name}" + (f" ({', '.join(f'{k}={v}' for k, v in kwargs.items())})" if kwargs else "")
                 + f"; metrics: {', '.join(self.metric_names()) or 'none'}; reference: {ref}")
         return {"name": self.name, "reference": self.reference, "reference_bytes": held, "line": line}
+
+    def driver_side(self, data_path: str, spec, rewards=(), factory=None):
+        """What the driver runs beside the ranks for this objective, or None: online RL's
+        rollouts (`rollout/rounds.py`: each step's rows made on the driver from sampled
+        completions, and the weights sent to the rollout actors). Made before the cluster
+        starts; its `check(steps)` refuses what cannot run."""
+        return None
 
     def step_metrics(self, sums: dict, count: float, prefix: str = "") -> dict[str, float]:
         """The step's metrics from the merged sums (`metric_sums`) and the step's loss count."""
@@ -335,13 +345,14 @@ class SummedLoss(RankObjective):
         self.loss_sum = self.tokens = self.sums = None
         self._default_count = type(objective).count is Objective.count
         self._refs: list | None = None  # in a pipeline, with a reference: its log-probs of the step's micro-batches
+        self.ref_temperature = 1.0  # the reference's log-probabilities at this sampling temperature (GRPO's)
 
     def begin(self, micro, rows, step: int, whole) -> None:
         ctx = self.ctx
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
         self.tokens, self.sums = 0, {}
         if ctx.reference is not None and ctx.pipe is not None:  # through the stages before the schedule
-            self._refs = ctx.reference.stage_values(ctx.pipe, micro, _logps) or [None] * len(micro)
+            self._refs = ctx.reference.stage_values(ctx.pipe, micro, _logps, self.ref_temperature) or [None] * len(micro)
         if self._default_count and not ctx.masks_labels:
             self.counts = Counts(float(ctx.tokens_per_step))
             return
@@ -366,7 +377,7 @@ class SummedLoss(RankObjective):
         reference = self.ctx.reference
         if reference is None:
             return batch
-        ref = ref if ref is not None else reference.values(batch, _logps)
+        ref = ref if ref is not None else reference.values(batch, _logps, self.ref_temperature)
         return batch.with_fields(tokens={"ref_logps": ref})
 
     def loss(self, model, batch, check: bool, index: int):
@@ -396,7 +407,7 @@ class SummedLoss(RankObjective):
         micro = [self.prepare(b.to(ctx.device)) for k in range(val.num_batches) for b in val.microbatches(k)]
         micro = micro if ctx.cp is None else [b.split(ctx.cp) for b in micro]
 
-        refs = iter(ctx.reference.stage_values(ctx.pipe, micro, _logps) if ctx.reference is not None
+        refs = iter(ctx.reference.stage_values(ctx.pipe, micro, _logps, self.ref_temperature) if ctx.reference is not None
                     and ctx.pipe is not None else [])
 
         def one(model, batch):

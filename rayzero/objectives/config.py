@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from rayzero._frozen import Frozen
 
@@ -65,6 +65,116 @@ def check_dpo(cfg) -> None:
         raise ValueError(f"dpo.precompute_ref: dpo.loss={d.loss} has no reference model to precompute")
 
 
+def _listed(v):
+    """A list from the command line's comma-separated text (`a.py:f,b.py:g`), or as given."""
+    if isinstance(v, str):
+        return [s.strip() for s in v.split(",") if s.strip()]
+    return v
+
+
+class GRPOConfig(Frozen):
+    """Online RL (`train.objective=grpo`), in the terms of TRL's `GRPOConfig`: each prompt's
+    `num_generations` completions sampled from the current policy by the rollout actors
+    (`rollout.`), scored by the reward functions, each advantage its reward against its group's,
+    and the clipped-ratio loss on them."""
+
+    num_generations: int = Field(
+        default=8, ge=1,
+        description="Completions sampled per prompt (a group); `train.global_batch_size` counts completions, so "
+        "each step trains on global_batch_size / num_generations prompts.",
+    )
+    max_completion_length: int = Field(default=256, ge=1, description="The most tokens a completion may have.")
+    temperature: float = Field(default=1.0, gt=0, description="Sampling temperature; the loss reads the policy's "
+                               "log-probabilities at the same temperature, as TRL's.")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling's share of probability (1: off).")
+    top_k: int = Field(default=0, ge=0, description="Sampling from the k likeliest tokens (0: off).")
+    beta: float = Field(
+        default=0.0, ge=0,
+        description="The KL penalty's weight against the reference model (TRL's k3 estimator); 0 (TRL's default) "
+        "builds no reference. The reference of a LoRA run is its base with the adapters off, of a full fine-tune "
+        "a frozen copy of the starting weights.",
+    )
+    use_bias_correction_kl: bool = Field(
+        default=True, description="Multiply the KL term by the importance ratio (TRL's default): the unbiased "
+        "reverse-KL gradient.")
+    num_iterations: int = Field(
+        default=1, ge=1,
+        description="Optimizer steps on each generation round (mu): the round's completions are trained on this "
+        "many times, the ratio against the log-probabilities of the round's first pass.",
+    )
+    epsilon: float = Field(default=0.2, gt=0, lt=1, description="The ratio's clip: 1 - epsilon below.")
+    epsilon_high: float | None = Field(
+        default=None, gt=0,
+        description="The ratio's clip above, 1 + epsilon_high (DAPO's clip-higher); unset: epsilon.")
+    loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo"] = Field(
+        default="dapo",
+        description="How the per-token losses are summed and divided, every divisor over the whole step: `dapo` "
+        "(TRL's default) and `bnpo` over the step's completion tokens; `grpo` each completion's mean over its "
+        "tokens, averaged over completions; `dr_grpo` over completions x max_completion_length.",
+    )
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        default="group", description="Advantages divided by the std of the group's rewards, of the batch's, or "
+        "not at all (Dr. GRPO).")
+    advantage_estimator: Literal["grpo", "rloo"] = Field(
+        default="grpo", description="The baseline a reward is measured against: its group's mean (`grpo`) or the "
+        "mean of the group's other completions (`rloo`, RLOO's leave-one-out).")
+    mask_truncated_completions: bool = Field(
+        default=False, description="Completions cut at max_completion_length without an end-of-sequence take no "
+        "part in the loss (DAPO).")
+    reward_funcs: list[str] = Field(
+        default_factory=list,
+        description="The reward functions, TRL's signature: `accuracy` (math-verify) and `format` (a <think> block "
+        "then the answer) are built in, else `path/to/file.py:fn` or `package.module:fn`; on the command line "
+        "comma-separated. From Python, `Trainer(config, rewards=[fn, ...])` adds callables.",
+    )
+    reward_weights: list[float] | None = Field(
+        default=None, description="One weight per reward function (1 each if unset); the reward is their "
+        "weighted sum.")
+    disable_dropout: bool = Field(default=False, description="Dropout off in the policy (TRL's default: on).")
+
+    _split = field_validator("reward_funcs", "reward_weights", mode="before")(classmethod(lambda cls, v: _listed(v)))
+
+    @property
+    def high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+def check_grpo(cfg) -> None:
+    """What online RL refuses, before anything starts."""
+    t, g, r = cfg.train, cfg.grpo, cfg.rollout
+    if g.num_generations < 2:
+        raise ValueError("grpo.num_generations: 1 leaves no group to measure a completion's reward against; "
+                         "use at least 2")
+    if t.global_batch_size % g.num_generations:
+        n, b = g.num_generations, t.global_batch_size
+        down, up = b // n * n, -(-b // n) * n
+        raise ValueError(f"train.global_batch_size: {b} completions is not a whole number of groups of "
+                         f"grpo.num_generations={n}; the nearest that are: "
+                         + " or ".join(str(x) for x in dict.fromkeys((down, up)) if x > 0))
+    if g.epsilon_high is not None and g.epsilon_high < g.epsilon:
+        raise ValueError(f"grpo.epsilon_high: {g.epsilon_high:g} is below grpo.epsilon ({g.epsilon:g}); "
+                         "clip-higher takes a larger upper clip")
+    if g.reward_weights is not None and g.reward_funcs and len(g.reward_weights) != len(g.reward_funcs):
+        raise ValueError(f"grpo.reward_weights: {len(g.reward_weights)} weights for {len(g.reward_funcs)} reward "
+                         "functions (one each)")
+    if g.max_completion_length >= t.seq_len:
+        raise ValueError(f"grpo.max_completion_length: {g.max_completion_length} leaves no room for a prompt in "
+                         f"train.seq_len={t.seq_len} (a row is the prompt and its completion)")
+    if cfg.data.val_path or cfg.data.val_fraction:
+        raise ValueError("data.val_fraction: validation of an online RL run is not built yet (its reward is "
+                         "in every step's metrics); leave data.val_fraction and data.val_path unset")
+    if r.engine == "replay" and not r.replay:
+        raise ValueError("rollout.replay: rollout.engine=replay reads recorded completions from a JSON lines file; "
+                         "give its path")
+    if r.replay and r.engine != "replay":
+        raise ValueError(f"rollout.replay: read only by rollout.engine=replay (this run has rollout.engine={r.engine})")
+    every = cfg.checkpoint.every_steps
+    if cfg.checkpoint.dir and every and every % g.num_iterations:
+        raise ValueError(f"checkpoint.every_steps: {every} would commit inside a generation round of "
+                         f"grpo.num_iterations={g.num_iterations} steps (the round's first log-probabilities are "
+                         f"not kept); use a multiple of {g.num_iterations}")
+
+
 @dataclass(frozen=True)
 class Registered:
     """A built-in objective: its class (`module:Class`), and the checks its options take
@@ -83,6 +193,10 @@ OBJECTIVES = {
                       summary="preference tuning on pairs (data prepared with `--preferences`; the loss in `dpo`); "
                               "batch sizes count sequences: a pair is two, its chosen and rejected always in one "
                               "micro-batch"),
+    "grpo": Registered("rayzero.objectives.grpo:GRPO", check_grpo,
+                       summary="online RL on prompts (data prepared with `--prompts`): completions sampled by the "
+                               "rollout actors, scored by `grpo.reward_funcs`, the clipped-ratio loss in `grpo`; "
+                               "batch sizes count completions"),
 }
 
 

@@ -81,6 +81,19 @@ class TransformersEngine:
         if not eos_ids:
             raise ValueError("an engine needs the tokenizer's end-of-sequence id(s) to know where a completion ends")
         self.model, self.eos, self.device = model, torch.tensor(sorted(set(eos_ids))), torch.device(device)
+        import inspect
+
+        params = inspect.signature(model.forward).parameters
+        # the KV cache's keyword: `cache` (transformers 5.2x), `past_key_values` (before), or none (recompute)
+        self.cache_key = next((k for k in ("cache", "past_key_values") if k in params), None)
+
+    def _step(self, ids, past, whole):
+        """The logits after `ids` (one new token per row, with the cache `past`), or after `whole`
+        (every token so far) for a model without a cache; and the cache after."""
+        if self.cache_key is None:
+            return self.model(whole), None
+        out = self.model(input_ids=ids, use_cache=True, **({self.cache_key: past} if past is not None else {}))
+        return out, getattr(out, self.cache_key, None)
 
     @torch.no_grad()
     def group(self, prompt_ids: list[int], seeds: list[int], sampling: Sampling) -> list[Completion]:
@@ -92,8 +105,8 @@ class TransformersEngine:
             gens = [torch.Generator(device="cpu").manual_seed(s) for s in seeds]
             warp = sampling.warpers()
             ids = torch.tensor([prompt_ids] * n, dtype=torch.long, device=self.device)
-            out = model(input_ids=ids, use_cache=True)
-            past, logits = out.past_key_values, out.logits[:, -1, :].float()
+            out, past = self._step(ids, None, ids)
+            logits = _logits(out)[:, -1, :].float()
             done = torch.zeros(n, dtype=torch.bool)
             tokens: list[list[int]] = [[] for _ in range(n)]
             logps: list[list[float]] = [[] for _ in range(n)]
@@ -115,8 +128,9 @@ class TransformersEngine:
                 for i in range(n):
                     if len(tokens[i]) < t + 1:
                         tokens[i].append(int(eos[0]))  # padding for `seen`, dropped below
-                out = model(input_ids=feed, past_key_values=past, use_cache=True)
-                past, logits = out.past_key_values, out.logits[:, -1, :].float()
+                whole = torch.cat([ids, torch.tensor(tokens, dtype=torch.long, device=self.device)], 1)
+                out, past = self._step(feed, past, whole)
+                logits = _logits(out)[:, -1, :].float()
         finally:
             model.train(was)
         result = []
@@ -125,6 +139,10 @@ class TransformersEngine:
             result.append(Completion(tokens[i][:k], logps[i], truncated=not bool(torch.isin(
                 torch.tensor(tokens[i][k - 1]), self.eos))))
         return result
+
+
+def _logits(out) -> torch.Tensor:
+    return getattr(out, "logits", out)
 
 
 class ReplayEngine:

@@ -78,6 +78,17 @@ class RankShim:
     def assign(self, rank: int, world_size: int) -> dict:
         return self.rank.assign(rank, world_size)
 
+    def send_weights(self, version: int, trainable_only: bool) -> list:
+        """The whole weights for the rollout actors, bucket by bucket, each put in Ray's object
+        store as soon as it is gathered (and dropped here): the buckets' refs on the ranks that
+        send (`Rank.weight_buckets`), [] on the others. `version`: the weights' version, for
+        the log."""
+        out = []
+        for part in self.rank.weight_buckets(trainable_only):
+            if part is not None:
+                out.append((ray.put(part), sum(t.numel() * t.element_size() for t in part.values())))
+        return out
+
     def disconnect(self) -> dict:
         return self.rank.disconnect()
 

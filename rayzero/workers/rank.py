@@ -273,6 +273,8 @@ class Rank(Membership):
         self._baseline = self._validation_loss() if plan.get("evaluate_first") and self.val is not None else None
         self.strategy.begin_step()
         t_data = time.perf_counter()
+        if "rollout" in plan:  # online RL: the step's rows come with its plan
+            self.data.take(plan["rollout"])
         rows = list(self.data.microbatches(plan["step"]))
         micro = [b.to(self.device, non_blocking=True) for b in rows]
         t_data = time.perf_counter() - t_data
@@ -440,6 +442,14 @@ class Rank(Membership):
         if self._pipe is not None:  # each stage's first rank holds its stage's: gathered to rank 0
             return pipeline_stages.whole_state_dict(state if self.mesh.coord("stage") == 0 else None, self.mesh)
         return state if self.mesh.rank == 0 else None
+
+    def weight_buckets(self, trainable_only: bool = False):
+        """The whole model's weights, one bucket at a time ({name: fp32 tensor on CPU}), for the
+        rollout actors: yielded on the first rank of each pipeline stage (rank 0 without stages),
+        None on the others. A collective: every rank goes through it to the end."""
+        sends = self.mesh.coord("stage") == 0
+        for part in self.strategy.whole_buckets(trainable_only):
+            yield part if sends else None
 
     def close(self) -> None:
         """End the run on this rank: its upload finished, then, with every rank at the barrier,

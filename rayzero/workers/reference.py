@@ -35,16 +35,16 @@ class FrozenCopy:
 
             self.runner = StageRunner(model, stages)
 
-    def values(self, batch, reduce):
+    def values(self, batch, reduce, temperature: float = 1.0):
         with evaluating(self.model):
-            per_token, _ = self.spec.token_losses(self.model, batch, vocab=self.vocab)
+            per_token, _ = self.spec.token_losses(self.model, batch, vocab=self.vocab, temperature=temperature)
         self.strategy.after_forward_only()  # ZeRO-3: nothing left gathered
         return reduce(per_token)
 
-    def stage_values(self, pipe, micro, reduce) -> list:
+    def stage_values(self, pipe, micro, reduce, temperature: float = 1.0) -> list:
         """Through the pipeline, forward only: each micro-batch's on the last stage."""
         with evaluating(self.model):
-            out = pipe.forward_only(micro, _last(self.spec, self.vocab, reduce), self.runner)
+            out = pipe.forward_only(micro, _last(self.spec, self.vocab, reduce, temperature), self.runner)
         self.strategy.after_forward_only()
         return out
 
@@ -71,15 +71,15 @@ class AdaptersOff:
             for m in self.layers:
                 m._disable_adapters = False
 
-    def values(self, batch, reduce):
+    def values(self, batch, reduce, temperature: float = 1.0):
         with self._off(), evaluating(self.model):
-            per_token, _ = self.spec.token_losses(self.model, batch, vocab=self.vocab)
+            per_token, _ = self.spec.token_losses(self.model, batch, vocab=self.vocab, temperature=temperature)
         self.strategy.after_forward_only()
         return reduce(per_token)
 
-    def stage_values(self, pipe, micro, reduce) -> list:
+    def stage_values(self, pipe, micro, reduce, temperature: float = 1.0) -> list:
         with self._off(), evaluating(self.model):
-            out = pipe.forward_only(micro, _last(self.spec, self.vocab, reduce))
+            out = pipe.forward_only(micro, _last(self.spec, self.vocab, reduce, temperature))
         self.strategy.after_forward_only()
         return out
 
@@ -87,9 +87,10 @@ class AdaptersOff:
         return {"reference_params": 0}
 
 
-def _last(spec, vocab, reduce):
-    """The last stage's part of a forward-only pass: `reduce` of the per-token cross-entropy."""
-    return lambda m, b: reduce(spec.token_losses(m, b, vocab=vocab)[0])
+def _last(spec, vocab, reduce, temperature: float = 1.0):
+    """The last stage's part of a forward-only pass: `reduce` of the per-token cross-entropy
+    (of the logits over `temperature`)."""
+    return lambda m, b: reduce(spec.token_losses(m, b, vocab=vocab, temperature=temperature)[0])
 
 
 def build_reference(kind: str, cfg, spec, model, strategy, mesh, device, streams, vocab):

@@ -1,0 +1,157 @@
+"""Online RL (`train.objective=grpo`): GRPO and its kin on the objective seam, as TRL's
+`GRPOTrainer` trains them (`grpo_loss.py` holds the arithmetic).
+
+A step's micro-batches are rollouts, made on the driver side (`rollout/rounds.py`): each row a
+prompt and one of its completions, its targets IGNORE_INDEX except on the completion's tokens,
+its advantage a row field. On a rank this objective
+
+    - takes the policy's log-probabilities of the completion tokens at the sampling temperature
+      (TRL's `logits / temperature`), from the step's one forward;
+    - with `grpo.num_iterations` > 1, keeps those of a generation round's first step as the
+      round's old log-probabilities (the ratio's denominator at its later steps), as TRL keeps
+      the ones it computes at generation time; at a round's first step the ratio is 1;
+    - with `grpo.beta` > 0, asks its reference (a frozen copy, or the base with the adapters
+      off) for the same log-probabilities, at the same temperature, in the same forward pass;
+    - sums the clipped-ratio loss and the step's divisor (`loss_type`) over the whole step, so
+      the gradient does not depend on the layout or the micro-batch split.
+
+The driver's side (rewards, advantages, the completions' lengths) reports its own metrics; the
+ones here (kl, the clip ratios, entropy) are means over the step's completion tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rayzero.objectives.base import Metric, Objective, Output, SummedLoss
+from rayzero.objectives.config import GRPOConfig
+from rayzero.objectives.dpo import disable_dropout
+from rayzero.objectives.grpo_loss import PolicyLoss, PolicyObjective
+from rayzero.objectives.registry import reference_record
+
+# The rank side's metrics, TRL's names: means over the step's completion tokens.
+TOKEN_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+
+
+class GRPO(Objective):
+    """`train.objective=grpo`: the clipped-ratio loss over rollouts of the current policy, the
+    rewards of the user's functions turned into advantages within each prompt's group."""
+
+    data_kinds = ("prompts",)
+    summary = "rl"
+    fine_tuning_lr = (1e-6, 1e-5)  # TRL's GRPOConfig (learning_rate 1e-6); about ten times that with LoRA
+    resume_hint = "to train it further with GRPO, export it (train.save_final) and start from it with model.path"
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.options: GRPOConfig = cfg.grpo
+        g = self.options
+        self.policy = PolicyLoss(loss_type=g.loss_type, epsilon=g.epsilon, epsilon_high=g.epsilon_high, beta=g.beta,
+                                 bias_corrected_kl=g.use_bias_correction_kl,
+                                 max_completion_length=g.max_completion_length)
+        self.loss_of = PolicyObjective(self.policy, g.temperature)
+
+    @property
+    def metrics(self) -> tuple[Metric, ...]:
+        names = TOKEN_METRICS if self.options.beta else TOKEN_METRICS[1:]
+        return (*(Metric(n, "mean", over="completion_tokens") for n in names),
+                Metric("completion_tokens", "sum", shown=False))
+
+    @property
+    def reference(self) -> str:
+        """None with beta 0 (TRL loads no reference then); else the base with the adapters off
+        (LoRA) or a frozen copy of the starting weights."""
+        if not self.options.beta:
+            return "none"
+        return "adapters_off" if self.cfg.model.lora is not None else "frozen_copy"
+
+    def count(self, batch) -> torch.Tensor:
+        return self.loss_of.count(batch)
+
+    def loss(self, out: Output, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        total, sums = self.loss_of.loss(out, batch)
+        if out.vocab is None:  # the whole vocabulary here: the sampling distribution's entropy
+            logps = torch.log_softmax(out.logits.float() / self.options.temperature, -1)
+            entropy = -(logps.exp() * logps).sum(-1)
+            sums["entropy"] = (entropy * batch.loss_mask).sum().detach()
+        return total, sums
+
+    def record(self, model: dict | None) -> dict:
+        """What a resume must match: the options that change what a step computes."""
+        g = self.options
+        checked = {k: getattr(g, k) for k in ("num_generations", "num_iterations", "loss_type", "beta", "epsilon",
+                                              "epsilon_high", "scale_rewards", "advantage_estimator", "temperature",
+                                              "max_completion_length", "mask_truncated_completions")}
+        ref = reference_record(self.reference, model) if self.reference != "none" else None
+        return {"name": self.name, "reference": ref, "checked": checked}
+
+    def plan(self, params_per_rank: int | None, frozen_bytes_per_param: float, param_dtype: str) -> dict:
+        base = super().plan(params_per_rank, frozen_bytes_per_param, param_dtype)
+        g = self.options
+        line = (f"objective grpo: loss_type {g.loss_type}, beta {g.beta:g}, epsilon {g.epsilon:g}/{g.high:g}, "
+                f"num_iterations {g.num_iterations}, advantages {g.advantage_estimator} scaled by {g.scale_rewards}; "
+                + base["line"].split("; ", 1)[1])
+        return {**base, "line": line}
+
+    def driver_side(self, data_path: str, spec, rewards=(), factory=None):
+        """The rollouts: the prepared prompts, the reward functions (`grpo.reward_funcs`, then
+        the callables given from Python), the tokenizer that decodes the completions for them."""
+        from rayzero.data.prompts import prompt_tokens, read_prompts
+        from rayzero.data.tokens import TokenDataset
+        from rayzero.jobs.generate import _eos_ids, _model_files, find_tokenizer
+        from rayzero.rollout.rewards import Rewards, load
+        from rayzero.rollout.rounds import Rollouts
+
+        cfg, g = self.cfg, self.options
+        funcs = [load(name) for name in g.reward_funcs] + list(rewards)
+        if not funcs:
+            raise ValueError("grpo.reward_funcs: no reward function; name at least one (accuracy, format, "
+                             "path/to/file.py:fn or package.module:fn), or pass rewards=[fn] from Python")
+        for fn in rewards:
+            if not callable(fn):
+                raise ValueError(f"rewards: {fn!r} is a {type(fn).__name__}, not a function")
+        dataset = TokenDataset(data_path, storage_cfg=cfg.checkpoint)
+        where = spec.model_dir(cfg.model)
+        tok = find_tokenizer(where, data_path, cfg.checkpoint)
+        special = set(tok.special_tokens.values())
+        stops = {tok.eos_id} | {i for i in _eos_ids(_model_files(where, cfg.checkpoint)) if i in special}
+        return Rollouts(cfg, read_prompts(dataset), [[int(i) for i in ids] for ids in prompt_tokens(dataset)],
+                        Rewards(funcs, g.reward_weights), tok, stops, factory)
+
+    def rank_side(self, ctx) -> "PolicyStep":
+        if self.options.disable_dropout:
+            disable_dropout(ctx.model)
+        return PolicyStep(self, ctx)
+
+
+class PolicyStep(SummedLoss):
+    """GRPO on a rank: the reference's log-probabilities at the sampling temperature, and a
+    round's first log-probabilities kept for its later steps (`grpo.num_iterations` > 1)."""
+
+    def __init__(self, objective: GRPO, ctx):
+        super().__init__(objective, ctx)
+        self.ref_temperature = objective.options.temperature
+        self.iterations = objective.options.num_iterations
+        self._old: dict[int, torch.Tensor] = {}  # micro-batch index -> the round's first log-probabilities
+        self._first = True
+        self._index = 0
+
+    def begin(self, micro, rows, step: int, whole) -> None:
+        self._first = step % self.iterations == 0
+        if self._first:
+            self._old = {}
+        elif len(self._old) != len(micro):
+            raise RuntimeError(f"step {step} is inside a generation round whose first step this rank did not run "
+                               f"(grpo.num_iterations={self.iterations}): its old log-probabilities are gone")
+        super().begin(micro, rows, step, whole)
+
+    def loss(self, model, batch, check: bool, index: int):
+        self._index = index
+        if not self._first:
+            batch = batch.with_fields(tokens={"old_logps": self._old[index]})
+        return super().loss(model, batch, check, index)
+
+    def _loss(self, out: Output, batch):
+        if self._first and self.iterations > 1:
+            self._old[self._index] = out.tempered_logps(self.ref_temperature).detach()
+        return super()._loss(out, batch)
