@@ -52,13 +52,16 @@ class Trainer:
     """Runs a configuration, as `rayzero train` does, from Python: `Trainer(config).fit()`."""
 
     def __init__(self, config: RootConfig | str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
-                 *, model: Callable[..., Any] | None = None, objective: type | None = None, progress: bool = True):
+                 *, model: Callable[..., Any] | None = None, objective: type | None = None,
+                 rewards: list[Callable] | tuple = (), progress: bool = True):
         """`config`: a TrainConfig, or the path of a YAML file (None: every default);
         `overrides`: `key=value` items applied on top, as on the command line; `model`: any
         callable returning an `nn.Module` (a class, a function, one defined in a notebook
         cell), called with `model.kwargs` on every rank: the run trains it
         (`model.kind=module`); `objective`: a subclass of `rayzero.objectives.Objective` (one
-        defined in a notebook cell too): what the run optimises (`train.objective`)."""
+        defined in a notebook cell too): what the run optimises (`train.objective`); `rewards`:
+        reward functions for online RL (`train.objective=grpo`), TRL's signature, after those
+        `grpo.reward_funcs` names."""
         if model is not None:
             if not callable(model):
                 raise ConfigError(f"model: expected a callable that returns an nn.Module, got {type(model).__name__}")
@@ -76,6 +79,7 @@ class Trainer:
         self.config = config
         self.model = model
         self.objective = objective
+        self.rewards = tuple(rewards)
         self.progress = progress
 
     def fit(self) -> "Result":
@@ -87,7 +91,8 @@ class Trainer:
         `ConfigError` before Ray starts; a run that fails for good raises with its cause."""
         from rayzero.jobs.train import train_run
 
-        summary, rows = train_run(self.config, progress=self.progress, factory=self.model, objective=self.objective)
+        summary, rows = train_run(self.config, progress=self.progress, factory=self.model, objective=self.objective,
+                                  rewards=self.rewards)
         return Result(summary, rows, self.config)
 
 
@@ -184,8 +189,18 @@ class Result:
 
             fig = Figure(**size)
         prefs = not h.empty and "rewards/margins" in h  # preference tuning: its reward margin too
-        axes = fig.subplots(1, 4 if prefs else 3)
+        rl = not h.empty and "reward" in h  # online RL: its reward too
+        axes = fig.subplots(1, 4 if prefs or rl else 3)
         loss, speed, phases = axes[:3]
+        if rl:
+            reward = axes[3]
+            got = h["reward"].dropna()
+            reward.plot(got.index, got, label="mean")
+            if "reward_std" in h:
+                std = h["reward_std"].reindex(got.index)
+                reward.fill_between(got.index, got - std, got + std, alpha=0.2, label="± std")
+            reward.legend(loc="upper left", fontsize="small")
+            reward.set(title="reward", xlabel="step")
         if prefs:
             margin = axes[3]
             margin.plot(h.index, h["rewards/margins"], label="train")

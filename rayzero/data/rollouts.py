@@ -1,5 +1,5 @@
 """Rollouts in training (`train.objective=grpo`): a step's rows are not read from the dataset but
-made by the driver from the round's completions (`rollout/rounds.py`) and handed to every rank
+made by the driver from the round's completions (`cluster/rollouts.py`) and handed to every rank
 with the step's plan (`plan["rollout"]`). A row is one prompt and one of its completions:
 
     tokens    prompt + completion, minus the last token, padded to seq_len with PAD

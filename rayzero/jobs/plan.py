@@ -111,6 +111,7 @@ def plan(cfg: RootConfig, factory=None, read_model: bool = True, local: bool | N
     resume = resume_plan(cfg, spec, built) if spec is not None and cfg.checkpoint.dir and not job else None
     return {
         "objective": objective_for(cfg).plan(num_params, frozen_per_param, sh.param_dtype),
+        "rollouts": objective_for(cfg).rollout_plan(whole_params, whole_trainable),
         "pipeline": pipeline,
         "world_size": c.num_workers,
         "tp": mesh.size("tp"),

@@ -42,6 +42,7 @@ def print_plan(p: dict) -> None:
         + (f"  {_activations_line(mem)}\n" if mem.get("activations_bytes") is not None else "")
         + (f"  {_compile_line(p)}\n" if p.get("compile") else "")
         + (f"  {p['objective']['line']}\n" if (p.get("objective") or {}).get("line") else "")
+        + (f"  {p['rollouts']['line']}\n" if (p.get("rollouts") or {}).get("line") else "")
         + (f"  {_buckets_line(p['buckets'])}\n" if p["buckets"]["numel"] else "")
         + f"  {p['global_batch_size']} sequences per step = {p['dp_size']} "
         + ("data-parallel ranks" if p["dp_size"] < p["world_size"] else "ranks") + f" x {p['grad_accum']} "

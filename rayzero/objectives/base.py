@@ -146,6 +146,10 @@ class Objective:
     # reference's log-probability of each target as the token field `ref_logps`.
     reference: str = "none"
     perplexity = False  # whether validation reports exp(loss) too (a mean cross-entropy)
+    # Whether its rows are the policy's own completions (online RL): the driver then samples them
+    # on rollout actors, scores them with the reward functions and hands each step its rows
+    # (`cluster/rollouts.py`), and the ranks send their weights to the actors before each round.
+    samples = False
     summary = "objective"  # the run summary's keys for its metrics: final_<summary>, final_val_<summary>
     fine_tuning_lr: tuple[float, float] = (2e-5, 2e-4)  # optim.lr's default from pretrained weights (full, LoRA)
     # Whether the loss is computed on whole rows even with context parallelism (a loss over whole
@@ -202,11 +206,9 @@ class Objective:
                 + f"; metrics: {', '.join(self.metric_names()) or 'none'}; reference: {ref}")
         return {"name": self.name, "reference": self.reference, "reference_bytes": held, "line": line}
 
-    def driver_side(self, data_path: str, spec, rewards=(), factory=None):
-        """What the driver runs beside the ranks for this objective, or None: online RL's
-        rollouts (`rollout/rounds.py`: each step's rows made on the driver from sampled
-        completions, and the weights sent to the rollout actors). Made before the cluster
-        starts; its `check(steps)` refuses what cannot run."""
+    def rollout_plan(self, params: int | None, trainable: int | None) -> dict | None:
+        """What `--dry-run` says of the driver's side (online RL's rollout actors), or None;
+        `params`, `trainable`: the whole model's counts (None where the model is not read here)."""
         return None
 
     def step_metrics(self, sums: dict, count: float, prefix: str = "") -> dict[str, float]:

@@ -1,7 +1,7 @@
 """Online RL (`train.objective=grpo`): GRPO and its kin on the objective seam, as TRL's
 `GRPOTrainer` trains them (`grpo_loss.py` holds the arithmetic).
 
-A step's micro-batches are rollouts, made on the driver side (`rollout/rounds.py`): each row a
+A step's micro-batches are rollouts, made on the driver side (`cluster/rollouts.py`): each row a
 prompt and one of its completions, its targets IGNORE_INDEX except on the completion's tokens,
 its advantage a row field. On a rank this objective
 
@@ -38,6 +38,7 @@ class GRPO(Objective):
     rewards of the user's functions turned into advantages within each prompt's group."""
 
     data_kinds = ("prompts",)
+    samples = True  # its rows are the policy's own completions: the driver runs the rollouts
     summary = "rl"
     fine_tuning_lr = (1e-6, 1e-5)  # TRL's GRPOConfig (learning_rate 1e-6); about ten times that with LoRA
     resume_hint = "to train it further with GRPO, export it (train.save_final) and start from it with model.path"
@@ -93,30 +94,24 @@ class GRPO(Objective):
                 + base["line"].split("; ", 1)[1])
         return {**base, "line": line}
 
-    def driver_side(self, data_path: str, spec, rewards=(), factory=None):
-        """The rollouts: the prepared prompts, the reward functions (`grpo.reward_funcs`, then
-        the callables given from Python), the tokenizer that decodes the completions for them."""
-        from rayzero.data.prompts import prompt_tokens, read_prompts
-        from rayzero.data.tokens import TokenDataset
-        from rayzero.jobs.generate import _eos_ids, _model_files, find_tokenizer
-        from rayzero.rollout.rewards import Rewards, load
-        from rayzero.rollout.rounds import Rollouts
-
-        cfg, g = self.cfg, self.options
-        funcs = [load(name) for name in g.reward_funcs] + list(rewards)
-        if not funcs:
-            raise ValueError("grpo.reward_funcs: no reward function; name at least one (accuracy, format, "
-                             "path/to/file.py:fn or package.module:fn), or pass rewards=[fn] from Python")
-        for fn in rewards:
-            if not callable(fn):
-                raise ValueError(f"rewards: {fn!r} is a {type(fn).__name__}, not a function")
-        dataset = TokenDataset(data_path, storage_cfg=cfg.checkpoint)
-        where = spec.model_dir(cfg.model)
-        tok = find_tokenizer(where, data_path, cfg.checkpoint)
-        special = set(tok.special_tokens.values())
-        stops = {tok.eos_id} | {i for i in _eos_ids(_model_files(where, cfg.checkpoint)) if i in special}
-        return Rollouts(cfg, read_prompts(dataset), [[int(i) for i in ids] for ids in prompt_tokens(dataset)],
-                        Rewards(funcs, g.reward_weights), tok, stops, factory)
+    def rollout_plan(self, params: int | None, trainable: int | None) -> dict:
+        """The rollout actors, what each holds, a round's prompts and completions, a sync's size."""
+        cfg, g, r = self.cfg, self.options, self.cfg.rollout
+        prompts = cfg.train.global_batch_size // g.num_generations
+        mib = (lambda n: f"{n * 4 / 2**20:,.1f} MiB") if params else (lambda n: "?")
+        engine = f"replaying {r.replay}" if r.engine == "replay" else \
+            f"sampling with transformers (temperature {g.temperature:g}, top_p {g.top_p:g}, top_k {g.top_k})"
+        adapters = cfg.model.lora is not None
+        line = (f"rollouts: {r.workers} actor{'s' if r.workers != 1 else ''} ({r.cpus_per_worker:g} CPU"
+                + (f", {r.gpus_per_worker:g} GPU" if r.gpus_per_worker else "") + " each), "
+                f"each the whole policy in fp32 ({mib(params or 0)}), {engine}; {prompts} prompts x "
+                f"{g.num_generations} completions = {cfg.train.global_batch_size} per round, up to "
+                f"{g.max_completion_length} tokens each, a round every {g.num_iterations} step"
+                f"{'s' if g.num_iterations != 1 else ''}; weight sync before each round: "
+                + (f"the adapters, {mib(trainable or 0)} (the base once, at the start)" if adapters
+                   else f"{mib(params or 0)}"))
+        return {"workers": r.workers, "prompts_per_round": prompts, "completions_per_round": cfg.train.global_batch_size,
+                "sync_bytes": 4 * ((trainable if adapters else params) or 0), "line": line}
 
     def rank_side(self, ctx) -> "PolicyStep":
         if self.options.disable_dropout:

@@ -2,8 +2,7 @@
 baseline, its `RLOOTrainer`) computes it, in the seam's terms: a micro-batch's loss *summed*, and
 the count the whole step divides it by. Pure torch, no model, no process group.
 
-Not yet an objective: the rollout side (rollout actors, rewards, weight sync) that feeds it is
-still to be built, and `train.objective` does not name it.
+The objective that holds it is `grpo.py` (`train.objective=grpo`).
 
     advantages    rewards [N] (NaN: every reward function declined to score) in groups of
                   `num_generations`: minus the group's mean (`grpo`) or the leave-one-out mean of

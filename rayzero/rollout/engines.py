@@ -153,6 +153,8 @@ class ReplayEngine:
     def __init__(self, path: str | Path):
         self.path = str(path)
         self.rounds: dict[int, dict] = {}
+        if not Path(path).is_file():
+            raise ValueError(f"rollout.replay: {self.path}: no such file")
         for n, line in enumerate(Path(path).read_text().splitlines(), 1):
             if not line.strip():
                 continue

@@ -138,7 +138,7 @@ class Rollouts:
         self.actors = [self._actor(i) for i in range(self.r.workers)]
 
     def _actor(self, i: int):
-        from rayzero.rollout.worker import RolloutActor
+        from rayzero.workers.rollout import RolloutActor
 
         return RolloutActor.options(scheduling_strategy=self._strategy(i), num_cpus=self.r.cpus_per_worker,
                                     num_gpus=self.r.gpus_per_worker, max_concurrency=2).remote(

@@ -1,0 +1,115 @@
+"""Online RL through `rayzero train` (the CLI's `main`, on the session's cluster), with the
+transformers engine sampling on a rollout actor of its own: a 2-rank GRPO run reports TRL's
+metrics and the weight syncs; stopped at a commit and rerun by its command it ends bitwise equal
+to the unbroken run; a rollout actor killed while it generates is replaced, its prompts sampled
+again with the same draws, and the run ends bitwise equal too. Bad input is refused in one line
+before the cluster starts."""
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from rayzero.cluster.history import load_rows
+from tests.unit.test_trl_reference import model_dir  # noqa: F401
+
+pytestmark = pytest.mark.slow
+REWARDS = Path(__file__).resolve().parents[1] / "grpo_rewards.py"
+PROMPTS = [{"prompt": p} for p in ("Q: what is two plus two? A:", "The sky is", "The grass is", "Q: what is",
+                                   "The sky", "A: four")]
+
+
+@pytest.fixture
+def run_keys(model_dir, tmp_path):  # noqa: F811
+    from rayzero.data.tokens import prepare
+
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    prepare(tmp_path / "prompts.jsonl", str(tmp_path / "data"), tokenizer=str(model_dir), prompts=True)
+    return ["model.kind=hf", f"model.path={model_dir}", f"data.path={tmp_path / 'data'}", "train.objective=grpo",
+            f"grpo.reward_funcs={REWARDS}:token_sum,{REWARDS}:text_length", "grpo.num_generations=4",
+            "grpo.max_completion_length=12", "grpo.temperature=0.9", "grpo.beta=0.05", "optim.lr=1e-2", "optim.schedule=constant", "optim.warmup_steps=0",
+            "rollout.cpus_per_worker=0.5", "train.seq_len=32", "train.global_batch_size=8",
+            "train.micro_batch_size=2", "cluster.num_workers=2", "cluster.cpus_per_worker=0.5",
+            "sharding.strategy=optim_grads_params", "checkpoint.every_steps=2", "tracking.enabled=false"]
+
+
+def final(s: dict) -> dict:
+    return load_file(s["final_weights"])
+
+
+def test_grpo_reports_resumes_bitwise_and_survives_a_lost_rollout_actor(run_keys, train_here, tmp_path):
+    # the unbroken run
+    code, _, err, s = train_here(*run_keys, f"checkpoint.dir={tmp_path / 'a'}", "train.steps=4",
+                                 f"train.save_final={tmp_path / 'a.safetensors'}", summary="a.json")
+    assert code == 0, err[-3000:]
+    rows = load_rows(Path(s["run_dir"]) / "history.jsonl")
+    for name in ("reward", "reward_std", "rewards/token_sum/mean", "rewards/text_length/std", "frac_reward_zero_std",
+                 "completions/mean_length", "completions/clipped_ratio", "kl", "entropy", "clip_ratio/region_mean",
+                 "generate_ms", "score_ms", "sync_ms", "sync_bytes", "weight_version"):
+        assert all(name in r for r in rows), name
+    assert [r["weight_version"] for r in rows] == [0, 1, 2, 3]  # each round sampled from the weights before it
+    assert rows[0]["kl"] == 0.0 and rows[1]["kl"] > 0  # the policy starts as its reference
+    assert set(s["final_rl"]) >= {"kl", "entropy"}
+
+    # stopped at its commit after step 2, rerun by the same command to step 4: bitwise
+    keys = [*run_keys, f"checkpoint.dir={tmp_path / 'b'}", f"train.save_final={tmp_path / 'b.safetensors'}"]
+    code, _, err, _ = train_here(*keys, "train.steps=2", summary="b1.json")
+    assert code == 0, err[-3000:]
+    code, _, err, b = train_here(*keys, "train.steps=4", "train.overwrite_final=true", summary="b2.json")
+    assert code == 0, err[-3000:]
+    assert "at step 2 of 4" in err
+    _equal(final(s), final(b))
+
+    # a rollout actor killed while it generates: replaced, its prompts sampled again, bitwise
+    killed = []
+
+    def kill_one():
+        deadline = time.time() + 120
+        while not killed and time.time() < deadline:
+            for d in Path("/proc").iterdir():
+                try:
+                    if d.name.isdigit() and (d / "cmdline").read_bytes().startswith(b"ray::RolloutWorker.generate"):
+                        os.kill(int(d.name), signal.SIGKILL)
+                        killed.append(int(d.name))
+                        return
+                except OSError:
+                    pass
+            time.sleep(0.001)
+
+    watcher = threading.Thread(target=kill_one, daemon=True)
+    watcher.start()
+    code, _, err, c = train_here(*run_keys, f"checkpoint.dir={tmp_path / 'c'}", "train.steps=4",
+                                 f"train.save_final={tmp_path / 'c.safetensors'}", summary="c.json")
+    watcher.join(1)
+    assert code == 0, err[-3000:]
+    assert killed, "no rollout actor was seen generating"
+    assert "was lost generating round" in err
+    assert c["restarts"] == 0  # the training ranks never noticed
+    _equal(final(s), final(c))
+
+
+def _equal(a: dict, b: dict) -> None:
+    import torch
+
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("extra,words", [
+    (["grpo.num_generations=3"], "train.global_batch_size: 8 completions is not a whole number of groups"),
+    (["grpo.num_generations=1"], "grpo.num_generations: 1 leaves no group"),
+    (["grpo.epsilon_high=0.1"], "grpo.epsilon_high: 0.1 is below grpo.epsilon"),
+    (["grpo.reward_funcs=nowhere.py:f"], "reward nowhere.py:f: cannot import nowhere.py"),
+    (["grpo.max_completion_length=30"], "prompts are longer than train.seq_len + 1 - grpo.max_completion_length"),
+    (["rollout.engine=replay", "rollout.replay=missing.jsonl"], "missing.jsonl"),
+])
+def test_bad_grpo_input_is_refused_in_one_line(extra, words, run_keys, train_here):
+    code, _, err, _ = train_here(*run_keys, "checkpoint.dir=", "train.steps=1", *extra)
+    assert code == 2, err[-2000:]
+    assert words in err, err[-2000:]
