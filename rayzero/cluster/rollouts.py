@@ -181,14 +181,21 @@ class Rollouts:
         self.version = None
 
     # -- a round --------------------------------------------------------------------------------
-    def plan(self, step: int, group) -> dict:
+    def plan(self, step: int, group, checkpoints=None) -> dict:
         """The rollouts of step `step` for its plan ({"step", "rows"}), generating its round at the
-        round's first step (the actors given the current weights first)."""
+        round's first step (the actors given the current weights first). A reward function that
+        fails ends the run, after the uploads in flight are committed (`checkpoints`): nothing
+        trained is lost."""
         r = step // self.g.num_iterations
         if self.current is None or self.current.index != r:
             self.start()
             self.sync(group, r * self.g.num_iterations)
-            self.current = self.generate(r)
+            try:
+                self.current = self.generate(r)
+            except RewardError:
+                if checkpoints is not None:
+                    checkpoints.add_uploads([u for rank in group.call("finish_checkpoints") for u in rank])
+                raise
         return {"step": step, "rows": self.current.rows}
 
     def generate(self, r: int) -> Round:

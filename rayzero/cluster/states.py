@@ -319,7 +319,7 @@ class Training(State):
                         # every rank's memory ledger, for the summary: where the run may end
                         "ledgers": k + 1 == cfg.train.steps or (due and bool(run.early.patience))}
             if rollouts is not None:
-                plans[k]["rollout"] = self.rollouts_for(run, k)
+                plans[k]["rollout"] = rollouts.plan(k, self.live.group, run.checkpoints)
             return plans[k]
 
         last = time.perf_counter()
@@ -346,20 +346,6 @@ class Training(State):
             if hold and more:
                 queued = dispatch.submit(plan(step + 1))
             pending = queued
-
-    def rollouts_for(self, run, k: int) -> dict:
-        """Step k's rollouts (its round generated and scored at the round's first step, after the
-        weights of the step before went to the rollout actors). A reward function that fails ends
-        the run, after the uploads in flight are committed: nothing trained is lost."""
-        from rayzero.rollout.rewards import RewardError
-
-        try:
-            return run.driver_side.plan(k, self.live.group)
-        except RewardError:
-            ckpt = run.checkpoints
-            if ckpt is not None:
-                ckpt.add_uploads([u for r in self.live.group.call("finish_checkpoints") for u in r])
-            raise
 
     def record_step(self, run, step: int, results: list[dict], dt: float, tokens_per_step: int) -> bool:
         """One iteration's results into the history, MLflow and the checkpoints. True when

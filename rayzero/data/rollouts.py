@@ -53,7 +53,6 @@ class RolloutBatches:
         if global_batch % (micro_batch * dp_size):
             raise ValueError(f"global batch {global_batch} is not divisible by micro batch {micro_batch} "
                              f"x data-parallel size {dp_size}")
-        self.dataset, self.seed = dataset, seed
         self.global_batch, self.micro_batch, self.seq_len = global_batch, micro_batch, seq_len
         self.dp_rank, self.rows_per_rank = dp_rank, global_batch // dp_size
         self._given: dict | None = None  # the plan's rollouts: {"step", "rows"}

@@ -448,38 +448,13 @@ def make_driver_side(cfg: RootConfig, data_path: str, spec, rewards=(), factory=
                               "(online RL: train.objective=grpo)")
         return None
     try:
+        from rayzero.jobs.rollouts import rollouts_for
+
         side = rollouts_for(cfg, data_path, spec, tuple(rewards), factory)
         side.check(cfg.train.steps)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return side
-
-
-def rollouts_for(cfg: RootConfig, data_path: str, spec, rewards: tuple = (), factory=None):
-    """Online RL's driver side: the prepared prompts, the reward functions (`grpo.reward_funcs`,
-    then the callables given from Python), and the tokenizer that decodes the completions for
-    them and says where a completion ends."""
-    from rayzero.cluster.rollouts import Rollouts
-    from rayzero.data.prompts import prompt_tokens, read_prompts
-    from rayzero.data.tokens import TokenDataset
-    from rayzero.jobs.generate import _eos_ids, _model_files, find_tokenizer
-    from rayzero.rollout.rewards import Rewards, load
-
-    g = cfg.grpo
-    for fn in rewards:
-        if not callable(fn):
-            raise ValueError(f"rewards: {fn!r} is a {type(fn).__name__}, not a function")
-    funcs = [load(name) for name in g.reward_funcs] + list(rewards)
-    if not funcs:
-        raise ValueError("grpo.reward_funcs: no reward function; name at least one (accuracy, format, "
-                         "path/to/file.py:fn or package.module:fn), or pass rewards=[fn] from Python")
-    dataset = TokenDataset(data_path, storage_cfg=cfg.checkpoint)
-    where = spec.model_dir(cfg.model)
-    tok = find_tokenizer(where, data_path, cfg.checkpoint)
-    special = set(tok.special_tokens.values())
-    stops = {tok.eos_id} | {i for i in _eos_ids(_model_files(where, cfg.checkpoint)) if i in special}
-    return Rollouts(cfg, read_prompts(dataset), [[int(i) for i in ids] for ids in prompt_tokens(dataset)],
-                    Rewards(funcs, g.reward_weights), tok, stops, factory)
 
 
 def ray_words(address: str, connects: bool) -> str:
