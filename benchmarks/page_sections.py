@@ -217,6 +217,22 @@ def moe_block(r: dict):
     return text, {}
 
 
+def grpo_block(r: dict):
+    x = r["results"]
+    split = ", ".join(f"{k} {v:.0f} ms" for k, v in x["split_ms"].items())
+    text = "\n\n".join([
+        table(["GRPO step, the guide's task", "rayzero (2 ranks + 1 rollout actor)", "TRL (one process)", "rayzero / TRL"],
+              [["step time (median)", f"{x['rayzero_step_ms']:.0f} ms", f"{x['trl_step_ms']:.0f} ms", f"{x['ratio']:.2f}×"],
+               ["completion tokens / s", f"{x['rayzero_completion_tokens_per_s']:,.0f}",
+                f"{x['trl_completion_tokens_per_s']:,.0f}",
+                f"{x['rayzero_completion_tokens_per_s'] / x['trl_completion_tokens_per_s']:.2f}×"]]),
+        f"rayzero's step: {split}. The guide's model is tiny (2 layers of width 64, 4 tokens a completion): "
+        "each step is fixed costs, the Ray calls of the weight sync and of the rollout actor and the ranks' "
+        "gloo collectives, which TRL's single process does not pay. They do not grow with the model; "
+        "generation and the update do.", measured(r)])
+    return text, {}
+
+
 def checkpoint_block(r: dict):
     tp, st = r["results"]["throughput"], r["results"]["stall"]
     rounds = tp["rounds"]
@@ -389,5 +405,5 @@ def glance_block(results: dict[str, dict]):
 
 
 BLOCKS = {"step_time": step_time_block, "startup": startup_block, "recovery": recovery_block,
-          "dispatch": dispatch_block, "moe": moe_block, "long_context": long_context_block,
+          "dispatch": dispatch_block, "moe": moe_block, "grpo": grpo_block, "long_context": long_context_block,
           "checkpoint": checkpoint_block, "activations": activations_block, "memory": memory_block, "gpu_checks": gpu_block}

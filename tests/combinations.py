@@ -53,13 +53,24 @@ AXES = {
     "compile": ["off", "aot_eager"],  # each block compiled (train.compile), torch's own kernels behind dynamo's trace
     "trainable": ["all", "lora", "frozen"],
     # lm: text windows; sft: instruction examples packed into windows, each attending to itself alone;
-    # own: a user's objective from a module (tests/own_objective.py) on those examples
-    "objective": ["lm", "sft", "dpo", "dpo-precomputed", "own"],
+    # own: a user's objective from a module (tests/own_objective.py) on those examples;
+    # grpo: online RL on recorded completions (GRPO_KEYS), against a reference, two steps a round
+    "objective": ["lm", "sft", "dpo", "dpo-precomputed", "own", "grpo"],
     "precision": ["fp32", "bf16", "bf16-comm"],  # bf16 compute; also bf16 gradients on the wire
     "overlap": [True, False],  # gradient reduction and parameter gathering overlapped with compute
     "micro": [2, 4],  # rows per micro-batch
     "resume": [False, True],  # saved after step SAVE_AT and resumed: bitwise the straight run
 }
+
+
+# GRPO's configurations: recorded completions (`save_rollouts`) replayed, 2 prompts x 4 a step,
+# the per-sequence loss (whole rows' lengths under cp), a KL penalty to a reference (a frozen
+# copy, or the base with LoRA's adapters off), clip-higher at a sampling temperature, and two
+# optimizer steps a round (the second's ratio against the first's log-probabilities)
+GRPO_G, GRPO_COMPLETION = 4, 8
+GRPO_KEYS = ["train.objective=grpo", f"grpo.num_generations={GRPO_G}", f"grpo.max_completion_length={GRPO_COMPLETION}",
+             "grpo.loss_type=grpo", "grpo.beta=0.1", "grpo.num_iterations=2", "grpo.epsilon_high=0.28",
+             "grpo.temperature=0.8", "rollout.engine=replay"]
 
 
 def pairs(objective: str) -> bool:
@@ -147,6 +158,11 @@ NAMED = [
     dict(model="mixtral", ep="2", strategy="optim_grads_params", precision="fp32"),  # experts sharded apart
     dict(model="qwen2_moe", ep="2", strategy="optim", precision="fp32"),  # beside a shared expert
     dict(model="mixtral", ep="2", tp="2sp", precision="fp32"),  # experts whole over tp, each its sequence shard
+    # GRPO's weights at world 1 within 1e-5 (fp32) on each layout: 2 x ZeRO-3, tp 2, pp 2, cp 2
+    dict(objective="grpo", strategy="optim_grads_params", dp=2, precision="fp32"),
+    dict(objective="grpo", tp="2", precision="fp32"),  # the entropy over a split vocabulary
+    dict(objective="grpo", pp="1f1b", precision="fp32"),  # old log-probabilities on the last stage
+    dict(objective="grpo", cp="ring", precision="fp32"),  # a sequence's mean over its whole row
 ]
 
 # `compile`: every value of every other axis meets a compiled block in one of these eight full
@@ -166,7 +182,7 @@ COMPILED = [
      "trainable": "lora", "objective": "dpo-precomputed", "precision": "bf16"},
     {**_C, "model": "gpt2", "strategy": "optim", "dp": 1, "cp": "ulysses", "pp": "zb", "recompute": "full",
      "trainable": "lora", "overlap": False, "micro": 4},
-    {**_C, "model": "module", "strategy": "hsdp", "dp": 2, "recompute": "every:2", "objective": "dpo-precomputed",
+    {**_C, "model": "module", "strategy": "hsdp", "dp": 2, "recompute": "every:2", "objective": "grpo",
      "precision": "bf16", "resume": True},
     {**_C, "model": "mixtral", "strategy": "no_shard", "dp": 1, "tp": "2", "recompute": "every:2",
      "objective": "own"},
@@ -217,8 +233,9 @@ def label(c: dict) -> str:
     return ".".join(parts)
 
 
-def overrides(c: dict, model_keys: list[str], data_kind: str = "text") -> list[str]:
-    """The config's keys for configuration `c`, the model given by `model_keys`."""
+def overrides(c: dict, model_keys: list[str], data_kind: str = "text", replay: str | None = None) -> list[str]:
+    """The config's keys for configuration `c`, the model given by `model_keys` (`replay`: GRPO's
+    recorded completions, `save_rollouts`)."""
     m = MODELS[c["model"]]
     keys = [f"cluster.num_workers={world(c)}", *model_keys, "train.seq_len=32",
             f"train.global_batch_size={GLOBAL_BATCH}", f"train.micro_batch_size={c['micro']}", f"train.steps={STEPS}",
@@ -251,6 +268,11 @@ def overrides(c: dict, model_keys: list[str], data_kind: str = "text") -> list[s
         keys.append(f"model.freeze={m['freeze']}")
     if c["objective"] == "own":
         keys.append("train.objective=tests.own_objective:Weighted")
+    if c["objective"] == "grpo":
+        from pathlib import Path
+
+        rewards = Path(__file__).resolve().parent / "grpo_rewards.py"
+        keys += [*GRPO_KEYS, f"rollout.replay={replay or 'replay.jsonl'}", f"grpo.reward_funcs={rewards}:token_sum"]
     if pairs(c["objective"]):
         keys.append("train.objective=dpo")
         keys += ["dpo.precompute_ref=true"] if c["objective"] == "dpo-precomputed" else []
@@ -278,6 +300,46 @@ def save_models(root) -> dict[str, str]:
             extra["vocab_size"] = m["vocab"]
         dirs[name] = str(save_hf_model(m["arch"], root / name, seed=i, **shape, **extra))
     return dirs
+
+
+def save_rollouts(root, tokenizer) -> tuple[str, str]:
+    """GRPO's data: prompts of a word or two prepared (`--prompts`), and (the replay file) their
+    completions for every round of `STEPS` steps, 2 prompts x GRPO_G a round, of 1 to
+    GRPO_COMPLETION tokens drawn from a seeded generator, some ended by the end-of-sequence id."""
+    import json
+    import random
+
+    from rayzero.data.tokenizer import load_tokenizer
+    from rayzero.data.tokens import prepare
+
+    words = ["red", "blue", "two plus", "the sky", "green grass", "what is", "four", "seven"]
+    prompts = [{"prompt": f"Q: {w}?"} for w in words]
+    (root / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    prepare(root / "prompts.jsonl", str(root / "prompts"), tokenizer=str(tokenizer), prompts=True)
+    eos = load_tokenizer(str(tokenizer)).eos_id
+    rng, lines = random.Random(11), []
+    for r in range((STEPS - 1) // 2 + 1):
+        for p in prompts[2 * r: 2 * r + 2]:
+            for i in range(GRPO_G):
+                n = rng.randint(1, GRPO_COMPLETION)
+                ids = [rng.randrange(3, 250) for _ in range(n)]
+                ids[-1] = eos if n < GRPO_COMPLETION and rng.random() < 0.7 else ids[-1]
+                lines.append({"round": r, "prompt": p["prompt"], "index": i, "completion_ids": ids})
+    (root / "replay.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return str(root / "prompts"), str(root / "replay.jsonl")
+
+
+def rollout_plans(cfg, data: str) -> list[dict] | None:
+    """Each step's rollouts ({"step", "rows"}) as the driver's side makes them for the plan
+    (`Rollouts.plan`, the replay engine), or None for an objective that does not sample."""
+    if cfg.train.objective != "grpo":
+        return None
+    from rayzero.jobs.rollouts import rollouts_for
+    from rayzero.workers.assembly import make_spec
+
+    side = rollouts_for(cfg, data, make_spec(cfg))
+    side.check(STEPS)
+    return [side.plan(k, None) for k in range(STEPS)]
 
 
 def model_keys(name: str, dirs: dict[str, str]) -> list[str]:

@@ -147,6 +147,8 @@ def diagnose(exc: BaseException, rank: int | None, phase: str | None, dead: list
     exception, raised in `rank`'s `phase` when known. `last_seen`: the watchdog's last answer
     per rank; `doing`: what the run was doing, for a failure outside a rank."""
     kind = classify(exc)
+    cause = unwrap(exc)  # an error of the driver's own work may say what it was doing, and for which step
+    doing, step = getattr(cause, "doing", doing), step if getattr(cause, "step", None) is None else cause.step
     if dead:
         kind, rank = RANK_DIED, dead[0][0]
         exc = dead[0][1]

@@ -11,7 +11,8 @@ made into the step's rows, and the weights sent to the rollout actors before eac
 
 Prompt p of the round goes to actor p mod `rollout.workers`; an actor lost while generating is
 replaced (the current weights loaded into it) and its prompts generated again with the same
-draws, so the round is what it would have been. Rewards run here, on the driver, in the
+draws, so the round is what it would have been. The replay engine reads its completions here, on
+the driver: a replayed run starts no rollout actor and sends no weights. Rewards run here, on the driver, in the
 rollouts' order (TRL's signature, `rewards.py`); a reward that raises ends the run (`RewardError`).
 """
 
@@ -126,7 +127,7 @@ class Rollouts:
     # -- the actors ----------------------------------------------------------------------------
     def start(self) -> None:
         """Reserve the actors' bundles and start them (once: a lost training rank leaves them be)."""
-        if self.actors:
+        if self.actors or self.replay is not None:
             return
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -163,6 +164,9 @@ class Rollouts:
         first time (and after a restart of the ranks), then only what trains."""
         if self.version == version:
             return
+        if self.replay is not None:  # nothing samples from the weights
+            self.version, self.sync_report = version, {}
+            return
         t0 = time.perf_counter()
         first = self.version is None
         sent = group.call("send_weights", version, not first)
@@ -192,7 +196,8 @@ class Rollouts:
             self.sync(group, r * self.g.num_iterations)
             try:
                 self.current = self.generate(r)
-            except RewardError:
+            except RewardError as e:
+                e.step = step
                 if checkpoints is not None:
                     checkpoints.add_uploads([u for rank in group.call("finish_checkpoints") for u in rank])
                 raise
@@ -201,13 +206,16 @@ class Rollouts:
     def generate(self, r: int) -> Round:
         g, t0 = self.g, time.perf_counter()
         if self.replay is not None:
-            jobs = [{"prompt": p, "ids": ids, "replayed": comps} for p, ids, comps in self.replayed(r)]
+            got = self.replayed(r)
+            jobs = [{"prompt": p, "ids": ids} for p, ids, _ in got]
+            groups = [{"prompt": p, "completions": [{"ids": c, "logps": None, "truncated": None} for c in comps],
+                       "version": self.version} for p, _, comps in got]
         else:
             order = prompt_order(self.cfg.train.seed, len(self.ids), r * self.per_round, self.per_round)
             jobs = [{"prompt": p, "ids": self.ids[p],
                      "seeds": [draw_seed(self.cfg.train.seed, r, p, i) for i in range(g.num_generations)]}
                     for p in order]
-        groups = self._run(r, jobs)
+            groups = self._run(r, jobs)
         t1 = time.perf_counter()
         for done in groups:
             if done["version"] != self.version:
@@ -264,7 +272,8 @@ class Rollouts:
                 for k in keys:
                     columns.setdefault(k, []).append(rec[k])
         per_func, total = self.rewards.score(prompts, completions, completion_ids, columns,
-                                             first_prompt=jobs[0]["prompt"] if jobs else 0)
+                                             [job["prompt"] for job, done in zip(jobs, groups)
+                                              for _ in done["completions"]])
         adv, zero_std = advantages(total, g.num_generations, g.scale_rewards, g.advantage_estimator)
         pad = getattr(getattr(self.tokenizer, "tok", None), "pad_token_id", None)
         stops = set(self.stop_ids) | ({pad} if pad is not None else set())  # TRL's eos_and_pad

@@ -6,6 +6,8 @@ with the step's plan (`plan["rollout"]`). A row is one prompt and one of its com
     targets   the next token, IGNORE_INDEX except on the completion's tokens (all IGNORE_INDEX for
               a completion `grpo.mask_truncated_completions` leaves out)
     advantage its completion's advantage (a row field)
+    length    its completion tokens that count, in the whole row (a row field: with context
+              parallelism a rank holds part of the row, and a per-sequence mean needs the whole)
 
 The step's rows are in the order the driver gives (prompt by prompt, each prompt's completions by
 their index); rank r of d takes rows [r·B/d, (r+1)·B/d), split into micro-batches: the same rows
@@ -79,8 +81,9 @@ class RolloutBatches:
         mine = given["rows"][self.dp_rank * self.rows_per_rank:(self.dp_rank + 1) * self.rows_per_rank]
         tokens, targets, adv = rollout_rows(mine, self.seq_len)
         m = self.micro_batch
-        return [MicroBatch(t, y, row_fields={"advantage": a})
-                for t, y, a in zip(tokens.split(m), targets.split(m), adv.split(m))]
+        length = (targets != IGNORE_INDEX).sum(-1).double()
+        return [MicroBatch(t, y, row_fields={"advantage": a, "length": n})
+                for t, y, a, n in zip(tokens.split(m), targets.split(m), adv.split(m), length.split(m))]
 
     def close(self) -> None:
         self._given = None

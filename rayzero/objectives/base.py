@@ -117,6 +117,15 @@ class Output:
             self._tempered[temperature] = -per_token_nll(self._logits / temperature, self.batch.targets, self.vocab)
         return self._tempered[temperature]
 
+    def entropy(self, temperature: float = 1.0) -> torch.Tensor:
+        """Each position's entropy [B, T] of the softmax of the logits over `temperature` (over the
+        whole vocabulary where it is split over tensor-parallel ranks), in fp32, without gradient."""
+        x = self._logits.detach().float() / temperature
+        if self.vocab is not None:
+            return self.vocab.entropy(x)
+        logps = torch.log_softmax(x, -1)
+        return -(logps.exp() * logps).sum(-1)
+
     @property
     def token_logps(self) -> torch.Tensor:
         """Each target's log-probability [B, T] in fp32, 0 where it is IGNORE_INDEX."""

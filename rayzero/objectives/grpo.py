@@ -50,7 +50,7 @@ class GRPO(Objective):
         self.policy = PolicyLoss(loss_type=g.loss_type, epsilon=g.epsilon, epsilon_high=g.epsilon_high, beta=g.beta,
                                  bias_corrected_kl=g.use_bias_correction_kl,
                                  max_completion_length=g.max_completion_length)
-        self.loss_of = PolicyObjective(self.policy, g.temperature)
+        self.loss_of = PolicyObjective(self.policy, g.temperature, cfg.parallel.cp)
 
     @property
     def metrics(self) -> tuple[Metric, ...]:
@@ -71,10 +71,7 @@ class GRPO(Objective):
 
     def loss(self, out: Output, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         total, sums = self.loss_of.loss(out, batch)
-        if out.vocab is None:  # the whole vocabulary here: the sampling distribution's entropy
-            logps = torch.log_softmax(out.logits.float() / self.options.temperature, -1)
-            entropy = -(logps.exp() * logps).sum(-1)
-            sums["entropy"] = (entropy * batch.loss_mask).sum().detach()
+        sums["entropy"] = (out.entropy(self.options.temperature) * batch.loss_mask).sum()  # the sampler's
         return total, sums
 
     def record(self, model: dict | None) -> dict:
@@ -99,15 +96,18 @@ class GRPO(Objective):
         cfg, g, r = self.cfg, self.options, self.cfg.rollout
         prompts = cfg.train.global_batch_size // g.num_generations
         mib = (lambda n: f"{n * 4 / 2**20:,.1f} MiB") if params else (lambda n: "?")
-        engine = f"replaying {r.replay}" if r.engine == "replay" else \
-            f"sampling with transformers (temperature {g.temperature:g}, top_p {g.top_p:g}, top_k {g.top_k})"
+        engine = f"sampling with transformers (temperature {g.temperature:g}, top_p {g.top_p:g}, top_k {g.top_k})"
         adapters = cfg.model.lora is not None
+        shape = (f"{prompts} prompts x {g.num_generations} completions = {cfg.train.global_batch_size} per round, up to "
+                 f"{g.max_completion_length} tokens each, a round every {g.num_iterations} step"
+                 f"{'s' if g.num_iterations != 1 else ''}")
+        if r.engine == "replay":
+            line = f"rollouts: replaying {r.replay} on the driver (no rollout actor, no weight sync); {shape}"
+            return {"workers": 0, "prompts_per_round": prompts, "completions_per_round": cfg.train.global_batch_size,
+                    "sync_bytes": 0, "line": line}
         line = (f"rollouts: {r.workers} actor{'s' if r.workers != 1 else ''} ({r.cpus_per_worker:g} CPU"
                 + (f", {r.gpus_per_worker:g} GPU" if r.gpus_per_worker else "") + " each), "
-                f"each the whole policy in fp32 ({mib(params or 0)}), {engine}; {prompts} prompts x "
-                f"{g.num_generations} completions = {cfg.train.global_batch_size} per round, up to "
-                f"{g.max_completion_length} tokens each, a round every {g.num_iterations} step"
-                f"{'s' if g.num_iterations != 1 else ''}; weight sync before each round: "
+                f"each the whole policy in fp32 ({mib(params or 0)}), {engine}; {shape}; weight sync before each round: "
                 + (f"the adapters, {mib(trainable or 0)} (the base once, at the start)" if adapters
                    else f"{mib(params or 0)}"))
         return {"workers": r.workers, "prompts_per_round": prompts, "completions_per_round": cfg.train.global_batch_size,
@@ -133,9 +133,10 @@ class PolicyStep(SummedLoss):
 
     def begin(self, micro, rows, step: int, whole) -> None:
         self._first = step % self.iterations == 0
+        losses_here = self.ctx.pipe is None or self.ctx.pipe.stages.last  # a pipeline's loss is its last stage's
         if self._first:
             self._old = {}
-        elif len(self._old) != len(micro):
+        elif losses_here and len(self._old) != len(micro):
             raise RuntimeError(f"step {step} is inside a generation round whose first step this rank did not run "
                                f"(grpo.num_iterations={self.iterations}): its old log-probabilities are gone")
         super().begin(micro, rows, step, whole)

@@ -108,18 +108,40 @@ class PolicyLoss:
             loss = loss + self.beta * kl
         return loss, kl, ratio
 
-    def summed(self, per_token: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def summed(self, per_token: torch.Tensor, mask: torch.Tensor, length: torch.Tensor | None = None,
+               parts: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """(a micro-batch's loss summed, its count): the step's loss is the sum of the first over
-        every micro-batch and rank divided by the same sum of the second."""
+        every micro-batch and rank divided by the same sum of the second. With context
+        parallelism (`parts` ranks each holding part of every row; `length`: each row's
+        completion tokens in the whole row) the per-sequence mean (`grpo`) divides by the whole
+        row's length, and the count of rows is this part's share of each (its tokens over the
+        row's, 1/parts of a row with none), which the cp group's ranks add up to whole rows."""
         mask = mask.to(per_token.dtype)
-        rows = per_token.shape[0]
         if self.loss_type == "grpo":
-            per_seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
-            return per_seq.sum(), torch.tensor(float(rows), device=per_token.device)
+            here = mask.sum(-1)
+            whole = here if length is None else length.to(per_token.dtype)
+            per_seq = (per_token * mask).sum(-1) / whole.clamp(min=1.0)
+            return per_seq.sum(), torch.tensor(self.rows(mask, length, parts), device=per_token.device)
         total = (per_token * mask).sum()
         if self.loss_type == "dr_grpo":
-            return total, torch.tensor(float(rows * self.max_completion_length), device=per_token.device)
+            return total, torch.tensor(self.count(mask, length, parts), device=per_token.device)
         return total, mask.sum()
+
+    def rows(self, mask: torch.Tensor, length: torch.Tensor | None, parts: int) -> float:
+        """The micro-batch's rows, or with context parallelism this part's share of them."""
+        if length is None or parts == 1:
+            return float(mask.shape[0])
+        here, length = mask.double().sum(-1).cpu(), length.double().cpu()
+        return float(torch.where(length > 0, here / length.clamp(min=1.0), torch.full_like(here, 1.0 / parts)).sum())
+
+    def count(self, mask: torch.Tensor, length: torch.Tensor | None = None, parts: int = 1) -> float:
+        """The step's divisor's part from this micro-batch (`loss_type`): its rows (grpo), its
+        rows x max_completion_length (dr_grpo), or its completion tokens (bnpo, dapo)."""
+        if self.loss_type == "grpo":
+            return self.rows(mask, length, parts)
+        if self.loss_type == "dr_grpo":
+            return self.rows(mask, length, parts) * self.max_completion_length
+        return float(mask.sum())
 
     def metric_sums(self, kl: torch.Tensor | None, ratio: torch.Tensor, adv: torch.Tensor,
                     mask: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -143,16 +165,12 @@ class PolicyObjective:
     fields `old_logps` (the log-probabilities of the first pass over its generation batch; absent:
     this pass is the first) and, with beta > 0, `ref_logps`."""
 
-    def __init__(self, policy: PolicyLoss, temperature: float = 1.0):
-        self.policy, self.temperature = policy, temperature
+    def __init__(self, policy: PolicyLoss, temperature: float = 1.0, parts: int = 1):
+        self.policy, self.temperature, self.parts = policy, temperature, parts  # parts: the cp size
 
     def count(self, batch) -> torch.Tensor:
-        mask = batch.loss_mask
-        if self.policy.loss_type == "grpo":
-            return torch.tensor(float(mask.shape[0]))
-        if self.policy.loss_type == "dr_grpo":
-            return torch.tensor(float(mask.shape[0] * self.policy.max_completion_length))
-        return mask.sum().double()
+        return torch.tensor(self.policy.count(batch.loss_mask, batch.row_fields.get("length"), self.parts),
+                            dtype=torch.float64)
 
     def loss(self, out, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         logps = out.tempered_logps(self.temperature)
@@ -161,5 +179,5 @@ class PolicyObjective:
         adv = batch.row_fields["advantage"]
         per_token, kl, ratio = self.policy.token_losses(logps, old, batch.token_fields.get("ref_logps"), adv)
         mask = batch.loss_mask
-        total, _ = self.policy.summed(per_token, mask)
+        total, _ = self.policy.summed(per_token, mask, batch.row_fields.get("length"), self.parts)
         return total, self.policy.metric_sums(kl, ratio, adv, mask)

@@ -30,7 +30,11 @@ import torch
 
 
 class RewardError(RuntimeError):
-    """A reward function that failed: its name, the first prompt of the batch, the exception."""
+    """A reward function that failed: its name, the prompt it failed on, the exception. `step`:
+    the step whose rollouts it scored (set by the driver's side), for the run's last line."""
+
+    doing = "scoring the rollouts"
+    step: int | None = None
 
 
 def accuracy(completions, solution, **kwargs) -> list[float | None]:
@@ -123,18 +127,17 @@ class Rewards:
         return [name_of(f) for f in self.funcs]
 
     def score(self, prompts: list, completions: list, completion_ids: list[list[int]],
-              columns: dict[str, list], first_prompt: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+              columns: dict[str, list], prompt_index: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(each function's rewards [N, F], NaN where it declined; the weighted sum [N], NaN where
-        no function scored), as TRL's `_calculate_rewards` makes them. `first_prompt`: the data
-        index of `prompts[0]`, for the error's words."""
+        no function scored), as TRL's `_calculate_rewards` makes them. `prompt_index`: each
+        row's prompt's place in the data, for the words of an error."""
         n = len(prompts)
         per_func = torch.zeros(n, len(self.funcs), dtype=torch.float32)
         for i, fn in enumerate(self.funcs):
             try:
                 got = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
             except Exception as e:  # noqa: BLE001 (the user's function: its own exception, in one line)
-                raise RewardError(f"reward {name_of(fn)} failed on the batch from prompt {first_prompt}: "
-                                  f"{type(e).__name__}: {e}") from e
+                raise self._failed(fn, e, prompts, completions, completion_ids, columns, prompt_index) from e
             got = list(got)
             if len(got) != n:
                 raise RewardError(f"reward {name_of(fn)} returned {len(got)} rewards for {n} completions (one each)")
@@ -143,3 +146,18 @@ class Rewards:
         total = (per_func * weights.unsqueeze(0)).nansum(1)
         total[torch.isnan(per_func).all(1)] = float("nan")
         return per_func, total
+
+    @staticmethod
+    def _failed(fn, e: Exception, prompts, completions, completion_ids, columns, index) -> RewardError:
+        """The error of a function that raised on the batch, naming the first prompt on which it
+        raises alone (each row scored by itself to find it; the batch's first where none does)."""
+        index = list(index) if index is not None else list(range(len(prompts)))
+        for k in range(len(prompts)):
+            try:
+                fn(prompts=prompts[k:k + 1], completions=completions[k:k + 1], completion_ids=completion_ids[k:k + 1],
+                   **{c: v[k:k + 1] for c, v in columns.items()})
+            except Exception as alone:  # noqa: BLE001
+                return RewardError(f"reward {name_of(fn)} failed on prompt {index[k]} (completion {k} of the round): "
+                                   f"{type(alone).__name__}: {alone}")
+        return RewardError(f"reward {name_of(fn)} failed on the round's batch (prompts {index[0]}..., none alone): "
+                           f"{type(e).__name__}: {e}")

@@ -67,7 +67,7 @@ from rayzero.sharding.memory import MemoryLedger, nbytes
 from rayzero.sharding.ownership import OwnAll, OwnShard, OwnShardAcrossReplicas
 from rayzero.sharding.placement import WholeParams
 from rayzero.sharding.precision import Precision, build_loss_scaler
-from rayzero.sharding.tensor_parallel import TPLayout, gather_global
+from rayzero.sharding.tensor_parallel import TPLayout
 from rayzero.sharding.mesh import Mesh
 
 
@@ -427,60 +427,7 @@ class Strategy:
                     out.append((b.index, cut.shift(-own.start).slice(), self.buffer.names[i]))
         return out
 
-    # -- outside the iteration -------------------------------------------------------------
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The fp32 main parameters, whole, on CPU, by `model.state_dict()` names. Every rank must call it (owned
-        pieces are summed into place across the owner axis); bucket by bucket (`whole_buckets`), so only one
-        bucket is ever whole on the device."""
-        merged: dict[str, torch.Tensor] = {}
-        for part in self.whole_buckets():
-            merged.update(part)
-        return {key: merged[key] for key in self.model.state_dict(keep_vars=True)}
-
-    def whole_buckets(self, trainable_only: bool = False):
-        """The model's weights, whole (fp32, on CPU, tensor-parallel shards gathered), one bucket at a time:
-        {`model.state_dict()` name: tensor} per bucket, then the buffers, which every rank holds whole (a tied
-        weight under each of its names, as separate tensors: file formats refuse shared storage).
-        `trainable_only`: the trainable buckets alone (what changes at a step). A collective: every rank must go
-        through it to the end, each in the same order; only one bucket is whole at a time."""
-        self.finish_param_sync()
-        name_of = {id(p): n for n, p in zip(self.buffer.names, self.buffer.params)}
-        keys_of: dict[str, list[str]] = {}
-        buffers: dict[str, torch.Tensor] = {}
-        for key, v in self.model.state_dict(keep_vars=True).items():
-            if id(v) in name_of:
-                keys_of.setdefault(name_of[id(v)], []).append(key)
-            else:  # a buffer, not a parameter: every rank holds it whole
-                buffers[key] = v
-        for b, main in zip(self.buffer.buckets, self.main_params):
-            trainable = self.buffer.trainable(b)
-            if trainable_only and not trainable:
-                continue
-            if trainable:
-                full = torch.zeros(b.world.size, dtype=torch.float32, device=self.buffer.device)
-                full[b.local(self.owned(b))] = main
-                axis = self._of[b.index].owner.axis
-                if axis is not None:
-                    wait(axis.start_all_reduce(full))
-            else:  # frozen: no main copy, the compute parameters are the values
-                full = self._of[b.index].placement.whole(b).float()
-            by_name: dict[str, torch.Tensor] = {}
-            for i in b.params:
-                span = self.buffer.layout.params[i].world
-                by_name[self.buffer.names[i]] = full[b.local(span)].view(self.buffer.params[i].shape).cpu().clone()
-            del full
-            if self.tp is not None:  # the TP ranks' shards, whole (every rank of the group in one order)
-                for name in sorted(n for n in by_name if n in self.tp.split):
-                    by_name[name] = gather_global(name, by_name[name], self.tp,
-                                                  self.mesh.axis(self.tp.split[name].axis))
-            out = {}
-            for name, t in by_name.items():
-                for j, key in enumerate(keys_of.get(name, ())):
-                    out[key] = t if j == 0 else t.clone()
-            yield out
-        if buffers and not trainable_only:
-            yield {k: v.detach().cpu().clone() for k, v in buffers.items()}
-
+    # -- outside the iteration (whole weights: whole.py) -------------------------------------
     def group_record(self) -> dict[str, dict]:
         """Each bucket group: its parameters and the size of the ranks that shard and reduce it."""
         return {part.group.key.name: {"params": [self.buffer.names[i] for b in part.group.buckets for i in b.params],

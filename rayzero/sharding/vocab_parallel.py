@@ -71,6 +71,22 @@ class VocabShard:
         return _VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), self).view(targets.shape)
 
 
+    @torch.no_grad()
+    def entropy(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each position's entropy of the softmax over the whole vocabulary [batch, seq], in
+        fp32, from this rank's logit shard (a metric: no gradient)."""
+        x = logits.float()
+        if self.real < self.rows:
+            x = x.masked_fill(torch.arange(self.rows, device=x.device) >= self.real, float("-inf"))
+        top = x.amax(dim=-1)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.axis.group)
+        shifted = x - top.unsqueeze(-1)
+        exp = shifted.exp()
+        sums = torch.stack([exp.sum(-1), (exp * shifted.masked_fill(exp == 0, 0.0)).sum(-1)])
+        dist.all_reduce(sums, group=self.axis.group)
+        return sums[0].log() - sums[1] / sums[0]
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, shard: VocabShard) -> torch.Tensor:

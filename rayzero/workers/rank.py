@@ -24,6 +24,7 @@ from rayzero.data.kinds import batches_for
 from rayzero.data.tokens import TokenDataset
 from rayzero.data.validation import ValidationRows, validation_split
 from rayzero.sharding.expert_parallel import ExpertParallel
+from rayzero.sharding import whole
 from rayzero.sharding.rng import RandomStreams
 from rayzero.workers.activations import ActivationMeter
 from rayzero.workers.compile import Compiling
@@ -438,7 +439,7 @@ class Rank(Membership):
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's fp32 weights on CPU, by `state_dict()` names (tied weights under
         each name), on rank 0; None elsewhere. Every rank must call it: it is a collective."""
-        state = self.strategy.full_state_dict()
+        state = whole.full_state_dict(self.strategy)
         if self._pipe is not None:  # each stage's first rank holds its stage's: gathered to rank 0
             return pipeline_stages.whole_state_dict(state if self.mesh.coord("stage") == 0 else None, self.mesh)
         return state if self.mesh.rank == 0 else None
@@ -448,7 +449,7 @@ class Rank(Membership):
         rollout actors: yielded on the first rank of each pipeline stage (rank 0 without stages),
         None on the others. A collective: every rank goes through it to the end."""
         sends = self.mesh.coord("stage") == 0
-        for part in self.strategy.whole_buckets(trainable_only):
+        for part in whole.whole_buckets(self.strategy, trainable_only):
             yield part if sends else None
 
     def close(self) -> None:

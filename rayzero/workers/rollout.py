@@ -10,7 +10,7 @@
 
 A plain class (`RolloutActor` is it as a Ray actor): the model is built as a rank builds it
 before sharding (the model seam, then the LoRA adapters), so a weight's name is the same on both
-sides. The replay engine needs no weights; it still records the version it was asked under.
+sides. (The replay engine needs no actor: the driver reads its completions.)
 """
 
 from __future__ import annotations
@@ -72,13 +72,10 @@ class RolloutWorker:
         """Each job's completions: {"prompt", "completions": [{"ids", "logps", "truncated"}], "version"}."""
         out = []
         for job in jobs:
-            if "replayed" in job:  # the replay engine's recorded completions, read by the driver
-                done = [{"ids": ids, "logps": None, "truncated": None} for ids in job["replayed"]]
-            else:
-                if not self._loaded:
-                    raise RuntimeError("rollout actor: asked to generate before any weights came")
-                done = [{"ids": c.ids, "logps": c.logps, "truncated": c.truncated}
-                        for c in self.engine.group(job["ids"], job["seeds"], sampling)]
+            if not self._loaded:
+                raise RuntimeError("rollout actor: asked to generate before any weights came")
+            done = [{"ids": c.ids, "logps": c.logps, "truncated": c.truncated}
+                    for c in self.engine.group(job["ids"], job["seeds"], sampling)]
             out.append({"prompt": job["prompt"], "completions": done, "version": self.version})
         return out
 

@@ -12,8 +12,9 @@ from rayzero.cluster.schedule import lr_at
 from tests.combinations import SAVE_AT, STEPS
 
 
-def _train(rank: int, world: int, cfg, data: str, port: int, out: dict):
-    """3 steps as the actors run them; with a checkpoint directory, one saved after step 2."""
+def _train(rank: int, world: int, cfg, data: str, port: int, rollouts: list | None, out: dict):
+    """3 steps as the actors run them; with a checkpoint directory, one saved after step 2.
+    `rollouts`: each step's, as the driver puts them in its plan (online RL)."""
     from rayzero.workers.rank import Rank
 
     torch.set_num_threads(1)
@@ -23,7 +24,7 @@ def _train(rank: int, world: int, cfg, data: str, port: int, out: dict):
     ckpt = Checkpoints(cfg) if cfg.checkpoint.dir else None
     pipe, steps, saved, uploads, sent = r._pipe, [], None, [], 0
     for k in range(STEPS):
-        plan = {"step": k, "lr": lr_at(k, STEPS, cfg.optim)}
+        plan = {"step": k, "lr": lr_at(k, STEPS, cfg.optim), **({"rollout": rollouts[k]} if rollouts else {})}
         if ckpt is not None and k + 1 == SAVE_AT:
             plan["checkpoint"] = {"uri": ckpt.root.child(f"step-{SAVE_AT:06d}").uri, "step": SAVE_AT}
         if pipe is not None and k == STEPS - 1:
@@ -43,7 +44,7 @@ def _train(rank: int, world: int, cfg, data: str, port: int, out: dict):
     r.close()
 
 
-def _resume(rank: int, world: int, cfg, data: str, port: int, where: str, out: dict):
+def _resume(rank: int, world: int, cfg, data: str, port: int, where: str, rollouts: list | None, out: dict):
     """A new group resumes the committed checkpoint and trains the steps after it, set up as the
     controller sets up a group rebuilt after a commit (`resuming`: its trainable weights zero
     until the load brings them, its frozen ones read as always)."""
@@ -56,7 +57,8 @@ def _resume(rank: int, world: int, cfg, data: str, port: int, where: str, out: d
     c = open_checkpoint(where)
     r.load_checkpoint(c.uri, c.manifest)
     r.apply_checkpoint()
-    steps = [r.iteration({"step": k, "lr": lr_at(k, STEPS, cfg.optim)}) for k in range(SAVE_AT, STEPS)]
+    steps = [r.iteration({"step": k, "lr": lr_at(k, STEPS, cfg.optim), **({"rollout": rollouts[k]} if rollouts else {})})
+             for k in range(SAVE_AT, STEPS)]
     out[rank] = {"state": r.full_state_dict(), "losses": [(s["loss_sum"], s["tokens"]) for s in steps],
                  "zero_before_load": zero}
     r.close()

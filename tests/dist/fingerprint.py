@@ -45,7 +45,7 @@ def objective_metrics(res: dict) -> dict:
     return {}
 
 
-def _rank(rank: int, world: int, cfg, data: str, port: int, out: dict):
+def _rank(rank: int, world: int, cfg, data: str, port: int, rollouts: list | None, out: dict):
     from rayzero.cluster.schedule import lr_at
     from rayzero.workers.rank import Rank
     from tests.combinations import STEPS
@@ -55,7 +55,8 @@ def _rank(rank: int, world: int, cfg, data: str, port: int, out: dict):
     r.setup("127.0.0.1", port)
     steps = []
     for k in range(STEPS):
-        res = r.iteration({"step": k, "lr": lr_at(k, STEPS, cfg.optim), "evaluate": k == STEPS - 1})
+        res = r.iteration({"step": k, "lr": lr_at(k, STEPS, cfg.optim), "evaluate": k == STEPS - 1,
+                           **({"rollout": rollouts[k]} if rollouts else {})})
         steps.append({**{key: res.get(key) for key in ("loss_sum", "tokens", "grad_norm", "aux_loss_sum",
                                                        "z_loss_sum", "val_loss_sum", "val_tokens")},
                       "metrics": objective_metrics(res)})
@@ -89,8 +90,9 @@ def setup(root: Path) -> dict:
     prepare(root / "pairs.jsonl", str(root / "pairs"), tokenizer=str(tok), preferences=True)
     (root / "examples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records(60)))
     prepare(root / "examples.jsonl", str(root / "examples"), tokenizer=str(tok), instructions=True)
+    prompts, replay = combos.save_rollouts(root, tok)
     return {"dirs": dirs, "text": str(root / "small"), "pairs": str(root / "pairs"),
-            "examples": str(root / "examples"), "root": root}
+            "examples": str(root / "examples"), "prompts": prompts, "replay": replay, "root": root}
 
 
 def run(out_path: str, only: list[str] | None) -> None:
@@ -113,7 +115,8 @@ def run(out_path: str, only: list[str] | None) -> None:
             t0 = time.perf_counter()
             got = manager.dict()
             world = combos.world(c)
-            spawn(_rank, args=(world, config_of(c, s), data_of(c, s), free_port(), got), nprocs=world)
+            cfg, data = config_of(c, s), data_of(c, s)
+            spawn(_rank, args=(world, cfg, data, free_port(), combos.rollout_plans(cfg, data), got), nprocs=world)
             results[name] = [got[r] for r in range(world)]
             print(f"{time.perf_counter() - t0:6.1f} s  {name}", flush=True)
     Path(out_path).write_text(json.dumps(results, indent=1, sort_keys=True))

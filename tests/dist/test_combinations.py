@@ -7,9 +7,11 @@ as the actors run a rank: setup, then iterations, nothing reseeded in between.
 The oracle: for the language-model loss, plain single-process torch on the same model, initial
 weights and global batches (`torch.optim.AdamW`, weight decay on matrices, clipping engaged,
 rayzero's schedule); LoRA against PEFT from the same initial adapters; frozen parameters frozen in
-it; a mixture of experts with its router loss. For the preference losses and a user's own
-objective (`own`: tests/own_objective.py, its metrics' sums and maxima too), the same configuration
-at world 1 (which equals TRL's DPOTrainer: tests/e2e/test_dpo_trl.py). Every parameter within
+it; a mixture of experts with its router loss. For the preference losses, a user's own
+objective (`own`: tests/own_objective.py, its metrics' sums and maxima too) and GRPO (recorded
+completions replayed, each step's rollouts made by the driver's side as the plan carries them),
+the same configuration at world 1 (which equals TRL's DPOTrainer and GRPOTrainer:
+tests/e2e/test_dpo_trl.py, test_grpo_trl.py). Every parameter within
 1e-5 relative (an attention key bias, whose gradient is zero up to rounding, only near its
 start), every step's loss (and reward metric) within 1e-5. bf16 compute is held to the same run
 in bf16 at world 1 (the curve within 2e-3, the update within 0.25) and, for the language-model
@@ -92,8 +94,9 @@ def combo_setup(tmp_path_factory, small_dataset) -> dict:
     prepare(root / "pairs.jsonl", str(root / "pairs"), tokenizer=str(tok), preferences=True)
     (root / "examples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records(60)))
     prepare(root / "examples.jsonl", str(root / "examples"), tokenizer=str(tok), instructions=True)
+    prompts, replay = combos.save_rollouts(root, tok)
     return {"dirs": dirs, "text": small_dataset, "pairs": str(root / "pairs"), "examples": str(root / "examples"),
-            "root": root}
+            "prompts": prompts, "replay": replay, "root": root}
 
 
 def model_keys(name: str, setup: dict) -> list[str]:
@@ -104,11 +107,12 @@ def config_of(c: dict, setup: dict):
     """`c`'s config; one that resumes saves in a directory of its own."""
     where = setup["root"] / "ckpt" / combos.label(c)
     extra = [f"checkpoint.dir={where}", "checkpoint.every_steps=0"] if c["resume"] else []
-    return load_config(None, [*combos.overrides(c, model_keys(c["model"], setup)), *extra])
+    return load_config(None, [*combos.overrides(c, model_keys(c["model"], setup), replay=setup.get("replay")), *extra])
 
 
 def data_of(c: dict, setup: dict) -> str:
-    return {"lm": setup["text"], "sft": setup["examples"], "own": setup["examples"]}.get(c["objective"], setup["pairs"])
+    return {"lm": setup["text"], "sft": setup["examples"], "own": setup["examples"],
+            "grpo": setup.get("prompts")}.get(c["objective"], setup["pairs"])
 
 
 # -- the ranks: tests/dist/combination_ranks.py ------------------------------------------------------
@@ -140,7 +144,8 @@ _lanes = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ahead{k}") for 
 
 def train_ranks(c: dict, setup: dict, lane: str = "main") -> dict:
     """Configuration `c`'s 3 steps on its world's ranks (the step-2 checkpoint saved if it resumes)."""
-    return run_ranks(_train, combos.world(c), config_of(c, setup), data_of(c, setup), free_port(), lane=lane)
+    cfg, data = config_of(c, setup), data_of(c, setup)
+    return run_ranks(_train, combos.world(c), cfg, data, free_port(), combos.rollout_plans(cfg, data), lane=lane)
 
 
 def ranks_of(c: dict, setup: dict, request) -> dict:
@@ -264,8 +269,8 @@ def packed_batch(cfg, data: str):
 
 
 def world1_oracle(c: dict, setup: dict) -> dict:
-    cfg = config_of(c, setup)
-    ranks = run_ranks(_train, 1, cfg, data_of(c, setup), free_port())
+    cfg, data = config_of(c, setup), data_of(c, setup)
+    ranks = run_ranks(_train, 1, cfg, data, free_port(), combos.rollout_plans(cfg, data))
     return {"state": ranks[0]["state"], "losses": step_losses(ranks), "prefs": step_prefs(ranks),
             "norms": [s["grad_norm"] for s in ranks[0]["steps"]]}
 
@@ -328,7 +333,8 @@ def test_a_configuration_equals_its_oracle(c, combo_setup, request):
             same = all(torch.equal(v, again["state"][k]) for k, v in want["state"].items())
             raise AssertionError(f"{e}; the oracle computed again {'equals' if same else 'differs from'} "
                                  f"the one cached") from e
-        assert losses == pytest.approx(want["losses"], rel=1e-5)
+        # GRPO's loss is a mean of advantages (~1), 0 at a round's first step: near 0, absolutely
+        assert losses == pytest.approx(want["losses"], rel=1e-5, abs=1e-6 if c["objective"] == "grpo" else None)
         # the gradient's scale too (clipping and Adam would hide a uniform factor in the weights)
         assert [s["grad_norm"] for s in first["steps"]] == pytest.approx(want["norms"], rel=1e-4)
         if want["prefs"] is not None:
@@ -339,14 +345,16 @@ def test_a_configuration_equals_its_oracle(c, combo_setup, request):
     else:
         # bf16 compute (fp32 main weights and gradients): the curve of the same run at world 1 in
         # bf16, its update up to the order of bf16 partial sums; for language modelling also
-        # fp32's curve (a pair loss at this scale is bf16 rounding: its rewards start near 0)
+        # fp32's curve (a pair loss at this scale is bf16 rounding: its rewards start near 0; GRPO's
+        # loss is a mean of advantages, 0 at a round's first step)
         same = oracle(c, combo_setup, "bf16")
         tol = BF16_COMM_SAME if c["precision"] == "bf16-comm" else BF16_SAME
         if c["cp"] != "1":  # the attention across the split computes in fp32 where world 1's runs in bf16
             tol = max(tol, BF16_CP * max(abs(a - b) / abs(b) for a, b in zip(same["losses"], want["losses"])))
-        assert losses == pytest.approx(same["losses"], rel=tol), "bf16 leaves its world-1 curve"
+        assert losses == pytest.approx(same["losses"], rel=tol, abs=tol if c["objective"] == "grpo" else None), \
+            "bf16 leaves its world-1 curve"
         assert_update(first["initial"], first["state"], same["state"], BF16_UPDATE)
-        if not combos.pairs(c["objective"]):
+        if not combos.pairs(c["objective"]) and c["objective"] != "grpo":  # GRPO's loss starts at 0 too
             assert losses == pytest.approx(want["losses"], rel=BF16), "bf16 leaves the fp32 curve"
             assert losses != pytest.approx(want["losses"], rel=1e-7), "not computing in bf16"
 
@@ -360,7 +368,8 @@ def test_a_configuration_equals_its_oracle(c, combo_setup, request):
 
         found = resume_preview(Checkpoints(cfg), make_spec(cfg))  # the same command finds it its own
         assert found is not None and found.uri == where
-        again = run_ranks(_resume, world, cfg, data_of(c, combo_setup), free_port(), where)
+        data = data_of(c, combo_setup)
+        again = run_ranks(_resume, world, cfg, data, free_port(), where, combos.rollout_plans(cfg, data))
         assert all(again[r]["zero_before_load"] for r in again), "trainable weights given values the load overwrites"
         assert again[0]["state"].keys() == first["state"].keys()
         assert all(torch.equal(again[0]["state"][k], v) for k, v in first["state"].items())
@@ -398,7 +407,8 @@ def test_a_configuration_equals_its_oracle(c, combo_setup, request):
             assert (expert[1]["shard"], expert[1]["reduce"]) == (dense[1]["shard"] // ep, dense[1]["reduce"] // ep), r
     if c["strategy"] == "optim_grads_params" and combos.MODELS[c["model"]]["kind"] == "hf" and c["pp"] == "1":
         full = sum(v.numel() for v in want["state"].values()) * 4  # each rank read about its shard of the weights
-        copies = 2 if combos.pairs(c["objective"]) else 1  # preference tuning: the reference's shard too, read alike
+        # preference tuning and GRPO: the reference's shard too, read alike
+        copies = 2 if combos.pairs(c["objective"]) or c["objective"] == "grpo" else 1
         assert all(ranks[r]["info"]["source_bytes_read"] < 1.6 * copies * full / c["dp"] for r in ranks)
 
 
@@ -444,12 +454,14 @@ def assert_pipeline(c: dict, cfg, ranks: dict) -> None:
         assert got["trace"] == [str(a) for a in actions[got["info"]["pp_rank"]] if a.op in ("F", "B", "I", "W")], r
     if not combos.pairs(c["objective"]) and not combos.MODELS[c["model"]].get("moe"):
         # one activation forward and one gradient back per micro-batch at each of the 2v - 1 boundaries,
-        # by every rank of a stage (its sequence shard with sequence parallelism)
+        # by every rank of a stage (its sequence shard with sequence parallelism); GRPO's reference
+        # (beta > 0) sends its forward's activations through the stages too
         tp = combos.tp_size(c["tp"])
         seq = cfg.train.seq_len // (tp if c["tp"].endswith("sp") else 1)
         hidden = 32
         activation = c["micro"] * seq * hidden * (2 if c["precision"] != "fp32" else 4)
-        assert sum(got["sent"] for got in ranks.values()) == c["dp"] * tp * 2 * (2 * v - 1) * m * activation
+        crossings = 3 if c["objective"] == "grpo" else 2
+        assert sum(got["sent"] for got in ranks.values()) == c["dp"] * tp * crossings * (2 * v - 1) * m * activation
     stages = [set().union(*(set(ranks[r]["info"]["params"]) for r in ranks if ranks[r]["info"]["pp_rank"] == s))
               for s in (0, 1)]
     assert stages[0] | stages[1] == set(ranks[0]["info"]["params"]) | stages[1]

@@ -1,6 +1,6 @@
 """The vocabulary split over the TP ranks on real gloo groups: the cross-entropy on logit shards
 equals torch's on the whole logits (value and gradient, ignored targets, a vocabulary the TP size
-does not divide); through a rank's real iterations no tensor of the full vocabulary's width
+does not divide), and so does the entropy of its softmax; through a rank's real iterations no tensor of the full vocabulary's width
 exists anywhere, forward, backward or step."""
 
 import pytest
@@ -34,7 +34,8 @@ def _cross_entropy(rank: int, world: int, vocab: int, dtype, port: int, out: dic
     loss, count = shard.token_loss(mine, targets)
     loss.backward()
     out[rank] = {"loss": loss.detach(), "count": int(count), "grad": mine.grad[..., :shard.real].clone(),
-                 "pad_grad": mine.grad[..., shard.real:].clone(), "dtype": mine.grad.dtype}
+                 "pad_grad": mine.grad[..., shard.real:].clone(), "dtype": mine.grad.dtype,
+                 "entropy": shard.entropy(mine.detach() / 0.7)}
 
 
 @pytest.mark.parametrize("world, vocab, dtype", [(2, 7, torch.float32), (4, 7, torch.float32), (2, 11, torch.bfloat16)])
@@ -56,6 +57,8 @@ def test_the_loss_on_shards_is_torchs_on_the_whole_logits(world, vocab, dtype):
         tol = 1e-6 if dtype == torch.float32 else 1e-2
         assert torch.allclose(out[r]["grad"].float(), whole.grad[..., lo:hi].float(), atol=tol), r
         assert out[r]["dtype"] == dtype and not out[r]["pad_grad"].any(), "padding rows get no gradient"
+        logps = torch.log_softmax((whole.detach() / 0.7).float(), -1)  # GRPO's entropy at a sampling temperature
+        assert torch.allclose(out[r]["entropy"], -(logps.exp() * logps).sum(-1), rtol=1e-5, atol=1e-6), r
 
 
 class WidestTensors(TorchDispatchMode):

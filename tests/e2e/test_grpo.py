@@ -113,3 +113,36 @@ def test_bad_grpo_input_is_refused_in_one_line(extra, words, run_keys, train_her
     code, _, err, _ = train_here(*run_keys, "checkpoint.dir=", "train.steps=1", *extra)
     assert code == 2, err[-2000:]
     assert words in err, err[-2000:]
+
+
+FAILING_REWARD = '''
+from pathlib import Path
+
+
+def grader(completions, **kwargs):
+    """Scores the first round; then its grader is down (it raises) until a file says it is back."""
+    here = Path(__file__).parent
+    if (here / "called").exists() and not (here / "fixed").exists():
+        raise ConnectionError("the grader is down")
+    (here / "called").write_text("")
+    return [float(len(c)) / 20 for c in completions]
+'''
+
+
+def test_a_reward_that_raises_ends_the_run_in_one_line_after_its_last_commit(run_keys, train_here, tmp_path):
+    (tmp_path / "reward").mkdir()
+    reward = tmp_path / "reward" / "flaky.py"
+    reward.write_text(FAILING_REWARD)
+    keys = [*(k for k in run_keys if not k.startswith(("grpo.reward_funcs=", "checkpoint.every_steps="))),
+            f"grpo.reward_funcs={reward}:grader", "checkpoint.every_steps=1",
+            f"checkpoint.dir={tmp_path / 'ckpt'}", "train.steps=3"]
+    code, _, err, _ = train_here(*keys)
+    assert code != 0
+    line = next((x for x in err.splitlines() if "reward grader failed on prompt" in x), err[-1500:])
+    assert "scoring the rollouts failed at step 1" in line and "ConnectionError: the grader is down" in line, line
+    assert (tmp_path / "ckpt" / "step-000001").is_dir()  # step 1 was trained and is not lost
+    (tmp_path / "reward" / "fixed").write_text("")  # the grader back: the same command resumes
+    code, _, err, s = train_here(*keys, summary="again.json")
+    assert code == 0, err[-3000:]
+    assert "at step 1 of 3" in err
+    assert [r["step"] for r in load_rows(Path(s["run_dir"]) / "history.jsonl")][-1] == 2

@@ -14,6 +14,7 @@ import torch.nn as nn
 from rayzero.checkpoint.shards import _pick
 from rayzero.models.spec import ModelSpec
 from rayzero.sharding import Mesh, OptimConfig, ShardingConfig, build_strategy
+from rayzero.sharding.whole import full_state_dict
 
 
 class Experts(nn.Module):
@@ -83,7 +84,7 @@ def test_steps_over_two_groups_equal_those_over_one():
             s.backward(loss, last_microbatch=True)
             s.finish_grad_sync()
             s.step(lr=1e-2)
-        runs[experts] = s.full_state_dict()
+        runs[experts] = full_state_dict(s)
     assert runs[False].keys() == runs[True].keys()
     for k, v in runs[False].items():
         assert torch.allclose(runs[True][k], v, rtol=1e-6, atol=1e-7), k
@@ -125,7 +126,7 @@ def test_a_step_whose_gradients_are_not_finite_is_skipped_on_the_device():
         s = strategy(m, experts=True, name="optim_grads_params")
         for k, x in enumerate(batches):
             for poisoned in ((False, True) if bad and k == 1 else (False,)):
-                before = (s.full_state_dict(), s.optimizer.step_count, [t.clone() for t in s.optimizer.exp_avg])
+                before = (full_state_dict(s), s.optimizer.step_count, [t.clone() for t in s.optimizer.exp_avg])
                 s.begin_step()
                 loss = m(x).square().mean()
                 s.backward(loss * float("nan") if poisoned else loss, last_microbatch=True)
@@ -133,11 +134,11 @@ def test_a_step_whose_gradients_are_not_finite_is_skipped_on_the_device():
                 norm = s.step(lr=1e-2)
                 assert s.last_step_skipped == poisoned == math.isnan(norm)
                 if poisoned:
-                    state = s.full_state_dict()
+                    state = full_state_dict(s)
                     assert all(torch.equal(state[n], before[0][n]) for n in state)
                     assert s.optimizer.step_count == before[1]
                     assert all(torch.equal(a, b) for a, b in zip(s.optimizer.exp_avg, before[2]))
-        runs[bad] = (s.full_state_dict(), s.optimizer.state_dict())
+        runs[bad] = (full_state_dict(s), s.optimizer.state_dict())
     (clean, clean_opt), (skipped, skipped_opt) = runs[False], runs[True]
     assert all(torch.equal(clean[n], skipped[n]) for n in clean)
     assert clean_opt["step"] == skipped_opt["step"] == 3

@@ -113,6 +113,26 @@ def test_the_steps_loss_does_not_depend_on_the_micro_batch_split(loss_type):
         assert m_part == pytest.approx(m_whole, rel=1e-6)
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "dr_grpo"])
+def test_the_loss_of_rows_split_along_the_sequence_adds_up_to_the_whole_rows(loss_type):
+    """Context parallelism: each part of a cp group holds some of every row's tokens; with the
+    whole rows' lengths the parts' sums and counts add up to the whole rows' (a row with no
+    completion token, masked, still counts as one row, shared evenly)."""
+    cfg = PolicyLoss(loss_type, beta=0.04, max_completion_length=MAX_LEN)
+    logps, old, ref, mask, adv = batch(5, True)
+    mask[2] = 0  # a masked truncated completion
+    per_token, _, _ = cfg.token_losses(logps, old, ref, adv)
+    whole, count = cfg.summed(per_token, mask)
+    length = mask.sum(-1)
+    for cuts in [(0, 3, MAX_LEN), (0, 1, 4, MAX_LEN)]:
+        parts = len(cuts) - 1
+        got = [cfg.summed(per_token[:, a:b], mask[:, a:b], length, parts) for a, b in zip(cuts, cuts[1:])]
+        assert float(sum(g for g, _ in got)) == pytest.approx(float(whole), rel=1e-6)
+        assert float(sum(c for _, c in got)) == pytest.approx(float(count), rel=1e-12)
+        assert sum(cfg.count(mask[:, a:b], length, parts) for a, b in zip(cuts, cuts[1:])) == \
+            pytest.approx(float(count), rel=1e-12)
+
+
 def trl_advantages(rewards, g, scale, estimator):
     """TRL's formulas, as its trainers write them (grpo_trainer.py, rloo_trainer.py)."""
     from trl.trainer.utils import nanstd

@@ -55,7 +55,8 @@ def test_the_same_command_resumes_what_its_run_wrote(c, extra, dirs, tmp_path):
     written = combos.commit_on_meta(cfg, [combos.rank_identity(cfg, r) for r in combos.stage_ranks(cfg)])
     manifest = json.loads((tmp_path / "ck" / f"step-{STEP:06d}" / "manifest.json").read_text())
     assert manifest["objective"]["name"] == ("dpo" if combos.pairs(c["objective"]) else
-                                             "tests.own_objective:Weighted" if c["objective"] == "own" else "lm")
+                                             {"own": "tests.own_objective:Weighted", "grpo": "grpo"}.get(c["objective"],
+                                                                                                         "lm"))
     # the same command, run again: a config of its own, its own spec, the driver's build
     cfg = load_config(None, [*keys, f"train.steps={combos.STEPS + 2}"])
     found = resume_preview(Checkpoints(cfg), make_spec(cfg))

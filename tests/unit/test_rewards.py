@@ -71,10 +71,13 @@ def test_a_reward_by_path_or_module_and_what_is_refused(tmp_path):
         load("nope")
 
     def broken(prompts, completions, **kw):
-        raise KeyError("solution")
+        if any(c == COMPLETIONS[2] for c in completions):
+            raise KeyError("solution")
+        return [0.0] * len(completions)
 
-    with pytest.raises(RewardError, match=r"reward broken failed on the batch from prompt 8: KeyError: 'solution'"):
-        Rewards([broken]).score(PROMPTS, COMPLETIONS, [[1]] * 4, COLUMNS, first_prompt=8)
+    with pytest.raises(RewardError, match=r"reward broken failed on prompt 9 \(completion 2 of the round\): "
+                                          r"KeyError: 'solution'"):
+        Rewards([broken]).score(PROMPTS, COMPLETIONS, [[1]] * 4, COLUMNS, prompt_index=[8, 8, 9, 9])
     with pytest.raises(RewardError, match="returned 1 rewards for 4 completions"):
         Rewards([lambda **kw: [1.0]]).score(PROMPTS, COMPLETIONS, [[1]] * 4, COLUMNS)
     with pytest.raises(ValueError, match="2 weights for 1 reward functions"):
