@@ -233,6 +233,39 @@ def grpo_block(r: dict):
     return text, {}
 
 
+def grpo_lag_block(r: dict):
+    x = r["results"]
+    k = x["lag"]
+    rows = [[f"{e} engine", f"{v['generate_ms']:.0f} ms", f"{v['update_ms']:.0f} ms",
+             f"{v['sync_ms'] + v['score_ms']:.0f} ms", f"{v['step_lag0_ms']:.0f} ms",
+             f"{v['bound_ms']:.0f} ms ({v['step_over_bound']:.2f}×)",
+             f"{v['overlap_bound_ms']:.0f} ms ({v['step_over_overlap_bound']:.2f}×)",
+             f"{v[f'step_lag{k}_ms']:.0f} ms", f"{v['speedup']:.2f}×"] for e, v in x["engines"].items()]
+    text = "\n\n".join([
+        table(["engine", "generate", "update", "sync + score", "step at lag 0",
+               f"max(generate, update) + sync + score (lag {k} over it)",
+               f"max(generate, update + sync + score) (lag {k} over it)", f"step at lag {k}",
+               "lag 0 / lag " + str(k)], rows),
+        "The waiting engine's generation is a sleep, as a GPU engine's is to the host: the overlap hides "
+        "the shorter of generation and update, and the sync too, which the actors stage while they generate. The CPU engine computes on the same 2 cores as the ranks, so "
+        "overlapping them shares the cores rather than hiding one behind the other.", measured(r)])
+    return text, {}
+
+
+def grpo_mismatch_block(r: dict):
+    x = r["results"]
+    rows = [[name, f"{v['mean']:.3f} ({v['min']:.3f}–{v['max']:.3f})", f"{v['sampling_kl']:.4f}",
+             f"{v['logp_difference_max']:.2f}"] for name, v in x["arms"].items()]
+    text = "\n\n".join([
+        table(["the guide's task, 60 steps", f"reward over the last 10 steps: mean (min–max over {x['seeds']} seeds)",
+               "sampling/kl (mean)", "largest logp difference"], rows),
+        "The hotter sampler draws at 1.6 times the run's temperature and reports its own log-probabilities "
+        "(`benchmarks/engines.py:HotEngine`). On this task the truncated correction does not win back the "
+        "reward a hotter sampler costs: it reweighs the tokens the sampler drew, but the samples themselves "
+        "are worse, and at this size the spread between seeds is as large as the difference.", measured(r)])
+    return text, {}
+
+
 def checkpoint_block(r: dict):
     tp, st = r["results"]["throughput"], r["results"]["stall"]
     rounds = tp["rounds"]
@@ -405,5 +438,6 @@ def glance_block(results: dict[str, dict]):
 
 
 BLOCKS = {"step_time": step_time_block, "startup": startup_block, "recovery": recovery_block,
-          "dispatch": dispatch_block, "moe": moe_block, "grpo": grpo_block, "long_context": long_context_block,
+          "dispatch": dispatch_block, "moe": moe_block, "grpo": grpo_block,
+          "grpo_lag": grpo_lag_block, "grpo_mismatch": grpo_mismatch_block, "long_context": long_context_block,
           "checkpoint": checkpoint_block, "activations": activations_block, "memory": memory_block, "gpu_checks": gpu_block}

@@ -1,19 +1,29 @@
 """The driver's side of online RL: each generation round's completions, rewards and advantages,
-made into the step's rows, and the weights sent to the rollout actors before each round.
+made into the step's rows, and the weights sent to the rollout actors.
 
     round r      steps [r·mu, (r+1)·mu) train on it (mu = grpo.num_iterations); it is sampled
-                 from weight version r·mu (the weights after that many optimizer steps)
+                 from weight version max(0, r - k)·mu (k = rollout.max_lag; the weights after that
+                 many optimizer steps): at k = 0 the weights just trained, at k > 0 the rollout
+                 actors generate rounds r+1 … r+k while the ranks train round r
     its prompts  P = global_batch_size / num_generations of them: positions [r·P, (r+1)·P) of the
                  prompts in epoch order (a permutation per epoch from (seed, epoch)); with the
                  replay engine, the file's round r, in its order
     its draws    completion i of prompt p: `draw_seed(seed, r, p, i)`, whichever actor samples it
-    its rows     prompt by prompt, each prompt's completions by index: row g·p + i
 
-Prompt p of the round goes to actor p mod `rollout.workers`; an actor lost while generating is
-replaced (the current weights loaded into it) and its prompts generated again with the same
-draws, so the round is what it would have been. The replay engine reads its completions here, on
-the driver: a replayed run starts no rollout actor and sends no weights. Rewards run here, on the driver, in the
-rollouts' order (TRL's signature, `rewards.py`); a reward that raises ends the run (`RewardError`).
+At a round's first step the driver sends the actors the weights of that step (`sync`: the actors
+stage them beside the model and put them in between generations), starts round r + k (a
+"flight"), and waits for round r, started k rounds before: what a step waits for is
+max(generate, train) + sync rather than their sum. Which weights a round is sampled from is a
+function of its index alone, never of timing, so a run at any lag is deterministic, and at k = 0
+it is the synchronous run.
+
+Prompt p of a round goes to actor p mod `rollout.workers`; an actor lost while generating is
+replaced (given every weight version its rounds in flight need) and its prompts generated again
+with the same draws, so each round is what it would have been. At a checkpoint the rounds in
+flight are waited for and kept in the manifest (`state`), so that a resume continues bitwise at
+any lag (`restore`). The replay engine reads its completions here, on the driver: a replayed run
+starts no rollout actor and sends no weights. Rewards run here, on the driver, in the rollouts'
+order (TRL's signature, `rewards.py`); a reward that raises ends the run (`RewardError`).
 """
 
 from __future__ import annotations
@@ -33,24 +43,26 @@ from rayzero.rollout.rewards import RewardError, Rewards
 log = logging.getLogger(__name__)
 
 
-def prompt_order(seed: int, n: int, first: int, count: int) -> list[int]:
+def prompt_order(seed: int, n: int, first: int, count: int, stream: int = 0) -> list[int]:
     """Positions [first, first + count) of the prompts in epoch order: epoch e is a permutation
-    of the n prompts drawn from (seed, e)."""
+    of the n prompts drawn from (seed, e). `stream` 1: the order dynamic sampling draws its
+    extra prompts in, a permutation of its own."""
     out = []
     for pos in range(first, first + count):
         epoch, at = divmod(pos, n)
-        out.append(int(_permutation(seed, epoch, n)[at]))
+        out.append(int(_permutation(seed, epoch, n, stream)[at]))
     return out
 
 
 _perms: dict = {}
 
 
-def _permutation(seed: int, epoch: int, n: int) -> np.ndarray:
-    key = (seed, epoch, n)
+def _permutation(seed: int, epoch: int, n: int, stream: int = 0) -> np.ndarray:
+    key = (seed, epoch, n, stream)
     if key not in _perms:
-        _perms.clear()
-        _perms[key] = np.random.default_rng([seed, 4, epoch]).permutation(n)
+        if len(_perms) > 8:
+            _perms.clear()
+        _perms[key] = np.random.default_rng([seed, 4 + stream, epoch]).permutation(n)
     return _perms[key]
 
 
@@ -65,6 +77,20 @@ class Round:
     times: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass
+class Flight:
+    """A round on its way: its jobs, the weight version it is sampled from, and each actor's
+    part (job indices, the call's ref); `groups` once collected (or restored from a checkpoint)."""
+
+    index: int
+    version: int
+    jobs: list[dict]
+    parts: dict[int, list[int]] = field(default_factory=dict)
+    refs: dict = field(default_factory=dict)
+    groups: list | None = None
+    seconds: float = 0.0  # the slowest actor's time generating its part
+
+
 class Rollouts:
     """The run's prompts, rewards and rollout actors (see the module's doc)."""
 
@@ -76,11 +102,15 @@ class Rollouts:
         self.per_round = cfg.train.global_batch_size // self.g.num_generations
         self.sampling = Sampling(self.g.temperature, self.g.top_p, self.g.top_k, self.g.max_completion_length)
         self.replay = ReplayEngine(self.r.replay) if self.r.engine == "replay" else None
+        self.lag = self.r.max_lag
         self.actors: list = []
         self.pg = None
-        self.version: int | None = None  # the weights the actors hold
-        self.frozen_refs: list = []  # what the first sync sent that never changes (a replacement needs it)
-        self.latest_refs: list = []  # the trainable weights of `version`
+        self.version: int | None = None  # the latest weights sent to the actors
+        self.frozen_refs: list = []  # what the first sync sent (every weight): what a replacement loads first
+        self.refs_of: dict[int, list] = {}  # version -> its trainable weights (a replacement's later loads)
+        self.flights: dict[int, Flight] = {}  # round -> on its way (or waited for), not yet trained
+        self.extras: list[Flight] = []  # dynamic sampling's extra prompts, being generated
+        self.extra_pos = 0  # how many extra prompts dynamic sampling has drawn
         self.current: Round | None = None
         self.sync_report: dict[str, float] = {}
         self.replaced = 0
@@ -96,10 +126,15 @@ class Rollouts:
                              f"train.seq_len={max(long) + self.g.max_completion_length - 1} would hold them all")
         if self.replay is not None:
             for r in range((steps - 1) // self.g.num_iterations + 1):
-                self.replayed(r)
+                got = self.replayed(r)
+                if self.r.is_correction != "none" and any(lp is None for *_, logps in got for lp in logps):
+                    raise ValueError(f"rollout.is_correction={self.r.is_correction}: round {r} of {self.replay.path} "
+                                     "has completions without the sampler's `logprobs`; record them, or set "
+                                     "rollout.is_correction=none")
 
-    def replayed(self, r: int) -> list[tuple[int, list[int], list[list[int]]]]:
-        """Round r of the replay file: (data index, prompt ids, completions) per prompt, in its order."""
+    def replayed(self, r: int) -> list[tuple[int, list[int], list[list[int]], list]]:
+        """Round r of the replay file: (data index, prompt ids, completions, their sampler log-probs
+        or None each) per prompt, in its order."""
         entries = self.replay.round(r, self.g.num_generations)
         if len(entries) != self.per_round:
             raise ValueError(f"rollout.replay: round {r} of {self.replay.path} has {len(entries)} prompts; a round "
@@ -114,7 +149,7 @@ class Rollouts:
                                  "the prepared prompts (data.path)")
             p = index[key]
             ids = [int(i) for i in e["prompt_ids"]] if e.get("prompt_ids") is not None else self.ids[p]
-            out.append((p, ids, e["completions"]))
+            out.append((p, ids, e["completions"], e["logprobs"]))
         return out
 
     def _prompt_index(self) -> dict:
@@ -161,7 +196,8 @@ class Rollouts:
 
     def sync(self, group, version: int) -> None:
         """The ranks' weights of `version` into every actor, bucket by bucket: everything the
-        first time (and after a restart of the ranks), then only what trains."""
+        first time (and after a restart of the ranks), then only what trains. The actors stage
+        them (a generation in flight goes on) and put them in before the round that asks for them."""
         if self.version == version:
             return
         if self.replay is not None:  # nothing samples from the weights
@@ -173,9 +209,9 @@ class Rollouts:
         refs = [ref for rank in sent for ref, _ in rank]
         nbytes = sum(n for rank in sent for _, n in rank)
         if first:  # every bucket: what a replacement actor loads, with the trainable ones of later versions
-            self.frozen_refs, self.latest_refs = refs, []
+            self.frozen_refs, self.refs_of = refs, {version: []}
         else:
-            self.latest_refs = refs
+            self.refs_of[version] = refs
         ray.get([a.load.remote(version, refs) for a in self.actors])
         self.version = version
         self.sync_report = {"sync_ms": (time.perf_counter() - t0) * 1e3, "sync_bytes": float(nbytes)}
@@ -185,15 +221,23 @@ class Rollouts:
         self.version = None
 
     # -- a round --------------------------------------------------------------------------------
+    def version_of(self, r: int) -> int:
+        """The weight version round r is sampled from: k rounds back (k = rollout.max_lag), never before 0."""
+        return max(0, r - self.lag) * self.g.num_iterations
+
     def plan(self, step: int, group, checkpoints=None) -> dict:
-        """The rollouts of step `step` for its plan ({"step", "rows"}), generating its round at the
-        round's first step (the actors given the current weights first). A reward function that
-        fails ends the run, after the uploads in flight are committed (`checkpoints`): nothing
-        trained is lost."""
-        r = step // self.g.num_iterations
+        """The rollouts of step `step` for its plan ({"step", "rows"}). At a round's first step:
+        the actors given the weights of this step, round r + max_lag started, round r waited for
+        and scored. A reward function that fails ends the run, after the uploads in flight are
+        committed (`checkpoints`): nothing trained is lost."""
+        mu = self.g.num_iterations
+        r = step // mu
         if self.current is None or self.current.index != r:
             self.start()
-            self.sync(group, r * self.g.num_iterations)
+            self.sync(group, r * mu)
+            for q in range(r, r + self.lag + 1):  # each from the weights just sent, or ones sent before
+                if q not in self.flights:
+                    self.flights[q] = self.launch(q)
             try:
                 self.current = self.generate(r)
             except RewardError as e:
@@ -201,62 +245,161 @@ class Rollouts:
                 if checkpoints is not None:
                     checkpoints.add_uploads([u for rank in group.call("finish_checkpoints") for u in rank])
                 raise
+            self.flights.pop(r, None)
+            needed = {f.version for f in self.flights.values()} | {self.version}
+            self.refs_of = {v: refs for v, refs in self.refs_of.items() if v in needed}
         return {"step": step, "rows": self.current.rows}
 
-    def generate(self, r: int) -> Round:
-        g, t0 = self.g, time.perf_counter()
+    def launch(self, r: int) -> Flight:
+        """Round r started on the actors (from weight version `version_of(r)`), or read from the replay file."""
+        v = self.version_of(r)
         if self.replay is not None:
             got = self.replayed(r)
-            jobs = [{"prompt": p, "ids": ids} for p, ids, _ in got]
-            groups = [{"prompt": p, "completions": [{"ids": c, "logps": None, "truncated": None} for c in comps],
-                       "version": self.version} for p, _, comps in got]
-        else:
-            order = prompt_order(self.cfg.train.seed, len(self.ids), r * self.per_round, self.per_round)
-            jobs = [{"prompt": p, "ids": self.ids[p],
-                     "seeds": [draw_seed(self.cfg.train.seed, r, p, i) for i in range(g.num_generations)]}
-                    for p in order]
-            groups = self._run(r, jobs)
+            flight = Flight(r, v, [{"prompt": p, "ids": ids} for p, ids, _, _ in got])
+            flight.groups = [{"prompt": p, "completions": [{"ids": c, "logps": lp, "truncated": None}
+                                                          for c, lp in zip(comps, logps)], "version": v}
+                             for p, _, comps, logps in got]
+            return flight
+        g = self.g
+        order = prompt_order(self.cfg.train.seed, len(self.ids), r * self.per_round, self.per_round)
+        jobs = [{"prompt": p, "ids": self.ids[p],
+                 "seeds": [draw_seed(self.cfg.train.seed, r, p, i) for i in range(g.num_generations)]}
+                for p in order]
+        flight = Flight(r, v, jobs)
+        w = len(self.actors)
+        flight.parts = {i: [k for k in range(len(jobs)) if k % w == i] for i in range(w)}
+        flight.parts = {i: ks for i, ks in flight.parts.items() if ks}
+        for i in flight.parts:
+            flight.refs[i] = self._submit(i, flight)
+        return flight
+
+    def _submit(self, i: int, flight: Flight):
+        return self.actors[i].generate.remote(flight.index, [flight.jobs[k] for k in flight.parts[i]], self.sampling,
+                                              flight.version)
+
+    def generate(self, r: int) -> Round:
+        """Round r waited for (started by `launch`, or restored), its completions checked to be of
+        the version it was asked for, and scored."""
+        t0 = time.perf_counter()
+        flight = self.flights.get(r) or self.launch(r)
+        self.flights[r] = flight
+        groups = self.collect(flight)
         t1 = time.perf_counter()
         for done in groups:
-            if done["version"] != self.version:
+            if done["version"] != flight.version:
                 raise RuntimeError(f"round {r}: completions sampled from weight version {done['version']}, "
-                                   f"the run is at version {self.version}")
-        rows, metrics = self.score(r, jobs, groups)
+                                   f"it was asked for version {flight.version}")
+        if self.r.is_correction != "none" and any(c.get("logps") is None for d in groups for c in d["completions"]):
+            raise RuntimeError(f"rollout.is_correction={self.r.is_correction}: the engine {self.r.engine} returned "
+                               "completions without their log-probabilities, which the correction weighs by")
+        jobs, rewards, extra = flight.jobs, self.rewards_of(flight.jobs, groups), {}
+        if self.r.dynamic_sampling:
+            jobs, groups, rewards, extra = self.fill(flight, groups, rewards)
+        rows, metrics = self.score(r, jobs, groups, rewards)
         t2 = time.perf_counter()
-        times = {"generate_ms": (t1 - t0) * 1e3, "score_ms": (t2 - t1) * 1e3}
-        return Round(r, self.version, rows, metrics, times)
+        times = {"generate_ms": flight.seconds * 1e3, "wait_ms": (t1 - t0) * 1e3, "score_ms": (t2 - t1) * 1e3}
+        return Round(r, flight.version, rows, {**metrics, **extra}, times)
 
-    def _run(self, r: int, jobs: list[dict]) -> list[dict]:
-        """Every job's group, in the jobs' order; an actor lost on the way replaced and its jobs run again."""
-        w = len(self.actors)
-        parts = {i: [k for k in range(len(jobs)) if k % w == i] for i in range(w)}
-        out: list = [None] * len(jobs)
-        pending = {i: self.actors[i].generate.remote(r, [jobs[k] for k in ks], self.sampling)
-                   for i, ks in parts.items() if ks}
+    def fill(self, flight: Flight, groups: list[dict], rewards) -> tuple:
+        """DAPO's dynamic sampling: a group whose rewards are all equal (no advantage, no gradient)
+        replaced by the group of the next extra prompt (drawn from the same weights, in an order of
+        their own), until the round is full or `rollout.max_extra_prompts` were drawn; a round still
+        short keeps its first all-equal groups. (jobs, groups, rewards, metrics) of the round kept."""
+        g, n = self.g.num_generations, self.per_round
+        kept, equal, drawn = [], [], 0
+        batch = [(flight.jobs, groups, rewards)]
+        while batch:
+            jobs_, groups_, (per_func, total) = batch.pop()
+            for k, (job, done) in enumerate(zip(jobs_, groups_)):
+                part = (job, done, per_func[k * g:(k + 1) * g], total[k * g:(k + 1) * g])
+                (equal if bool(torch.isclose(nanstd(part[3]), torch.zeros(()))) or bool(part[3].isnan().all())
+                 else kept).append(part)
+            need = n - len(kept)
+            more = min(need, self.r.max_extra_prompts - drawn)
+            if need > 0 and more > 0:
+                order = prompt_order(self.cfg.train.seed, len(self.ids), self.extra_pos, more, stream=1)
+                self.extra_pos, drawn = self.extra_pos + more, drawn + more
+                jobs = [{"prompt": p, "ids": self.ids[p], "seeds": [draw_seed(self.cfg.train.seed, -(flight.index + 1),
+                                                                              p, i) for i in range(g)]}
+                        for p in order]
+                extra = Flight(flight.index, flight.version, jobs)
+                w = len(self.actors)
+                extra.parts = {i: ks for i in range(w) if (ks := [k for k in range(len(jobs)) if k % w == i])}
+                extra.refs = {i: self._submit(i, extra) for i in extra.parts}
+                self.extras = [extra]
+                got = self.collect(extra)
+                self.extras = []
+                flight.seconds += extra.seconds
+                batch.append((jobs, got, self.rewards_of(jobs, got)))
+        short = max(0, n - len(kept))
+        chosen = kept[:n] + equal[:short]
+        metrics = {"dynamic_sampling/extra_prompts": float(drawn), "dynamic_sampling/equal_kept": float(short),
+                   "dynamic_sampling/equal_dropped": float(len(equal) - short)}
+        return ([c[0] for c in chosen], [c[1] for c in chosen],
+                (torch.cat([c[2] for c in chosen]), torch.cat([c[3] for c in chosen])), metrics)
+
+    def collect(self, flight: Flight) -> list[dict]:
+        """Every job's group of `flight`, in the jobs' order; an actor lost on the way replaced and
+        its parts of every round in flight started again (with the same draws, from the same weights)."""
+        if flight.groups is not None:
+            return flight.groups
+        out: list = [None] * len(flight.jobs)
+        pending = dict(flight.refs)
         while pending:
             i, ref = next(iter(pending.items()))
             try:
                 got = ray.get(ref)
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
                 self.replaced += 1
-                if self.replaced > max(3, 3 * w):
+                if self.replaced > max(3, 3 * len(self.actors)):
                     raise
                 log.warning("rollout actor %d was lost generating round %d (%s): replacing it and generating its "
-                            "%d prompts again", i, r, type(e).__name__, len(parts[i]))
-                self.actors[i] = self._actor(i)
-                ray.get(self.actors[i].load.remote(self.version, self.frozen_refs + self.latest_refs))
-                pending[i] = self.actors[i].generate.remote(r, [jobs[k] for k in parts[i]], self.sampling)
+                            "%d prompts again", i, flight.index, type(e).__name__, len(flight.parts[i]))
+                self._replace(i)
+                pending[i] = flight.refs[i]
                 continue
             del pending[i]
-            for k, done in zip(parts[i], got):
+            flight.seconds = max(flight.seconds, got["seconds"])
+            for k, done in zip(flight.parts[i], got["groups"]):
                 out[k] = done
+        flight.groups = out
         return out
 
-    def score(self, r: int, jobs: list[dict], groups: list[dict]) -> tuple[list[dict], dict[str, float]]:
-        """The round's rows and its metrics, TRL's names: rewards per function and weighted,
-        advantages in groups, the completions' lengths."""
-        g = self.g
-        prompts, completions, completion_ids, columns, rows = [], [], [], {}, []
+    def _replace(self, i: int) -> None:
+        """A new actor i, given every weight version its rounds in flight ask for, and those rounds' parts again."""
+        self.actors[i] = self._actor(i)
+        flights = [f for f in [*self.flights.values(), *self.extras] if f.groups is None and i in f.parts]
+        versions = sorted({f.version for f in flights})
+        for n, v in enumerate(versions):
+            ray.get(self.actors[i].load.remote(v, (self.frozen_refs if n == 0 else []) + self.refs_of.get(v, [])))
+        for f in flights:
+            f.refs[i] = self._submit(i, f)
+
+    # -- a checkpoint ---------------------------------------------------------------------------
+    def state(self) -> dict:
+        """What a checkpoint keeps of the rollouts: the rounds started and not yet trained, waited
+        for (with a lag, their weights are no longer anywhere else), their completions and versions."""
+        rounds = {}
+        for q in sorted(self.flights):
+            f = self.flights[q]
+            if self.current is not None and q <= self.current.index:
+                continue
+            rounds[str(q)] = {"version": f.version, "jobs": f.jobs, "groups": self.collect(f),
+                              "seconds": f.seconds}
+        return {"rounds": rounds, "extra_prompts": self.extra_pos}
+
+    def restore(self, state: dict | None) -> None:
+        """Continue from a checkpoint's `state` (None: from the start): its rounds in flight, as they were."""
+        self.flights, self.current, self.extras = {}, None, []
+        self.extra_pos = int((state or {}).get("extra_prompts", 0))
+        for q, f in ((state or {}).get("rounds") or {}).items():
+            flight = Flight(int(q), int(f["version"]), f["jobs"])
+            flight.groups, flight.seconds = f["groups"], float(f.get("seconds", 0.0))
+            self.flights[int(q)] = flight
+
+    def rewards_of(self, jobs: list[dict], groups: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each function's rewards [N, F], the weighted sum [N]) of the groups' completions (TRL's signature)."""
+        prompts, completions, completion_ids, columns = [], [], [], {}
         keys = [k for k in self.records[0] if k != "prompt"] if self.records else []
         conversational = isinstance(self.records[0]["prompt"], list) if self.records else False
         texts = [self.tokenizer.decode(c["ids"]) for d in groups for c in d["completions"]]  # special tokens left out
@@ -271,9 +414,16 @@ class Rollouts:
                 completion_ids.append(list(c["ids"]))
                 for k in keys:
                     columns.setdefault(k, []).append(rec[k])
-        per_func, total = self.rewards.score(prompts, completions, completion_ids, columns,
-                                             [job["prompt"] for job, done in zip(jobs, groups)
-                                              for _ in done["completions"]])
+        return self.rewards.score(prompts, completions, completion_ids, columns,
+                                  [job["prompt"] for job, done in zip(jobs, groups) for _ in done["completions"]])
+
+    def score(self, r: int, jobs: list[dict], groups: list[dict], rewards=None) -> tuple[list[dict], dict[str, float]]:
+        """The round's rows and its metrics, TRL's names: rewards per function and weighted
+        (`rewards`: already computed), advantages in groups, the completions' lengths."""
+        g = self.g
+        rows = []
+        completion_ids = [list(c["ids"]) for d in groups for c in d["completions"]]
+        per_func, total = rewards if rewards is not None else self.rewards_of(jobs, groups)
         adv, zero_std = advantages(total, g.num_generations, g.scale_rewards, g.advantage_estimator)
         pad = getattr(getattr(self.tokenizer, "tok", None), "pad_token_id", None)
         stops = set(self.stop_ids) | ({pad} if pad is not None else set())  # TRL's eos_and_pad
@@ -282,7 +432,7 @@ class Rollouts:
         for job, done in zip(jobs, groups):
             for c in done["completions"]:
                 rows.append({"ids": list(job["ids"]) + list(c["ids"]), "start": len(job["ids"]),
-                             "advantage": float(adv[k]),
+                             "advantage": float(adv[k]), "logps": c.get("logps"),
                              "masked": bool(g.mask_truncated_completions and truncated[k]) or not c["ids"]})
                 k += 1
         lengths = torch.tensor([float(len(ids)) for ids in completion_ids])
@@ -306,7 +456,8 @@ class Rollouts:
         """What the step reports of the rollouts: the round's metrics at its first step, the weight
         version it was sampled from, and the last sync's time and bytes."""
         cur = self.current
-        out = {"weight_version": float(cur.version)} if cur is not None else {}
+        # staleness: optimizer steps between the weights the completions came from and the ones they train
+        out = {"weight_version": float(cur.version), "staleness": float(step - cur.version)} if cur is not None else {}
         if cur is not None and step == cur.index * self.g.num_iterations:
             out.update(cur.metrics)
             out.update(cur.times)

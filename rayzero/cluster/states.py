@@ -249,6 +249,8 @@ class Resuming(State):
             ckpt.adopt(c.manifest)
             rec.schedule_steps = schedule_length(run.cfg.train.steps, run.cfg.optim, c.manifest)
             run.early.restore(c.manifest.get("early_stopping"))
+            if run.driver_side is not None:  # online RL: the rounds in flight at the commit
+                run.driver_side.restore(c.manifest.get("rollouts"))
             log.info("resumed from %s at step %d", c.uri, c.step)
             run.tracker.set_tags({"resumed_from": c.uri})
             return
@@ -257,6 +259,8 @@ class Resuming(State):
             self.infos = group.rendezvous()
         rec.schedule_steps = run.cfg.train.steps
         run.early.restore(None)
+        if run.driver_side is not None:
+            run.driver_side.restore(None)
 
 
 # -- training -------------------------------------------------------------------------------
@@ -386,6 +390,8 @@ class Training(State):
             metrics["checkpoint_stall_ms"] = max(r["phase_s"].get("checkpoint", 0.0) for r in results) * 1e3
             before = ckpt.last_committed
             record = {"early_stopping": early.state()}
+            if run.driver_side is not None and results[0].get("checkpointed"):
+                record["rollouts"] = run.driver_side.state()  # the rounds in flight: generated from weights gone
             if "val_loss" in metrics:
                 record["metrics"] = {"val_loss": metrics["val_loss"]}
             ckpt.collect(step, results, record)

@@ -8,6 +8,8 @@ with the step's plan (`plan["rollout"]`). A row is one prompt and one of its com
     advantage its completion's advantage (a row field)
     length    its completion tokens that count, in the whole row (a row field: with context
               parallelism a rank holds part of the row, and a per-sequence mean needs the whole)
+    sampler   the sampler's log-probability of each completion token, where the targets are (a
+              token field, `sampler_logps`; NaN elsewhere), when every row of the step has them
 
 The step's rows are in the order the driver gives (prompt by prompt, each prompt's completions by
 their index); rank r of d takes rows [r·B/d, (r+1)·B/d), split into micro-batches: the same rows
@@ -27,7 +29,7 @@ PAD = 0  # after a row's last token: a causal model's real tokens never attend t
 def rollout_rows(rows: list[dict], seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens [N, seq_len], targets [N, seq_len], advantages [N]) of rollout rows, each
     {"ids": prompt + completion ids, "start": where the completion begins, "advantage",
-    "masked": whether it takes no part in the loss}."""
+    "masked": whether it takes no part in the loss, "logps": the sampler's (optional)}."""
     n = len(rows)
     tokens = torch.full((n, seq_len), PAD, dtype=torch.long)
     targets = torch.full((n, seq_len), IGNORE_INDEX, dtype=torch.long)
@@ -41,6 +43,18 @@ def rollout_rows(rows: list[dict], seq_len: int) -> tuple[torch.Tensor, torch.Te
             targets[i, start - 1: len(ids) - 1] = ids[start:]
     advantages = torch.tensor([float(r["advantage"]) for r in rows], dtype=torch.float32)
     return tokens, targets, advantages
+
+
+def sampler_logps(rows: list[dict], seq_len: int) -> torch.Tensor | None:
+    """The sampler's log-probability of each completion token [N, seq_len], where its target is
+    (NaN elsewhere), or None unless every row has them."""
+    if not rows or any(r.get("logps") is None or any(x is None for x in r["logps"]) for r in rows):
+        return None
+    out = torch.full((len(rows), seq_len), float("nan"), dtype=torch.float32)
+    for i, r in enumerate(rows):
+        start = int(r["start"])
+        out[i, start - 1: start - 1 + len(r["logps"])] = torch.tensor(r["logps"], dtype=torch.float32)
+    return out
 
 
 class RolloutBatches:
@@ -82,8 +96,11 @@ class RolloutBatches:
         tokens, targets, adv = rollout_rows(mine, self.seq_len)
         m = self.micro_batch
         length = (targets != IGNORE_INDEX).sum(-1).double()
-        return [MicroBatch(t, y, row_fields={"advantage": a, "length": n})
-                for t, y, a, n in zip(tokens.split(m), targets.split(m), adv.split(m), length.split(m))]
+        sampler = sampler_logps(mine, self.seq_len)
+        return [MicroBatch(t, y, row_fields={"advantage": a, "length": n},
+                           token_fields={"sampler_logps": sampler[k:k + m]} if sampler is not None else {})
+                for k, t, y, a, n in zip(range(0, len(mine), m), tokens.split(m), targets.split(m), adv.split(m),
+                                         length.split(m))]
 
     def close(self) -> None:
         self._given = None

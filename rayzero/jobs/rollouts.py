@@ -15,7 +15,11 @@ def rollouts_for(cfg: RootConfig, data_path: str, spec, rewards: tuple = (), fac
     from rayzero.jobs.generate import _eos_ids, _model_files, find_tokenizer
     from rayzero.rollout.rewards import Rewards, load
 
+    from rayzero.rollout.engines import engine_class
+
     g = cfg.grpo
+    if cfg.rollout.engine != "replay":
+        engine_class(cfg.rollout.engine)  # an engine of one's own that does not import: refused here
     for fn in rewards:
         if not callable(fn):
             raise ValueError(f"rewards: {fn!r} is a {type(fn).__name__}, not a function")

@@ -166,6 +166,11 @@ def check_grpo(cfg) -> None:
     if r.engine == "replay" and not r.replay:
         raise ValueError("rollout.replay: rollout.engine=replay reads recorded completions from a JSON lines file; "
                          "give its path")
+    if r.dynamic_sampling and r.engine == "replay":
+        raise ValueError("rollout.dynamic_sampling: a replayed round's prompts are the file's; dynamic sampling "
+                         "draws prompts of its own (leave it off with rollout.engine=replay)")
+    if r.is_clip_min is not None and r.is_clip_max is not None and r.is_clip_min > r.is_clip_max:
+        raise ValueError(f"rollout.is_clip_min: {r.is_clip_min:g} is above rollout.is_clip_max ({r.is_clip_max:g})")
     if r.replay and r.engine != "replay":
         raise ValueError(f"rollout.replay: read only by rollout.engine=replay (this run has rollout.engine={r.engine})")
     every = cfg.checkpoint.every_steps

@@ -26,11 +26,19 @@ import torch
 from rayzero.objectives.base import Metric, Objective, Output, SummedLoss
 from rayzero.objectives.config import GRPOConfig
 from rayzero.objectives.dpo import disable_dropout
-from rayzero.objectives.grpo_loss import PolicyLoss, PolicyObjective
+from rayzero.objectives.grpo_loss import RAW_RATIO, ImportanceSampling, PolicyLoss, PolicyObjective
 from rayzero.objectives.registry import reference_record
 
 # The rank side's metrics, TRL's names: means over the step's completion tokens.
 TOKEN_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+# The sampler against the trainer, where the rollouts carry the sampler's log-probabilities (TRL's
+# names, and the KL between the two): means over the completion tokens, the ratio's over what it
+# weighs (tokens, or rows for a sequence-level ratio), and maxima
+SAMPLING_METRICS = (Metric("sampling/sampling_logp_difference/mean", "mean", over="completion_tokens"),
+                    Metric("sampling/sampling_logp_difference/max", "max"),
+                    Metric("sampling/kl", "mean", over="completion_tokens"),
+                    Metric("sampling/importance_sampling_ratio/mean", "mean", over="is_count"),
+                    Metric("sampling/importance_sampling_ratio/max", "max"), Metric("is_count", "sum", shown=False))
 
 
 class GRPO(Objective):
@@ -51,12 +59,14 @@ class GRPO(Objective):
                                  bias_corrected_kl=g.use_bias_correction_kl,
                                  max_completion_length=g.max_completion_length)
         self.loss_of = PolicyObjective(self.policy, g.temperature, cfg.parallel.cp)
+        r = cfg.rollout
+        self.sampling = ImportanceSampling(r.is_correction, r.is_clip_max, r.is_clip_min)
 
     @property
     def metrics(self) -> tuple[Metric, ...]:
         names = TOKEN_METRICS if self.options.beta else TOKEN_METRICS[1:]
         return (*(Metric(n, "mean", over="completion_tokens") for n in names),
-                Metric("completion_tokens", "sum", shown=False))
+                Metric("completion_tokens", "sum", shown=False), *SAMPLING_METRICS)
 
     @property
     def reference(self) -> str:
@@ -72,6 +82,14 @@ class GRPO(Objective):
     def loss(self, out: Output, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         total, sums = self.loss_of.loss(out, batch)
         sums["entropy"] = (out.entropy(self.options.temperature) * batch.loss_mask).sum()  # the sampler's
+        sampler = batch.token_fields.get("sampler_logps")
+        if sampler is not None:  # how far the sampler is from the trainer (at the round's first pass)
+            old = batch.token_fields.get("old_logps")
+            old = out.tempered_logps(self.options.temperature).detach() if old is None else old
+            ratio = batch.token_fields.get("is_ratio")
+            if ratio is None:  # no correction: the ratio it would apply, uncut, to show the mismatch
+                ratio = RAW_RATIO.weights(old, sampler, batch.loss_mask)
+            sums.update(self.sampling.metric_sums(old, sampler, ratio, batch.loss_mask))
         return total, sums
 
     def record(self, model: dict | None) -> dict:
@@ -96,7 +114,8 @@ class GRPO(Objective):
         cfg, g, r = self.cfg, self.options, self.cfg.rollout
         prompts = cfg.train.global_batch_size // g.num_generations
         mib = (lambda n: f"{n * 4 / 2**20:,.1f} MiB") if params else (lambda n: "?")
-        engine = f"sampling with transformers (temperature {g.temperature:g}, top_p {g.top_p:g}, top_k {g.top_k})"
+        engine = (f"sampling with {'transformers' if r.engine == 'transformers' else r.engine} (temperature "
+                  f"{g.temperature:g}, top_p {g.top_p:g}, top_k {g.top_k})")
         adapters = cfg.model.lora is not None
         shape = (f"{prompts} prompts x {g.num_generations} completions = {cfg.train.global_batch_size} per round, up to "
                  f"{g.max_completion_length} tokens each, a round every {g.num_iterations} step"
@@ -105,11 +124,15 @@ class GRPO(Objective):
             line = f"rollouts: replaying {r.replay} on the driver (no rollout actor, no weight sync); {shape}"
             return {"workers": 0, "prompts_per_round": prompts, "completions_per_round": cfg.train.global_batch_size,
                     "sync_bytes": 0, "line": line}
+        ahead = (f"; generating {r.max_lag} round{'s' if r.max_lag != 1 else ''} ahead of training (each actor "
+                 f"stages up to {r.max_lag} more weight version{'s' if r.max_lag != 1 else ''})" if r.max_lag else "")
         line = (f"rollouts: {r.workers} actor{'s' if r.workers != 1 else ''} ({r.cpus_per_worker:g} CPU"
                 + (f", {r.gpus_per_worker:g} GPU" if r.gpus_per_worker else "") + " each), "
                 f"each the whole policy in fp32 ({mib(params or 0)}), {engine}; {shape}; weight sync before each round: "
                 + (f"the adapters, {mib(trainable or 0)} (the base once, at the start)" if adapters
-                   else f"{mib(params or 0)}"))
+                   else f"{mib(params or 0)}") + ahead
+                + (f"; importance sampling {r.is_correction}" if r.is_correction != "none" else "")
+                + ("; dynamic sampling" if r.dynamic_sampling else ""))
         return {"workers": r.workers, "prompts_per_round": prompts, "completions_per_round": cfg.train.global_batch_size,
                 "sync_bytes": 4 * ((trainable if adapters else params) or 0), "line": line}
 
@@ -128,6 +151,8 @@ class PolicyStep(SummedLoss):
         self.ref_temperature = objective.options.temperature
         self.iterations = objective.options.num_iterations
         self._old: dict[int, torch.Tensor] = {}  # micro-batch index -> the round's first log-probabilities
+        self._is: dict[int, torch.Tensor] = {}  # micro-batch index -> the round's importance ratio
+        self.sampling = objective.sampling
         self._first = True
         self._index = 0
 
@@ -135,7 +160,7 @@ class PolicyStep(SummedLoss):
         self._first = step % self.iterations == 0
         losses_here = self.ctx.pipe is None or self.ctx.pipe.stages.last  # a pipeline's loss is its last stage's
         if self._first:
-            self._old = {}
+            self._old, self._is = {}, {}
         elif losses_here and len(self._old) != len(micro):
             raise RuntimeError(f"step {step} is inside a generation round whose first step this rank did not run "
                                f"(grpo.num_iterations={self.iterations}): its old log-probabilities are gone")
@@ -144,10 +169,18 @@ class PolicyStep(SummedLoss):
     def loss(self, model, batch, check: bool, index: int):
         self._index = index
         if not self._first:
-            batch = batch.with_fields(tokens={"old_logps": self._old[index]})
+            batch = batch.with_fields(tokens={"old_logps": self._old[index],
+                                              **({"is_ratio": self._is[index]} if index in self._is else {})})
         return super().loss(model, batch, check, index)
 
     def _loss(self, out: Output, batch):
-        if self._first and self.iterations > 1:
-            self._old[self._index] = out.tempered_logps(self.ref_temperature).detach()
+        if self._first:
+            old = out.tempered_logps(self.ref_temperature).detach()
+            if self.iterations > 1:
+                self._old[self._index] = old
+            sampler = batch.token_fields.get("sampler_logps")
+            if sampler is not None and self.sampling.mode != "none":  # the trainer's at generation over the sampler's
+                whole = self.ctx.cp.whole if self.ctx.cp is not None else None
+                self._is[self._index] = self.sampling.weights(old, sampler, batch.loss_mask, whole)
+                batch = batch.with_fields(tokens={"is_ratio": self._is[self._index]})
         return super()._loss(out, batch)

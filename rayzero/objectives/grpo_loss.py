@@ -23,11 +23,13 @@ where TRL takes the step as one batch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
+IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 SCALES = ("group", "batch", "none")
 ESTIMATORS = ("grpo", "rloo")
 
@@ -90,13 +92,17 @@ class PolicyLoss:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
     def token_losses(self, logps: torch.Tensor, old_logps: torch.Tensor, ref_logps: torch.Tensor | None,
-                     adv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+                     adv: torch.Tensor, is_ratio: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """(the per-token loss [B, T], the per-token KL or None, the ratio [B, T]) from the
         policy's, the sampling (old) policy's and the reference's per-token log-probabilities
-        and each sequence's advantage [B]."""
+        and each sequence's advantage [B]; `is_ratio` (`ImportanceSampling.weights`) weighs the
+        clipped term, as TRL weighs it, before the KL is added."""
         ratio = torch.exp(logps - old_logps)
         a = adv.unsqueeze(1)
         loss = -torch.min(ratio * a, torch.clamp(ratio, 1 - self.epsilon, 1 + self.high) * a)
+        if is_ratio is not None:
+            loss = loss * is_ratio
         kl = None
         if self.beta != 0.0:
             if ref_logps is None:
@@ -158,12 +164,73 @@ class PolicyLoss:
         return {k: v.detach() for k, v in out.items()}
 
 
+@dataclass(frozen=True)
+class ImportanceSampling:
+    """The correction for completions sampled by another policy than the trainer's (stale weights,
+    another engine), as TRL's `vllm_importance_sampling_mode` computes it: the ratio of the
+    trainer's log-probabilities at generation (`old`) to the sampler's, per token or per sequence
+    (the sum of a row's), truncated to [clip_min, clip_max] or set to 0 outside them."""
+
+    mode: str = "none"
+    clip_max: float | None = 3.0
+    clip_min: float | None = None
+
+    def __post_init__(self):
+        if self.mode not in IS_MODES:
+            raise ValueError(f"is_correction: expected one of {', '.join(IS_MODES)}, got {self.mode!r}")
+
+    @property
+    def per_sequence(self) -> bool:
+        return self.mode.startswith("sequence")
+
+    def weights(self, old: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor, whole=None) -> torch.Tensor:
+        """The ratio [B, T] (a sequence's repeated on each of its tokens; all 1 with mode `none`).
+        `whole`: a row's sum over this part's tokens made the whole row's (context parallelism)."""
+        diff = torch.nan_to_num((old - sampler) * mask, nan=0.0)
+        if self.per_sequence:
+            diff = diff.sum(-1, keepdim=True)
+            diff = whole(diff) if whole is not None else diff
+        ratio = torch.exp(diff)
+        if self.mode.endswith("truncate") and (self.clip_min is not None or self.clip_max is not None):
+            ratio = torch.clamp(ratio, min=self.clip_min, max=self.clip_max)
+        elif self.mode.endswith("mask"):
+            lo = self.clip_min if self.clip_min is not None else -math.inf
+            hi = self.clip_max if self.clip_max is not None else math.inf
+            ratio = ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0)
+        return ratio.expand_as(old).contiguous() if self.mode != "none" else torch.ones_like(old)
+
+
+    def metric_sums(self, old: torch.Tensor, sampler: torch.Tensor, ratio: torch.Tensor,
+                    mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The mismatch between trainer and sampler, TRL's names (sums over completion tokens, or
+        over rows for a sequence-level ratio, `is_count`; maxima), and its KL (k3, ≥ 0)."""
+        m = mask.bool() & ~torch.isnan(sampler)
+        d = torch.where(m, old - sampler, torch.zeros_like(old))
+        zero = torch.zeros((), dtype=old.dtype, device=old.device)
+        out = {"sampling/sampling_logp_difference/mean": d.abs().sum(),
+               "sampling/sampling_logp_difference/max": d.abs().max() if d.numel() else zero,
+               "sampling/kl": torch.where(m, torch.exp(d) - 1 - d, zero).sum()}
+        if self.per_sequence:
+            rows = m.any(-1)
+            seq = ratio[:, 0]
+            out.update({"sampling/importance_sampling_ratio/mean": (seq * rows).sum(), "is_count": rows.sum().to(old.dtype),
+                        "sampling/importance_sampling_ratio/max": seq[rows].max() if rows.any() else zero})
+        else:
+            out.update({"sampling/importance_sampling_ratio/mean": (ratio * m).sum(), "is_count": m.sum().to(old.dtype),
+                        "sampling/importance_sampling_ratio/max": ratio[m].max() if m.any() else zero})
+        return {k: v.detach() for k, v in out.items()}
+
+
+RAW_RATIO = ImportanceSampling("token_truncate", None, None)  # the ratio as it is: what `none` reports
+
+
 class PolicyObjective:
     """GRPO's loss over a micro-batch of rollouts, in the seam's terms (`Objective.loss` and
     `count`), for the objective that will hold it. A rollout row is a prompt and one completion:
     its targets IGNORE_INDEX but on the completion's tokens; its row field `advantage`; its token
     fields `old_logps` (the log-probabilities of the first pass over its generation batch; absent:
-    this pass is the first) and, with beta > 0, `ref_logps`."""
+    this pass is the first), with beta > 0 `ref_logps`, and with an importance-sampling correction
+    `is_ratio`."""
 
     def __init__(self, policy: PolicyLoss, temperature: float = 1.0, parts: int = 1):
         self.policy, self.temperature, self.parts = policy, temperature, parts  # parts: the cp size
@@ -177,7 +244,8 @@ class PolicyObjective:
         old = batch.token_fields.get("old_logps")
         old = logps.detach() if old is None else old
         adv = batch.row_fields["advantage"]
-        per_token, kl, ratio = self.policy.token_losses(logps, old, batch.token_fields.get("ref_logps"), adv)
+        per_token, kl, ratio = self.policy.token_losses(logps, old, batch.token_fields.get("ref_logps"), adv,
+                                                        batch.token_fields.get("is_ratio"))
         mask = batch.loss_mask
         total, _ = self.policy.summed(per_token, mask, batch.row_fields.get("length"), self.parts)
         return total, self.policy.metric_sums(kl, ratio, adv, mask)

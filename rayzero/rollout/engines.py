@@ -5,6 +5,9 @@ log-probability of every token it sampled.
     transformers   samples with a KV cache through the policy (a transformers causal LM, or any
                    module whose forward takes `past_key_values`), on CPU or one GPU
     replay         reads recorded completions instead (debugging, offline RL, equality tests)
+    module:Class   an engine of your own (`rollout.engine=package.module:Class` or
+                   `path/to/file.py:Class`): `Class(model, eos_ids, device)` whose
+                   `group(prompt_ids, seeds, sampling)` returns one `Completion` per seed
 
 A completion's random draws are a function of (seed, round, prompt, completion index) only
 (`draw_seed`): a group is sampled as one batch of its own (its rows share the prompt, so no
@@ -141,6 +144,23 @@ class TransformersEngine:
         return result
 
 
+def engine_class(name: str):
+    """The engine class `rollout.engine` names (not `replay`, which the driver reads); ValueError in one line."""
+    if name == "transformers":
+        return TransformersEngine
+    from rayzero._imports import import_path
+
+    cls = import_path(name, "rollout.engine", "package.module:Class or path/to/file.py:Class")
+    if not callable(getattr(cls, "group", None)):
+        raise ValueError(f"rollout.engine: {name} has no `group(prompt_ids, seeds, sampling)` method: not an engine")
+    return cls
+
+
+def make_engine(name: str, model: torch.nn.Module, eos_ids: tuple[int, ...], device):
+    """The engine `rollout.engine` names, over `model` (the rollout actor's whole policy)."""
+    return engine_class(name)(model, eos_ids, device)
+
+
 def _logits(out) -> torch.Tensor:
     return getattr(out, "logits", out)
 
@@ -174,10 +194,15 @@ class ReplayEngine:
             if int(rec["index"]) in entry["completions"]:
                 raise ValueError(f"{where}: completion {rec['index']} of this prompt in round {rec['round']} again")
             entry["completions"][int(rec["index"])] = [int(i) for i in rec["completion_ids"]]
+            if rec.get("logprobs") is not None:  # the sampler's, for importance sampling
+                if len(rec["logprobs"]) != len(rec["completion_ids"]):
+                    raise ValueError(f"{where}: {len(rec['logprobs'])} logprobs for {len(rec['completion_ids'])} "
+                                     "completion tokens")
+                entry.setdefault("logprobs", {})[int(rec["index"])] = [float(x) for x in rec["logprobs"]]
 
     def round(self, r: int, num_generations: int) -> list[dict]:
         """Round `r`'s prompts in the file's order: {"prompt", "prompt_ids" (or None),
-        "completions": [ids] x num_generations, by index}."""
+        "completions": [ids] x num_generations, by index, "logprobs": the sampler's per completion, or None}."""
         if r not in self.rounds:
             have = sorted(self.rounds)
             raise ValueError(f"rollout.replay: {self.path} has no round {r} (it has rounds "
@@ -188,5 +213,7 @@ class ReplayEngine:
             if got != list(range(num_generations)):
                 raise ValueError(f"rollout.replay: {self.path}: round {r}, prompt {json.dumps(entry['prompt'])[:60]}: "
                                  f"completions {got}, expected 0..{num_generations - 1} (grpo.num_generations)")
-            out.append({**entry, "completions": [entry["completions"][i] for i in got]})
+            logprobs = entry.get("logprobs", {})
+            out.append({**entry, "completions": [entry["completions"][i] for i in got],
+                        "logprobs": [logprobs.get(i) for i in got]})
         return out

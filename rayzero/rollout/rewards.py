@@ -18,15 +18,13 @@ it, the completion's prompt and the exception (`RewardError`).
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import re
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
+
+from rayzero._imports import import_path
 
 
 class RewardError(RuntimeError):
@@ -82,22 +80,7 @@ def load(name: str) -> Callable:
     if not sep or not where or not attr:
         raise ValueError(f"reward {name!r}: expected {', '.join(BUILT_IN)}, path/to/file.py:function or "
                          "package.module:function")
-    try:
-        if where.endswith(".py"):
-            path = Path(where).expanduser().resolve()
-            if not path.is_file():
-                raise FileNotFoundError(f"no file {path}")
-            spec = importlib.util.spec_from_file_location(f"rayzero_reward_{path.stem}", path)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = module
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
-    except Exception as e:  # an ImportError, a missing file, the module failing as it runs
-        raise ValueError(f"reward {name}: cannot import {where}: {type(e).__name__}: {e}") from None
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise ValueError(f"reward {name}: {where} has no {attr!r}")
+    fn = import_path(name, f"reward {name}")
     if not callable(fn):
         raise ValueError(f"reward {name}: {attr} is a {type(fn).__name__}, not a function")
     return fn

@@ -1,21 +1,27 @@
 """A rollout actor: the whole policy, for generation only, and the engine that samples from it.
 
     load(version, buckets)   weights from the training ranks (Ray object refs, one bucket each),
-                             loaded bucket by bucket; the first load brings every weight (the
-                             model is built on the meta device until then), later ones what
-                             changes (with LoRA, the adapters)
-    generate(round, jobs)    each job's group of completions ({"prompt": its index in the data,
-                             "ids": the prompt's tokens, "seeds": one per completion}), with the
-                             weight version they were sampled from
+                             read into a staging buffer beside the model (while a generation may
+                             be running: a sync overlaps generation); the first load brings every
+                             weight (the model is built on the meta device until then), later
+                             ones what changes (with LoRA, the adapters)
+    generate(round, jobs,    each job's group of completions ({"prompt": its index in the data,
+             sampling,       "ids": the prompt's tokens, "seeds": one per completion}), sampled
+             version)        from weight `version`: a staged version is put into the model
+                             between generations, never in the middle of one
 
-A plain class (`RolloutActor` is it as a Ray actor): the model is built as a rank builds it
-before sharding (the model seam, then the LoRA adapters), so a weight's name is the same on both
-sides. (The replay engine needs no actor: the driver reads its completions.)
+A plain class (`RolloutActor` is it as a Ray actor, two calls at a time: a load beside a
+generation): the model is built as a rank builds it before sharding (the model seam, then the
+LoRA adapters), so a weight's name is the same on both sides. The engine is
+`rollout.engine`'s (`rollout/engines.py`). The replay engine needs no actor: the driver reads
+its completions.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import ray
 
@@ -24,7 +30,7 @@ class RolloutWorker:
     def __init__(self, cfg, eos_ids: list[int], factory=None, index: int = 0):
         import torch
 
-        from rayzero.rollout.engines import TransformersEngine
+        from rayzero.rollout.engines import make_engine
         from rayzero.workers.assembly import Built, add_adapters, make_spec
 
         torch.set_num_threads(max(1, int(cfg.rollout.cpus_per_worker)))
@@ -36,25 +42,41 @@ class RolloutWorker:
         self.model = built.model
         self.device = torch.device("cuda", 0) if cfg.rollout.gpus_per_worker and torch.cuda.is_available() else \
             torch.device("cpu")
-        self.engine = TransformersEngine(self.model, tuple(eos_ids), self.device)
+        self.engine = make_engine(cfg.rollout.engine, self.model, tuple(eos_ids), self.device)
         self._loaded = False
+        self._staged: dict[int, list[dict]] = {}  # version -> its buckets, read, not yet in the model
+        self._lock = threading.Lock()  # one generation (and one swap of weights) at a time
+        self._arrived = threading.Condition()
 
     def pid(self) -> int:
         return os.getpid()
 
     def load(self, version: int, buckets: list) -> dict:
-        """Weights of `version`, bucket by bucket (each a ref to {name: tensor}); the bytes read."""
-        import torch
-
-        nbytes = 0
+        """Weights of `version`, bucket by bucket (each a ref to {name: tensor}), read into the
+        staging buffer (the first load straight into the model); the bytes read."""
+        parts, nbytes = [], 0
+        known = set(self.model.state_dict(keep_vars=True))
         for ref in buckets:
-            part = ray.get(ref)
+            part = ray.get(ref) if isinstance(ref, ray.ObjectRef) else ref
             nbytes += sum(t.numel() * t.element_size() for t in part.values())
-            unknown = sorted(set(part) - set(self.model.state_dict(keep_vars=True)))
+            unknown = sorted(set(part) - known)
             if unknown:
                 raise RuntimeError(f"rollout actor: the weights name {unknown[0]!r}, which its model has not")
+            parts.append(part)
+        if not self._loaded:
+            with self._lock:
+                self._apply(version, parts)
+        else:
+            with self._arrived:
+                self._staged[version] = parts
+                self._arrived.notify_all()
+        return {"version": version, "bytes": nbytes}
+
+    def _apply(self, version: int, parts: list[dict]) -> None:
+        import torch
+
+        for part in parts:
             self.model.load_state_dict(part, strict=False, assign=not self._loaded)
-            del part
         if not self._loaded:
             left = [n for n, p in self.model.named_parameters() if p.is_meta]
             if left:
@@ -66,18 +88,34 @@ class RolloutWorker:
             self.model.requires_grad_(False)
             self._loaded = True
         self.version = version
-        return {"version": version, "bytes": nbytes}
 
-    def generate(self, round_: int, jobs: list[dict], sampling) -> list[dict]:
-        """Each job's completions: {"prompt", "completions": [{"ids", "logps", "truncated"}], "version"}."""
-        out = []
-        for job in jobs:
+    def _use(self, version: int) -> None:
+        """The model at weight `version`: a staged one put in (waiting for its load to finish)."""
+        if version == self.version:
+            return
+        with self._arrived:
+            if not self._arrived.wait_for(lambda: version in self._staged, timeout=600):
+                raise RuntimeError(f"rollout actor: weight version {version} never came (it holds {self.version})")
+            parts = self._staged.pop(version)
+            for v in [v for v in self._staged if v < version]:  # older versions: never asked for again
+                del self._staged[v]
+        self._apply(version, parts)
+
+    def generate(self, round_: int, jobs: list[dict], sampling, version: int | None = None) -> dict:
+        """Each job's completions, sampled from weight `version` (None: the current):
+        {"groups": [{"prompt", "completions": [{"ids", "logps", "truncated"}], "version"}], "seconds"}."""
+        with self._lock:
+            t0 = time.perf_counter()
+            if version is not None:
+                self._use(version)
             if not self._loaded:
                 raise RuntimeError("rollout actor: asked to generate before any weights came")
-            done = [{"ids": c.ids, "logps": c.logps, "truncated": c.truncated}
-                    for c in self.engine.group(job["ids"], job["seeds"], sampling)]
-            out.append({"prompt": job["prompt"], "completions": done, "version": self.version})
-        return out
+            out = []
+            for job in jobs:
+                done = [{"ids": c.ids, "logps": c.logps, "truncated": c.truncated}
+                        for c in self.engine.group(job["ids"], job["seeds"], sampling)]
+                out.append({"prompt": job["prompt"], "completions": done, "version": self.version})
+            return {"groups": out, "seconds": time.perf_counter() - t0}
 
 
 RolloutActor = ray.remote(RolloutWorker)

@@ -1,9 +1,11 @@
 """Online RL through `rayzero train` (the CLI's `main`, on the session's cluster), with the
-transformers engine sampling on a rollout actor of its own: a 2-rank GRPO run reports TRL's
-metrics and the weight syncs; stopped at a commit and rerun by its command it ends bitwise equal
-to the unbroken run; a rollout actor killed while it generates is replaced, its prompts sampled
-again with the same draws, and the run ends bitwise equal too. Bad input is refused in one line
-before the cluster starts."""
+transformers engine sampling on a rollout actor of its own, one round ahead of the ranks
+(`rollout.max_lag=1`, truncated importance sampling): a 2-rank GRPO run reports TRL's metrics,
+the weight syncs, each round's weight version and the sampler's mismatch; stopped at a commit
+(the round in flight kept in it) and rerun by its command it ends bitwise equal to the unbroken
+run; a rollout actor killed while it generates is replaced, its prompts sampled again from the
+same weights with the same draws, and the run ends bitwise equal too. A reward that raises ends
+the run after its last commit. Bad input is refused in one line before the cluster starts."""
 
 import json
 import os
@@ -43,6 +45,9 @@ def final(s: dict) -> dict:
 
 
 def test_grpo_reports_resumes_bitwise_and_survives_a_lost_rollout_actor(run_keys, train_here, tmp_path):
+    # generation one round ahead of training (each round from the weights of the round before),
+    # corrected by the truncated importance ratio of the trainer to the sampler
+    run_keys = [*run_keys, "rollout.max_lag=1", "rollout.is_correction=token_truncate"]
     # the unbroken run
     code, _, err, s = train_here(*run_keys, f"checkpoint.dir={tmp_path / 'a'}", "train.steps=4",
                                  f"train.save_final={tmp_path / 'a.safetensors'}", summary="a.json")
@@ -50,10 +55,15 @@ def test_grpo_reports_resumes_bitwise_and_survives_a_lost_rollout_actor(run_keys
     rows = load_rows(Path(s["run_dir"]) / "history.jsonl")
     for name in ("reward", "reward_std", "rewards/token_sum/mean", "rewards/text_length/std", "frac_reward_zero_std",
                  "completions/mean_length", "completions/clipped_ratio", "kl", "entropy", "clip_ratio/region_mean",
-                 "generate_ms", "score_ms", "sync_ms", "sync_bytes", "weight_version"):
+                 "generate_ms", "wait_ms", "score_ms", "sync_ms", "sync_bytes", "weight_version", "staleness",
+                 "sampling/kl", "sampling/sampling_logp_difference/max", "sampling/importance_sampling_ratio/mean"):
         assert all(name in r for r in rows), name
-    assert [r["weight_version"] for r in rows] == [0, 1, 2, 3]  # each round sampled from the weights before it
+    assert [r["weight_version"] for r in rows] == [0, 0, 1, 2]  # each round from the weights one round back
+    assert [r["staleness"] for r in rows] == [0, 1, 1, 1]
     assert rows[0]["kl"] == 0.0 and rows[1]["kl"] > 0  # the policy starts as its reference
+    # the sampler is the trainer at step 0 (the same weights, another program: its rounding), then a step behind
+    assert rows[0]["sampling/sampling_logp_difference/max"] < 1e-4
+    assert all(r["sampling/sampling_logp_difference/max"] > 1e-3 for r in rows[1:])
     assert set(s["final_rl"]) >= {"kl", "entropy"}
 
     # stopped at its commit after step 2, rerun by the same command to step 4: bitwise
@@ -146,3 +156,17 @@ def test_a_reward_that_raises_ends_the_run_in_one_line_after_its_last_commit(run
     assert code == 0, err[-3000:]
     assert "at step 1 of 3" in err
     assert [r["step"] for r in load_rows(Path(s["run_dir"]) / "history.jsonl")][-1] == 2
+
+
+def test_dynamic_sampling_replaces_groups_without_an_advantage(run_keys, train_here, tmp_path):
+    keys = [*(k for k in run_keys if not k.startswith("grpo.reward_funcs=")),
+            f"grpo.reward_funcs={REWARDS}:flat_on_sky", "rollout.dynamic_sampling=true", "checkpoint.dir=",
+            "train.steps=3"]
+    code, _, err, s = train_here(*keys)
+    assert code == 0, err[-3000:]
+    rows = load_rows(Path(s["run_dir"]) / "history.jsonl")
+    # 2 of the 6 prompts are about the sky: some round draws one, and it is replaced
+    assert sum(r["dynamic_sampling/extra_prompts"] for r in rows) >= 1
+    assert all(r["frac_reward_zero_std"] == 0.0 and r["dynamic_sampling/equal_kept"] == 0 for r in rows)
+    assert sum(r["dynamic_sampling/equal_dropped"] for r in rows) == sum(r["dynamic_sampling/extra_prompts"]
+                                                                         for r in rows)

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rayzero.objectives.grpo_loss import PolicyLoss, advantages
+from rayzero.objectives.grpo_loss import IS_MODES, ImportanceSampling, PolicyLoss, advantages
 
 B, T, MAX_LEN = 6, 7, 7
 
@@ -44,14 +44,16 @@ class Accelerator:  # one process: TRL's collectives are the identity
     gather_for_metrics = gather
 
 
-def trl_loss(cfg: PolicyLoss, logps, old, ref, mask, adv):
-    """TRL's `_compute_loss`, its model's forward replaced by the given log-probabilities: (loss, metrics)."""
+def trl_loss(cfg: PolicyLoss, logps, old, ref, mask, adv, is_ratio=None):
+    """TRL's `_compute_loss`, its model's forward replaced by the given log-probabilities: (loss,
+    metrics); `is_ratio`: its importance-sampling ratio (TRL's with vLLM's log-probabilities)."""
     from trl.trainer.grpo_trainer import GRPOTrainer
 
     this = SimpleNamespace(
         top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token",
         beta=cfg.beta, loss_type=cfg.loss_type, epsilon_low=cfg.epsilon, epsilon_high=cfg.high,
-        use_vllm=False, vllm_importance_sampling_correction=False, model=SimpleNamespace(training=True),
+        use_vllm=is_ratio is not None, vllm_importance_sampling_correction=is_ratio is not None,
+        model=SimpleNamespace(training=True),
         current_gradient_accumulation_steps=1, max_completion_length=cfg.max_completion_length,
         accelerator=Accelerator(), _entropy_bonus_enabled=False, aux_loss_enabled=False,
         _metrics={"train": defaultdict(list)},
@@ -60,19 +62,20 @@ def trl_loss(cfg: PolicyLoss, logps, old, ref, mask, adv):
     inputs = {"prompt_ids": torch.zeros(B, 2, dtype=torch.long), "prompt_mask": torch.ones(B, 2),
               "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask,
               "advantages": adv, "old_per_token_logps": old, "ref_per_token_logps": ref,
-              "num_items_in_batch": mask.sum()}
+              "num_items_in_batch": mask.sum(), **({"importance_sampling_ratio": is_ratio} if is_ratio is not None else {})}
     loss = GRPOTrainer._compute_loss(this, None, inputs)
     return loss, {k: v[-1] for k, v in this._metrics["train"].items()}
 
 
-def ours(cfg: PolicyLoss, logps, old, ref, mask, adv, splits=(B,)):
+def ours(cfg: PolicyLoss, logps, old, ref, mask, adv, splits=(B,), is_ratio=None):
     """The step's loss from each micro-batch's summed part and count, and its metrics."""
     parts, sums = [], defaultdict(float)
     at = 0
     for n in splits:
         s = slice(at, at + n)
         at += n
-        per_token, kl, ratio = cfg.token_losses(logps[s], old[s], ref[s], adv[s])
+        per_token, kl, ratio = cfg.token_losses(logps[s], old[s], ref[s], adv[s],
+                                                is_ratio[s] if is_ratio is not None else None)
         parts.append(cfg.summed(per_token, mask[s]))
         for k, v in cfg.metric_sums(kl, ratio, adv[s], mask[s]).items():
             sums[k] += float(v)
@@ -205,3 +208,53 @@ def test_a_rollout_micro_batchs_loss_on_the_seam_is_trls_at_its_temperature(loss
     n = sums.pop("completion_tokens")
     for k, v in sums.items():
         assert v / n == pytest.approx(trl_metrics[k], rel=1e-5, abs=1e-7), k
+
+
+def trl_is_ratio(mode: str, old, sampling, mask, clip_max, clip_min):
+    """TRL's importance-sampling ratio as its trainer writes it (`_generate_and_score_completions`,
+    `vllm_importance_sampling_mode`), and the metrics it logs of it."""
+    import math
+
+    diff = torch.nan_to_num((old - sampling) * mask, nan=0.0)
+    sequence = mode in ("sequence_mask", "sequence_truncate")
+    ratio = torch.exp(diff.sum(dim=-1, keepdim=True) if sequence else diff)
+    if mode in ("sequence_truncate", "token_truncate"):
+        ratio = torch.clamp(ratio, min=clip_min, max=clip_max)
+    else:
+        lo = clip_min if clip_min is not None else -math.inf
+        hi = clip_max if clip_max is not None else math.inf
+        ratio = ratio.masked_fill((ratio < lo) | (ratio > hi), value=0.0)
+    delta = torch.abs(old - sampling)[mask.bool()]
+    flat = ratio.flatten() if sequence else ratio[mask.bool()]
+    return ratio, {"sampling/sampling_logp_difference/mean": float(delta.mean()),
+                   "sampling/sampling_logp_difference/max": float(delta.max()),
+                   "sampling/importance_sampling_ratio/mean": float(flat.mean()),
+                   "sampling/importance_sampling_ratio/max": float(flat.max())}
+
+
+@pytest.mark.parametrize("mode,clip", list(itertools.product(IS_MODES[1:], [(3.0, None), (1.2, 0.8)])))
+def test_importance_sampling_is_trls_and_weighs_the_loss_as_trls_does(mode, clip):
+    """The ratio of the trainer's log-probabilities at generation to the sampler's (another
+    engine, stale weights), each mode and bound, and the loss it weighs: TRL's, with its
+    `_compute_loss` on the same ratio (its vLLM path)."""
+    clip_max, clip_min = clip
+    logps, old, ref, mask, adv = batch(7, True)
+    sampling = old + torch.randn(B, T, generator=torch.Generator().manual_seed(3)) * 0.15
+    want, want_metrics = trl_is_ratio(mode, old, sampling, mask, clip_max, clip_min)
+    s = ImportanceSampling(mode, clip_max, clip_min)
+    got = s.weights(old, sampling, mask)
+    assert torch.allclose(got, want.expand_as(got), rtol=1e-6, atol=0)
+    sums = s.metric_sums(old, sampling, got, mask)
+    count, tokens = float(sums["is_count"]), float(mask.sum())
+    assert float(sums["sampling/sampling_logp_difference/mean"]) / tokens == pytest.approx(
+        want_metrics["sampling/sampling_logp_difference/mean"], rel=1e-6)
+    for name in ("sampling/sampling_logp_difference/max", "sampling/importance_sampling_ratio/max"):
+        assert float(sums[name]) == pytest.approx(want_metrics[name], rel=1e-6), name
+    assert float(sums["sampling/importance_sampling_ratio/mean"]) / count == pytest.approx(
+        want_metrics["sampling/importance_sampling_ratio/mean"], rel=1e-6)
+    assert float(sums["sampling/kl"]) >= 0
+    for loss_type in ("grpo", "dapo"):
+        cfg = PolicyLoss(loss_type, beta=0.04, max_completion_length=MAX_LEN)
+        theirs, _ = trl_loss(cfg, logps, old, ref, mask, adv, is_ratio=want)
+        mine, _ = ours(cfg, logps, old, ref, mask, adv, is_ratio=got)
+        assert mine.item() == pytest.approx(theirs.item(), rel=1e-6, abs=1e-7), loss_type

@@ -93,3 +93,40 @@ def test_replay_reads_rounds_in_the_files_order_and_refuses_what_does_not_match(
     path.write_text(json.dumps({"round": 0, "prompt": "a", "index": 0}) + "\n")
     with pytest.raises(ValueError, match=r"r\.jsonl:1: no 'completion_ids'"):
         ReplayEngine(path)
+
+
+def test_a_rollout_actor_stages_new_weights_and_puts_them_in_between_generations(tmp_path):
+    """The actor's double buffer: a version loaded while it holds another is staged, not put in;
+    a generation asked for a version samples from it (the staged weights put in first), the same
+    completions an engine over a model of those weights draws; an older staged version is dropped."""
+    import transformers as tf
+
+    from rayzero.config import load_config
+    from rayzero.workers.rollout import RolloutWorker
+
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(hf_config("llama"), dtype=torch.float32)
+    model.save_pretrained(tmp_path / "m")
+    cfg = load_config(None, ["model.kind=hf", f"model.path={tmp_path / 'm'}", "train.objective=grpo",
+                             "grpo.max_completion_length=8", "rollout.cpus_per_worker=1"])
+    actor = RolloutWorker(cfg, [EOS])
+    v0 = {k: v.clone() for k, v in model.state_dict().items()}
+    moved = {id(p): p.detach() + 0.05 * torch.randn_like(p) for n, p in model.named_parameters() if "norm" not in n}
+    v1 = {k: moved[id(t)] for k, t in model.state_dict(keep_vars=True).items() if id(t) in moved}  # a tied one alike
+    actor.load(0, [v0])
+    actor.load(1, [v1])
+    name = next(iter(v1))
+    assert torch.equal(actor.model.state_dict()[name], v0[name]) and actor.version == 0  # staged, not put in
+    sampling, seeds = Sampling(temperature=1.0, max_completion_length=6), [11, 12]
+    job = {"prompt": 0, "ids": PROMPT, "seeds": seeds}
+    first = actor.generate(0, [job], sampling, version=0)["groups"][0]
+    assert first["version"] == 0
+    second = actor.generate(1, [job], sampling, version=1)["groups"][0]
+    assert second["version"] == 1 and torch.equal(actor.model.state_dict()[name], v1[name])
+    model.load_state_dict(v1, strict=False)
+    want = TransformersEngine(model.eval(), (EOS,)).group(PROMPT, seeds, sampling)
+    assert [c["ids"] for c in second["completions"]] == [c.ids for c in want]
+    actor.load(2, [v0])
+    actor.load(3, [v1])
+    actor.generate(2, [job], sampling, version=3)
+    assert actor.version == 3 and not actor._staged  # version 2, never asked for, dropped
