@@ -252,6 +252,20 @@ def grpo_lag_block(r: dict):
     return text, {}
 
 
+def long_tail_block(r: dict):
+    x = r["results"]
+    rows = [[name, f"{v['seconds']:.2f} s", f"{v['tokens_per_s']:,.0f}", f"{v['steps']:.0f}",
+             f"{v['over_groups']:.2f}×"] for name, v in x["arms"].items()]
+    text = "\n\n".join([
+        table([f"one round: {x['prompts']} prompts × {x['group']} completions, up to {x['max_tokens']} tokens",
+               "round (median)", "completion tokens / s", "decode steps", "over a group at a time"], rows),
+        "A group's batch runs until its longest completion ends, and so does one padded batch of the whole "
+        "round; a continuous batch gives a finished completion's row to the next one at once, so the long "
+        "tail holds up one row each. Each arm draws from the same distribution; the group-at-a-time and "
+        "continuous arms draw each completion from its own seed (here the same completions), `generate` others.", measured(r)])
+    return text, {}
+
+
 def grpo_mismatch_block(r: dict):
     x = r["results"]
     rows = [[name, f"{v['mean']:.3f} ({v['min']:.3f}–{v['max']:.3f})", f"{v['sampling_kl']:.4f}",
@@ -439,5 +453,6 @@ def glance_block(results: dict[str, dict]):
 
 BLOCKS = {"step_time": step_time_block, "startup": startup_block, "recovery": recovery_block,
           "dispatch": dispatch_block, "moe": moe_block, "grpo": grpo_block,
-          "grpo_lag": grpo_lag_block, "grpo_mismatch": grpo_mismatch_block, "long_context": long_context_block,
+          "grpo_lag": grpo_lag_block, "grpo_mismatch": grpo_mismatch_block,
+          "long_tail": long_tail_block, "long_context": long_context_block,
           "checkpoint": checkpoint_block, "activations": activations_block, "memory": memory_block, "gpu_checks": gpu_block}

@@ -19,7 +19,10 @@ def rollouts_for(cfg: RootConfig, data_path: str, spec, rewards: tuple = (), fac
 
     g = cfg.grpo
     if cfg.rollout.engine != "replay":
-        engine_class(cfg.rollout.engine)  # an engine of one's own that does not import: refused here
+        cls = engine_class(cfg.rollout.engine)  # an engine of one's own that does not import: refused here
+        if cfg.rollout.slots and not callable(getattr(cls, "groups", None)):
+            raise ValueError(f"rollout.slots: {cfg.rollout.engine} has no `groups(groups, sampling, slots)` method "
+                             "to sample in a continuous batch; leave rollout.slots at 0")
     for fn in rewards:
         if not callable(fn):
             raise ValueError(f"rewards: {fn!r} is a {type(fn).__name__}, not a function")

@@ -235,6 +235,11 @@ class ModelConfig(Frozen):
         class, whose module imports torch: a config error answers at once."""
         return self.kind == "hf"
 
+    def samples_with_cache(self) -> bool:
+        """Whether generation can keep a transformers KV cache of many rows (`rollout.slots`, a
+        continuous batch): an HF causal LM's; the built-in GPT and a module recompute a group."""
+        return self.kind == "hf"
+
 
 def _scalar(v):
     if not isinstance(v, str):

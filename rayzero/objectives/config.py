@@ -169,6 +169,12 @@ def check_grpo(cfg) -> None:
     if r.dynamic_sampling and r.engine == "replay":
         raise ValueError("rollout.dynamic_sampling: a replayed round's prompts are the file's; dynamic sampling "
                          "draws prompts of its own (leave it off with rollout.engine=replay)")
+    if r.slots and r.engine == "replay":
+        raise ValueError("rollout.slots: rollout.engine=replay samples nothing (its completions are the file's); "
+                         "leave rollout.slots at 0")
+    if r.slots and not cfg.model.samples_with_cache():
+        raise ValueError(f"rollout.slots: a continuous batch needs a transformers causal LM's KV cache; "
+                         f"model.kind={cfg.model.kind} samples a group at a time (leave rollout.slots at 0)")
     if r.is_clip_min is not None and r.is_clip_max is not None and r.is_clip_min > r.is_clip_max:
         raise ValueError(f"rollout.is_clip_min: {r.is_clip_min:g} is above rollout.is_clip_max ({r.is_clip_max:g})")
     if r.replay and r.engine != "replay":

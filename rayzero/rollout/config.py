@@ -21,6 +21,12 @@ class RolloutConfig(Frozen):
         "a GPU); `replay`: recorded completions read from `rollout.replay` instead (debugging, offline RL, "
         "equality tests); or `package.module:Class`, an engine of your own (see `rayzero/rollout/engines.py`).",
     )
+    slots: int = Field(
+        default=0, ge=0,
+        description="Completions each rollout actor samples at once as a continuous batch: a finished completion's "
+        "row is given the next one at once, so a long completion holds up one row, not its group (a transformers "
+        "causal LM's KV cache). 0: one group of num_generations completions at a time.",
+    )
     replay: str = Field(
         default="",
         description="With rollout.engine=replay: JSON lines of {round, prompt, prompt_ids (optional), index, "

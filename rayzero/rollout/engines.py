@@ -7,12 +7,14 @@ log-probability of every token it sampled.
     replay         reads recorded completions instead (debugging, offline RL, equality tests)
     module:Class   an engine of your own (`rollout.engine=package.module:Class` or
                    `path/to/file.py:Class`): `Class(model, eos_ids, device)` whose
-                   `group(prompt_ids, seeds, sampling)` returns one `Completion` per seed
+                   `group(prompt_ids, seeds, sampling)` returns one `Completion` per seed (and,
+                   for `rollout.slots`, `groups(groups, sampling, slots)` a list per group)
 
 A completion's random draws are a function of (seed, round, prompt, completion index) only
 (`draw_seed`): a group is sampled as one batch of its own (its rows share the prompt, so no
 padding), each row from a generator of its own. What a completion is therefore does not depend on
-how many engines there are or which one generated it. Temperature, top-k and top-p are
+how many engines there are or which one generated it. With `rollout.slots`, an actor's groups go
+through one continuous batch instead (`continuous.py`), each row still from its own generator. Temperature, top-k and top-p are
 transformers' own logits warpers; generation stops at an end-of-sequence id or
 `max_completion_length` tokens. The log-probability returned is of the tempered distribution
 before top-k and top-p (what the trainer computes from its logits: TRL's `logits / temperature`).
@@ -20,61 +22,16 @@ before top-k and top-p (what the trainer computes from its logits: TRL's `logits
 
 from __future__ import annotations
 
-import hashlib
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from rayzero.rollout.continuous import ContinuousBatch
+from rayzero.rollout.sampling import Completion, Sampling, draw, draw_seed
 
-@dataclass(frozen=True)
-class Sampling:
-    """How completions are sampled, in TRL's names."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: no top-k
-    max_completion_length: int = 256
-
-    def __post_init__(self):
-        if self.temperature <= 0:
-            raise ValueError(f"temperature: {self.temperature:g} must be > 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p: {self.top_p:g} must be in (0, 1]")
-        if self.max_completion_length < 1:
-            raise ValueError("max_completion_length: at least 1")
-
-    def warpers(self):
-        from transformers.generation.logits_process import (
-            LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
-        )
-
-        out = LogitsProcessorList()
-        if self.temperature != 1.0:
-            out.append(TemperatureLogitsWarper(self.temperature))
-        if self.top_k:
-            out.append(TopKLogitsWarper(self.top_k))
-        if self.top_p < 1.0:
-            out.append(TopPLogitsWarper(self.top_p))
-        return out
-
-
-def draw_seed(seed: int, round_: int, prompt: int, index: int) -> int:
-    """The seed of one completion's draws: a function of the run's seed, the generation round,
-    the prompt's place in the data and the completion's place in its group, and nothing else."""
-    digest = hashlib.sha256(f"rollout/{seed}/{round_}/{prompt}/{index}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-@dataclass
-class Completion:
-    """One sampled completion: its token ids (an end-of-sequence id last where it stopped on one),
-    the log-probability of each, and whether it reached `max_completion_length` unfinished."""
-
-    ids: list[int]
-    logps: list[float]
-    truncated: bool
+__all__ = ["Completion", "ReplayEngine", "Sampling", "TransformersEngine", "draw", "draw_seed", "engine_class",
+           "make_engine"]
 
 
 class TransformersEngine:
@@ -84,6 +41,7 @@ class TransformersEngine:
         if not eos_ids:
             raise ValueError("an engine needs the tokenizer's end-of-sequence id(s) to know where a completion ends")
         self.model, self.eos, self.device = model, torch.tensor(sorted(set(eos_ids))), torch.device(device)
+        self.eos_set = set(int(i) for i in eos_ids)
         import inspect
 
         params = inspect.signature(model.forward).parameters
@@ -115,14 +73,11 @@ class TransformersEngine:
             logps: list[list[float]] = [[] for _ in range(n)]
             eos = self.eos.to(self.device)
             for t in range(sampling.max_completion_length):
-                seen = torch.cat([ids, torch.tensor(tokens, dtype=torch.long, device=self.device)], 1) if t else ids
-                tempered = torch.log_softmax(logits / sampling.temperature, -1)
-                probs = torch.softmax(warp(seen, logits.clone()), -1).cpu()
-                nxt = torch.stack([torch.multinomial(probs[i], 1, generator=gens[i])[0] for i in range(n)])
+                nxt, logp = draw(logits, gens, sampling, warp)
                 for i in range(n):
                     if not done[i]:
                         tokens[i].append(int(nxt[i]))
-                        logps[i].append(float(tempered[i, nxt[i]]))
+                        logps[i].append(float(logp[i]))
                 done |= torch.isin(nxt, self.eos)
                 if bool(done.all()) or t + 1 == sampling.max_completion_length:
                     break
@@ -130,7 +85,7 @@ class TransformersEngine:
                 feed = torch.where(done.to(self.device), eos[0], nxt.to(self.device)).unsqueeze(1)
                 for i in range(n):
                     if len(tokens[i]) < t + 1:
-                        tokens[i].append(int(eos[0]))  # padding for `seen`, dropped below
+                        tokens[i].append(int(eos[0]))  # padding for `whole`, dropped below
                 whole = torch.cat([ids, torch.tensor(tokens, dtype=torch.long, device=self.device)], 1)
                 out, past = self._step(feed, past, whole)
                 logits = _logits(out)[:, -1, :].float()
@@ -142,6 +97,13 @@ class TransformersEngine:
             result.append(Completion(tokens[i][:k], logps[i], truncated=not bool(torch.isin(
                 torch.tensor(tokens[i][k - 1]), self.eos))))
         return result
+
+    def groups(self, groups: list[tuple[list[int], list[int]]], sampling: Sampling, slots: int = 0) -> list:
+        """Several groups' completions ((prompt ids, seeds) each): a group's batch at a time
+        (`slots` 0), or one continuous batch of `slots` rows (`rayzero/rollout/continuous.py`)."""
+        if not slots:
+            return [self.group(prompt, seeds, sampling) for prompt, seeds in groups]
+        return ContinuousBatch(self, slots).run(groups, sampling)
 
 
 def engine_class(name: str):

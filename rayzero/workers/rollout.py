@@ -8,7 +8,9 @@
     generate(round, jobs,    each job's group of completions ({"prompt": its index in the data,
              sampling,       "ids": the prompt's tokens, "seeds": one per completion}), sampled
              version)        from weight `version`: a staged version is put into the model
-                             between generations, never in the middle of one
+                             between generations, never in the middle of one (so a completion
+                             is always finished on the weights it began with); a group at a
+                             time, or every job through one continuous batch (`rollout.slots`)
 
 A plain class (`RolloutActor` is it as a Ray actor, two calls at a time: a load beside a
 generation): the model is built as a rank builds it before sharding (the model seam, then the
@@ -110,11 +112,14 @@ class RolloutWorker:
                 self._use(version)
             if not self._loaded:
                 raise RuntimeError("rollout actor: asked to generate before any weights came")
-            out = []
-            for job in jobs:
-                done = [{"ids": c.ids, "logps": c.logps, "truncated": c.truncated}
-                        for c in self.engine.group(job["ids"], job["seeds"], sampling)]
-                out.append({"prompt": job["prompt"], "completions": done, "version": self.version})
+            slots = self.cfg.rollout.slots
+            if slots:  # one continuous batch over every job
+                got = self.engine.groups([(job["ids"], job["seeds"]) for job in jobs], sampling, slots)
+            else:
+                got = [self.engine.group(job["ids"], job["seeds"], sampling) for job in jobs]
+            out = [{"prompt": job["prompt"], "version": self.version,
+                    "completions": [{"ids": c.ids, "logps": c.logps, "truncated": c.truncated} for c in done]}
+                   for job, done in zip(jobs, got)]
             return {"groups": out, "seconds": time.perf_counter() - t0}
 
 

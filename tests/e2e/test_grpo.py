@@ -1,6 +1,6 @@
 """Online RL through `rayzero train` (the CLI's `main`, on the session's cluster), with the
 transformers engine sampling on a rollout actor of its own, one round ahead of the ranks
-(`rollout.max_lag=1`, truncated importance sampling): a 2-rank GRPO run reports TRL's metrics,
+(`rollout.max_lag=1`, truncated importance sampling, a continuous batch): a 2-rank GRPO run reports TRL's metrics,
 the weight syncs, each round's weight version and the sampler's mismatch; stopped at a commit
 (the round in flight kept in it) and rerun by its command it ends bitwise equal to the unbroken
 run; a rollout actor killed while it generates is replaced, its prompts sampled again from the
@@ -46,8 +46,9 @@ def final(s: dict) -> dict:
 
 def test_grpo_reports_resumes_bitwise_and_survives_a_lost_rollout_actor(run_keys, train_here, tmp_path):
     # generation one round ahead of training (each round from the weights of the round before),
-    # corrected by the truncated importance ratio of the trainer to the sampler
-    run_keys = [*run_keys, "rollout.max_lag=1", "rollout.is_correction=token_truncate"]
+    # corrected by the truncated importance ratio of the trainer to the sampler; a round's 8
+    # completions sampled through a continuous batch of 4 rows
+    run_keys = [*run_keys, "rollout.max_lag=1", "rollout.is_correction=token_truncate", "rollout.slots=4"]
     # the unbroken run
     code, _, err, s = train_here(*run_keys, f"checkpoint.dir={tmp_path / 'a'}", "train.steps=4",
                                  f"train.save_final={tmp_path / 'a.safetensors'}", summary="a.json")
@@ -123,6 +124,19 @@ def test_bad_grpo_input_is_refused_in_one_line(extra, words, run_keys, train_her
     code, _, err, _ = train_here(*run_keys, "checkpoint.dir=", "train.steps=1", *extra)
     assert code == 2, err[-2000:]
     assert words in err, err[-2000:]
+
+
+def test_the_dry_run_says_where_the_completions_come_from(run_keys, capsys, monkeypatch, tmp_path):
+    from tests.conftest import cli_in_process
+
+    code, out, err = cli_in_process(capsys, monkeypatch, tmp_path, "train", "--dry-run", *run_keys, "checkpoint.dir=",
+                                    "rollout.max_lag=1", "rollout.slots=4", "rollout.is_correction=token_truncate")
+    assert code == 0, err
+    assert ("rollouts: 1 actor (0.5 CPU each), each the whole policy in fp32 (" in out
+            and "sampling with transformers (temperature 0.9, top_p 1, top_k 0; a continuous batch of 4 rows); "
+                "2 prompts x 4 completions = 8 per round, up to 12 tokens each, a round every 1 step;" in out
+            and "; generating 1 round ahead of training (each actor stages up to 1 more weight version); "
+                "importance sampling token_truncate" in out), out
 
 
 FAILING_REWARD = '''

@@ -9,6 +9,7 @@ does not match, in one line."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -130,3 +131,66 @@ def test_a_rollout_actor_stages_new_weights_and_puts_them_in_between_generations
     actor.load(3, [v1])
     actor.generate(2, [job], sampling, version=3)
     assert actor.version == 3 and not actor._staged  # version 2, never asked for, dropped
+
+
+STOPS = tuple(range(2, 30))  # end ids enough that completions end at every length: a long tail
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2_moe"])
+def test_a_continuous_batch_samples_the_policy_and_gives_a_finished_row_the_next_completion_at_once(arch):
+    """Six groups of four, prompts of 2 to 7 tokens, through 3 rows: every token's log-probability
+    is the whole forward's (left padding, positions and the spliced cache are right); each forward
+    holds 3 rows while completions wait; it takes fewer forwards than a group's batch at a time
+    would; a completion is the one its group's batch draws from the same seed (bar a near tie)."""
+    import transformers as tf
+
+    from rayzero.rollout.continuous import ContinuousBatch
+
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(hf_config(arch), dtype=torch.float32).eval()
+    engine, sampling = TransformersEngine(model, STOPS), Sampling(temperature=0.9, top_k=50, max_completion_length=30)
+    groups = [((PROMPT + [11, 12])[:k + 2], [draw_seed(0, 0, k, i) for i in range(4)]) for k in range(6)]
+    batch = ContinuousBatch(engine, 3)
+    got = batch.run(groups, sampling)
+    lengths = [len(c.ids) for g in got for c in g]
+    assert min(lengths) < 5 and max(lengths) > 20, "a long tail, as the test means"
+    for (prompt, _), done in zip(groups, got):
+        for c in done:
+            want, _ = whole_logps(model, prompt, c.ids, sampling.temperature)
+            assert torch.allclose(torch.tensor(c.logps), want, atol=1e-5)
+            assert c.truncated == (c.ids[-1] not in STOPS) and len(c.ids) <= 30
+    assert all(rows == 3 for rows, waiting in batch.widths if waiting), batch.widths
+    by_group = [engine.group(prompt, seeds, sampling) for prompt, seeds in groups]
+    assert batch.forwards < sum(max(len(c.ids) for c in g) - 1 for g in by_group)
+    same = sum(a.ids == b.ids for g, h in zip(got, by_group) for a, b in zip(g, h))
+    assert same >= 22, f"{same} of 24 completions as a group's batch draws them"
+    assert engine.groups(groups, sampling, 3) == got  # the engine's way in; the same draws again
+
+
+def test_a_continuous_batch_refuses_a_cache_it_cannot_pad():
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = hf_config("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with pytest.raises(ValueError, match="rollout.slots: a continuous batch needs full-attention cache layers; "
+                                         "this model's are DynamicSlidingWindowLayer: set rollout.slots=0"):
+        TransformersEngine(model, (EOS,)).groups([(PROMPT, [1, 2])], Sampling(max_completion_length=4), 2)
+
+
+@pytest.mark.parametrize("keys,words", [
+    (["rollout.engine=replay", "rollout.replay=r.jsonl", "rollout.slots=4"], "rollout.slots: rollout.engine=replay "
+     "samples nothing"),
+    (["model.kind=gpt", "rollout.slots=4"], "rollout.slots: a continuous batch needs a transformers causal LM's KV "
+     "cache; model.kind=gpt samples a group at a time"),
+    (["rollout.engine=replay", "rollout.replay=r.jsonl", "rollout.dynamic_sampling=true"],
+     "rollout.dynamic_sampling: a replayed round's prompts are the file's"),
+    (["rollout.is_clip_min=4"], "rollout.is_clip_min: 4 is above rollout.is_clip_max (3)"),
+    (["rollout.replay=r.jsonl"], "rollout.replay: read only by rollout.engine=replay"),
+])
+def test_the_rollout_settings_that_cannot_work_together_are_refused_in_one_line(keys, words):
+    from rayzero.config import ConfigError, load_config
+
+    model = ["model.kind=hf", "model.path=/nowhere"] if "model.kind=gpt" not in keys else []
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        load_config(None, [*model, "train.objective=grpo", "grpo.max_completion_length=8", *keys])
