@@ -439,6 +439,17 @@ def glance_block(results: dict[str, dict]):
     one = next(x for x in moe if x["world"] == ep["world"] and x["ep"] == 1)
     rows.append(["[mixtures of experts](#mixtures-of-experts)", f"ep {ep['ep']}: {ep['gathered'] / one['gathered']:.2f}× "
                  "the parameters gathered a step of ep 1", f"{ep['world']} ranks, CPU"])
+    if "grpo" in results:
+        g = results["grpo"]["results"]
+        line = f"GRPO step {g['ratio']:.2f}× TRL's `GRPOTrainer`'s on a tiny task (fixed Ray and gloo costs)"
+        if "grpo_lag" in results:
+            lag = results["grpo_lag"]["results"]
+            waiting = next(v for e, v in lag["engines"].items() if e.startswith("waiting"))
+            line += f"; generating {lag['lag']} round ahead {waiting['speedup']:.2f}× faster with an engine that waits"
+        if "long_tail" in results:
+            best = min(results["long_tail"]["results"]["arms"].values(), key=lambda v: v["over_groups"])
+            line += f"; a continuous batch {best['over_groups']:.2f}× a group at a time's round"
+        rows.append(["[online RL](#online-rl-grpo)", line, "CPU"])
     lc = results["long_context"]["results"]
     top = max(x["length"] for x in lc["rows"])
     act = {(x["mode"], x["cp"]): x["activations"] for x in lc["rows"] if x["length"] == top}

@@ -228,3 +228,30 @@ def test_packed_examples_are_each_alone_on_cuda(kind, tmp_path):
     alone = [spec.loss(model, b) for b in one_by_one(batch)]
     assert int(count) == sum(int(n) for _, n, _ in alone)
     assert float(packed) == pytest.approx(float(sum(loss for loss, _, _ in alone)), rel=1e-5)
+
+
+@pytest.mark.parametrize("slots", [0, 3])
+def test_the_rollout_engine_samples_on_cuda_what_the_policy_gives(slots):
+    """The transformers engine on CUDA, a group at a time and through a continuous batch: each
+    sampled token's log-probability is the whole forward's on the same device, and a completion
+    is a function of its seed (the same groups sampled again are the same); the draws stay on
+    the CPU's generators (tests/unit/test_rollout_engines.py on the CPU)."""
+    import transformers as tf
+
+    from rayzero.rollout.engines import Sampling, TransformersEngine, draw_seed
+    from tests.models import hf_config
+    from tests.unit.test_rollout_engines import PROMPT, STOPS
+
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(hf_config("llama"), dtype=torch.float32).cuda().eval()
+    engine, sampling = TransformersEngine(model, STOPS, "cuda"), Sampling(temperature=0.9, max_completion_length=24)
+    groups = [(PROMPT[:k + 2], [draw_seed(0, 0, k, i) for i in range(4)]) for k in range(4)]
+    got = engine.groups(groups, sampling, slots)
+    assert engine.groups(groups, sampling, slots) == got
+    for (prompt, _), done in zip(groups, got):
+        for c in done:
+            ids = torch.tensor([prompt + c.ids], device="cuda")
+            with torch.no_grad():
+                logits = model(ids).logits[0, len(prompt) - 1:-1].float()
+            want = torch.log_softmax(logits / 0.9, -1).gather(1, ids[0, len(prompt):, None])[:, 0].cpu()
+            assert torch.allclose(torch.tensor(c.logps), want, atol=1e-4)
