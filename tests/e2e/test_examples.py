@@ -282,10 +282,10 @@ class Walk:
         assert warned == shown, self.said(f"{cmd.where}: a warning the page does not show: {warned}")
         if training:
             self.assert_trained(out, cmd)
-            if "--config" not in argv:  # (a config file may name its own checkpoint.dir)
+            ckpt = ([a.split("=", 1)[1] for a in argv if a.startswith("checkpoint.dir=")] or ["checkpoints"])[-1]
+            if "--config" not in argv and ckpt:  # (a config file may name its own checkpoint.dir; "" keeps none)
                 # A page's run into a checkpoint.dir an earlier run of the page trained in goes on
                 # from its commit, and says so before it starts; any other starts afresh.
-                ckpt = ([a.split("=", 1)[1] for a in argv if a.startswith("checkpoint.dir=")] or ["checkpoints"])[-1]
                 again = ckpt in self.checkpoint_dirs
                 assert ("rayzero: resuming from" in err) == again, self.said(
                     f"{cmd.where}: {'does not resume' if again else 'resumes'} from {ckpt}:\n{err}")
