@@ -265,12 +265,13 @@ class Rollouts:
         jobs = [{"prompt": p, "ids": self.ids[p],
                  "seeds": [draw_seed(self.cfg.train.seed, r, p, i) for i in range(g.num_generations)]}
                 for p in order]
-        flight = Flight(r, v, jobs)
+        return self._start(Flight(r, v, jobs))
+
+    def _start(self, flight: Flight) -> Flight:
+        """`flight` on the actors: job k to actor k mod `rollout.workers`."""
         w = len(self.actors)
-        flight.parts = {i: [k for k in range(len(jobs)) if k % w == i] for i in range(w)}
-        flight.parts = {i: ks for i, ks in flight.parts.items() if ks}
-        for i in flight.parts:
-            flight.refs[i] = self._submit(i, flight)
+        flight.parts = {i: ks for i in range(w) if (ks := list(range(i, len(flight.jobs), w)))}
+        flight.refs = {i: self._submit(i, flight) for i in flight.parts}
         return flight
 
     def _submit(self, i: int, flight: Flight):
@@ -322,10 +323,7 @@ class Rollouts:
                 jobs = [{"prompt": p, "ids": self.ids[p], "seeds": [draw_seed(self.cfg.train.seed, -(flight.index + 1),
                                                                               p, i) for i in range(g)]}
                         for p in order]
-                extra = Flight(flight.index, flight.version, jobs)
-                w = len(self.actors)
-                extra.parts = {i: ks for i in range(w) if (ks := [k for k in range(len(jobs)) if k % w == i])}
-                extra.refs = {i: self._submit(i, extra) for i in extra.parts}
+                extra = self._start(Flight(flight.index, flight.version, jobs))
                 self.extras = [extra]
                 got = self.collect(extra)
                 self.extras = []

@@ -13,9 +13,8 @@ def rollouts_for(cfg: RootConfig, data_path: str, spec, rewards: tuple = (), fac
     from rayzero.data.prompts import prompt_tokens, read_prompts
     from rayzero.data.tokens import TokenDataset
     from rayzero.jobs.generate import _eos_ids, _model_files, find_tokenizer
-    from rayzero.rollout.rewards import Rewards, load
-
     from rayzero.rollout.engines import engine_class
+    from rayzero.rollout.rewards import Rewards, load
 
     g = cfg.grpo
     if cfg.rollout.engine != "replay":

@@ -199,7 +199,6 @@ class ImportanceSampling:
             ratio = ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0)
         return ratio.expand_as(old).contiguous() if self.mode != "none" else torch.ones_like(old)
 
-
     def metric_sums(self, old: torch.Tensor, sampler: torch.Tensor, ratio: torch.Tensor,
                     mask: torch.Tensor) -> dict[str, torch.Tensor]:
         """The mismatch between trainer and sampler, TRL's names (sums over completion tokens, or

@@ -14,10 +14,11 @@ A completion's random draws are a function of (seed, round, prompt, completion i
 (`draw_seed`): a group is sampled as one batch of its own (its rows share the prompt, so no
 padding), each row from a generator of its own. What a completion is therefore does not depend on
 how many engines there are or which one generated it. With `rollout.slots`, an actor's groups go
-through one continuous batch instead (`continuous.py`), each row still from its own generator. Temperature, top-k and top-p are
-transformers' own logits warpers; generation stops at an end-of-sequence id or
-`max_completion_length` tokens. The log-probability returned is of the tempered distribution
-before top-k and top-p (what the trainer computes from its logits: TRL's `logits / temperature`).
+through one continuous batch instead (`continuous.py`), each row still from its own generator.
+Temperature, top-k and top-p are transformers' own logits warpers; generation stops at an
+end-of-sequence id or `max_completion_length` tokens. The log-probability returned is of the
+tempered distribution before top-k and top-p (what the trainer computes from its logits: TRL's
+`logits / temperature`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from rayzero._imports import import_path
 from rayzero.rollout.continuous import ContinuousBatch
 from rayzero.rollout.sampling import Completion, Sampling, draw, draw_seed
 
@@ -110,8 +112,6 @@ def engine_class(name: str):
     """The engine class `rollout.engine` names (not `replay`, which the driver reads); ValueError in one line."""
     if name == "transformers":
         return TransformersEngine
-    from rayzero._imports import import_path
-
     cls = import_path(name, "rollout.engine", "package.module:Class or path/to/file.py:Class")
     if not callable(getattr(cls, "group", None)):
         raise ValueError(f"rollout.engine: {name} has no `group(prompt_ids, seeds, sampling)` method: not an engine")
