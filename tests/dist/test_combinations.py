@@ -31,7 +31,6 @@ loss, to the fp32 oracle's curve within 1 %. Besides the oracle, each run shows 
 
 from __future__ import annotations
 
-import fnmatch
 import functools
 import json
 import math
@@ -51,11 +50,12 @@ from tests import combinations as combos
 from tests.conftest import free_port
 from tests.dist.combination_ranks import _resume, _train
 from tests.dist.pool import spawn
-from tests.dist.reference import rel_error, train_reference
+from tests.dist.reference import rel_error
+from tests.dist.torch_oracle import initial_adapters, torch_oracle
 from tests.dist.test_dpo import pairs
 from tests.dist.test_models import key_bias
 from tests.unit.test_packed import records
-from tests.models import TinyLM, save_hf_model, save_tokenizer
+from tests.models import save_hf_model, save_tokenizer
 
 pytestmark = pytest.mark.slow
 STEPS, SAVE_AT = combos.STEPS, combos.SAVE_AT
@@ -201,7 +201,7 @@ def oracle(c: dict, setup: dict, precision: str = "fp32", fresh: bool = False) -
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # as every rank computes: the oracle's rounding is not the machine's core count's
         try:
-            made = torch_oracle(plain, setup) if torch_plain else world1_oracle(plain, setup)
+            made = torch_oracle(plain, config_of(plain, setup), setup) if torch_plain else world1_oracle(plain, setup)
         finally:
             torch.set_num_threads(threads)
         if fresh:
@@ -210,86 +210,11 @@ def oracle(c: dict, setup: dict, precision: str = "fp32", fresh: bool = False) -
     return _oracles[key]
 
 
-def torch_oracle(c: dict, setup: dict) -> dict:
-    cfg = config_of(c, setup)
-    m = combos.MODELS[c["model"]]
-    if m["kind"] == "gpt":
-        from rayzero.models.gpt import build_model
-
-        model = build_model(cfg.model, cfg.block_size, cfg.train.seed)
-    elif m["kind"] == "module":
-        from rayzero.workers.assembly import make_spec
-
-        model = TinyLM(n_layer=4)
-        spec = make_spec(cfg)
-        source = spec.source(spec.build())
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                source.fill(n, p)
-    else:
-        import transformers as tf
-
-        model = tf.AutoModelForCausalLM.from_pretrained(setup["dirs"][c["model"]], dtype=torch.float32)
-    if c["trainable"] == "frozen":
-        for n, p in model.named_parameters():
-            p.requires_grad_(not any(fnmatch.fnmatchcase(n, pat) for pat in cfg.model.freeze))
-    if c["trainable"] == "lora":
-        from peft import LoraConfig, get_peft_model
-
-        lora = cfg.model.lora
-        model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=0.0,
-                                                 target_modules=list(lora.target_modules) or None))
-        start = initial_adapters(cfg)
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_" in n:
-                    p.copy_(start[rayzero_name(n)])
-    norms: list[float] = []
-    state, losses = train_reference(model, cfg, setup["text"], STEPS, norms=norms,
-                                    batch=packed_batch(cfg, setup["examples"]) if c["objective"] == "sft" else None)
-    return {"state": {rayzero_name(k): v for k, v in state.items()}, "losses": losses, "prefs": None, "norms": norms}
-
-
-def packed_batch(cfg, data: str):
-    """Each step's whole global batch of packed instruction windows, as one rank of one reads
-    them: (inputs, targets, where each token's example starts)."""
-    from rayzero.data.instruct import InstructionBatches
-    from rayzero.data.tokens import TokenDataset
-
-    t = cfg.train
-    b = InstructionBatches(TokenDataset(data), seed=t.seed, global_batch=t.global_batch_size,
-                           micro_batch=t.global_batch_size, seq_len=t.seq_len, dp_rank=0, dp_size=1)
-
-    def batch(step: int):
-        tokens, labels, documents = b.rank_rows(step)
-        assert (documents > 0).any(), "the windows must pack several examples for the test to mean anything"
-        return tokens[:, :-1], labels[:, 1:], documents[:, :-1]
-
-    return batch
-
-
 def world1_oracle(c: dict, setup: dict) -> dict:
     cfg, data = config_of(c, setup), data_of(c, setup)
     ranks = run_ranks(_train, 1, cfg, data, free_port(), combos.rollout_plans(cfg, data))
     return {"state": ranks[0]["state"], "losses": step_losses(ranks), "prefs": step_prefs(ranks),
             "norms": [s["grad_norm"] for s in ranks[0]["steps"]]}
-
-
-def initial_adapters(cfg) -> dict[str, torch.Tensor]:
-    """LoRA's initial adapters as one process computes them, without any group: from the seed and their names."""
-    from rayzero.workers.assembly import build_model, initial_values, make_spec
-
-    spec = make_spec(cfg)
-    built = build_model(cfg, spec)
-    source, out = initial_values(spec, built), {}
-    for n in built.added:
-        out[n] = torch.empty(built.model.get_parameter(n).shape)
-        source.fill(n, out[n])
-    return out
-
-
-def rayzero_name(peft_name: str) -> str:
-    return peft_name.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
 def step_losses(ranks: dict) -> list[float]:
