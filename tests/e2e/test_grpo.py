@@ -172,11 +172,11 @@ def test_a_reward_that_raises_ends_the_run_in_one_line_after_its_last_commit(run
     assert [r["step"] for r in load_rows(Path(s["run_dir"]) / "history.jsonl")][-1] == 2
 
 
-def test_dynamic_sampling_replaces_groups_without_an_advantage(run_keys, train_here, tmp_path):
+def test_dynamic_sampling_replaces_groups_without_an_advantage_and_resumes_bitwise(run_keys, train_here, tmp_path):
     keys = [*(k for k in run_keys if not k.startswith("grpo.reward_funcs=")),
-            f"grpo.reward_funcs={REWARDS}:flat_on_sky", "rollout.dynamic_sampling=true", "checkpoint.dir=",
-            "train.steps=3"]
-    code, _, err, s = train_here(*keys)
+            f"grpo.reward_funcs={REWARDS}:flat_on_sky", "rollout.dynamic_sampling=true"]
+    code, _, err, s = train_here(*keys, f"checkpoint.dir={tmp_path / 'a'}", "train.steps=6",
+                                 f"train.save_final={tmp_path / 'a.safetensors'}", summary="a.json")
     assert code == 0, err[-3000:]
     rows = load_rows(Path(s["run_dir"]) / "history.jsonl")
     # 2 of the 6 prompts are about the sky: some round draws one, and it is replaced
@@ -184,3 +184,14 @@ def test_dynamic_sampling_replaces_groups_without_an_advantage(run_keys, train_h
     assert all(r["frac_reward_zero_std"] == 0.0 and r["dynamic_sampling/equal_kept"] == 0 for r in rows)
     assert sum(r["dynamic_sampling/equal_dropped"] for r in rows) == sum(r["dynamic_sampling/extra_prompts"]
                                                                          for r in rows)
+    # stopped at its commit after step 2 and rerun by the same command (steps 2-5: the second epoch,
+    # whose sky prompts are replaced too): the extra prompts go on where they were (the checkpoint
+    # keeps how many were drawn), and the run ends bitwise
+    again = [*keys, f"checkpoint.dir={tmp_path / 'b'}", f"train.save_final={tmp_path / 'b.safetensors'}"]
+    code, _, err, _ = train_here(*again, "train.steps=2", summary="b1.json")
+    assert code == 0, err[-3000:]
+    code, _, err, b = train_here(*again, "train.steps=6", "train.overwrite_final=true", summary="b2.json")
+    assert code == 0, err[-3000:]
+    assert "at step 2 of 6" in err
+    assert sum(r["dynamic_sampling/extra_prompts"] for r in rows[2:]) >= 1
+    _equal(final(s), final(b))
