@@ -15,6 +15,18 @@ tokens a second. One process, 2 torch threads.
 Prints each arm's round time (median over rounds), tokens a second, the decode steps it took
 (forward passes after the prompts'), and each over the group-at-a-time arm as a ratio (below 1:
 faster).
+
+    python benchmarks/long_tail.py --chain 4 [--slots 16 64] [--json PATH]
+
+One rollout actor's rounds one after another through a continuous batch of each `--slots` rows, as
+`rollout.partial` runs them: `finish` (each round's batch runs until its last completion ends,
+its free rows idle meanwhile), against `continue` and `restart` (what is still sampling once a
+row would be idle is handed on to the next round's batch; the last round's handed-on rows
+finished by a batch of their own, so every arm samples every round whole). Prints each arm's
+time for the rounds, its decode steps, how full its rows were, the completion tokens it kept
+and sampled, and each over `finish` at the same rows as a ratio. On a GPU a decode step costs about the same
+with any number of rows (memory-bound), so the steps are the figure that carries over; on 2 CPU
+cores a step's time grows with its rows.
 """
 
 from __future__ import annotations
@@ -87,15 +99,61 @@ def static(model, groups, sampling, stops) -> dict:
     return {"seconds": seconds, "tokens": tokens, "steps": out.shape[1] - width - 1}
 
 
+def chain(engine, prompts: list, sampling, slots: int, rounds: int, partial: str) -> dict:
+    """`rounds` rounds of one actor's share through batches of `slots` rows (see the module's doc)."""
+    from rayzero.rollout.continuous import ContinuousBatch
+    from rayzero.rollout.engines import draw_seed
+
+    steps = rows = kept = dropped = 0
+    handed: list[dict] = []
+    t0 = time.perf_counter()
+    for r in range(rounds + 1):  # the last: the rows the last round handed on, finished
+        groups = [(p, [draw_seed(0, r, k, i) for i in range(GROUP)]) for k, p in enumerate(prompts)] if r < rounds \
+            else []
+        batch, finished = ContinuousBatch(engine, slots), []
+        got = batch.run(groups, sampling, handed, partial != "finish" and r < rounds, r,
+                        "continue" if partial == "finish" else partial, finished.extend)
+        kept += sum(len(c.ids) for g in got for c in g if c is not None) + sum(len(c.ids) for c in finished)
+        dropped += sum(len(h["ids"]) for h in handed) if partial == "restart" else 0  # sampled again from the start
+        handed = batch.handed_on
+        steps += batch.forwards
+        rows += sum(w for w, _ in batch.widths)
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "steps": steps, "occupancy": rows / max(1, steps * slots), "tokens": kept,
+            "sampled": kept + dropped}
+
+
+def main_chain(args, engine, groups, sampling) -> None:
+    prompts = [p for p, _ in groups]
+    chain(engine, prompts[:4], sampling, args.slots[0], 1, "continue")  # warm-up, not counted
+    result = {"prompts": PROMPTS, "group": GROUP, "max_tokens": args.max_tokens, "rounds": args.chain,
+              "slots": args.slots, "arms": {}}
+    for slots in args.slots:
+        for partial in ("finish", "continue", "restart"):
+            x = {"partial": partial, "slots": slots, **chain(engine, prompts, sampling, slots, args.chain, partial)}
+            result["arms"][f"{partial}, {slots} rows"] = x
+            base = result["arms"][f"finish, {slots} rows"]
+            x["over_finish"] = {"seconds": x["seconds"] / base["seconds"], "steps": x["steps"] / base["steps"]}
+            over = x["over_finish"]
+            print(f"{partial}, {slots} rows: {x['seconds']:.2f} s for {args.chain} rounds ({over['seconds']:.2f}x "
+                  f"finish's), {x['steps']} steps ({x['over_finish']['steps']:.2f}x), rows {x['occupancy']:.0%} full, "
+                  f"{x['tokens']} tokens kept of {x['sampled']} sampled", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--slots", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--chain", type=int, default=0, help="rounds of one actor as rollout.partial runs them")
     args = ap.parse_args()
     torch.set_num_threads(2)
     model, engine, groups, sampling, stops = setup(args.max_tokens)
+    if args.chain:
+        return main_chain(args, engine, groups, sampling)
     arms = {"a group at a time": lambda: by_groups(engine, groups, sampling),
             **{f"continuous, {s} rows": (lambda s=s: continuous(engine, groups, sampling, s)) for s in args.slots},
             "generate, one padded batch": lambda: static(model, groups, sampling, stops)}

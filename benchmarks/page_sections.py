@@ -266,6 +266,27 @@ def long_tail_block(r: dict):
     return text, {}
 
 
+def partial_block(r: dict):
+    x = r["results"]
+    rows = []
+    for name, v in x["arms"].items():
+        over = v["over_finish"]
+        rows.append([f"`{v['partial']}`, {v['slots']} rows", f"{v['seconds']:.2f} s ({over['seconds']:.2f}×)",
+                     f"{v['steps']:,} ({over['steps']:.2f}×)", f"{v['occupancy']:.0%}",
+                     f"{v['tokens']:,} of {v['sampled']:,}"])
+    text = "\n\n".join([
+        table([f"`rollout.partial`: {x['rounds']} rounds of {x['prompts']} prompts × {x['group']} on one actor",
+               "time (over finish)", "decode steps (over finish)", "rows in use", "tokens kept of sampled"], rows),
+        "`finish` runs each round's batch until its last completion ends, its free rows idle meanwhile; "
+        "`continue` and `restart` hand what is still sampling on to the next round's batch, which fills the "
+        "rows at once. `restart` samples the handed-on completions again from their start, so it spends "
+        "tokens it throws away. On a GPU a decode step costs about the same with any number of rows, so "
+        "the decode steps are the figure that carries over (not measured on a GPU here); on 2 CPU cores a "
+        "step's time grows with its rows.",
+        measured(r)])
+    return text, {}
+
+
 def grpo_mismatch_block(r: dict):
     x = r["results"]
     rows = [[name, f"{v['mean']:.3f} ({v['min']:.3f}–{v['max']:.3f})", f"{v['sampling_kl']:.4f}",
@@ -465,5 +486,5 @@ def glance_block(results: dict[str, dict]):
 BLOCKS = {"step_time": step_time_block, "startup": startup_block, "recovery": recovery_block,
           "dispatch": dispatch_block, "moe": moe_block, "grpo": grpo_block,
           "grpo_lag": grpo_lag_block, "grpo_mismatch": grpo_mismatch_block,
-          "long_tail": long_tail_block, "long_context": long_context_block,
+          "long_tail": long_tail_block, "partial": partial_block, "long_context": long_context_block,
           "checkpoint": checkpoint_block, "activations": activations_block, "memory": memory_block, "gpu_checks": gpu_block}

@@ -15,7 +15,15 @@ stage them beside the model and put them in between generations), starts round r
 "flight"), and waits for round r, started k rounds before: what a step waits for is
 max(generate, train) + sync rather than their sum. Which weights a round is sampled from is a
 function of its index alone, never of timing, so a run at any lag is deterministic, and at k = 0
-it is the synchronous run.
+it is the synchronous run. An actor runs the driver's calls to it in the order they were made.
+
+With `rollout.partial` (restart or continue) each actor's rounds are a chain: its call for round
+r + 1 first finishes the completions its call for round r handed on (on round r + 1's weights),
+then samples its own, and hands on those still sampling once a row of its batch would be left
+idle. Round r is then complete once the next round's calls have finished what it handed on
+(`handed`), always before that round is waited for; the rows handed on travel from one call to
+the next as its result (or, after a checkpoint, as the manifest kept them). Where a call hands
+on is a function of the completions alone, never of timing.
 
 Prompt p of a round goes to actor p mod `rollout.workers`; an actor lost while generating is
 replaced (given every weight version its rounds in flight need) and its prompts generated again
@@ -80,7 +88,10 @@ class Round:
 @dataclass
 class Flight:
     """A round on its way: its jobs, the weight version it is sampled from, and each actor's
-    part (job indices, the call's ref); `groups` once collected (or restored from a checkpoint)."""
+    part (job indices, the call's ref and, once fetched, its result); `groups` once collected (or
+    restored from a checkpoint). A link of the actors' chains (`chained`, rollout.partial): each
+    actor's call also finishes the completions the round before handed on to it (`handed_refs`,
+    then `handed`), and may hand some of its own on to the next round's call."""
 
     index: int
     version: int
@@ -89,6 +100,11 @@ class Flight:
     refs: dict = field(default_factory=dict)
     groups: list | None = None
     seconds: float = 0.0  # the slowest actor's time generating its part
+    chained: bool = False
+    results: dict = field(default_factory=dict)  # actor -> its call's result, fetched
+    handed_refs: dict = field(default_factory=dict)  # actor -> the round before's completions its call finishes
+    handed: dict = field(default_factory=dict)  # actor -> those completions, fetched
+    turns: dict = field(default_factory=dict)  # actor -> the call's place among the driver's calls to it
 
 
 class Rollouts:
@@ -110,6 +126,9 @@ class Rollouts:
         self.refs_of: dict[int, list] = {}  # version -> its trainable weights (a replacement's later loads)
         self.flights: dict[int, Flight] = {}  # round -> on its way (or waited for), not yet trained
         self.extras: list[Flight] = []  # dynamic sampling's extra prompts, being generated
+        self.chained = self.r.partial != "finish" and self.replay is None
+        self.previous: Flight | None = None  # the round trained last (what the next one's calls carry on from)
+        self.turn: dict[int, int] = {}  # actor -> the place of the next call to it
         self.extra_pos = 0  # how many extra prompts dynamic sampling has drawn
         self.current: Round | None = None
         self.sync_report: dict[str, float] = {}
@@ -177,7 +196,8 @@ class Rollouts:
         from rayzero.workers.rollout import RolloutActor
 
         return RolloutActor.options(scheduling_strategy=self._strategy(i), num_cpus=self.r.cpus_per_worker,
-                                    num_gpus=self.r.gpus_per_worker, max_concurrency=2).remote(
+                                    num_gpus=self.r.gpus_per_worker,
+                                    max_concurrency=2 * self.lag + 4).remote(  # waiting calls hold a thread
             self.cfg, self.stop_ids, self.factory, i)
 
     def close(self) -> None:
@@ -212,7 +232,13 @@ class Rollouts:
             self.frozen_refs, self.refs_of = refs, {version: []}
         else:
             self.refs_of[version] = refs
-        ray.get([a.load.remote(version, refs) for a in self.actors])
+        loads = [a.load.remote(version, refs) for a in self.actors]
+        for i, ref in enumerate(loads):
+            try:
+                ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+                self._lost(i, f"taking weight version {version}", e)
+                self._replace(i, also=version)
         self.version = version
         self.sync_report = {"sync_ms": (time.perf_counter() - t0) * 1e3, "sync_bytes": float(nbytes)}
 
@@ -245,7 +271,7 @@ class Rollouts:
                 if checkpoints is not None:
                     checkpoints.add_uploads([u for rank in group.call("finish_checkpoints") for u in rank])
                 raise
-            self.flights.pop(r, None)
+            self.previous = self.flights.pop(r, None)
             needed = {f.version for f in self.flights.values()} | {self.version}
             self.refs_of = {v: refs for v, refs in self.refs_of.items() if v in needed}
         return {"step": step, "rows": self.current.rows}
@@ -265,18 +291,43 @@ class Rollouts:
         jobs = [{"prompt": p, "ids": self.ids[p],
                  "seeds": [draw_seed(self.cfg.train.seed, r, p, i) for i in range(g.num_generations)]}
                 for p in order]
-        return self._start(Flight(r, v, jobs))
+        return self._start(Flight(r, v, jobs, chained=self.chained))
 
     def _start(self, flight: Flight) -> Flight:
         """`flight` on the actors: job k to actor k mod `rollout.workers`."""
         w = len(self.actors)
         flight.parts = {i: ks for i in range(w) if (ks := list(range(i, len(flight.jobs), w)))}
-        flight.refs = {i: self._submit(i, flight) for i in flight.parts}
+        for i in flight.parts:
+            flight.refs[i] = self._submit(i, flight)
         return flight
 
     def _submit(self, i: int, flight: Flight):
-        return self.actors[i].generate.remote(flight.index, [flight.jobs[k] for k in flight.parts[i]], self.sampling,
-                                              flight.version)
+        """Actor i's call for its part of `flight`, after every call made to it before (`turn`). A
+        link of the chain carries on from the round before's: the completions that one handed on
+        (its result, resolved by Ray, or as fetched) are finished first, and `handed` waits for them."""
+        jobs = [flight.jobs[k] for k in flight.parts[i]]
+        turn = flight.turns[i] = self.turn.get(i, 0)
+        self.turn[i] = turn + 1
+        flight.results.pop(i, None)
+        if not flight.chained:
+            return self.actors[i].generate.remote(flight.index, jobs, self.sampling, flight.version, turn=turn)
+        flight.handed.pop(i, None)
+        flight.handed_refs[i] = self.actors[i].handed.remote(flight.index, turn)
+        return self.actors[i].generate.remote(flight.index, jobs, self.sampling, flight.version,
+                                              self._before(i, flight.index), True, turn)
+
+    def _flight(self, r: int) -> Flight | None:
+        if r in self.flights:
+            return self.flights[r]
+        return self.previous if self.previous is not None and self.previous.index == r else None
+
+    def _before(self, i: int, r: int):
+        """What actor i's link of round r carries on from: round r - 1's call on it (its result,
+        or the call's ref), or nothing."""
+        prev = self._flight(r - 1)
+        if prev is None or not prev.chained or i not in prev.parts:
+            return []
+        return prev.results[i]["handed_on"] if i in prev.results else prev.refs[i]
 
     def generate(self, r: int) -> Round:
         """Round r waited for (started by `launch`, or restored), its completions checked to be of
@@ -294,8 +345,11 @@ class Rollouts:
             raise RuntimeError(f"rollout.is_correction={self.r.is_correction}: the engine {self.r.engine} returned "
                                "completions without their log-probabilities, which the correction weighs by")
         jobs, rewards, extra = flight.jobs, self.rewards_of(flight.jobs, groups), {}
+        if flight.chained:
+            extra = _handed_metrics(groups, flight.version)
         if self.r.dynamic_sampling:
-            jobs, groups, rewards, extra = self.fill(flight, groups, rewards)
+            jobs, groups, rewards, filled = self.fill(flight, groups, rewards)
+            extra.update(filled)
         rows, metrics = self.score(r, jobs, groups, rewards)
         t2 = time.perf_counter()
         times = {"generate_ms": flight.seconds * 1e3, "wait_ms": (t1 - t0) * 1e3, "score_ms": (t2 - t1) * 1e3}
@@ -303,9 +357,10 @@ class Rollouts:
 
     def fill(self, flight: Flight, groups: list[dict], rewards) -> tuple:
         """DAPO's dynamic sampling: a group whose rewards are all equal (no advantage, no gradient)
-        replaced by the group of the next extra prompt (drawn from the same weights, in an order of
-        their own), until the round is full or `rollout.max_extra_prompts` were drawn; a round still
-        short keeps its first all-equal groups. (jobs, groups, rewards, metrics) of the round kept."""
+        replaced by the group of the next extra prompt (in an order of their own, sampled from the
+        weights sent last: the round's own at max_lag 0), until the round is full or
+        `rollout.max_extra_prompts` were drawn; a round still short keeps its first all-equal
+        groups. (jobs, groups, rewards, metrics) of the round kept."""
         g, n = self.g.num_generations, self.per_round
         kept, equal, drawn = [], [], 0
         batch = [(flight.jobs, groups, rewards)]
@@ -323,7 +378,9 @@ class Rollouts:
                 jobs = [{"prompt": p, "ids": self.ids[p], "seeds": [draw_seed(self.cfg.train.seed, -(flight.index + 1),
                                                                               p, i) for i in range(g)]}
                         for p in order]
-                extra = self._start(Flight(flight.index, flight.version, jobs))
+                # from the weights sent last (the round's own at max_lag 0): an actor's calls run in
+                # the driver's order, and the rounds started since the round's own ask for newer ones
+                extra = self._start(Flight(flight.index, self.version, jobs))
                 self.extras = [extra]
                 got = self.collect(extra)
                 self.extras = []
@@ -337,62 +394,111 @@ class Rollouts:
                 (torch.cat([c[2] for c in chosen]), torch.cat([c[3] for c in chosen])), metrics)
 
     def collect(self, flight: Flight) -> list[dict]:
-        """Every job's group of `flight`, in the jobs' order; an actor lost on the way replaced and
-        its parts of every round in flight started again (with the same draws, from the same weights)."""
+        """Every job's group of `flight`, in the jobs' order (a link's completions handed on taken
+        from the next round's calls); an actor lost on the way replaced and its parts of every
+        round in flight started again (with the same draws, from the same weights)."""
         if flight.groups is not None:
             return flight.groups
         out: list = [None] * len(flight.jobs)
-        pending = dict(flight.refs)
-        while pending:
-            i, ref = next(iter(pending.items()))
-            try:
-                got = ray.get(ref)
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
-                self.replaced += 1
-                if self.replaced > max(3, 3 * len(self.actors)):
-                    raise
-                log.warning("rollout actor %d was lost generating round %d (%s): replacing it and generating its "
-                            "%d prompts again", i, flight.index, type(e).__name__, len(flight.parts[i]))
-                self._replace(i)
-                pending[i] = flight.refs[i]
-                continue
-            del pending[i]
+        for i in flight.parts:
+            got = self._fetch(flight, i, "results")
             flight.seconds = max(flight.seconds, got["seconds"])
-            for k, done in zip(flight.parts[i], got["groups"]):
+            groups = [{**g, "completions": list(g["completions"])} for g in got["groups"]]
+            if got.get("handed_on"):
+                after = self._flight(flight.index + 1)
+                if after is None or i not in after.parts:
+                    raise RuntimeError(f"round {flight.index}: completions handed on to round {flight.index + 1}, "
+                                       "which was not started")
+                for h, c in zip(got["handed_on"], self._fetch(after, i, "handed")):
+                    groups[h["group"]]["completions"][h["index"]] = c
+            for k, done in zip(flight.parts[i], groups):
                 out[k] = done
         flight.groups = out
         return out
 
-    def _replace(self, i: int) -> None:
-        """A new actor i, given every weight version its rounds in flight ask for, and those rounds' parts again."""
+    def _fetch(self, flight: Flight, i: int, what: str):
+        """Actor i's call of `flight` (`results`), or the completions it finished for the round
+        before (`handed`), waited for; the actor replaced if it was lost."""
+        store, refs = (flight.results, flight.refs) if what == "results" else (flight.handed, flight.handed_refs)
+        while i not in store:
+            try:
+                store[i] = ray.get(refs[i])
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+                self._lost(i, f"generating round {flight.index}", e,
+                           f" and generating its {len(flight.parts[i])} prompts again")
+                self._replace(i)
+        return store[i]
+
+    def _lost(self, i: int, doing: str, e: Exception, then: str = "") -> None:
+        self.replaced += 1
+        if self.replaced > max(3, 3 * len(self.actors)):
+            raise e
+        log.warning("rollout actor %d was lost %s (%s): replacing it%s", i, doing, type(e).__name__, then)
+
+    def _pending(self, f: Flight, i: int) -> bool:
+        """Whether actor i's part of `f` is still needed from it: its result, or (a link) the
+        completions it finishes for a round not yet collected."""
+        if i not in f.parts:
+            return False
+        if i not in f.results and f.groups is None:
+            return True
+        before = self._flight(f.index - 1)
+        return f.chained and i not in f.handed and before is not None and before.groups is None
+
+    def _replace(self, i: int, also: int | None = None) -> None:
+        """A new actor i, given every weight version its calls still needed ask for (and `also`),
+        and those calls again, in their order."""
         self.actors[i] = self._actor(i)
-        flights = [f for f in [*self.flights.values(), *self.extras] if f.groups is None and i in f.parts]
-        versions = sorted({f.version for f in flights})
+        self.turn[i] = 0
+        every = [f for f in [self.previous, *self.flights.values(), *self.extras] if f is not None]
+        calls = sorted((f for f in every if self._pending(f, i)), key=lambda f: f.turns.get(i, 0))
+        versions = sorted({f.version for f in calls} | ({also} if also is not None else set()))
         for n, v in enumerate(versions):
             ray.get(self.actors[i].load.remote(v, (self.frozen_refs if n == 0 else []) + self.refs_of.get(v, [])))
-        for f in flights:
+        for f in calls:
             f.refs[i] = self._submit(i, f)
 
     # -- a checkpoint ---------------------------------------------------------------------------
     def state(self) -> dict:
         """What a checkpoint keeps of the rollouts: the rounds started and not yet trained, waited
-        for (with a lag, their weights are no longer anywhere else), their completions and versions."""
+        for (with a lag, their weights are no longer anywhere else), their completions and versions
+        (a link's: each actor's call as it returned, the rows it handed on among them, and the
+        completions it finished for the round before)."""
         rounds = {}
         for q in sorted(self.flights):
             f = self.flights[q]
             if self.current is not None and q <= self.current.index:
                 continue
+            if f.chained:
+                for i in f.parts:
+                    self._fetch(f, i, "results")
+                    self._fetch(f, i, "handed")
+                rounds[str(q)] = {"version": f.version, "jobs": f.jobs,
+                                  "parts": {str(i): ks for i, ks in f.parts.items()},
+                                  "results": {str(i): got for i, got in f.results.items()},
+                                  "handed": {str(i): got for i, got in f.handed.items()}}
+                continue
             rounds[str(q)] = {"version": f.version, "jobs": f.jobs, "groups": self.collect(f),
                               "seconds": f.seconds}
-        return {"rounds": rounds, "extra_prompts": self.extra_pos}
+        return {"rounds": rounds, "extra_prompts": self.extra_pos, "partial": self.r.partial}
 
     def restore(self, state: dict | None) -> None:
         """Continue from a checkpoint's `state` (None: from the start): its rounds in flight, as they were."""
-        self.flights, self.current, self.extras = {}, None, []
+        self.flights, self.current, self.extras, self.previous = {}, None, [], None
         self.extra_pos = int((state or {}).get("extra_prompts", 0))
+        was = (state or {}).get("partial", "finish")
+        if (state or {}).get("rounds") and (was == "finish") != (self.r.partial == "finish"):
+            raise ValueError(f"rollout.partial: the checkpoint's rounds in flight were sampled with "
+                             f"rollout.partial={was}; resume with it (this run has {self.r.partial})")
         for q, f in ((state or {}).get("rounds") or {}).items():
             flight = Flight(int(q), int(f["version"]), f["jobs"])
-            flight.groups, flight.seconds = f["groups"], float(f.get("seconds", 0.0))
+            if "results" in f:  # a link of the chains
+                flight.chained = True
+                flight.parts = {int(i): ks for i, ks in f["parts"].items()}
+                flight.results = {int(i): got for i, got in f["results"].items()}
+                flight.handed = {int(i): got for i, got in f["handed"].items()}
+            else:
+                flight.groups, flight.seconds = f["groups"], float(f.get("seconds", 0.0))
             self.flights[int(q)] = flight
 
     def rewards_of(self, jobs: list[dict], groups: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -461,6 +567,16 @@ class Rollouts:
             out.update(cur.times)
             out.update(self.sync_report)
         return out
+
+
+def _handed_metrics(groups: list[dict], version: int) -> dict[str, float]:
+    """How much of a round its actors' next calls finished (`rollout.partial`): the share of its
+    completions handed on, and of its tokens sampled from newer weights than the round's."""
+    completions = [c for d in groups for c in d["completions"]]
+    tokens = sum(len(c["ids"]) for c in completions) or 1
+    newer = sum(n for c in completions for v, n in c.get("spans") or () if v > version)
+    handed = sum(1 for c in completions if "spans" in c)
+    return {"partial/handed_on": handed / max(1, len(completions)), "partial/newer_tokens": newer / tokens}
 
 
 def _key(prompt) -> str:

@@ -22,6 +22,9 @@ def rollouts_for(cfg: RootConfig, data_path: str, spec, rewards: tuple = (), fac
         if cfg.rollout.slots and not callable(getattr(cls, "groups", None)):
             raise ValueError(f"rollout.slots: {cfg.rollout.engine} has no `groups(groups, sampling, slots)` method "
                              "to sample in a continuous batch; leave rollout.slots at 0")
+        if cfg.rollout.partial != "finish" and not callable(getattr(cls, "chain", None)):
+            raise ValueError(f"rollout.partial: {cfg.rollout.engine} has no `chain(...)` method to hand unfinished "
+                             "completions on to the next round's batch; leave rollout.partial=finish")
     for fn in rewards:
         if not callable(fn):
             raise ValueError(f"rewards: {fn!r} is a {type(fn).__name__}, not a function")

@@ -175,6 +175,12 @@ def check_grpo(cfg) -> None:
     if r.slots and not cfg.model.samples_with_cache():
         raise ValueError(f"rollout.slots: a continuous batch needs a transformers causal LM's KV cache; "
                          f"model.kind={cfg.model.kind} samples a group at a time (leave rollout.slots at 0)")
+    if r.partial != "finish" and not r.slots:
+        raise ValueError(f"rollout.partial: {r.partial} hands a continuous batch's unfinished completions on to the "
+                         "next round's; set rollout.slots (rows of the batch) too, or leave rollout.partial=finish")
+    if r.partial != "finish" and not r.max_lag:
+        raise ValueError(f"rollout.partial: {r.partial} needs rollout.max_lag >= 1: at max_lag 0 the next round's "
+                         "weights come only once this round is trained, so nothing could finish its completions")
     if r.is_clip_min is not None and r.is_clip_max is not None and r.is_clip_min > r.is_clip_max:
         raise ValueError(f"rollout.is_clip_min: {r.is_clip_min:g} is above rollout.is_clip_max ({r.is_clip_max:g})")
     if r.replay and r.engine != "replay":

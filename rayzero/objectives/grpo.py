@@ -116,7 +116,9 @@ class GRPO(Objective):
         mib = (lambda n: f"{n * 4 / 2**20:,.1f} MiB") if params else (lambda n: "?")
         engine = (f"sampling with {'transformers' if r.engine == 'transformers' else r.engine} (temperature "
                   f"{g.temperature:g}, top_p {g.top_p:g}, top_k {g.top_k}"
-                  + (f"; a continuous batch of {r.slots} rows" if r.slots else "; a group at a time") + ")")
+                  + (f"; a continuous batch of {r.slots} rows" if r.slots else "; a group at a time")
+                  + {"finish": "", "restart": ", its unfinished completions restarted in the next round's batch",
+                     "continue": ", its unfinished completions continued in the next round's batch"}[r.partial] + ")")
         adapters = cfg.model.lora is not None
         shape = (f"{prompts} prompts x {g.num_generations} completions = {cfg.train.global_batch_size} per round, up to "
                  f"{g.max_completion_length} tokens each, a round every {g.num_iterations} step"

@@ -27,6 +27,15 @@ class RolloutConfig(Frozen):
         "row is given the next one at once, so a long completion holds up one row, not its group (a transformers "
         "causal LM's KV cache). 0: one group of num_generations completions at a time.",
     )
+    partial: Literal["finish", "restart", "continue"] = Field(
+        default="finish",
+        description="With rollout.slots and rollout.max_lag >= 1, what a continuous batch does with the completions "
+        "still sampling once its round has nothing left to start: `finish`: they finish on the weights they began "
+        "with, the free rows left idle meanwhile; `restart`: they are handed on to the actor's next round, whose "
+        "newer weights sample them again from their start; `continue`: they are handed on and continued on the "
+        "newer weights from where they were (each completion's `spans` of tokens per weight version recorded). "
+        "The round they belong to is trained once they end, in the next round's batch, ahead of its own.",
+    )
     replay: str = Field(
         default="",
         description="With rollout.engine=replay: JSON lines of {round, prompt, prompt_ids (optional), index, "

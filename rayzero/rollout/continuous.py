@@ -27,21 +27,36 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rayzero.rollout.sampling import Completion, draw
+from rayzero.rollout.sampling import Completion, continued_seed, draw
 
 
 @dataclass
 class _Row:
-    group: int
+    group: int  # the group's place in the call; for a row handed in, its place among them
     index: int
     gen: torch.Generator
     length: int  # real tokens in the cache (prompt + completion fed so far)
+    seed: int = 0
+    prompt: list[int] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)
     logps: list[float] = field(default_factory=list)
+    spans: list = field(default_factory=list)  # [[version, tokens]] sampled before this batch (a row handed in)
+    handed_in: bool = False
+    restarted: bool = False
 
 
 class ContinuousBatch:
-    """Sampling through `slots` rows; `run(groups, sampling)` -> each group's completions."""
+    """Sampling through `slots` rows; `run(groups, sampling)` -> each group's completions.
+
+    Handed on (`rollout.partial`, the rounds of one rollout actor as a chain): `run(groups,
+    sampling, handed=rows, hand_on=True, version=v)` first takes the rows the batch before handed
+    on, each sampled again from its start (`partial="restart"`) or continued from its tokens
+    (`"continue"`: its prompt and tokens read into the cache on these weights, its later draws
+    from `continued_seed`), then the groups; once none of the groups' completions waits for a row,
+    none handed in is left, and a row is free, the rows still sampling stop and are handed on
+    (`handed_on`) instead of leaving rows idle (a batch with fewer completions than rows never
+    fills, and hands nothing on). The rows handed in always finish here
+    (`handed_done`, in their order, given to `on_handed_done` as soon as the last one ends)."""
 
     def __init__(self, engine, slots: int):
         if engine.cache_key is None:
@@ -50,6 +65,8 @@ class ContinuousBatch:
         self.engine, self.slots = engine, slots
         self.forwards = 0  # forward passes of the batch (decode steps)
         self.widths: list[tuple[int, int]] = []  # each forward's (rows, completions still waiting for a row)
+        self.handed_done: list[Completion] = []
+        self.handed_on: list[dict] = []
 
     def _forward(self, ids, mask, positions, cache):
         e = self.engine
@@ -69,45 +86,99 @@ class ContinuousBatch:
         return [(layer.keys, layer.values) for layer in layers], logits[0]
 
     @torch.no_grad()
-    def run(self, groups: list[tuple[list[int], list[int]]], sampling) -> list[list]:
-        """`groups`: (prompt ids, seeds) each; their completions, a list per group in seed order."""
+    def run(self, groups: list[tuple[list[int], list[int]]], sampling, handed: list[dict] = (),
+            hand_on: bool = False, version: int = 0, partial: str = "continue", on_handed_done=None) -> list[list]:
+        """`groups`: (prompt ids, seeds) each; their completions, a list per group in seed order
+        (None for one handed on). `handed`: rows the batch before handed on ({"prompt_ids", "seed",
+        "ids", "logps", "spans"}), finished here first."""
         from transformers import DynamicCache
 
         e = self.engine
         warp, limit = sampling.warpers(), sampling.max_completion_length
-        queue = deque((g, i, seed) for g, (_, seeds) in enumerate(groups) for i, seed in enumerate(seeds))
+        queue = deque([("handed", k, 0) for k in range(len(handed))]
+                      + [(g, i, seed) for g, (_, seeds) in enumerate(groups) for i, seed in enumerate(seeds)])
         done: list[list] = [[None] * len(seeds) for _, seeds in groups]
+        self.handed_done, self.handed_on = [None] * len(handed), []
+        left = len(handed)  # rows handed in, not yet finished
+        fills = hand_on and len(queue) >= self.slots  # a batch that fills its rows hands on (one that never does, not)
+        if not left and on_handed_done is not None:
+            on_handed_done([])
         rows: list[_Row] = []
         cache, mask = None, None  # the batch's DynamicCache and [rows, columns] mask (1: a real token)
         prefilled: tuple[int, list, torch.Tensor] | None = None  # (group, its prompt's kv, its last logits)
 
+        def spans(row: _Row) -> list:
+            """The versions of the row's tokens, [[version, tokens], ...]."""
+            out = [list(s) for s in row.spans]
+            now = len(row.ids) - sum(n for _, n in out)
+            if now:
+                if out and out[-1][0] == version:
+                    out[-1][1] += now
+                else:
+                    out.append([version, now])
+            return out
+
         def finish(row: _Row) -> bool:
-            """Whether `row` is complete (then kept in `done`)."""
+            """Whether `row` is complete (then kept in `done`, or `handed_done`)."""
+            nonlocal left
             ended = row.ids[-1] in e.eos_set
             if not ended and len(row.ids) < limit:
                 return False
-            done[row.group][row.index] = Completion(row.ids, row.logps, truncated=not ended)
+            c = Completion(row.ids, row.logps, truncated=not ended, restarted=row.restarted)
+            if row.handed_in:
+                c.spans = spans(row)
+                self.handed_done[row.group] = c
+                left -= 1
+                if not left and on_handed_done is not None:
+                    on_handed_done(self.handed_done)
+            else:
+                done[row.group][row.index] = c
             return True
+
+        def admit(item) -> _Row:
+            """A row for the next completion waiting, its cache (prompt, and tokens handed in) to join."""
+            nonlocal prefilled
+            g, i, seed = item
+            if g == "handed":
+                h = handed[i]
+                prompt = [int(t) for t in h["prompt_ids"]]
+                if partial == "restart" or not h["ids"]:  # from its start, on these weights
+                    kv, last = self._prefill(prompt)
+                    row = _Row(i, 0, torch.Generator(device="cpu").manual_seed(int(h["seed"])), kv[0][0].shape[-2],
+                               int(h["seed"]), prompt, handed_in=True, restarted=True)
+                    return row, kv, last
+                ids = [int(t) for t in h["ids"]]
+                kv, _ = self._prefill(prompt + ids[:-1])  # the last token is fed as the next input
+                gen = torch.Generator(device="cpu").manual_seed(continued_seed(int(h["seed"]), len(ids)))
+                row = _Row(i, 0, gen, kv[0][0].shape[-2], int(h["seed"]), prompt, ids, [float(x) for x in h["logps"]],
+                           [list(s) for s in h["spans"]], handed_in=True)
+                return row, kv, None
+            if prefilled is None or prefilled[0] != g:
+                prefilled = (g, *self._prefill(groups[g][0]))
+            _, kv, last = prefilled
+            return _Row(g, i, torch.Generator(device="cpu").manual_seed(seed), kv[0][0].shape[-2], seed,
+                        groups[g][0]), kv, last
 
         model, was = e.model, e.model.training
         model.eval()
         try:
             while queue or rows:
                 while len(rows) < self.slots and queue:  # refill: each free row takes the next completion
-                    g, i, seed = queue.popleft()
-                    if prefilled is None or prefilled[0] != g:
-                        prefilled = (g, *self._prefill(groups[g][0]))
-                    _, kv, last = prefilled
-                    row = _Row(g, i, torch.Generator(device="cpu").manual_seed(seed), length=kv[0][0].shape[-2])
-                    token, logp = draw(last[None], [row.gen], sampling, warp)
-                    row.ids.append(int(token[0]))
-                    row.logps.append(float(logp[0]))
-                    if finish(row):
-                        continue
+                    row, kv, last = admit(queue.popleft())
+                    if last is not None:  # its first token, from the prompt's last logits
+                        token, logp = draw(last[None], [row.gen], sampling, warp)
+                        row.ids.append(int(token[0]))
+                        row.logps.append(float(logp[0]))
+                        if finish(row):
+                            continue
                     cache, mask = _join(cache, mask, kv, DynamicCache)
                     rows.append(row)
                 if not rows:
                     continue
+                if fills and not queue and not left and len(rows) < self.slots:  # a row idle, nothing waits for it
+                    self.handed_on = [{"group": r.group, "index": r.index, "prompt_ids": r.prompt, "seed": r.seed,
+                                       "ids": r.ids, "logps": r.logps, "spans": spans(r)} for r in rows]
+                    break
                 feed = torch.tensor([[r.ids[-1]] for r in rows], dtype=torch.long, device=e.device)
                 positions = torch.tensor([[r.length] for r in rows], dtype=torch.long, device=e.device)
                 mask = torch.cat([mask, mask.new_ones((len(rows), 1))], 1)

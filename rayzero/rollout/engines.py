@@ -8,7 +8,8 @@ log-probability of every token it sampled.
     module:Class   an engine of your own (`rollout.engine=package.module:Class` or
                    `path/to/file.py:Class`): `Class(model, eos_ids, device)` whose
                    `group(prompt_ids, seeds, sampling)` returns one `Completion` per seed (and,
-                   for `rollout.slots`, `groups(groups, sampling, slots)` a list per group)
+                   for `rollout.slots`, `groups(groups, sampling, slots)` a list per group;
+                   for `rollout.partial`, `chain(...)` as `TransformersEngine.chain`)
 
 A completion's random draws are a function of (seed, round, prompt, completion index) only
 (`draw_seed`): a group is sampled as one batch of its own (its rows share the prompt, so no
@@ -106,6 +107,16 @@ class TransformersEngine:
         if not slots:
             return [self.group(prompt, seeds, sampling) for prompt, seeds in groups]
         return ContinuousBatch(self, slots).run(groups, sampling)
+
+    def chain(self, groups: list[tuple[list[int], list[int]]], sampling: Sampling, slots: int, handed: list[dict],
+              version: int, partial: str, on_handed_done=None) -> tuple[list, list[dict]]:
+        """One link of a rollout actor's chain of rounds (`rollout.partial`): the rows the round
+        before handed on (finished here first, given to `on_handed_done`), then `groups` through a
+        continuous batch until a row would be left idle; (each group's completions, None where
+        handed on; the rows handed on to the next round)."""
+        batch = ContinuousBatch(self, slots)
+        done = batch.run(groups, sampling, handed, True, version, partial, on_handed_done)
+        return done, batch.handed_on
 
 
 def engine_class(name: str):

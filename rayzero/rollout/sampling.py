@@ -57,6 +57,14 @@ class Completion:
     ids: list[int]
     logps: list[float]
     truncated: bool
+    spans: list | None = None  # [[weight version, tokens], ...] where it spans two (`rollout.partial=continue`)
+    restarted: bool = False  # sampled again from its start on newer weights (`rollout.partial=restart`)
+
+
+def continued_seed(seed: int, tokens: int) -> int:
+    """The seed of a completion's draws after its first `tokens`, continued on other weights."""
+    digest = hashlib.sha256(f"continued/{seed}/{tokens}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 def draw(logits: torch.Tensor, gens: list[torch.Generator], sampling: Sampling, warp) -> tuple:

@@ -9,12 +9,15 @@
              sampling,       "ids": the prompt's tokens, "seeds": one per completion}), sampled
              version)        from weight `version`: a staged version is put into the model
                              between generations, never in the middle of one (so a completion
-                             is always finished on the weights it began with); a group at a
-                             time, or every job through one continuous batch (`rollout.slots`)
+                             is finished on the weights it began with, unless `rollout.partial`
+                             hands it on to the next round's); a group at a time, or every job
+                             through one continuous batch (`rollout.slots`)
+    handed(round)            with `rollout.partial`: the completions round's batch finished for
+                             the round before (the rows that round handed on), once they end
 
-A plain class (`RolloutActor` is it as a Ray actor, two calls at a time: a load beside a
-generation): the model is built as a rank builds it before sharding (the model seam, then the
-LoRA adapters), so a weight's name is the same on both sides. The engine is
+A plain class (`RolloutActor` is it as a Ray actor, a few calls at a time: a load and a wait
+for handed-on completions beside a generation): the model is built as a rank builds it before
+sharding (the model seam, then the LoRA adapters), so a weight's name is the same on both sides. The engine is
 `rollout.engine`'s (`rollout/engines.py`). The replay engine needs no actor: the driver reads
 its completions.
 """
@@ -49,6 +52,8 @@ class RolloutWorker:
         self._staged: dict[int, list[dict]] = {}  # version -> its buckets, read, not yet in the model
         self._lock = threading.Lock()  # one generation (and one swap of weights) at a time
         self._arrived = threading.Condition()
+        self._turns, self._turn = threading.Condition(), 0  # the driver's calls, in its order
+        self._handed: dict[tuple, list[dict]] = {}  # (round, turn) -> what its call finished for the round before
 
     def pid(self) -> int:
         return os.getpid()
@@ -103,24 +108,83 @@ class RolloutWorker:
                 del self._staged[v]
         self._apply(version, parts)
 
-    def generate(self, round_: int, jobs: list[dict], sampling, version: int | None = None) -> dict:
+    def generate(self, round_: int, jobs: list[dict], sampling, version: int | None = None, before=None,
+                 hand_on: bool = False, turn: int | None = None) -> dict:
         """Each job's completions, sampled from weight `version` (None: the current):
-        {"groups": [{"prompt", "completions": [{"ids", "logps", "truncated"}], "version"}], "seconds"}."""
+        {"groups": [{"prompt", "completions": [{"ids", "logps", "truncated"}], "version"}], "seconds"}.
+
+        A link of a chain (`rollout.partial`; `hand_on`): the rows `before` (the round before's
+        result, or its "handed_on" rows) handed on are finished first, on these weights (their
+        completions from `handed(round_)` as soon as they end), and once a row would be left idle
+        the completions still sampling are handed on ("handed_on"; None in their groups).
+        `turn`: the call's place among the driver's calls to this actor, which run in that order
+        (a later one may ask for newer weights than an earlier one)."""
+        if turn is not None:
+            with self._turns:
+                self._turns.wait_for(lambda: self._turn == turn)
+        key = (round_, turn)
+        try:
+            return self._generate(key, jobs, sampling, version, before, hand_on)
+        except BaseException as e:
+            with self._arrived:  # whoever waits for this call's handed-on completions learns of it
+                self._handed.setdefault(key, e)
+                self._arrived.notify_all()
+            raise
+        finally:
+            if turn is not None:
+                with self._turns:
+                    self._turn += 1
+                    self._turns.notify_all()
+
+    def _generate(self, key, jobs, sampling, version, before, hand_on) -> dict:
         with self._lock:
             t0 = time.perf_counter()
             if version is not None:
                 self._use(version)
             if not self._loaded:
                 raise RuntimeError("rollout actor: asked to generate before any weights came")
-            slots = self.cfg.rollout.slots
-            if slots:  # one continuous batch over every job
-                got = self.engine.groups([(job["ids"], job["seeds"]) for job in jobs], sampling, slots)
+            slots, handed_on = self.cfg.rollout.slots, []
+            groups = [(job["ids"], job["seeds"]) for job in jobs]
+            if hand_on:
+                rows = before.get("handed_on", []) if isinstance(before, dict) else list(before or [])
+
+                def publish(done):
+                    with self._arrived:
+                        self._handed[key] = [_completion(c) for c in done]
+                        self._arrived.notify_all()
+
+                got, handed_on = self.engine.chain(groups, sampling, slots, rows, self.version,
+                                                   self.cfg.rollout.partial, publish)
+            elif slots:  # one continuous batch over every job
+                got = self.engine.groups(groups, sampling, slots)
             else:
                 got = [self.engine.group(job["ids"], job["seeds"], sampling) for job in jobs]
             out = [{"prompt": job["prompt"], "version": self.version,
-                    "completions": [{"ids": c.ids, "logps": c.logps, "truncated": c.truncated} for c in done]}
+                    "completions": [None if c is None else _completion(c) for c in done]}
                    for job, done in zip(jobs, got)]
-            return {"groups": out, "seconds": time.perf_counter() - t0}
+            return {"groups": out, "handed_on": handed_on, "seconds": time.perf_counter() - t0}
+
+    def handed(self, round_: int, turn: int | None = None) -> list[dict]:
+        """The completions the call for round `round_` (and `turn`) finished for the round before
+        (the rows handed on to it), once the last of them ends."""
+        key = (round_, turn)
+        with self._arrived:
+            if not self._arrived.wait_for(lambda: key in self._handed, timeout=3600):
+                raise RuntimeError(f"rollout actor: round {round_} never finished the rows handed on to it")
+            got = self._handed.pop(key)
+        if isinstance(got, BaseException):
+            raise RuntimeError(f"rollout actor: round {round_} failed before it finished the rows handed on to it: "
+                               f"{type(got).__name__}: {got}")
+        return got
+
+
+def _completion(c) -> dict:
+    out = {"ids": c.ids, "logps": c.logps, "truncated": c.truncated}
+    if c.spans is not None:
+        out["spans"] = c.spans
+    if c.restarted:
+        out["restarted"] = True
+    return out
 
 
 RolloutActor = ray.remote(RolloutWorker)

@@ -1,9 +1,10 @@
 """Online RL through `rayzero train` (the CLI's `main`, on the session's cluster), with the
 transformers engine sampling on a rollout actor of its own, one round ahead of the ranks
-(`rollout.max_lag=1`, truncated importance sampling, a continuous batch): a 2-rank GRPO run reports TRL's metrics,
-the weight syncs, each round's weight version and the sampler's mismatch; stopped at a commit
-(the round in flight kept in it) and rerun by its command it ends bitwise equal to the unbroken
-run; a rollout actor killed while it generates is replaced, its prompts sampled again from the
+(`rollout.max_lag=1`, truncated importance sampling, a continuous batch whose unfinished
+completions are finished on their weights or handed on to the next round's batch): a 2-rank
+GRPO run reports TRL's metrics, the weight syncs, each round's weight version and the sampler's
+mismatch; stopped at a commit (the round in flight kept in it, and what it handed on) and rerun
+by its command it ends bitwise equal to the unbroken run; a rollout actor killed while it generates is replaced, its prompts sampled again from the
 same weights with the same draws, and the run ends bitwise equal too. A reward that raises ends
 the run after its last commit. Bad input is refused in one line before the cluster starts."""
 
@@ -44,11 +45,14 @@ def final(s: dict) -> dict:
     return load_file(s["final_weights"])
 
 
-def test_grpo_reports_resumes_bitwise_and_survives_a_lost_rollout_actor(run_keys, train_here, tmp_path):
+@pytest.mark.parametrize("partial", ["finish", "continue"])
+def test_grpo_reports_resumes_bitwise_and_survives_a_lost_rollout_actor(partial, run_keys, train_here, tmp_path):
     # generation one round ahead of training (each round from the weights of the round before),
     # corrected by the truncated importance ratio of the trainer to the sampler; a round's 8
-    # completions sampled through a continuous batch of 4 rows
-    run_keys = [*run_keys, "rollout.max_lag=1", "rollout.is_correction=token_truncate", "rollout.slots=4"]
+    # completions sampled through a continuous batch of 4 rows, whose last ones are finished on
+    # their weights, or handed on to the next round's batch and continued on its weights
+    run_keys = [*run_keys, "rollout.max_lag=1", "rollout.is_correction=token_truncate", "rollout.slots=4",
+                f"rollout.partial={partial}"]
     # the unbroken run
     code, _, err, s = train_here(*run_keys, f"checkpoint.dir={tmp_path / 'a'}", "train.steps=4",
                                  f"train.save_final={tmp_path / 'a.safetensors'}", summary="a.json")
@@ -66,6 +70,10 @@ def test_grpo_reports_resumes_bitwise_and_survives_a_lost_rollout_actor(run_keys
     assert rows[0]["sampling/sampling_logp_difference/max"] < 1e-4
     assert all(r["sampling/sampling_logp_difference/max"] > 1e-3 for r in rows[1:])
     assert set(s["final_rl"]) >= {"kl", "entropy"}
+    if partial != "finish":  # round 2's last completions continued on round 3's newer weights (rounds 0
+        # and 1 share weight version 0, and their completions run to the length limit together)
+        assert rows[2]["partial/handed_on"] > 0 and rows[2]["partial/newer_tokens"] > 0, rows[2]
+        assert rows[0]["partial/newer_tokens"] == 0
 
     # stopped at its commit after step 2, rerun by the same command to step 4: bitwise
     keys = [*run_keys, f"checkpoint.dir={tmp_path / 'b'}", f"train.save_final={tmp_path / 'b.safetensors'}"]
@@ -99,7 +107,9 @@ def test_grpo_reports_resumes_bitwise_and_survives_a_lost_rollout_actor(run_keys
     watcher.join(1)
     assert code == 0, err[-3000:]
     assert killed, "no rollout actor was seen generating"
-    assert "was lost generating round" in err
+    # lost while it generates a round, or while it takes the weights of the next (the process is
+    # named after its generate call either way)
+    assert "rollout actor 0 was lost generating round" in err or "rollout actor 0 was lost taking weight" in err
     assert c["restarts"] == 0  # the training ranks never noticed
     _equal(final(s), final(c))
 
@@ -172,9 +182,14 @@ def test_a_reward_that_raises_ends_the_run_in_one_line_after_its_last_commit(run
     assert [r["step"] for r in load_rows(Path(s["run_dir"]) / "history.jsonl")][-1] == 2
 
 
-def test_dynamic_sampling_replaces_groups_without_an_advantage_and_resumes_bitwise(run_keys, train_here, tmp_path):
+@pytest.mark.parametrize("ahead", [[], ["rollout.max_lag=1", "rollout.slots=4", "rollout.partial=continue"]],
+                         ids=["synchronous", "ahead"])
+def test_dynamic_sampling_replaces_groups_without_an_advantage_and_resumes_bitwise(ahead, run_keys, train_here,
+                                                                                    tmp_path):
+    # synchronous, and one round ahead with partial rollouts (the extra prompts sampled from the
+    # weights sent last, after the round already started on the actor)
     keys = [*(k for k in run_keys if not k.startswith("grpo.reward_funcs=")),
-            f"grpo.reward_funcs={REWARDS}:flat_on_sky", "rollout.dynamic_sampling=true"]
+            f"grpo.reward_funcs={REWARDS}:flat_on_sky", "rollout.dynamic_sampling=true", *ahead]
     code, _, err, s = train_here(*keys, f"checkpoint.dir={tmp_path / 'a'}", "train.steps=6",
                                  f"train.save_final={tmp_path / 'a.safetensors'}", summary="a.json")
     assert code == 0, err[-3000:]

@@ -167,6 +167,50 @@ def test_a_continuous_batch_samples_the_policy_and_gives_a_finished_row_the_next
     assert engine.groups(groups, sampling, 3) == got  # the engine's way in; the same draws again
 
 
+@pytest.mark.parametrize("partial", ["continue", "restart"])
+def test_a_chain_hands_unfinished_completions_on_to_the_next_rounds_batch_on_its_weights(partial):
+    """Round 0's batch of 3 rows hands on what is still sampling once a row would be left idle
+    (no forward ran short of rows); round 1's batch, on other weights, finishes those first (each
+    token's logp the whole forward's of the weights that sampled it, their spans saying which)
+    and hands its own on in turn; the same chain again gives the same draws."""
+    import transformers as tf
+
+    from rayzero.rollout.continuous import ContinuousBatch
+
+    torch.manual_seed(0)
+    old = tf.AutoModelForCausalLM.from_config(hf_config("llama"), dtype=torch.float32).eval()
+    new = tf.AutoModelForCausalLM.from_config(hf_config("llama"), dtype=torch.float32).eval()
+    sampling = Sampling(temperature=0.9, top_k=50, max_completion_length=30)
+    rounds = [[((PROMPT + [11, 12])[:k + 2], [draw_seed(0, r, k, i) for i in range(4)]) for k in range(4)]
+              for r in range(2)]
+
+    def link(model, groups, handed, version):
+        batch, done_before = ContinuousBatch(TransformersEngine(model, STOPS), 3), []
+        done = batch.run(groups, sampling, handed, True, version, partial, done_before.extend)
+        return batch, done, done_before
+
+    first, done0, none = link(old, rounds[0], [], 0)
+    assert none == [] and first.handed_on and all(rows == 3 for rows, _ in first.widths), first.widths
+    assert sum(c is None for g in done0 for c in g) == len(first.handed_on)
+    second, done1, finished = link(new, rounds[1], first.handed_on, 1)
+    assert len(finished) == len(first.handed_on) and second.handed_on
+    for h, c in zip(first.handed_on, finished):
+        prompt = rounds[0][h["group"]][0]
+        if partial == "continue":  # its tokens so far kept, the rest from the newer weights
+            k = len(h["ids"])
+            assert c.ids[:k] == h["ids"] and c.logps[:k] == h["logps"] and c.spans == [[0, k], [1, len(c.ids) - k]]
+            want_old, _ = whole_logps(old, prompt, c.ids[:k], sampling.temperature)
+            assert torch.allclose(torch.tensor(c.logps[:k]), want_old, atol=1e-5)
+            want, _ = whole_logps(new, prompt, c.ids, sampling.temperature)
+            assert torch.allclose(torch.tensor(c.logps[k:]), want[k:], atol=1e-5)
+        else:  # sampled again from its start, all on the newer weights
+            assert c.restarted and c.spans == [[1, len(c.ids)]]
+            want, _ = whole_logps(new, prompt, c.ids, sampling.temperature)
+            assert torch.allclose(torch.tensor(c.logps), want, atol=1e-5)
+    again = link(new, rounds[1], first.handed_on, 1)
+    assert again[2] == finished and again[1] == done1 and again[0].handed_on == second.handed_on
+
+
 def test_a_continuous_batch_refuses_a_cache_it_cannot_pad():
     import transformers as tf
 
@@ -187,6 +231,9 @@ def test_a_continuous_batch_refuses_a_cache_it_cannot_pad():
      "rollout.dynamic_sampling: a replayed round's prompts are the file's"),
     (["rollout.is_clip_min=4"], "rollout.is_clip_min: 4 is above rollout.is_clip_max (3)"),
     (["rollout.replay=r.jsonl"], "rollout.replay: read only by rollout.engine=replay"),
+    (["rollout.partial=continue", "rollout.max_lag=1"], "rollout.partial: continue hands a continuous batch's "
+     "unfinished completions on to the next round's; set rollout.slots"),
+    (["rollout.partial=restart", "rollout.slots=4"], "rollout.partial: restart needs rollout.max_lag >= 1"),
 ])
 def test_the_rollout_settings_that_cannot_work_together_are_refused_in_one_line(keys, words):
     from rayzero.config import ConfigError, load_config
