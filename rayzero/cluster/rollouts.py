@@ -359,8 +359,9 @@ class Rollouts:
         """DAPO's dynamic sampling: a group whose rewards are all equal (no advantage, no gradient)
         replaced by the group of the next extra prompt (in an order of their own, sampled from the
         weights sent last: the round's own at max_lag 0), until the round is full or
-        `rollout.max_extra_prompts` were drawn; a round still short keeps its first all-equal
-        groups. (jobs, groups, rewards, metrics) of the round kept."""
+        `rollout.max_extra_prompts` were drawn; a round still short trains on the groups it has,
+        in fewer micro-batches (the ranks pad them to whole ones: `data/rollouts.py`), or on one
+        all-equal group if it has none. (jobs, groups, rewards, metrics) of the round kept."""
         g, n = self.g.num_generations, self.per_round
         kept, equal, drawn = [], [], 0
         batch = [(flight.jobs, groups, rewards)]
@@ -386,10 +387,12 @@ class Rollouts:
                 self.extras = []
                 flight.seconds += extra.seconds
                 batch.append((jobs, got, self.rewards_of(jobs, got)))
-        short = max(0, n - len(kept))
-        chosen = kept[:n] + equal[:short]
+        # a round still short trains on the groups it has (fewer micro-batches); with none, on one all-equal group
+        chosen = kept[:n] or equal[:1]
+        short = len(chosen) - len(kept[:n])
         metrics = {"dynamic_sampling/extra_prompts": float(drawn), "dynamic_sampling/equal_kept": float(short),
-                   "dynamic_sampling/equal_dropped": float(len(equal) - short)}
+                   "dynamic_sampling/equal_dropped": float(len(equal) - short),
+                   "dynamic_sampling/groups": float(len(chosen))}
         return ([c[0] for c in chosen], [c[1] for c in chosen],
                 (torch.cat([c[2] for c in chosen]), torch.cat([c[3] for c in chosen])), metrics)
 

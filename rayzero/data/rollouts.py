@@ -14,6 +14,11 @@ with the step's plan (`plan["rollout"]`). A row is one prompt and one of its com
 The step's rows are in the order the driver gives (prompt by prompt, each prompt's completions by
 their index); rank r of d takes rows [r·B/d, (r+1)·B/d), split into micro-batches: the same rows
 at any world size, as every other kind of data.
+
+A step may bring fewer rows than the global batch (dynamic sampling's round still short): they
+are padded with rows that take no part in the loss up to whole micro-batches on every rank (up
+to the whole batch with pipeline stages, whose schedule is fixed), so the step runs fewer
+micro-batches, the same number on every rank, and the iteration's phases past them do nothing.
 """
 
 from __future__ import annotations
@@ -70,7 +75,8 @@ class RolloutBatches:
             raise ValueError(f"global batch {global_batch} is not divisible by micro batch {micro_batch} "
                              f"x data-parallel size {dp_size}")
         self.global_batch, self.micro_batch, self.seq_len = global_batch, micro_batch, seq_len
-        self.dp_rank, self.rows_per_rank = dp_rank, global_batch // dp_size
+        self.dp_rank, self.dp_size, self.rows_per_rank = dp_rank, dp_size, global_batch // dp_size
+        self.whole_steps = False  # every step its whole batch (pipeline stages: a fixed schedule)
         self._given: dict | None = None  # the plan's rollouts: {"step", "rows"}
 
     @property
@@ -82,25 +88,32 @@ class RolloutBatches:
         return self.global_batch * self.seq_len
 
     def take(self, rollout: dict) -> None:
-        """The step's rollouts, from its plan: {"step", "rows": every row of the step}."""
-        if len(rollout["rows"]) != self.global_batch:
-            raise ValueError(f"step {rollout['step']}: {len(rollout['rows'])} rollouts for a global batch of "
+        """The step's rollouts, from its plan: {"step", "rows": every row of the step}, as many as
+        the global batch or fewer (padded here with rows that take no part)."""
+        rows, unit = rollout["rows"], self.micro_batch * self.dp_size
+        if not 0 < len(rows) <= self.global_batch:
+            raise ValueError(f"step {rollout['step']}: {len(rows)} rollouts for a global batch of "
                              f"{self.global_batch}")
-        self._given = rollout
+        want = self.global_batch if self.whole_steps else -(-len(rows) // unit) * unit
+        pad = {**rows[-1], "masked": True, "advantage": 0.0, "padding": True}
+        self._given = {**rollout, "rows": list(rows) + [pad] * (want - len(rows))}
 
     def microbatches(self, step: int) -> list[MicroBatch]:
         given = self._given
         if given is None or given["step"] != step:
             raise RuntimeError(f"step {step}: its plan brought no rollouts")
-        mine = given["rows"][self.dp_rank * self.rows_per_rank:(self.dp_rank + 1) * self.rows_per_rank]
+        per = len(given["rows"]) // self.dp_size
+        mine = given["rows"][self.dp_rank * per:(self.dp_rank + 1) * per]
         tokens, targets, adv = rollout_rows(mine, self.seq_len)
         m = self.micro_batch
         length = (targets != IGNORE_INDEX).sum(-1).double()
         sampler = sampler_logps(mine, self.seq_len)
-        return [MicroBatch(t, y, row_fields={"advantage": a, "length": n},
+        padded = any(r.get("padding") for r in given["rows"])  # rows that are not the step's: counted nowhere
+        padding = torch.tensor([bool(r.get("padding")) for r in mine])
+        return [MicroBatch(t, y, row_fields={"advantage": a, "length": n, **({"padding": p} if padded else {})},
                            token_fields={"sampler_logps": sampler[k:k + m]} if sampler is not None else {})
-                for k, t, y, a, n in zip(range(0, len(mine), m), tokens.split(m), targets.split(m), adv.split(m),
-                                         length.split(m))]
+                for k, t, y, a, n, p in zip(range(0, len(mine), m), tokens.split(m), targets.split(m), adv.split(m),
+                                            length.split(m), padding.split(m))]
 
     def close(self) -> None:
         self._given = None

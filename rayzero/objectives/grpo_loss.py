@@ -133,20 +133,26 @@ class PolicyLoss:
             return total, torch.tensor(self.count(mask, length, parts), device=per_token.device)
         return total, mask.sum()
 
-    def rows(self, mask: torch.Tensor, length: torch.Tensor | None, parts: int) -> float:
-        """The micro-batch's rows, or with context parallelism this part's share of them."""
+    def rows(self, mask: torch.Tensor, length: torch.Tensor | None, parts: int,
+             padding: torch.Tensor | None = None) -> float:
+        """The micro-batch's rows, or with context parallelism this part's share of them (rows
+        that only pad a short step to whole micro-batches not counted)."""
+        if padding is not None:
+            real = ~padding.to(mask.device)
+            mask, length = mask[real], (None if length is None else length[real])
         if length is None or parts == 1:
             return float(mask.shape[0])
         here, length = mask.double().sum(-1).cpu(), length.double().cpu()
         return float(torch.where(length > 0, here / length.clamp(min=1.0), torch.full_like(here, 1.0 / parts)).sum())
 
-    def count(self, mask: torch.Tensor, length: torch.Tensor | None = None, parts: int = 1) -> float:
+    def count(self, mask: torch.Tensor, length: torch.Tensor | None = None, parts: int = 1,
+              padding: torch.Tensor | None = None) -> float:
         """The step's divisor's part from this micro-batch (`loss_type`): its rows (grpo), its
         rows x max_completion_length (dr_grpo), or its completion tokens (bnpo, dapo)."""
         if self.loss_type == "grpo":
-            return self.rows(mask, length, parts)
+            return self.rows(mask, length, parts, padding)
         if self.loss_type == "dr_grpo":
-            return self.rows(mask, length, parts) * self.max_completion_length
+            return self.rows(mask, length, parts, padding) * self.max_completion_length
         return float(mask.sum())
 
     def metric_sums(self, kl: torch.Tensor | None, ratio: torch.Tensor, adv: torch.Tensor,
@@ -235,8 +241,8 @@ class PolicyObjective:
         self.policy, self.temperature, self.parts = policy, temperature, parts  # parts: the cp size
 
     def count(self, batch) -> torch.Tensor:
-        return torch.tensor(self.policy.count(batch.loss_mask, batch.row_fields.get("length"), self.parts),
-                            dtype=torch.float64)
+        return torch.tensor(self.policy.count(batch.loss_mask, batch.row_fields.get("length"), self.parts,
+                                              batch.row_fields.get("padding")), dtype=torch.float64)
 
     def loss(self, out, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         logps = out.tempered_logps(self.temperature)

@@ -62,7 +62,8 @@ class RolloutConfig(Frozen):
         "next prompt drawn in its place, until the round is full or max_extra_prompts more were drawn.",
     )
     max_extra_prompts: int = Field(default=64, ge=0, description="With dynamic_sampling: the most prompts drawn "
-                                   "beyond a round's own; a round still short keeps its last all-equal groups.")
+                                   "beyond a round's own; a round still short trains on the groups it has, in "
+                                   "fewer micro-batches (0: drop all-equal groups, draw none in their place).")
     cpus_per_worker: float = Field(default=1.0, gt=0, description="CPUs each rollout actor's placement bundle "
                                    "reserves.")
     gpus_per_worker: float = Field(default=0.0, ge=0, description="GPUs each rollout actor's bundle reserves "

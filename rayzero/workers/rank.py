@@ -226,6 +226,8 @@ class Rank(Membership):
             dp_rank=self.mesh.coord("batch"),
             dp_size=self.mesh.size("batch"),
         )
+        if hasattr(self.data, "whole_steps"):  # a step of fewer rollouts: fewer micro-batches, unless staged
+            self.data.whole_steps = self.mesh.size("pp") > 1
 
     def _setup_report(self, backend: str, source, stages) -> dict:
         """What `setup` tells the driver: the device, the model's counts and identity, the layout,

@@ -91,6 +91,7 @@ class Plain:
         self.ctx, self.objective = ctx, objective
         self.micro: Micro = []
         self.next = 0
+        self.micro_per_step = ctx.micro_per_step
         self.checked = False  # the first forward checks the model's output
         self.activations_peak = 0
         self._aux_sum: torch.Tensor | None = None
@@ -106,6 +107,10 @@ class Plain:
         if cp is not None:  # the cp group's ranks took the same rows: each keeps its tokens of them
             micro, rows = ([b.split(cp) for b in m] for m in (micro, rows))
         self.micro, self.next, self.step, self.first = micro, 0, step, first_micro
+        # the step's micro-batches over every rank: fewer when the step brought fewer rows (rollouts)
+        self.micro_per_step = self.ctx.micro_per_step
+        if getattr(self.ctx.data, "whole_steps", None) is not None:
+            self.micro_per_step = self.ctx.micro_per_step * len(micro) // self.ctx.data.num_microbatches
         self._aux_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         self.objective.begin(micro, rows, step, whole)
 
@@ -113,10 +118,12 @@ class Plain:
         """A micro-batch's part of the step's loss (the objective's, divided already), plus the
         model's auxiliary loss averaged over the step's micro-batches (the same at any world
         size) and weighted by its coefficient."""
-        return loss if aux is None else loss + self.aux_coef * aux / self.ctx.micro_per_step
+        return loss if aux is None else loss + self.aux_coef * aux / self.micro_per_step
 
     def forward(self) -> None:
         ctx = self.ctx
+        if self.next >= len(self.micro):  # a step of fewer micro-batches than the iteration has phases for
+            return
         batch = self.micro[self.next]
         ctx.streams.begin(self.step, self.first + self.next)
         with ctx.meter.sampled(tuple(batch.tokens.shape)):  # what this micro-batch's forward leaves saved for its backward
@@ -128,6 +135,8 @@ class Plain:
         self._loss = self.mean(loss, aux)
 
     def backward(self) -> None:
+        if self.next >= len(self.micro):
+            return
         last = self.next == len(self.micro) - 1
         self.ctx.strategy.backward(self._loss, last_microbatch=last)
         self._loss = None

@@ -182,12 +182,13 @@ def test_a_reward_that_raises_ends_the_run_in_one_line_after_its_last_commit(run
     assert [r["step"] for r in load_rows(Path(s["run_dir"]) / "history.jsonl")][-1] == 2
 
 
-@pytest.mark.parametrize("ahead", [[], ["rollout.max_lag=1", "rollout.slots=4", "rollout.partial=continue"]],
-                         ids=["synchronous", "ahead"])
+@pytest.mark.parametrize("ahead", [[], ["rollout.max_lag=1", "rollout.slots=4", "rollout.partial=continue",
+                                        "rollout.max_extra_prompts=1"]], ids=["synchronous", "ahead"])
 def test_dynamic_sampling_replaces_groups_without_an_advantage_and_resumes_bitwise(ahead, run_keys, train_here,
                                                                                     tmp_path):
-    # synchronous, and one round ahead with partial rollouts (the extra prompts sampled from the
-    # weights sent last, after the round already started on the actor)
+    # synchronous; and one round ahead with partial rollouts, drawing at most one extra prompt a
+    # round (sampled from the weights sent last, after the next round started on the actor), so
+    # that a round can stay short and train on fewer micro-batches
     keys = [*(k for k in run_keys if not k.startswith("grpo.reward_funcs=")),
             f"grpo.reward_funcs={REWARDS}:flat_on_sky", "rollout.dynamic_sampling=true", *ahead]
     code, _, err, s = train_here(*keys, f"checkpoint.dir={tmp_path / 'a'}", "train.steps=6",
@@ -197,8 +198,14 @@ def test_dynamic_sampling_replaces_groups_without_an_advantage_and_resumes_bitwi
     # 2 of the 6 prompts are about the sky: some round draws one, and it is replaced
     assert sum(r["dynamic_sampling/extra_prompts"] for r in rows) >= 1
     assert all(r["frac_reward_zero_std"] == 0.0 and r["dynamic_sampling/equal_kept"] == 0 for r in rows)
-    assert sum(r["dynamic_sampling/equal_dropped"] for r in rows) == sum(r["dynamic_sampling/extra_prompts"]
-                                                                         for r in rows)
+    groups = [r["dynamic_sampling/groups"] for r in rows]
+    if not ahead:  # every sky prompt replaced by one that is not: each round full
+        assert groups == [2] * 6
+        assert sum(r["dynamic_sampling/equal_dropped"] for r in rows) == sum(r["dynamic_sampling/extra_prompts"]
+                                                                             for r in rows)
+    else:  # round 0 drew a sky prompt again: it trains on its one group, in 1 micro-batch a rank of 2
+        assert groups[0] == 1 and rows[0]["dynamic_sampling/equal_dropped"] == 2 and max(groups) == 2, groups
+        assert err.count("compiling the iteration") == 1  # the same compiled iteration for either
     # stopped at its commit after step 2 and rerun by the same command (steps 2-5: the second epoch,
     # whose sky prompts are replaced too): the extra prompts go on where they were (the checkpoint
     # keeps how many were drawn), and the run ends bitwise

@@ -258,3 +258,40 @@ def test_importance_sampling_is_trls_and_weighs_the_loss_as_trls_does(mode, clip
         theirs, _ = trl_loss(cfg, logps, old, ref, mask, adv, is_ratio=want)
         mine, _ = ours(cfg, logps, old, ref, mask, adv, is_ratio=got)
         assert mine.item() == pytest.approx(theirs.item(), rel=1e-6, abs=1e-7), loss_type
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "dr_grpo"])
+def test_a_short_step_runs_fewer_micro_batches_whose_padding_counts_nowhere(loss_type):
+    """Dynamic sampling's round still short: the ranks pad its rows to whole micro-batches with
+    rows that take no part, so the step's loss is the real rows' (a completion left out as
+    truncated still counting as a row, as TRL's does), in fewer micro-batches when it can."""
+    from rayzero.data.rollouts import RolloutBatches
+
+    rows = [{"ids": list(range(3, 8 + k)), "start": 4, "advantage": k - 2.0, "logps": None} for k in range(5)]
+    rows[1]["masked"] = True
+    cfg = PolicyLoss(loss_type, max_completion_length=8)
+
+    def step(rows, global_batch, micro, dp):
+        out = []
+        for rank in range(dp):
+            b = RolloutBatches(None, seed=0, global_batch=global_batch, micro_batch=micro, seq_len=12, dp_rank=rank,
+                               dp_size=dp)
+            b.take({"step": 0, "rows": rows})
+            out += b.microbatches(0)
+        return out
+
+    def loss(micro):
+        total = count = 0.0
+        for b in micro:
+            logps = -(b.tokens.float() + 1) / 50
+            per_token, _, _ = cfg.token_losses(logps, logps.detach(), None, b.row_fields["advantage"], None)
+            total += float(cfg.summed(per_token, b.loss_mask, b.row_fields["length"])[0])
+            count += cfg.count(b.loss_mask, b.row_fields["length"], 1, b.row_fields.get("padding"))
+        return total / count
+
+    short = step(rows, 8, 2, 2)  # 5 rows of a batch of 8: padded to 8, 2 micro-batches on each of 2 ranks
+    assert len(short) == 4 and sum(int(b.row_fields["padding"].sum()) for b in short) == 3
+    assert loss(short) == pytest.approx(loss(step(rows, 5, 1, 1)), rel=1e-6)
+    shorter = step(rows[:3], 8, 2, 2)  # 3 rows: 1 micro-batch a rank instead of 2
+    assert len(shorter) == 2 and loss(shorter) == pytest.approx(loss(step(rows[:3], 3, 1, 1)), rel=1e-6)
+    assert "padding" not in step(rows[:4], 4, 2, 2)[0].row_fields  # a full step: as before
