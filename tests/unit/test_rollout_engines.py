@@ -234,6 +234,7 @@ def test_a_continuous_batch_refuses_a_cache_it_cannot_pad():
     (["rollout.partial=continue", "rollout.max_lag=1"], "rollout.partial: continue hands a continuous batch's "
      "unfinished completions on to the next round's; set rollout.slots"),
     (["rollout.partial=restart", "rollout.slots=4"], "rollout.partial: restart needs rollout.max_lag >= 1"),
+    (["rollout.engine=vllm"], "vllm: no engine of rayzero's samples through vllm yet"),
 ])
 def test_the_rollout_settings_that_cannot_work_together_are_refused_in_one_line(keys, words):
     from rayzero.config import ConfigError, load_config
