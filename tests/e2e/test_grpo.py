@@ -112,6 +112,23 @@ def test_grpo_reports_resumes_bitwise_and_survives_a_lost_rollout_actor(partial,
     assert "rollout actor 0 was lost generating round" in err or "rollout actor 0 was lost taking weight" in err
     assert c["restarts"] == 0  # the training ranks never noticed
     _equal(final(s), final(c))
+    if partial == "finish":
+        return
+    # lost between rounds (killed as round 0 is scored): the next sync finds it gone, a new actor
+    # takes that version and the ones its rounds in flight ask for, and the run ends bitwise too
+    rewards = next(k for k in run_keys if k.startswith("grpo.reward_funcs="))
+    keys = [k for k in run_keys if k != rewards] + [f"{rewards},{REWARDS}:lose_the_rollout_actor_once"]
+    mark = tmp_path / "lost"
+    os.environ["RAYZERO_TEST_LOSE_ACTOR"] = str(mark)
+    try:
+        code, _, err, d = train_here(*keys, f"checkpoint.dir={tmp_path / 'd'}", "train.steps=4",
+                                     f"train.save_final={tmp_path / 'd.safetensors'}", summary="d.json")
+    finally:
+        del os.environ["RAYZERO_TEST_LOSE_ACTOR"]
+    assert code == 0, err[-3000:]
+    assert mark.exists() and "rollout actor 0 was lost taking weight version 1" in err
+    assert d["restarts"] == 0
+    _equal(final(s), final(d))
 
 
 def _equal(a: dict, b: dict) -> None:
