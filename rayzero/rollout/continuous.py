@@ -1,7 +1,8 @@
 """A continuous batch: many groups' completions sampled through `slots` rows of one KV cache, a
 finished completion's row given the next completion at once (`rollout.slots`).
 
-    queue     every completion of the groups, in order (group by group, a group's by index)
+    queue     every completion of the groups, in order (group by group, a group's by index),
+              after the rows the batch before handed on (`rollout.partial`)
     row       one completion being sampled: its generator (its seed's), its tokens and their
               log-probabilities; it joins with its prompt's cache (computed once a group) and
               leaves at an end id or `max_completion_length` tokens
@@ -15,6 +16,10 @@ the next prompts. Each row's draws are its own generator's, as in a group's batc
 computed beside other rows (left padding masked), so they may differ from a group's in the last
 bits, which can change a draw at a near tie: the completions depend on the order of the queue,
 and so on how a round is spread over the rollout actors, never on timing.
+
+Handed on (`rollout.partial`): once no completion waits for a row, no row handed in is left, and
+a row is free, the rows still sampling stop and go to the next round's batch (`ContinuousBatch`);
+where that happens is a function of the completions alone.
 
 Needs a transformers causal LM whose cache is one full-attention layer per block (transformers'
 `DynamicLayer`): a sliding-window cache cannot be padded this way, and is refused.
