@@ -120,12 +120,21 @@ def test_the_pictures_are_the_ones_the_code_draws():
 
 
 def test_the_models_matrix_is_what_the_tests_run():
-    from tests.matrix import matrix_block
+    from tests.matrix import matrix_block, tested_versions
 
     page = (ROOT / "docs" / "reference" / "models.md").read_text()
     start, end = "<!-- matrix: python -m tests.matrix -->\n", "\n<!-- /matrix -->"
     said = page[page.index(start) + len(start):page.index(end)]
-    assert said == matrix_block(), "docs/reference/models.md: paste `python -m tests.matrix`"
+    tables, _, versions = said.rpartition("\n")
+    assert tables == matrix_block().rpartition("\n")[0], "docs/reference/models.md: paste `python -m tests.matrix`"
+    # The versions line names what the page was last pasted with. A clean install may resolve a
+    # newer release of an unpinned package: the same major, never an older one, still holds.
+    installed = tested_versions()
+    named = dict(re.findall(r"(Python|torch|Ray|transformers|PEFT|TRL) (\d+\.\d+)", versions))
+    assert {k.lower() for k in named} == set(installed), versions
+    for name, version in named.items():
+        have, said_v = (tuple(map(int, v.split("."))) for v in (installed[name.lower()], version))
+        assert have[0] == said_v[0] and have >= said_v, f"{name}: the page says {version}, the suite runs {installed[name.lower()]}"
 
 
 def test_the_benchmarks_page_and_its_figures_are_what_the_stored_results_draw():
