@@ -6,8 +6,10 @@ runs `rayzero train` by the CLI's `main` in this process, joining a Ray head it 
 (`startup.start_head`: this machine's CPUs, token auth), in rounds; each round, per model (the built-in GPT and a tiny Llama saved
 by `examples/tiny_llama.py`): one run without keeping (new processes: Ray's worker start, torch
 and the model's code imported), then two with keeping, of which the second is timed (it takes
-the first's ranks). Each run trains 4 steps on 2 ranks, MLflow and checkpoints off. Reported:
-the median seconds of each, and kept / new.
+the first's ranks). Each run trains 4 steps on 2 ranks, MLflow and checkpoints off. A third
+model is online RL: the GRPO guide's task (`examples/grpo_task.py`, a tiny Llama) on 2 ranks of
+half a CPU and one rollout actor, whose process is kept beside the ranks. Reported: the median
+seconds of each, and kept / new.
 
     python benchmarks/kept_ranks.py [--rounds 3] [--json PATH]
 """
@@ -49,11 +51,19 @@ def main() -> None:
     os.environ["RAY_AUTH_MODE"] = "token"
     subprocess.run([str(BIN / "python"), str(HERE.parent / "examples/tiny_llama.py"), str(work / "llama")],
                    check=True, capture_output=True)
+    from grpo import task  # benchmarks/grpo.py: the guide's task, its prompts prepared
+
+    rl = task(work / "grpo")
     address, _ = start_head(env)
     from rayzero import release_ranks
     from rayzero.jobs.cli import main as rayzero
 
-    models = {"gpt": [], "llama": ["model.kind=hf", f"model.path={work / 'llama'}"]}
+    models = {"gpt": [], "llama": ["model.kind=hf", f"model.path={work / 'llama'}"],
+              "grpo": ["model.kind=hf", f"model.path={rl / 'model'}", f"data.path={rl / 'data'}",
+                       "train.objective=grpo", f"grpo.reward_funcs={rl / 'reward.py'}:says_it",
+                       "grpo.num_generations=8", "grpo.max_completion_length=4", "train.global_batch_size=32",
+                       "train.micro_batch_size=8", "train.seq_len=16", "cluster.cpus_per_worker=0.5",
+                       "rollout.cpus_per_worker=1"]}
     times: dict[str, dict[str, list[float]]] = {m: {"new": [], "kept": []} for m in models}
     try:
         base = [*RUN, f"cluster.address={address}", f"train.output_dir={work / 'runs'}"]
@@ -71,7 +81,7 @@ def main() -> None:
         release_ranks()
         subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True)
     result = {}
-    print("| model, 4 steps on 2 ranks | new ranks (s) | kept ranks (s) | kept / new |\n|---|---|---|---|")
+    print("| model, 4 steps on 2 ranks | new processes (s) | kept processes (s) | kept / new |\n|---|---|---|---|")
     for m, t in times.items():
         new, kept = statistics.median(t["new"]), statistics.median(t["kept"])
         result[m] = {"new_s": new, "kept_s": kept, "ratio": kept / new, "rounds": t}

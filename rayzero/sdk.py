@@ -14,10 +14,10 @@ does, it says each start-up stage in one line as it begins (on stderr, under the
 notebook's stop button) ends the run cleanly: the rank actors are gone and the last committed
 checkpoint stays as it was; fitting the same config again resumes from it.
 
-With `cluster.keep_ranks=true` a run that ends well keeps its rank processes for the next
-`fit()` placed alike, which then starts in a second or two instead of starting processes and
-importing torch and the model's code (4-12 s on a laptop); they hold their CPUs or GPUs while
-idle, until `release_ranks()`, a run placed otherwise, or the kernel's end.
+With `cluster.keep_ranks=true` a run that ends well keeps its rank processes (and online RL's
+rollout actors) for the next `fit()` placed alike, which then starts in a second or two instead
+of starting processes and importing torch and the model's code (4-12 s on a laptop); they hold
+their CPUs or GPUs while idle, until `release_ranks()`, a run placed otherwise, or the kernel's end.
 """
 
 from __future__ import annotations

@@ -60,7 +60,8 @@ class ClusterConfig(Frozen):
         "run in the same Python process with the same placement (a notebook's next `fit()`, a sweep): it starts "
         "without starting processes or importing torch and the model's code again, its ranks made anew. The kept "
         "ranks hold their resources while idle; `rayzero.release_ranks()`, a run with another placement, or the "
-        "process's end frees them.",
+        "process's end frees them. Online RL's rollout actors are kept beside them, for a run with as many "
+        "rollout actors of the same bundle (a run without rollouts frees them).",
     )
     pg_timeout_s: float = Field(
         default=300.0, gt=0,

@@ -157,7 +157,7 @@ class Controller:
             if self.spares is not None:
                 self.spares.kill()
             if self.driver_side is not None:
-                self.driver_side.close()
+                self.driver_side.close(keep=status == "FINISHED")
             self.tracker.finish(status)
         return self.summary()
 

@@ -44,6 +44,7 @@ import numpy as np
 import ray
 import torch
 
+from rayzero.cluster.worker_group import KEPT
 from rayzero.objectives.grpo_loss import advantages, nanstd
 from rayzero.rollout.engines import ReplayEngine, Sampling, draw_seed
 from rayzero.rollout.rewards import RewardError, Rewards
@@ -186,11 +187,23 @@ class Rollouts:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        bundle = {"CPU": self.r.cpus_per_worker, **({"GPU": self.r.gpus_per_worker} if self.r.gpus_per_worker else {})}
-        self.pg = placement_group([dict(bundle) for _ in range(self.r.workers)], strategy="PACK")
-        ray.get(self.pg.ready(), timeout=self.cfg.cluster.placement_timeout_s)
+        kept = KEPT.take_rollouts(self._keep_key(), lambda i: (self.cfg, self.stop_ids, self.factory, i)) \
+            if self.cfg.cluster.keep_ranks else None
+        if kept is not None:  # the last run's actors (`cluster.keep_ranks`), made anew: no process start
+            self.pg, self.actors = kept
+        else:
+            self.pg = placement_group([dict(self._bundle()) for _ in range(self.r.workers)], strategy="PACK")
+            ray.get(self.pg.ready(), timeout=self.cfg.cluster.placement_timeout_s)
         self._strategy = lambda i: PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)
-        self.actors = [self._actor(i) for i in range(self.r.workers)]
+        if kept is None:
+            self.actors = [self._actor(i) for i in range(self.r.workers)]
+
+    def _bundle(self) -> dict:
+        return {"CPU": self.r.cpus_per_worker, **({"GPU": self.r.gpus_per_worker} if self.r.gpus_per_worker else {})}
+
+    def _keep_key(self) -> tuple:
+        """What kept actors must have been started with to serve this run (`cluster.keep_ranks`)."""
+        return "rollouts", self.r.workers, tuple(sorted(self._bundle().items())), 2 * self.lag + 4
 
     def _actor(self, i: int):
         from rayzero.workers.rollout import RolloutActor
@@ -200,7 +213,13 @@ class Rollouts:
                                     max_concurrency=2 * self.lag + 4).remote(  # waiting calls hold a thread
             self.cfg, self.stop_ids, self.factory, i)
 
-    def close(self) -> None:
+    def close(self, keep: bool = False) -> None:
+        """The actors killed and their bundles freed; or, for a run that ended well with
+        `cluster.keep_ranks` (`keep`), kept for the next run once no call of theirs is running."""
+        if keep and self.cfg.cluster.keep_ranks and self.actors and self.pg is not None and self._idle():
+            KEPT.keep_rollouts(self._keep_key(), self.pg, self.actors)
+            self.actors, self.pg = [], None
+            return
         for a in self.actors:
             try:
                 ray.kill(a)
@@ -213,6 +232,16 @@ class Rollouts:
             except Exception as e:  # noqa: BLE001
                 log.debug("removing the rollout placement group: %s", e)
             self.pg = None
+
+    def _idle(self, timeout_s: float = 10.0) -> bool:
+        """Whether every call made to the actors has returned (the rounds a lag started past the
+        last step: waited for up to `timeout_s`)."""
+        flights = [*self.flights.values(), *self.extras, *([self.previous] if self.previous is not None else [])]
+        refs = [ref for f in flights for ref in (*f.refs.values(), *f.handed_refs.values())]
+        if not refs:
+            return True
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s, fetch_local=False)
+        return len(done) == len(refs)
 
     def sync(self, group, version: int) -> None:
         """The ranks' weights of `version` into every actor, bucket by bucket: everything the
@@ -483,7 +512,8 @@ class Rollouts:
                 continue
             rounds[str(q)] = {"version": f.version, "jobs": f.jobs, "groups": self.collect(f),
                               "seconds": f.seconds}
-        return {"rounds": rounds, "extra_prompts": self.extra_pos, "partial": self.r.partial}
+        return {"rounds": rounds, "extra_prompts": self.extra_pos, "partial": self.r.partial,
+                "workers": len(self.actors) or self.r.workers}
 
     def restore(self, state: dict | None) -> None:
         """Continue from a checkpoint's `state` (None: from the start): its rounds in flight, as they were."""
@@ -493,6 +523,12 @@ class Rollouts:
         if (state or {}).get("rounds") and (was == "finish") != (self.r.partial == "finish"):
             raise ValueError(f"rollout.partial: the checkpoint's rounds in flight were sampled with "
                              f"rollout.partial={was}; resume with it (this run has {self.r.partial})")
+        chained = [q for q, f in ((state or {}).get("rounds") or {}).items() if "results" in f]
+        had = (state or {}).get("workers")
+        if chained and had is not None and int(had) != self.r.workers:
+            raise ValueError(f"rollout.workers: the checkpoint's rounds in flight ({', '.join(chained)}) hand "
+                             f"completions on from one rollout actor to its next call, over {had} actors; resume "
+                             f"with rollout.workers={had} (this run has {self.r.workers})")
         for q, f in ((state or {}).get("rounds") or {}).items():
             flight = Flight(int(q), int(f["version"]), f["jobs"])
             if "results" in f:  # a link of the chains

@@ -250,7 +250,10 @@ class Resuming(State):
             rec.schedule_steps = schedule_length(run.cfg.train.steps, run.cfg.optim, c.manifest)
             run.early.restore(c.manifest.get("early_stopping"))
             if run.driver_side is not None:  # online RL: the rounds in flight at the commit
-                run.driver_side.restore(c.manifest.get("rollouts"))
+                try:
+                    run.driver_side.restore(c.manifest.get("rollouts"))
+                except ValueError as e:  # a setting the rounds in flight cannot go on under
+                    raise CheckpointError(f"cannot resume from {c.uri}: {e}") from None
             log.info("resumed from %s at step %d", c.uri, c.step)
             run.tracker.set_tags({"resumed_from": c.uri})
             return

@@ -240,7 +240,12 @@ class Kept:
     start, no imports. They are killed, their bundles freed, when a run is placed otherwise or
     runs without `keep_ranks`, by `rayzero.release_ranks()` (which also closes the Ray
     connection a run left open for them), and at the process's end (Ray ends a driver's
-    actors with it)."""
+    actors with it).
+
+    Online RL's rollout actors are kept beside them (`rollouts`: idle, in their placement
+    group) for the next run that is placed alike and samples through as many actors of the
+    same bundle (`take_rollouts`, each actor made anew: `RolloutWorker.renew`); they go with
+    the ranks, and are killed too at the start of a run that has no rollouts (`discard_rollouts`)."""
 
     def __init__(self):
         self.group: WorkerGroup | None = None  # its `keep_as`: the placement it serves
@@ -255,6 +260,7 @@ class Kept:
         self.ahead_key: tuple | None = None
         self.ahead_began_s: float | None = None
         self.ahead_error: PlacementError | None = None
+        self.rollouts: tuple | None = None  # (key, placement group, actors) of the rollout actors kept
 
     def wait_ahead(self) -> None:
         """Until a placement begun ahead of the run (if any) is done."""
@@ -317,13 +323,50 @@ class Kept:
             ray.shutdown()
 
     def discard(self) -> None:
-        """Kill the kept ranks and free their bundles (the Ray connection stays)."""
+        """Kill the kept ranks (and rollout actors) and free their bundles (the Ray connection stays)."""
         group, self.group = self.group, None
         if group is not None and self._cluster() == self.cluster:
             group.kill()
+        self.discard_rollouts()
+
+    def keep_rollouts(self, key: tuple, pg, actors: list) -> None:
+        """Rollout actors, idle, in their placement group `pg`, for a run whose rollouts are `key`."""
+        self.discard_rollouts()
+        self.rollouts = ((*key, self._cluster()), pg, list(actors))
+
+    def take_rollouts(self, key: tuple, actor_args: Callable[[int], tuple[Any, ...]],
+                      timeout_s: float = 60.0) -> tuple | None:
+        """(placement group, actors) of the rollout actors kept for `key`, each renewed with
+        `actor_args(i)`; None if none serve (those kept for another key are killed)."""
+        if self.rollouts is None or self.rollouts[0] != (*key, self._cluster()):
+            self.discard_rollouts()
+            return None
+        (_, pg, actors), self.rollouts = self.rollouts, None
+        try:
+            ray.get([a.renew.remote(*actor_args(i)) for i, a in enumerate(actors)], timeout=timeout_s)
+        except Exception as e:  # one died while idle, or hangs: start afresh
+            log.info("the kept rollout actors could not be renewed (%s); starting new ones", e)
+            _kill(actors, pg)
+            return None
+        return pg, actors
+
+    def discard_rollouts(self) -> None:
+        """Kill the kept rollout actors and free their bundles, if Ray is still the one they live in."""
+        kept, self.rollouts = self.rollouts, None
+        if kept is not None and kept[0][-1] == self._cluster():
+            _kill(kept[2], kept[1])
 
 
 KEPT = Kept()
+
+
+def _kill(actors: list, pg) -> None:
+    for a in actors:
+        try:
+            ray.kill(a, no_restart=True)
+        except Exception as e:  # noqa: BLE001 (already gone)
+            log.debug("kill failed: %s", e)
+    remove_groups([pg])
 
 
 def begin_ahead(cfg, began_s: float) -> bool:
@@ -332,7 +375,7 @@ def begin_ahead(cfg, began_s: float) -> bool:
     from rayzero.workers.actor import RankActor
 
     worlds, c = cfg.world_sizes(), cfg.cluster
-    if len(worlds) > 1 or KEPT.group is not None:  # elastic: the cluster's room decides its world
+    if len(worlds) > 1 or KEPT.group is not None or KEPT.rollouts is not None:  # elastic: the cluster's room decides its world
         return False
     KEPT.ahead, KEPT.ahead_error = threading.Event(), None
     KEPT.ahead_key, KEPT.ahead_began_s = placement_key(RankActor, worlds[0], c.bundle, c.placement_strategy), began_s

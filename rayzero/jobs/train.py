@@ -359,6 +359,8 @@ def train_run(cfg: RootConfig, progress: bool = True, factory=None, startup: Sta
     prepared = prepare_model(cfg, factory, data_vocab=meta["vocab_size"], packs=packs_examples(cfg, meta))
     spec = prepared.spec
     driver_side = make_driver_side(cfg, data_path, spec, rewards, factory)
+    if driver_side is None or not cfg.cluster.keep_ranks:
+        KEPT.discard_rollouts()  # rollout actors an earlier run kept, not this run's
     note = vocab_note(cfg, prepared.built) if cfg.mesh().size("tp") > 1 and cfg.parallel.vocab_parallel else None
     if note:
         print(f"rayzero: note: {note}", file=sys.stderr)

@@ -55,6 +55,12 @@ class RolloutWorker:
         self._turns, self._turn = threading.Condition(), 0  # the driver's calls, in its order
         self._handed: dict[tuple, list[dict]] = {}  # (round, turn) -> what its call finished for the round before
 
+    def renew(self, cfg, eos_ids: list[int], factory=None, index: int = 0) -> int:
+        """A kept actor (`cluster.keep_ranks`) made anew for the next run, as a new one starts
+        (its model built again, no weights, no version): no process start, no imports."""
+        self.__init__(cfg, eos_ids, factory, index)
+        return os.getpid()
+
     def pid(self) -> int:
         return os.getpid()
 

@@ -166,8 +166,8 @@ def _live(address: str, but: set[str] = frozenset()) -> set[str]:
 
 def kept() -> set[str]:
     """The ids of what `cluster.keep_ranks` keeps on the cluster for this process's next run:
-    the kept rank actors, their placement group, and this process's driver (job), which stays
-    connected for them."""
+    the kept rank actors and rollout actors, their placement groups, and this process's driver
+    (job), which stays connected for them."""
     import ray
 
     from rayzero.cluster.worker_group import KEPT
@@ -175,8 +175,9 @@ def kept() -> set[str]:
     group = KEPT.group
     if group is None or not ray.is_initialized():
         return set()
-    return ({a._actor_id.hex() for a in group.actors} | {group.pg.id.hex()}
-            | {ray.get_runtime_context().get_job_id()})
+    _, pg, actors = KEPT.rollouts or (None, None, [])
+    return ({a._actor_id.hex() for a in [*group.actors, *actors]} | {group.pg.id.hex()}
+            | ({pg.id.hex()} if pg is not None else set()) | {ray.get_runtime_context().get_job_id()})
 
 
 @pytest.fixture(autouse=True)

@@ -79,10 +79,13 @@ def test_grpo_reports_resumes_bitwise_and_survives_a_lost_rollout_actor(partial,
     keys = [*run_keys, f"checkpoint.dir={tmp_path / 'b'}", f"train.save_final={tmp_path / 'b.safetensors'}"]
     code, _, err, _ = train_here(*keys, "train.steps=2", summary="b1.json")
     assert code == 0, err[-3000:]
+    actors = _kept_rollout_actors()
     code, _, err, b = train_here(*keys, "train.steps=4", "train.overwrite_final=true", summary="b2.json")
     assert code == 0, err[-3000:]
     assert "at step 2 of 4" in err
     _equal(final(s), final(b))
+    # its rollout actor was the one the run before kept (`cluster.keep_ranks`), made anew
+    assert actors and _kept_rollout_actors() == actors
 
     # a rollout actor killed while it generates: replaced, its prompts sampled again, bitwise
     killed = []
@@ -129,6 +132,12 @@ def test_grpo_reports_resumes_bitwise_and_survives_a_lost_rollout_actor(partial,
     assert mark.exists() and "rollout actor 0 was lost taking weight version 1" in err
     assert d["restarts"] == 0
     _equal(final(s), final(d))
+
+
+def _kept_rollout_actors() -> list[str]:
+    from rayzero.cluster.worker_group import KEPT
+
+    return [a._actor_id.hex() for a in KEPT.rollouts[2]] if KEPT.rollouts else []
 
 
 def _equal(a: dict, b: dict) -> None:
@@ -199,11 +208,11 @@ def test_a_reward_that_raises_ends_the_run_in_one_line_after_its_last_commit(run
     assert [r["step"] for r in load_rows(Path(s["run_dir"]) / "history.jsonl")][-1] == 2
 
 
-@pytest.mark.parametrize("ahead", [[], ["rollout.max_lag=1", "rollout.slots=4", "rollout.partial=continue",
+@pytest.mark.parametrize("ahead", [[], ["rollout.max_lag=2", "rollout.slots=4", "rollout.partial=continue",
                                         "rollout.max_extra_prompts=1"]], ids=["synchronous", "ahead"])
 def test_dynamic_sampling_replaces_groups_without_an_advantage_and_resumes_bitwise(ahead, run_keys, train_here,
                                                                                     tmp_path):
-    # synchronous; and one round ahead with partial rollouts, drawing at most one extra prompt a
+    # synchronous; and two rounds ahead with partial rollouts, drawing at most one extra prompt a
     # round (sampled from the weights sent last, after the next round started on the actor), so
     # that a round can stay short and train on fewer micro-batches
     keys = [*(k for k in run_keys if not k.startswith("grpo.reward_funcs=")),
@@ -229,6 +238,11 @@ def test_dynamic_sampling_replaces_groups_without_an_advantage_and_resumes_bitwi
     again = [*keys, f"checkpoint.dir={tmp_path / 'b'}", f"train.save_final={tmp_path / 'b.safetensors'}"]
     code, _, err, _ = train_here(*again, "train.steps=2", summary="b1.json")
     assert code == 0, err[-3000:]
+    if ahead:  # rounds 2 and 3 in flight at the commit, each a link of actor 0's chain: another
+        # number of actors cannot go on from them, and the rerun says so before it trains
+        code, _, err, _ = train_here(*again, "train.steps=6", "rollout.workers=2", summary="b.json")
+        line = next((x for x in err.splitlines() if "cannot resume from" in x), err[-1500:])
+        assert code != 0 and "resume with rollout.workers=1 (this run has 2)" in line, line
     code, _, err, b = train_here(*again, "train.steps=6", "train.overwrite_final=true", summary="b2.json")
     assert code == 0, err[-3000:]
     assert "at step 2 of 6" in err

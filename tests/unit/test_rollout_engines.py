@@ -242,3 +242,29 @@ def test_the_rollout_settings_that_cannot_work_together_are_refused_in_one_line(
     model = ["model.kind=hf", "model.path=/nowhere"] if "model.kind=gpt" not in keys else []
     with pytest.raises(ConfigError, match=re.escape(words)):
         load_config(None, [*model, "train.objective=grpo", "grpo.max_completion_length=8", *keys])
+
+
+def test_a_resume_that_cannot_continue_the_rounds_in_flight_is_refused_in_one_line():
+    """The rows a round handed on belong to one rollout actor's next call: a checkpoint with such
+    rounds in flight resumes with its `rollout.partial` and `rollout.workers`, or says which to set."""
+    from rayzero.cluster.rollouts import Rollouts
+    from rayzero.config import load_config
+
+    def rollouts(*keys):
+        cfg = load_config(None, ["model.kind=hf", "model.path=/nowhere", "train.objective=grpo",
+                                 "grpo.max_completion_length=8", "rollout.max_lag=1", "rollout.slots=4", *keys])
+        return Rollouts(cfg, [], [], None, None, set())
+
+    chained = {"version": 1, "jobs": [{"prompt": 0}, {"prompt": 1}], "parts": {"0": [0], "1": [1]},
+               "results": {"0": {"groups": [None], "handed_on": []}, "1": {"groups": [None], "handed_on": []}},
+               "handed": {}}
+    state = {"rounds": {"3": chained}, "extra_prompts": 0, "partial": "continue", "workers": 2}
+    same = rollouts("rollout.partial=continue", "rollout.workers=2")
+    same.restore(state)
+    assert same.flights[3].chained and same.flights[3].parts == {0: [0], 1: [1]}
+    with pytest.raises(ValueError, match=re.escape("resume with rollout.workers=2 (this run has 1)")):
+        rollouts("rollout.partial=continue", "rollout.workers=1").restore(state)
+    with pytest.raises(ValueError, match=re.escape("rollout.partial=continue; resume with it (this run has finish)")):
+        rollouts("rollout.workers=2").restore(state)
+    finished = {"rounds": {"3": {"version": 1, "jobs": [], "groups": []}}, "partial": "finish", "workers": 2}
+    rollouts("rollout.workers=1").restore(finished)  # whole rounds: any number of actors goes on from them
