@@ -2,8 +2,9 @@
 `base_model_tp_plan` (keys below the base model), in the two styles of Megatron's split
 (`sharding/tensor_parallel.py`).
 
-A mixture of experts' plan also names its experts (`moe_tp_experts`, the fused 3-D expert tensors
-`packed_colwise` / `rowwise`): rayzero leaves them whole on every TP rank and splits them over
+A mixture of experts' plan may also name its experts (`moe_tp_experts`, the fused 3-D expert
+tensors `packed_colwise` / `rowwise`; transformers from 5.25 names them in `base_model_ep_plan`
+only): rayzero leaves them whole on every TP rank and splits them over
 ranks by expert parallelism instead (Megatron's expert TP of 1). With sequence parallelism the
 experts then see a TP rank's share of the tokens, and their gradients are summed over the TP ranks
 like the norms'; without it every TP rank routes the same tokens.
@@ -24,7 +25,7 @@ def tp_plan(model: nn.Module, config, plan: dict) -> dict:
     ranks replicated."""
     from rayzero.sharding.tensor_parallel import Style
 
-    plan = dense_plan(model, plan)
+    plan = dense_plan(model, plan, moe=bool(getattr(config, "base_model_ep_plan", None)))
     odd = {k: v for k, v in plan.items() if v not in STYLES}
     if odd:
         raise ModelError(f"parallel.tp: {type(model).__name__}'s tensor-parallel plan has styles rayzero does not "
@@ -44,15 +45,15 @@ def tp_plan(model: nn.Module, config, plan: dict) -> dict:
     return out
 
 
-def dense_plan(model: nn.Module, plan: dict) -> dict:
-    """A mixture of experts' plan without its experts (the `moe_tp_experts` module and the
-    tensors below it), and without the entries no module of this model matches (the dense MLP
-    of the layers a config can leave dense, Qwen2-MoE's `mlp_only_layers`). A dense model's plan
-    as it is."""
+def dense_plan(model: nn.Module, plan: dict, moe: bool = False) -> dict:
+    """A mixture of experts' plan (one that names `moe_tp_experts`, or `moe`: its config has an
+    expert-parallel plan) without its experts (the `moe_tp_experts` module and the tensors below
+    it), and without the entries no module of this model matches (the dense MLP of the layers a
+    config can leave dense, Qwen2-MoE's `mlp_only_layers`). A dense model's plan as it is."""
     from rayzero.sharding.tensor_parallel import matches
 
     experts = [k for k, v in plan.items() if v == "moe_tp_experts"]
-    if not experts:
+    if not experts and not moe:
         return plan
     kept = {k: v for k, v in plan.items() if not any(k == e or k.startswith(e + ".") for e in experts)}
     prefix = getattr(model, "base_model_prefix", "")

@@ -66,3 +66,40 @@ def test_a_device_without_one_takes_the_loop(monkeypatch):
     monkeypatch.setattr(hf_experts, "_grouped", lambda *a: calls.append(a))
     x = torch.randint(0, 64, (1, 8))
     assert torch.isfinite(model("mixtral", True)(input_ids=x).logits).all() and not calls
+
+
+# Qwen2-MoE's tensor-parallel plan as transformers 5.24 writes it (its experts named, with
+# `moe_tp_experts`) and as 5.25 does (the experts in `base_model_ep_plan` only). Either way
+# rayzero splits the attention and leaves the experts (and the dense MLP no layer has) out.
+ATTENTION = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
+             "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"}
+DENSE_MLP = {"layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise",
+             "layers.*.mlp.down_proj": "rowwise"}
+EXPERTS = {"layers.*.mlp.experts.gate_up_proj": "packed_colwise", "layers.*.mlp.experts.down_proj": "rowwise",
+           "layers.*.mlp.experts": "moe_tp_experts"}
+
+
+@pytest.mark.parametrize("release", ["experts in the tp plan", "experts in the ep plan only"])
+def test_a_mixture_of_experts_tp_plan_is_its_attention_under_either_release(release):
+    import transformers as tf
+
+    from rayzero.models.hf_plan import tp_plan
+
+    plan = {**ATTENTION, **(EXPERTS if release == "experts in the tp plan" else {}), **DENSE_MLP}
+    config = tf.Qwen2MoeConfig(**SMALL, **FAMILIES["qwen2_moe"][1])
+    m = tf.AutoModelForCausalLM.from_config(config)
+    styles = tp_plan(m, config, plan)
+    assert {k: s.kind for k, s in styles.items()} == {
+        "model.layers.*.self_attn.q_proj": "column", "model.layers.*.self_attn.k_proj": "column",
+        "model.layers.*.self_attn.v_proj": "column", "model.layers.*.self_attn.o_proj": "row"}
+
+
+def test_a_dense_models_plan_entry_that_matches_nothing_is_kept_to_be_refused():
+    import transformers as tf
+
+    from rayzero.models.hf_plan import tp_plan
+
+    config = tf.LlamaConfig(**SMALL, intermediate_size=24)
+    m = tf.AutoModelForCausalLM.from_config(config)
+    styles = tp_plan(m, config, {**ATTENTION, "layers.*.mlp.no_such_proj": "colwise"})
+    assert "model.layers.*.mlp.no_such_proj" in styles
