@@ -54,6 +54,9 @@ CAPABILITIES = {
     "fine-tuning (packed examples alone, defaults, SFT equal to TRL)": [
         "unit/test_packed", "dist/test_packed", "e2e/test_sft_trl", "unit/test_defaults"],
     "tracking (MLflow)": ["e2e/test_mlflow_server", "unit/test_tracking"],
+    "objectives and online RL (GRPO, rollouts)": [
+        "e2e/test_objectives", "unit/test_objectives", "e2e/test_grpo", "e2e/test_grpo_trl", "unit/test_grpo_losses",
+        "unit/test_rewards", "unit/test_rollout_engines"],
     "the CLI, SDK, jobs, the team path and the docs' examples": [
         "e2e/test_cli", "e2e/test_sdk", "e2e/test_job_submit", "e2e/test_team_path", "e2e/test_examples",
         "e2e/test_readme", "unit/test_docs", "e2e/test_cleanup",

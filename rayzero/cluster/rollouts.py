@@ -181,7 +181,8 @@ class Rollouts:
 
     # -- the actors ----------------------------------------------------------------------------
     def start(self) -> None:
-        """Reserve the actors' bundles and start them (once: a lost training rank leaves them be)."""
+        """Reserve the actors' bundles and start them, as soon as the ranks are placed (their
+        processes start while the ranks build the model), once: a lost training rank leaves them be."""
         if self.actors or self.replay is not None:
             return
         from ray.util.placement_group import placement_group

@@ -140,6 +140,8 @@ class Placing(State):
         group, world = self.place(run, node)
         run.record.world = world
         run.start_spares(world)
+        if run.driver_side is not None:  # online RL's actors start while the ranks build and resume
+            run.driver_side.start()
         run.clock.mark("placement")
         live = Live(group)
         live.watchdog = run.make_watchdog(group.actors, on_fire=group.kill)
