@@ -204,14 +204,20 @@ class Rollouts:
 
     def _keep_key(self) -> tuple:
         """What kept actors must have been started with to serve this run (`cluster.keep_ranks`)."""
-        return "rollouts", self.r.workers, tuple(sorted(self._bundle().items())), 2 * self.lag + 4
+        return "rollouts", self.r.workers, tuple(sorted(self._bundle().items())), self._threads()
+
+    def _threads(self) -> int:
+        """An actor's threads: its calls waiting their turn each hold one (a round's generate and
+        handed-on calls, a weight load), so 2 a round in flight and 4 more; at least 8, so that
+        actors kept from a run at lag 0, 1 or 2 serve a run at any of them."""
+        return max(8, 2 * self.lag + 4)
 
     def _actor(self, i: int):
         from rayzero.workers.rollout import RolloutActor
 
         return RolloutActor.options(scheduling_strategy=self._strategy(i), num_cpus=self.r.cpus_per_worker,
                                     num_gpus=self.r.gpus_per_worker,
-                                    max_concurrency=2 * self.lag + 4).remote(  # waiting calls hold a thread
+                                    max_concurrency=self._threads()).remote(
             self.cfg, self.stop_ids, self.factory, i)
 
     def close(self, keep: bool = False) -> None:
