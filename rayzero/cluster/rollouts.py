@@ -44,7 +44,7 @@ import numpy as np
 import ray
 import torch
 
-from rayzero.cluster.worker_group import KEPT
+from rayzero.cluster.rollout_actors import RolloutActors
 from rayzero.objectives.grpo_loss import advantages, nanstd
 from rayzero.rollout.engines import ReplayEngine, Sampling, draw_seed
 from rayzero.rollout.rewards import RewardError, Rewards
@@ -120,8 +120,7 @@ class Rollouts:
         self.sampling = Sampling(self.g.temperature, self.g.top_p, self.g.top_k, self.g.max_completion_length)
         self.replay = ReplayEngine(self.r.replay) if self.r.engine == "replay" else None
         self.lag = self.r.max_lag
-        self.actors: list = []
-        self.pg = None
+        self.pool = RolloutActors(cfg, self.stop_ids, factory)
         self.version: int | None = None  # the latest weights sent to the actors
         self.frozen_refs: list = []  # what the first sync sent (every weight): what a replacement loads first
         self.refs_of: dict[int, list] = {}  # version -> its trainable weights (a replacement's later loads)
@@ -181,64 +180,18 @@ class Rollouts:
 
     # -- the actors ----------------------------------------------------------------------------
     def start(self) -> None:
-        """Reserve the actors' bundles and start them, as soon as the ranks are placed (their
-        processes start while the ranks build the model), once: a lost training rank leaves them be."""
-        if self.actors or self.replay is not None:
-            return
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        """The actors started (`rollout_actors.py`) as soon as the ranks are placed, so that their
+        processes start while the ranks build the model; once: a lost training rank leaves them be."""
+        if self.replay is None:
+            self.pool.start()
 
-        kept = KEPT.take_rollouts(self._keep_key(), lambda i: (self.cfg, self.stop_ids, self.factory, i)) \
-            if self.cfg.cluster.keep_ranks else None
-        if kept is not None:  # the last run's actors (`cluster.keep_ranks`), made anew: no process start
-            self.pg, self.actors = kept
-        else:
-            self.pg = placement_group([dict(self._bundle()) for _ in range(self.r.workers)], strategy="PACK")
-            ray.get(self.pg.ready(), timeout=self.cfg.cluster.placement_timeout_s)
-        self._strategy = lambda i: PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)
-        if kept is None:
-            self.actors = [self._actor(i) for i in range(self.r.workers)]
-
-    def _bundle(self) -> dict:
-        return {"CPU": self.r.cpus_per_worker, **({"GPU": self.r.gpus_per_worker} if self.r.gpus_per_worker else {})}
-
-    def _keep_key(self) -> tuple:
-        """What kept actors must have been started with to serve this run (`cluster.keep_ranks`)."""
-        return "rollouts", self.r.workers, tuple(sorted(self._bundle().items())), self._threads()
-
-    def _threads(self) -> int:
-        """An actor's threads: its calls waiting their turn each hold one (a round's generate and
-        handed-on calls, a weight load), so 2 a round in flight and 4 more; at least 8, so that
-        actors kept from a run at lag 0, 1 or 2 serve a run at any of them."""
-        return max(8, 2 * self.lag + 4)
-
-    def _actor(self, i: int):
-        from rayzero.workers.rollout import RolloutActor
-
-        return RolloutActor.options(scheduling_strategy=self._strategy(i), num_cpus=self.r.cpus_per_worker,
-                                    num_gpus=self.r.gpus_per_worker,
-                                    max_concurrency=self._threads()).remote(
-            self.cfg, self.stop_ids, self.factory, i)
+    @property
+    def actors(self) -> list:
+        return self.pool.actors
 
     def close(self, keep: bool = False) -> None:
-        """The actors killed and their bundles freed; or, for a run that ended well with
-        `cluster.keep_ranks` (`keep`), kept for the next run once no call of theirs is running."""
-        if keep and self.cfg.cluster.keep_ranks and self.actors and self.pg is not None and self._idle():
-            KEPT.keep_rollouts(self._keep_key(), self.pg, self.actors)
-            self.actors, self.pg = [], None
-            return
-        for a in self.actors:
-            try:
-                ray.kill(a)
-            except Exception as e:  # noqa: BLE001 (already gone)
-                log.debug("killing a rollout actor: %s", e)
-        self.actors = []
-        if self.pg is not None:
-            try:
-                ray.util.remove_placement_group(self.pg)
-            except Exception as e:  # noqa: BLE001
-                log.debug("removing the rollout placement group: %s", e)
-            self.pg = None
+        """The actors killed, or kept for the next run (`keep`: the run ended well) once idle."""
+        self.pool.close(keep, idle=self._idle)
 
     def _idle(self, timeout_s: float = 10.0) -> bool:
         """Whether every call made to the actors has returned (the rounds a lag started past the
@@ -487,7 +440,7 @@ class Rollouts:
     def _replace(self, i: int, also: int | None = None) -> None:
         """A new actor i, given every weight version its calls still needed ask for (and `also`),
         and those calls again, in their order."""
-        self.actors[i] = self._actor(i)
+        self.actors[i] = self.pool.actor(i)
         self.turn[i] = 0
         every = [f for f in [self.previous, *self.flights.values(), *self.extras] if f is not None]
         calls = sorted((f for f in every if self._pending(f, i)), key=lambda f: f.turns.get(i, 0))

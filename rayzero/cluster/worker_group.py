@@ -346,7 +346,7 @@ class Kept:
             ray.get([a.renew.remote(*actor_args(i)) for i, a in enumerate(actors)], timeout=timeout_s)
         except Exception as e:  # one died while idle, or hangs: start afresh
             log.info("the kept rollout actors could not be renewed (%s); starting new ones", e)
-            _kill(actors, pg)
+            kill_actors(actors, pg)
             return None
         return pg, actors
 
@@ -354,19 +354,24 @@ class Kept:
         """Kill the kept rollout actors and free their bundles, if Ray is still the one they live in."""
         kept, self.rollouts = self.rollouts, None
         if kept is not None and kept[0][-1] == self._cluster():
-            _kill(kept[2], kept[1])
+            kill_actors(kept[2], kept[1])
 
 
 KEPT = Kept()
 
 
-def _kill(actors: list, pg) -> None:
+def kill_actors(actors: list, pg=None) -> None:
+    """Kill `actors` (those already gone too) and free their placement group `pg`, if any."""
     for a in actors:
         try:
             ray.kill(a, no_restart=True)
         except Exception as e:  # noqa: BLE001 (already gone)
             log.debug("kill failed: %s", e)
-    remove_groups([pg])
+    if pg is not None:
+        try:
+            remove_groups([pg])
+        except Exception as e:  # noqa: BLE001 (already removed)
+            log.debug("removing a placement group: %s", e)
 
 
 def begin_ahead(cfg, began_s: float) -> bool:
